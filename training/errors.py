@@ -1,0 +1,68 @@
+"""Exit codes of train_grpo.py and the classification of failures into them.
+
+The scheduler reads the exit code to decide whether a failed attempt is worth retrying.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_USAGE = 64  # EX_USAGE: bad arguments or input; permanent, never retried.
+EXIT_TRANSIENT = 75  # EX_TEMPFAIL: out of GPU memory, a hub download timed out; retried.
+
+# Exception class names (anywhere in the cause chain) that mean the network let us down,
+# from requests, urllib3, httpx and huggingface_hub; matched by name to avoid importing them.
+_TRANSIENT_NETWORK_ERRORS = frozenset(
+    {
+        "Timeout",
+        "ReadTimeout",
+        "ConnectTimeout",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "TimeoutException",
+        "PoolTimeout",
+        "ConnectError",
+        "RemoteProtocolError",
+    }
+)
+
+
+class UsageError(Exception):
+    """Bad arguments or input; the message is one line meant for the user."""
+
+
+class TransientError(Exception):
+    """A failure that another attempt may not meet (network, memory pressure)."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for torch's OutOfMemoryError and the RuntimeError older CUDA paths raise instead."""
+    return type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(exc)
+
+
+def is_network_timeout(exc: BaseException) -> bool:
+    """True when `exc` or anything in its cause chain is a timeout or failed connection."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, TimeoutError) or type(current).__name__ in _TRANSIENT_NETWORK_ERRORS:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def exit_code_for(exc: BaseException) -> int | None:
+    """Return 64 or 75 for the failures the scheduler must tell apart, None for anything else."""
+    if isinstance(exc, UsageError):
+        return EXIT_USAGE
+    if isinstance(exc, TransientError) or is_out_of_memory(exc) or is_network_timeout(exc):
+        return EXIT_TRANSIENT
+    return None
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message squeezed onto one line (first non-empty line, else the type name)."""
+    for line in str(exc).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(exc).__name__

@@ -1,0 +1,43 @@
+"""Resolve `--reward_function` / `--keywords` into the reward callables handed to TRL.
+
+Kept free of trl/torch imports so that a bad reward name fails in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from rewards import BUILTIN_REWARDS, REQUIRED_COLUMNS, RewardError, RewardFunc, load_reward
+from rewards.keywords import keyword_match
+from training.args import ScriptArguments
+from training.errors import UsageError
+
+
+def build_rewards(args: ScriptArguments) -> tuple[list[RewardFunc], dict[str, str]]:
+    """The reward callables for `--reward_function`, and the dataset columns they need."""
+    funcs: list[RewardFunc] = []
+    required: dict[str, str] = {}
+    for spec in args.reward_function:
+        try:
+            func = load_reward(spec, BUILTIN_REWARDS)
+        except RewardError as exc:
+            raise UsageError(str(exc)) from exc
+        if func is keyword_match:
+            if args.keywords:
+                # A partial keeps TRL's metric name (`rewards/keyword_match/mean`) and pickles.
+                func = functools.partial(keyword_match, fixed_keywords=list(args.keywords))
+            else:
+                required[spec] = "keywords"
+        if spec in REQUIRED_COLUMNS:
+            required[spec] = REQUIRED_COLUMNS[spec]
+        funcs.append(func)
+    return funcs, required
+
+
+def reward_names(funcs: list[RewardFunc]) -> list[str]:
+    """The names TRL logs each reward under."""
+    names = []
+    for func in funcs:
+        inner = func.func if isinstance(func, functools.partial) else func
+        names.append(getattr(inner, "__name__", type(inner).__name__))
+    return names

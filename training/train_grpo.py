@@ -1,0 +1,94 @@
+"""Train a causal LM with GRPO on a prompt dataset and reward functions.
+
+    train-grpo --model Qwen/Qwen2.5-0.5B-Instruct --dataset gsm8k.jsonl \\
+        --reward_function correctness --reward_function strict_format --output_dir out
+
+Also runs as `python -m training.train_grpo` and `python training/train_grpo.py`.
+Exit codes: 0 done, 64 bad arguments or input, 75 transient failure; see training/errors.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):
+    # Run as a file: make `training` and `rewards` importable, and do not let this directory
+    # shadow top-level modules.
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from training.args import ScriptArguments, parse_args  # noqa: E402
+from training.checkpoints import resolve_resume  # noqa: E402
+from training.errors import EXIT_OK, exit_code_for, one_line  # noqa: E402
+from training.model import require_unsloth  # noqa: E402
+from training.reward_setup import build_rewards, reward_names  # noqa: E402
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished run reports: where the model is, how far it got, its last mean reward."""
+
+    output_dir: str
+    global_step: int
+    final_reward: float | None
+
+
+def run(args: ScriptArguments) -> TrainResult:
+    """Parse nothing, validate everything cheap first, then build the trainer, train and save."""
+    if args.use_unsloth:
+        require_unsloth()  # Before anything imports trl or transformers.
+    rewards, required_columns = build_rewards(args)
+    checkpoint = resolve_resume(args.resume, args.output_dir)
+
+    from training import model as loading
+    from training.data import check_columns, load_raw_dataset, preprocess
+
+    raw = load_raw_dataset(args.dataset, args.dataset_split)
+    if args.use_unsloth:
+        model, tokenizer = loading.load_unsloth_model(args)
+        peft_config = None
+    else:
+        tokenizer = loading.load_tokenizer(args.model)
+        model, peft_config = None, loading.lora_config(args)
+    dataset = preprocess(raw, args.preprocess, conversational=tokenizer.chat_template is not None)
+    check_columns(dataset, required_columns)
+    if model is None:
+        model = loading.load_model(args.model)
+
+    from training.progress import ProgressCallback, progress_path
+    from training.trainer import build_trainer, final_reward, save_final
+
+    progress = ProgressCallback(progress_path(args.output_dir), reward_names(rewards))
+    trainer = build_trainer(args, model, tokenizer, dataset, rewards, [progress], peft_config)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    save_final(trainer, tokenizer, args.output_dir)
+    return TrainResult(args.output_dir, trainer.state.global_step, final_reward(trainer))
+
+
+def summary(result: TrainResult) -> str:
+    """The one line printed when a run finishes."""
+    reward = "n/a" if result.final_reward is None else f"{result.final_reward:.3f}"
+    return (
+        f"train-grpo: done after {result.global_step} steps, final mean reward {reward}; "
+        f"model saved to {result.output_dir}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the process exit code."""
+    args = parse_args(argv)
+    try:
+        result = run(args)
+    except Exception as exc:
+        code = exit_code_for(exc)
+        if code is None:
+            raise
+        print(f"train-grpo: error: {one_line(exc)}", file=sys.stderr)
+        return code
+    print(summary(result), flush=True)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

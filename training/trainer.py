@@ -1,0 +1,91 @@
+"""Build TRL's GRPOTrainer from the script arguments, and save the final model.
+
+Imported only after Unsloth (when asked for), because importing trl pulls in transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+from rewards import RewardFunc
+from training.args import ScriptArguments
+from training.errors import UsageError, one_line
+
+
+def build_config(args: ScriptArguments) -> GRPOConfig:
+    """GRPOConfig from the script arguments; an impossible combination raises UsageError."""
+    on_gpu = torch.cuda.is_available()
+    try:
+        return GRPOConfig(
+            output_dir=args.output_dir,
+            max_steps=args.max_steps,
+            learning_rate=args.learning_rate,
+            per_device_train_batch_size=args.per_device_train_batch_size,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            num_generations=args.num_generations,
+            max_completion_length=args.max_completion_length,
+            temperature=args.temperature,
+            beta=args.beta,
+            seed=args.seed,
+            reward_weights=args.reward_weights,
+            use_vllm=args.use_vllm,
+            vllm_mode=args.vllm_mode,
+            logging_steps=args.logging_steps,
+            save_strategy="steps",
+            save_steps=args.save_steps,
+            save_total_limit=args.save_total_limit or None,
+            # CPUs have no fast bf16 training path, and checkpointing only saves GPU memory.
+            bf16=on_gpu,
+            gradient_checkpointing=on_gpu,
+            report_to="none",
+        )
+    except ValueError as exc:
+        raise UsageError(one_line(exc)) from exc
+
+
+def build_trainer(
+    args: ScriptArguments,
+    model: Any,
+    tokenizer: Any,
+    dataset: Any,
+    rewards: list[RewardFunc],
+    callbacks: list[Any],
+    peft_config: Any = None,
+) -> GRPOTrainer:
+    """A GRPOTrainer ready to train."""
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=list(rewards),  # type: ignore[arg-type]  # TRL also accepts list[float]
+        args=build_config(args),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+        peft_config=peft_config,
+    )
+
+
+def save_final(trainer: GRPOTrainer, tokenizer: Any, output_dir: str) -> None:
+    """Save a model `AutoModelForCausalLM.from_pretrained(output_dir)` loads, with its tokenizer.
+
+    A LoRA run also keeps its adapter in `output_dir/adapter`, and saves the merged weights as
+    the model, so loading needs neither PEFT nor the base model.
+    """
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if not hasattr(model, "merge_and_unload"):
+        trainer.save_model(output_dir)
+        return
+    trainer.save_model(str(Path(output_dir) / "adapter"))
+    if trainer.accelerator.is_main_process:
+        model.merge_and_unload().save_pretrained(output_dir)
+        tokenizer.save_pretrained(output_dir)
+    trainer.accelerator.wait_for_everyone()
+
+
+def final_reward(trainer: GRPOTrainer) -> float | None:
+    """The mean reward at the last logging step, if any was logged."""
+    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    return rewards[-1] if rewards else None
