@@ -37,7 +37,7 @@ def load_raw_dataset(name: str, split: str) -> Dataset:
         return load_dataset(name, split=split)
     except Exception as exc:  # noqa: BLE001 - datasets raises many types; sort them by cause
         if is_network_timeout(exc):
-            raise TransientError(f"downloading dataset {name} timed out: {one_line(exc)}") from exc
+            raise TransientError(f"downloading dataset {name} failed: {one_line(exc)}") from exc
         raise UsageError(f"cannot read dataset {name}: {one_line(exc)}") from exc
 
 

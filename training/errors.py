@@ -5,6 +5,8 @@ The scheduler reads the exit code to decide whether a failed attempt is worth re
 
 from __future__ import annotations
 
+import os
+
 EXIT_OK = 0
 EXIT_USAGE = 64  # EX_USAGE: bad arguments or input; permanent, never retried.
 EXIT_TRANSIENT = 75  # EX_TEMPFAIL: out of GPU memory, a hub download timed out; retried.
@@ -45,10 +47,22 @@ def is_network_timeout(exc: BaseException) -> bool:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, TimeoutError) or type(current).__name__ in _TRANSIENT_NETWORK_ERRORS:
+        name = type(current).__name__
+        if isinstance(current, TimeoutError) or name in _TRANSIENT_NETWORK_ERRORS:
+            return True
+        # Refused/reset connections are transient too, unless we are offline on purpose: then
+        # the hub is unreachable by design and retrying cannot help.
+        if isinstance(current, ConnectionError) and not _offline_by_choice(current):
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+def _offline_by_choice(exc: BaseException) -> bool:
+    if type(exc).__name__ == "OfflineModeIsEnabled" or "OfflineModeIsEnabled" in str(exc):
+        return True
+    flags = (os.environ.get(name, "").lower() for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return any(flag in {"1", "true", "yes", "on"} for flag in flags)
 
 
 def exit_code_for(exc: BaseException) -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from training.errors import TransientError, UsageError, is_network_timeout, one_line
@@ -36,11 +37,13 @@ def _dtype() -> Any:
 
 def _loading(what: str, name: str, load: Any) -> Any:
     """Run `load()`, turning hub and file errors into UsageError / TransientError."""
+    if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
+        raise UsageError(f"cannot load {what}: no such directory {name}")
     try:
         return load()
     except (OSError, ValueError) as exc:
         if is_network_timeout(exc):
-            raise TransientError(f"downloading {what} {name} timed out: {one_line(exc)}") from exc
+            raise TransientError(f"downloading {what} {name} failed: {one_line(exc)}") from exc
         raise UsageError(f"cannot load {what} {name}: {one_line(exc)}") from exc
 
 

@@ -27,15 +27,20 @@ from training.reward_setup import build_rewards, reward_names  # noqa: E402
 
 @dataclass(frozen=True)
 class TrainResult:
-    """What a finished run reports: where the model is, how far it got, its last mean reward."""
+    """What a finished run reports: where the model is, how far it got, its mean rewards."""
 
     output_dir: str
     global_step: int
-    final_reward: float | None
+    rewards: list[float]  # Mean reward at each logging step of this run, oldest first.
+
+    @property
+    def final_reward(self) -> float | None:
+        """The mean reward at the last logging step, if any."""
+        return self.rewards[-1] if self.rewards else None
 
 
 def run(args: ScriptArguments) -> TrainResult:
-    """Parse nothing, validate everything cheap first, then build the trainer, train and save."""
+    """Check the cheap things first (rewards, resume), then load data and model, train, save."""
     if args.use_unsloth:
         require_unsloth()  # Before anything imports trl or transformers.
     rewards, required_columns = build_rewards(args)
@@ -57,13 +62,13 @@ def run(args: ScriptArguments) -> TrainResult:
         model = loading.load_model(args.model)
 
     from training.progress import ProgressCallback, progress_path
-    from training.trainer import build_trainer, final_reward, save_final
+    from training.trainer import build_trainer, logged_rewards, save_final
 
     progress = ProgressCallback(progress_path(args.output_dir), reward_names(rewards))
     trainer = build_trainer(args, model, tokenizer, dataset, rewards, [progress], peft_config)
     trainer.train(resume_from_checkpoint=checkpoint)
     save_final(trainer, tokenizer, args.output_dir)
-    return TrainResult(args.output_dir, trainer.state.global_step, final_reward(trainer))
+    return TrainResult(args.output_dir, trainer.state.global_step, logged_rewards(trainer))
 
 
 def summary(result: TrainResult) -> str:

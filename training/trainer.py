@@ -19,6 +19,11 @@ from training.errors import UsageError, one_line
 def build_config(args: ScriptArguments) -> GRPOConfig:
     """GRPOConfig from the script arguments; an impossible combination raises UsageError."""
     on_gpu = torch.cuda.is_available()
+    # CPUs have no fast bf16 training path, and checkpointing activations only saves GPU memory.
+    # transformers 5 renamed gradient_checkpointing (deprecated) to activation_checkpointing.
+    renamed = "activation_checkpointing" in GRPOConfig.__dataclass_fields__
+    name = "activation_checkpointing" if renamed else "gradient_checkpointing"
+    checkpointing: dict[str, Any] = {name: on_gpu}
     try:
         return GRPOConfig(
             output_dir=args.output_dir,
@@ -38,10 +43,9 @@ def build_config(args: ScriptArguments) -> GRPOConfig:
             save_strategy="steps",
             save_steps=args.save_steps,
             save_total_limit=args.save_total_limit or None,
-            # CPUs have no fast bf16 training path, and checkpointing only saves GPU memory.
             bf16=on_gpu,
-            gradient_checkpointing=on_gpu,
             report_to="none",
+            **checkpointing,
         )
     except ValueError as exc:
         raise UsageError(one_line(exc)) from exc
@@ -85,7 +89,7 @@ def save_final(trainer: GRPOTrainer, tokenizer: Any, output_dir: str) -> None:
     trainer.accelerator.wait_for_everyone()
 
 
-def final_reward(trainer: GRPOTrainer) -> float | None:
-    """The mean reward at the last logging step, if any was logged."""
-    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
-    return rewards[-1] if rewards else None
+def logged_rewards(trainer: GRPOTrainer) -> list[float]:
+    """The mean reward at each logging step, oldest first (a resumed run includes earlier ones)."""
+    history = trainer.state.log_history
+    return [entry["reward"] for entry in history if entry.get("reward") is not None]

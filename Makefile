@@ -1,0 +1,50 @@
+# rlfleet developer tasks. `make test` and `make demo` work from a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+# The CPU build of torch is installed first on machines without CUDA, so that pip does
+# not pull gigabytes of CUDA wheels to satisfy the `train` extra.
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: venv sshd test test-fast lint demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PIP) install -q "torch==$(TORCH_VERSION)" || $(PIP) install -q torch --index-url https://download.pytorch.org/whl/cpu; \
+	fi
+	$(PIP) install -q -e ".[train,dev]"
+	touch $(STAMP)
+
+# OpenSSH's sshd, for the integration test against the server users really run.
+sshd:
+	@command -v sshd >/dev/null 2>&1 || test -x /usr/sbin/sshd || \
+	  { echo "installing openssh-server"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null) \
+	    || echo "openssh-server not installed: the sshd test will be skipped"; }
+
+test: venv sshd
+	$(PY) -m pytest
+
+test-fast: venv
+	$(PY) -m pytest tests/unit -q
+
+lint: venv
+	$(VENV)/bin/ruff check scheduler training rewards tests bench
+	$(VENV)/bin/mypy
+
+demo: venv
+	@if [ -f scripts/demo.py ]; then $(PY) scripts/demo.py; \
+	else echo "The demo is not there yet (see issue: one-machine mode)."; fi
+
+bench: venv
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,138 @@
+"""The NATS side: the `jobs.new` subject, the RLFLEET_JOBS stream and its consumer.
+
+Users publish job ids with a plain `nc.publish("jobs.new", b"<id>")`; the stream captures
+them, and every dispatcher pulls from the one durable consumer `dispatcher`, so each id is
+handed to one dispatcher at a time. Postgres stays the truth: a message only says "look
+at this job".
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import NotFoundError
+
+from scheduler.logging import get_logger
+from scheduler.settings import Settings, redact_url
+
+SUBJECT_NEW = "jobs.new"
+STREAM = "RLFLEET_JOBS"
+CONSUMER = "dispatcher"
+DUPLICATE_WINDOW_S = 120.0
+ACK_WAIT_S = 30.0
+
+log = get_logger("bus")
+
+
+def stream_config() -> StreamConfig:
+    """The wanted configuration of the RLFLEET_JOBS stream."""
+    return StreamConfig(
+        name=STREAM,
+        subjects=[SUBJECT_NEW],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        duplicate_window=DUPLICATE_WINDOW_S,
+    )
+
+
+def consumer_config() -> ConsumerConfig:
+    """The wanted configuration of the shared durable pull consumer."""
+    return ConsumerConfig(
+        durable_name=CONSUMER,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=ACK_WAIT_S,
+        max_deliver=-1,
+        max_ack_pending=10_000,
+        filter_subject=SUBJECT_NEW,
+    )
+
+
+def _connect_options(settings: Settings) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    if settings.nats_creds:
+        options["user_credentials"] = settings.nats_creds
+    if settings.nats_token:
+        options["token"] = settings.nats_token
+    if settings.nats_tls_ca:
+        options["tls"] = ssl.create_default_context(cafile=settings.nats_tls_ca)
+    return options
+
+
+async def connect(settings: Settings, *, name: str, forever: bool = False) -> NATS:
+    """Connect to NATS. Daemons pass `forever=True` to reconnect with backoff for ever;
+    the CLI fails fast so that an unreachable server is one clear error."""
+    bound = log.bind(client=name, servers=redact_url(settings.nats_url))
+
+    async def on_error(exc: Exception) -> None:
+        bound.warning("nats_error", error=str(exc) or type(exc).__name__)
+
+    async def on_disconnect() -> None:
+        bound.warning("nats_disconnected")
+
+    async def on_reconnect() -> None:
+        bound.info("nats_reconnected")
+
+    # nats-py loops for ever on the first connect with max_reconnect_attempts=0, so a
+    # fail-fast client makes one more attempt at most.
+    return await nats.connect(
+        servers=settings.nats_servers,
+        name=name,
+        connect_timeout=2,
+        allow_reconnect=forever,
+        max_reconnect_attempts=-1 if forever else 1,
+        reconnect_time_wait=1 if forever else 0.1,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        **_connect_options(settings),
+    )
+
+
+async def ensure_stream(js: JetStreamContext) -> None:
+    """Create the stream and consumer, or bring their configuration up to date."""
+    wanted = stream_config()
+    try:
+        info = await js.stream_info(STREAM)
+    except NotFoundError:
+        await js.add_stream(wanted)
+        log.info("stream_created", stream=STREAM)
+    else:
+        current = info.config
+        if (
+            current.subjects != wanted.subjects
+            or current.duplicate_window != wanted.duplicate_window
+            or current.discard != wanted.discard
+        ):
+            await js.update_stream(wanted)
+            log.info("stream_updated", stream=STREAM)
+    try:
+        await js.consumer_info(STREAM, CONSUMER)
+    except NotFoundError:
+        await js.add_consumer(STREAM, consumer_config())
+        log.info("consumer_created", stream=STREAM, consumer=CONSUMER)
+
+
+def msg_id(job_id: int, attempt: int, generation: int = 0) -> str:
+    """The `Nats-Msg-Id` for publishing a job: JetStream drops a doubled publish of it."""
+    return f"job-{job_id}-a{attempt}-g{generation}"
+
+
+async def publish_job(js: JetStreamContext, job_id: int, *, dedupe_id: str | None = None) -> None:
+    """Publish a job id on `jobs.new` and wait for the stream to store it."""
+    headers = {"Nats-Msg-Id": dedupe_id} if dedupe_id else None
+    await js.publish(SUBJECT_NEW, str(job_id).encode(), headers=headers, timeout=5)

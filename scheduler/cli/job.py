@@ -1,0 +1,152 @@
+"""`rlfleet job …`: submit training jobs and follow them."""
+
+from __future__ import annotations
+
+import click
+
+from scheduler.cli._common import CliContext, echo_json, echo_table, fmt_time, json_option, pass_cli
+from scheduler.db import Database
+from scheduler.errors import ServiceUnavailable
+from scheduler.jobs import JobSpec, get_job, job_to_dict, list_jobs
+from scheduler.states import JobStatus
+from scheduler.submit import submit_job
+
+
+@click.group("job")
+def group() -> None:
+    """Submit, list, inspect, follow, cancel and retry jobs."""
+
+
+@group.command(
+    "submit",
+    context_settings={"ignore_unknown_options": False},
+    epilog="Example: rlfleet job submit --model Qwen/Qwen2.5-0.5B-Instruct "
+    "--dataset openai/gsm8k --reward-function correctness --gpus 2 -- --max_steps 500",
+)
+@click.option("--model", required=True, help="Model name on the hub, or a path on the VM.")
+@click.option("--dataset", required=True, help="Dataset name on the hub, or a file on the VM.")
+@click.option(
+    "--reward-function",
+    "reward_functions",
+    required=True,
+    multiple=True,
+    help="Built-in reward name or module:function (repeatable).",
+)
+@click.option("--gpus", default=1, show_default=True, type=int, help="GPUs on one VM (>= 1).")
+@click.option(
+    "--max-retries",
+    default=3,
+    show_default=True,
+    type=int,
+    help="Retries after a retryable failure (>= 0).",
+)
+@click.option("--priority", default=0, show_default=True, type=int, help="Higher runs first.")
+@click.option("--name", help="A label for listings.")
+@click.option("--json", "as_json", is_flag=True, help="Print the new job as JSON.")
+@click.argument("extra_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TRAIN_GRPO_ARGS…]")
+@pass_cli
+def submit(
+    ctx: CliContext,
+    model: str,
+    dataset: str,
+    reward_functions: tuple[str, ...],
+    gpus: int,
+    max_retries: int,
+    priority: int,
+    name: str | None,
+    as_json: bool,
+    extra_args: tuple[str, ...],
+) -> None:
+    """Queue a GRPO training job and print its id.
+
+    Everything after `--` is passed to train_grpo.py verbatim.
+    """
+    spec = JobSpec(
+        model=model,
+        dataset=dataset,
+        reward_functions=reward_functions,
+        gpus=gpus,
+        max_retries=max_retries,
+        priority=priority,
+        name=name,
+        extra_args=extra_args,
+    )
+    spec.validate()
+    result = ctx.run(lambda db: submit_job(db, ctx.settings, spec, actor="cli"))
+    if as_json:
+        echo_json({"id": result.job_id, "published": result.publish_error is None})
+    else:
+        click.echo(result.job_id)
+    if result.publish_error:
+        raise ServiceUnavailable(
+            f"job {result.job_id} is queued but not announced ({result.publish_error}); "
+            "the requeue manager will publish it"
+        )
+
+
+@group.command("list")
+@click.option(
+    "--status",
+    type=click.Choice([s.value for s in JobStatus]),
+    help="Only jobs in this state.",
+)
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(min=1))
+@json_option
+@pass_cli
+def list_(ctx: CliContext, status: str | None, limit: int, as_json: bool) -> None:
+    """List jobs, newest first."""
+
+    async def go(db: Database) -> list[dict[str, object]]:
+        async with db.transaction() as session:
+            wanted = JobStatus(status) if status else None
+            return [job_to_dict(j) for j in await list_jobs(session, status=wanted, limit=limit)]
+
+    jobs = ctx.run(go)
+    if as_json:
+        echo_json(jobs)
+        return
+    rows = [
+        (
+            j["id"],
+            j["name"] or "",
+            j["status"],
+            j["gpus"],
+            j["vm"] or "",
+            ",".join(map(str, j["gpu_indices"] or [])),  # type: ignore[call-overload]
+            f"{j['retry_count']}/{j['max_retries']}",
+            fmt_time(j["submitted_at"]),  # type: ignore[arg-type]
+            j["failure_reason"] or j["status_reason"] or "",
+        )
+        for j in jobs
+    ]
+    echo_table(
+        ["ID", "NAME", "STATUS", "GPUS", "VM", "ON", "RETRIES", "SUBMITTED", "REASON"], rows
+    )
+
+
+@group.command("show")
+@click.argument("job_id", type=int)
+@json_option
+@pass_cli
+def show(ctx: CliContext, job_id: int, as_json: bool) -> None:
+    """Show a job: where it runs, why it is in its state, and its event history."""
+
+    async def go(db: Database) -> dict[str, object]:
+        async with db.transaction() as session:
+            return job_to_dict(await get_job(session, job_id, with_events=True), events=True)
+
+    job = ctx.run(go)
+    if as_json:
+        echo_json(job)
+        return
+    for key, value in job.items():
+        if key != "events":
+            click.echo(f"{key + ':':18}{'-' if value in (None, []) else value}")
+    click.echo("\nevents:")
+    echo_table(
+        ["AT", "FROM", "TO", "ATTEMPT", "ACTOR", "REASON"],
+        [
+            (fmt_time(e["at"]), e["from"] or "", e["to"], e["attempt"], e["actor"], e["reason"])
+            for e in job["events"]  # type: ignore[attr-defined]
+        ],
+    )

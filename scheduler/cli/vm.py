@@ -1,0 +1,209 @@
+"""`rlfleet vm …`: register and manage the machines jobs run on."""
+
+from __future__ import annotations
+
+import click
+
+from scheduler import fleet
+from scheduler.cli._common import (
+    CliContext,
+    echo_json,
+    echo_table,
+    fmt_time,
+    json_option,
+    pass_cli,
+    warn,
+)
+from scheduler.db import Database
+
+
+@click.group("vm")
+def group() -> None:
+    """Register, inspect, drain and remove VMs."""
+
+
+@group.command("add")
+@click.argument("name")
+@click.option("--host", required=True, help="Hostname or IP address to SSH to.")
+@click.option("--port", default=22, show_default=True, type=int, help="SSH port (1-65535).")
+@click.option("--user", help="SSH login (default: the user running the daemons).")
+@click.option(
+    "--ssh-key",
+    type=click.Path(exists=True, dir_okay=False, resolve_path=True),
+    help="Private key file to log in with.",
+)
+@click.option(
+    "--known-hosts",
+    type=click.Path(exists=True, dir_okay=False, resolve_path=True),
+    help="known_hosts file to verify the host key with (default ~/.ssh/known_hosts).",
+)
+@click.option(
+    "--insecure-no-host-key-check",
+    is_flag=True,
+    help="DANGEROUS: accept any host key for this VM (man-in-the-middle risk).",
+)
+@click.option(
+    "--transport",
+    type=click.Choice(["ssh", "local"]),
+    default="ssh",
+    show_default=True,
+    help="`local` runs commands on this machine without SSH.",
+)
+@click.option(
+    "--python",
+    default="python3",
+    show_default=True,
+    help="Python of the environment with rlfleet[train] on the VM.",
+)
+@click.option(
+    "--entrypoint",
+    default="training.train_grpo",
+    show_default=True,
+    help="Module (run with -m) or .py script that trains.",
+)
+@json_option
+@pass_cli
+def add(
+    ctx: CliContext,
+    name: str,
+    host: str,
+    port: int,
+    user: str | None,
+    ssh_key: str | None,
+    known_hosts: str | None,
+    insecure_no_host_key_check: bool,
+    transport: str,
+    python: str,
+    entrypoint: str,
+    as_json: bool,
+) -> None:
+    """Register VM NAME, reachable at --host. The poller finds its GPUs."""
+    spec = fleet.VMSpec(
+        name=name,
+        host=host,
+        port=port,
+        user=user,
+        ssh_key_path=ssh_key,
+        known_hosts=known_hosts,
+        verify_host_key=not insecure_no_host_key_check,
+        transport=transport,
+        python=python,
+        entrypoint=entrypoint,
+    )
+    spec.validate()
+    if insecure_no_host_key_check:
+        warn(f"host key checking is OFF for VM {name!r}: anyone on the path can impersonate it")
+
+    async def go(db: Database) -> dict[str, object]:
+        async with db.transaction() as session:
+            vm = await fleet.add_vm(session, spec)
+            return fleet.vm_to_dict(vm, gpus=False)
+
+    data = ctx.run(go)
+    if as_json:
+        echo_json(data)
+    else:
+        click.echo(f"added VM {name} ({host}:{port}); the poller will discover its GPUs")
+
+
+@group.command("list")
+@json_option
+@pass_cli
+def list_(ctx: CliContext, as_json: bool) -> None:
+    """List VMs with their state and free GPUs."""
+
+    async def go(db: Database) -> list[dict[str, object]]:
+        async with db.transaction() as session:
+            return [fleet.vm_to_dict(vm) for vm in await fleet.list_vms(session)]
+
+    vms = ctx.run(go)
+    if as_json:
+        echo_json(vms)
+        return
+    rows = [
+        (
+            vm["name"],
+            f"{vm['host']}:{vm['port']}",
+            vm["status"] + ("+draining" if vm["draining"] else ""),
+            f"{vm['available_gpus']}/{len(vm['gpus'])}",  # type: ignore[arg-type]
+            fmt_time(vm["last_polled_at"]),  # type: ignore[arg-type]
+            vm["last_error"] or "",
+        )
+        for vm in vms
+    ]
+    echo_table(["NAME", "ADDRESS", "STATUS", "FREE/GPUS", "LAST POLL", "LAST ERROR"], rows)
+
+
+@group.command("show")
+@click.argument("name")
+@json_option
+@pass_cli
+def show(ctx: CliContext, name: str, as_json: bool) -> None:
+    """Show one VM and each of its GPUs."""
+
+    async def go(db: Database) -> dict[str, object]:
+        async with db.transaction() as session:
+            return fleet.vm_to_dict(await fleet.get_vm(session, name, with_gpus=True))
+
+    vm = ctx.run(go)
+    if as_json:
+        echo_json(vm)
+        return
+    for key, value in vm.items():
+        if key != "gpus":
+            click.echo(f"{key + ':':22}{'-' if value is None else value}")
+    rows = [
+        (
+            g["index"],
+            g["name"],
+            f"{g['memory_used_mb']}/{g['memory_total_mb']} MiB",
+            g["utilization_pct"],
+            "yes" if g["healthy"] else "NO",
+            "foreign" if g["foreign_busy"] else (f"job {g['job_id']}" if g["job_id"] else "free"),
+        )
+        for g in vm["gpus"]  # type: ignore[attr-defined]
+    ]
+    if rows:
+        click.echo("")
+        echo_table(["GPU", "NAME", "MEMORY", "UTIL%", "HEALTHY", "USE"], rows)
+
+
+@group.command("remove")
+@click.argument("name")
+@click.option("--force", is_flag=True, help="Remove even while jobs run there.")
+@pass_cli
+def remove(ctx: CliContext, name: str, force: bool) -> None:
+    """Forget VM NAME (refused while jobs run there, unless --force)."""
+
+    async def go(db: Database) -> None:
+        async with db.transaction() as session:
+            await fleet.remove_vm(session, name, force=force)
+
+    ctx.run(go)
+    click.echo(f"removed VM {name}")
+
+
+def _set_draining(ctx: CliContext, name: str, draining: bool) -> None:
+    async def go(db: Database) -> None:
+        async with db.transaction() as session:
+            await fleet.set_draining(session, name, draining)
+
+    ctx.run(go)
+
+
+@group.command("drain")
+@click.argument("name")
+@pass_cli
+def drain(ctx: CliContext, name: str) -> None:
+    """Let VM NAME finish its jobs but give it no new ones."""
+    _set_draining(ctx, name, True)
+    click.echo(f"VM {name} is draining: running jobs continue, no new jobs start there")
+
+
+@group.command("undrain")
+@click.argument("name")
+@pass_cli
+def undrain(ctx: CliContext, name: str) -> None:
+    """Let VM NAME take new jobs again."""
+    _set_draining(ctx, name, False)
+    click.echo(f"VM {name} takes new jobs again")

@@ -1,0 +1,54 @@
+"""Engines and sessions. Keep transactions short: load, then do I/O, then apply."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
+
+from scheduler.settings import normalize_database_url
+
+
+def make_engine(url: str, *, pool_size: int = 5, echo: bool = False) -> AsyncEngine:
+    """An async engine on psycopg 3 with connections checked before use."""
+    return create_async_engine(
+        normalize_database_url(url),
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=True,
+        echo=echo,
+        connect_args={"connect_timeout": 5},
+    )
+
+
+def make_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    """Sessions that keep loaded objects usable after commit."""
+    return async_sessionmaker(engine, expire_on_commit=False)
+
+
+class Database:
+    """An engine and its session factory, created once per process."""
+
+    def __init__(self, url: str, *, pool_size: int = 5) -> None:
+        self.url = normalize_database_url(url)
+        self.engine = make_engine(self.url, pool_size=pool_size)
+        self.sessionmaker = make_sessionmaker(self.engine)
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncSession]:
+        """One short transaction: commits on success, rolls back on error.
+
+        Never await SSH or NATS inside it (invariant 4).
+        """
+        async with self.sessionmaker() as session, session.begin():
+            yield session
+
+    async def dispose(self) -> None:
+        """Close every pooled connection."""
+        await self.engine.dispose()

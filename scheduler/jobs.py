@@ -1,0 +1,199 @@
+"""Every job state change goes through `transition`: a guarded UPDATE plus an event row."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import selectinload
+
+from scheduler.errors import BadInput, NotFound
+from scheduler.models import Job, JobEvent
+from scheduler.states import STATE_TIMESTAMP, JobStatus, check_move
+
+
+async def transition(
+    session: AsyncSession,
+    job_id: int,
+    *,
+    expected: JobStatus | Iterable[JobStatus],
+    to: JobStatus,
+    reason: str | None,
+    actor: str,
+    values: Mapping[str, Any] | None = None,
+) -> bool:
+    """Move job `job_id` from one of `expected` to `to`, inside the caller's transaction.
+
+    The UPDATE is guarded with `status IN (:expected)`, so when two movers race exactly one
+    wins; the loser gets False and must do nothing further. `values` sets more columns in
+    the same statement. A move the state machine forbids raises `IllegalMove`.
+    """
+    sources = [JobStatus(expected)] if isinstance(expected, str) else list(expected)
+    for src in sources:
+        check_move(src, to)
+    changes: dict[str, Any] = {
+        "status": to.value,
+        STATE_TIMESTAMP[to]: func.now(),
+        "updated_at": func.now(),
+    }
+    changes.update(values or {})
+    if len(sources) == 1:
+        src: str | None = sources[0].value
+    else:
+        # Several possible sources: lock the row to learn which one the event records.
+        src = await session.scalar(select(Job.status).where(Job.id == job_id).with_for_update())
+        if src not in {s.value for s in sources}:
+            return False
+    row = (
+        await session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.status == src)
+            .values(**changes)
+            .returning(Job.attempt)
+            .execution_options(synchronize_session=False)
+        )
+    ).first()
+    if row is None:
+        return False
+    await session.execute(
+        insert(JobEvent).values(
+            job_id=job_id,
+            from_status=src,
+            to_status=to.value,
+            reason=reason,
+            actor=actor,
+            attempt=row.attempt,
+        )
+    )
+    return True
+
+
+async def create_job(session: AsyncSession, *, actor: str, **fields: Any) -> Job:
+    """Insert a job as `queued` with its first event; returns the flushed row."""
+    job = Job(status=JobStatus.QUEUED.value, **fields)
+    session.add(job)
+    await session.flush()
+    job.queued_at = job.submitted_at
+    session.add(
+        JobEvent(job_id=job.id, from_status=None, to_status="queued", reason="submitted", actor=actor)
+    )
+    await session.flush()
+    return job
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a user gives to submit a job."""
+
+    model: str
+    dataset: str
+    reward_functions: tuple[str, ...]
+    gpus: int = 1
+    max_retries: int = 3
+    priority: int = 0
+    name: str | None = None
+    extra_args: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        """Raise `BadInput` for a job that could never run."""
+        if not self.model.strip():
+            raise BadInput("--model must not be empty")
+        if not self.dataset.strip():
+            raise BadInput("--dataset must not be empty")
+        if not self.reward_functions or not all(r.strip() for r in self.reward_functions):
+            raise BadInput("--reward-function must not be empty")
+        if any("," in r for r in self.reward_functions):
+            raise BadInput("give several reward functions as repeated --reward-function flags")
+        if self.gpus < 1:
+            raise BadInput(f"--gpus must be at least 1, not {self.gpus}")
+        if self.max_retries < 0:
+            raise BadInput(f"--max-retries must not be negative, not {self.max_retries}")
+
+
+async def insert_job(session: AsyncSession, spec: JobSpec, *, actor: str) -> Job:
+    """Validate and insert a `queued` job with its first event."""
+    spec.validate()
+    return await create_job(
+        session,
+        actor=actor,
+        name=spec.name,
+        model=spec.model,
+        dataset=spec.dataset,
+        reward_function=",".join(spec.reward_functions),
+        gpus_requested=spec.gpus,
+        max_retries=spec.max_retries,
+        priority=spec.priority,
+        extra_args=list(spec.extra_args),
+    )
+
+
+async def get_job(session: AsyncSession, job_id: int, *, with_events: bool = False) -> Job:
+    """The job with id `job_id`, or `NotFound`."""
+    query = select(Job).where(Job.id == job_id).options(selectinload(Job.vm))
+    if with_events:
+        query = query.options(selectinload(Job.events))
+    job = await session.scalar(query)
+    if job is None:
+        raise NotFound(f"no job with id {job_id}")
+    return job
+
+
+async def list_jobs(
+    session: AsyncSession, *, status: JobStatus | None = None, limit: int = 100
+) -> list[Job]:
+    """The newest jobs first, optionally only those in `status`."""
+    query = select(Job).options(selectinload(Job.vm)).order_by(Job.id.desc()).limit(limit)
+    if status is not None:
+        query = query.where(Job.status == status.value)
+    return list(await session.scalars(query))
+
+
+async def mark_published(session: AsyncSession, job_id: int) -> None:
+    """Record that the job id was stored by the stream just now."""
+    await session.execute(update(Job).where(Job.id == job_id).values(published_at=func.now()))
+
+
+def job_to_dict(job: Job, *, events: bool = False) -> dict[str, Any]:
+    """A job as plain data, for `--json` and for display."""
+    data: dict[str, Any] = {
+        "id": job.id,
+        "name": job.name,
+        "status": job.status,
+        "status_reason": job.status_reason,
+        "model": job.model,
+        "dataset": job.dataset,
+        "reward_function": job.reward_function,
+        "extra_args": job.extra_args,
+        "gpus": job.gpus_requested,
+        "priority": job.priority,
+        "attempt": job.attempt,
+        "retry_count": job.retry_count,
+        "max_retries": job.max_retries,
+        "failure_reason": job.failure_reason,
+        "exit_code": job.exit_code,
+        "vm": job.vm.name if job.vm is not None else None,
+        "gpu_indices": job.gpu_indices,
+        "remote_pid": job.remote_pid,
+        "output_dir": job.output_dir,
+        "next_attempt_at": job.next_attempt_at,
+        "submitted_at": job.submitted_at,
+        "starting_at": job.starting_at,
+        "running_at": job.running_at,
+        "finished_at": job.finished_at,
+    }
+    if events:
+        data["events"] = [
+            {
+                "at": e.created_at,
+                "from": e.from_status,
+                "to": e.to_status,
+                "reason": e.reason,
+                "actor": e.actor,
+                "attempt": e.attempt,
+            }
+            for e in job.events
+        ]
+    return data

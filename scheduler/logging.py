@@ -1,0 +1,48 @@
+"""structlog set up once: JSON lines when not on a terminal, readable console when on one."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+_configured = False
+
+
+def configure(level: str = "INFO", *, json: bool | None = None) -> None:
+    """Configure structlog and stdlib logging for the whole process (idempotent)."""
+    global _configured
+    if _configured:
+        return
+    if json is None:
+        json = not sys.stderr.isatty()
+    renderer: structlog.types.Processor = (
+        structlog.processors.JSONRenderer()
+        if json
+        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(message)s")
+    for noisy in ("asyncssh", "nats", "alembic", "sqlalchemy"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    _configured = True
+
+
+def get_logger(name: str | None = None, **bound: object) -> structlog.stdlib.BoundLogger:
+    """A structlog logger, bound to `component=name` and any extra context."""
+    log = structlog.get_logger()
+    if name:
+        log = log.bind(component=name)
+    return log.bind(**bound) if bound else log  # type: ignore[no-any-return]

@@ -1,0 +1,197 @@
+"""SQLAlchemy 2 models: the fleet (VMs and their GPUs), jobs and every job's history.
+
+Postgres is the source of truth. Columns say in their docstring what NULL means.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    """Declarative base with stable constraint names, so migrations diff cleanly."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def _now() -> DateTime:
+    return DateTime(timezone=True)
+
+
+class VM(Base):
+    """A machine reached over SSH (or the local machine) that can run training."""
+
+    __tablename__ = "vms"
+
+    id: Mapped[int] = mapped_column(Integer, Identity(), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    host: Mapped[str] = mapped_column(String(255))
+    port: Mapped[int] = mapped_column(Integer, default=22, server_default="22")
+    user: Mapped[str | None] = mapped_column(String(64))
+    """SSH login; NULL means the user running the daemon."""
+    ssh_key_path: Mapped[str | None] = mapped_column(Text)
+    """Private key file; NULL means the SSH agent and default keys."""
+    known_hosts: Mapped[str | None] = mapped_column(Text)
+    """known_hosts file to verify the host key with; NULL means ~/.ssh/known_hosts."""
+    verify_host_key: Mapped[bool] = mapped_column(Boolean, default=True, server_default="true")
+    transport: Mapped[str] = mapped_column(String(16), default="ssh", server_default="ssh")
+    """`ssh`, or `local` for the machine the daemons run on."""
+    python: Mapped[str] = mapped_column(Text, default="python3", server_default="python3")
+    """Interpreter of the environment with the `train` extra installed on the VM."""
+    entrypoint: Mapped[str] = mapped_column(
+        Text, default="training.train_grpo", server_default="training.train_grpo"
+    )
+    """Module run with `python -m`, or a path to a `.py` script, that trains."""
+    status: Mapped[str] = mapped_column(String(16), default="unknown", server_default="unknown")
+    """See `VMStatus`: unknown (never polled), healthy, unreachable."""
+    draining: Mapped[bool] = mapped_column(Boolean, default=False, server_default="false")
+    """A draining VM finishes its jobs but is given no new ones."""
+    available_gpus: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    consecutive_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    last_polled_at: Mapped[datetime | None] = mapped_column(_now())
+    """NULL: never polled."""
+    last_seen_at: Mapped[datetime | None] = mapped_column(_now())
+    """Last successful poll; NULL: never answered."""
+    unreachable_since: Mapped[datetime | None] = mapped_column(_now())
+    """First failed poll of the current outage; NULL while the VM answers."""
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+
+    gpus: Mapped[list[GPU]] = relationship(
+        back_populates="vm", cascade="all, delete-orphan", order_by="GPU.index"
+    )
+
+    __table_args__ = (CheckConstraint("port BETWEEN 1 AND 65535", name="port_range"),)
+
+
+class GPU(Base):
+    """One GPU of a VM as nvidia-smi last reported it, and the job it is allocated to."""
+
+    __tablename__ = "gpus"
+
+    id: Mapped[int] = mapped_column(Integer, Identity(), primary_key=True)
+    vm_id: Mapped[int] = mapped_column(ForeignKey("vms.id", ondelete="CASCADE"))
+    index: Mapped[int] = mapped_column(Integer)
+    uuid: Mapped[str | None] = mapped_column(String(96))
+    name: Mapped[str | None] = mapped_column(String(128))
+    memory_total_mb: Mapped[int | None] = mapped_column(Integer)
+    """NULL when nvidia-smi could not say ([N/A], [Not Supported])."""
+    memory_used_mb: Mapped[int | None] = mapped_column(Integer)
+    utilization_pct: Mapped[int | None] = mapped_column(Integer)
+    healthy: Mapped[bool] = mapped_column(Boolean, default=True, server_default="true")
+    foreign_busy: Mapped[bool] = mapped_column(Boolean, default=False, server_default="false")
+    """A process not started by rlfleet is using this GPU."""
+    job_id: Mapped[int | None] = mapped_column(
+        ForeignKey("jobs.id", ondelete="SET NULL"), index=True
+    )
+    """The job this GPU is allocated to; NULL means unallocated."""
+    allocated_at: Mapped[datetime | None] = mapped_column(_now())
+    updated_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+
+    vm: Mapped[VM] = relationship(back_populates="gpus")
+
+    __table_args__ = (UniqueConstraint("vm_id", "index"),)
+
+
+class Job(Base):
+    """A GRPO training job and everything the scheduler knows about its current attempt."""
+
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    name: Mapped[str | None] = mapped_column(String(255))
+    model: Mapped[str] = mapped_column(Text)
+    dataset: Mapped[str] = mapped_column(Text)
+    reward_function: Mapped[str] = mapped_column(Text)
+    extra_args: Mapped[list[str]] = mapped_column(JSONB, default=list, server_default="[]")
+    """Arguments passed to train_grpo.py verbatim, after the ones rlfleet builds."""
+    gpus_requested: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Higher runs first."""
+    status: Mapped[str] = mapped_column(String(16), default="queued", server_default="queued")
+    status_reason: Mapped[str | None] = mapped_column(Text)
+    """Why the job is in its state, e.g. why it is pending."""
+    attempt: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Number of launches so far; the current attempt's directory is named after it."""
+    retry_count: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    max_retries: Mapped[int] = mapped_column(Integer, default=3, server_default="3")
+    failure_reason: Mapped[str | None] = mapped_column(String(32))
+    """See `FailureReason`; NULL unless the last attempt failed."""
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    vm_id: Mapped[int | None] = mapped_column(ForeignKey("vms.id", ondelete="SET NULL"))
+    """VM of the current or last attempt; NULL before the first claim."""
+    gpu_indices: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
+    remote_pid: Mapped[int | None] = mapped_column(Integer)
+    """Process-group leader on the VM; NULL until the launch is confirmed."""
+    output_dir: Mapped[str | None] = mapped_column(Text)
+    """NULL means the default ~/.rlfleet/outputs/<job_id>/ on the VM."""
+    lease_expires_at: Mapped[datetime | None] = mapped_column(_now())
+    """While `starting`: when the claim may be taken back if the launch never confirmed."""
+    next_attempt_at: Mapped[datetime | None] = mapped_column(_now())
+    """While `failed` with retries left: not retried before this time."""
+    published_at: Mapped[datetime | None] = mapped_column(_now())
+    """Last publish to jobs.new; NULL means queued but never published."""
+    submitted_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    queued_at: Mapped[datetime | None] = mapped_column(_now())
+    pending_at: Mapped[datetime | None] = mapped_column(_now())
+    starting_at: Mapped[datetime | None] = mapped_column(_now())
+    running_at: Mapped[datetime | None] = mapped_column(_now())
+    finished_at: Mapped[datetime | None] = mapped_column(_now())
+    updated_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+
+    vm: Mapped[VM | None] = relationship()
+    events: Mapped[list[JobEvent]] = relationship(
+        back_populates="job", cascade="all, delete-orphan", order_by="JobEvent.id"
+    )
+
+    __table_args__ = (
+        CheckConstraint("gpus_requested >= 1", name="gpus_positive"),
+        CheckConstraint("max_retries >= 0", name="retries_nonnegative"),
+        Index("ix_jobs_status_priority", "status", text("priority DESC"), "id"),
+    )
+
+
+class JobEvent(Base):
+    """One row per state change of a job: the audit trail `job show` prints."""
+
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    from_status: Mapped[str | None] = mapped_column(String(16))
+    """NULL for the event that created the job."""
+    to_status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(Text)
+    actor: Mapped[str] = mapped_column(String(64))
+    """Who made the move: `cli`, `dispatcher:<host>:<pid>`, `poller`, `requeue`…"""
+    attempt: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+
+    job: Mapped[Job] = relationship(back_populates="events")

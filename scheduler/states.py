@@ -1,0 +1,110 @@
+"""The job and VM state vocabularies, and the table of allowed job moves.
+
+This module is pure: no I/O. `scheduler.jobs.transition` performs moves against the
+database using `ALLOWED_MOVES` as the only authority on what may follow what.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class JobStatus(StrEnum):
+    """Where a job is in its life. The values are stored in `jobs.status`."""
+
+    QUEUED = "queued"
+    PENDING = "pending"
+    STARTING = "starting"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        """True for states no move leaves (`failed` can still be retried, so it is not)."""
+        return self in FINAL_STATES
+
+    @property
+    def is_live(self) -> bool:
+        """True while the job may hold GPUs or have a process on a VM."""
+        return self in LIVE_STATES
+
+
+FINAL_STATES = frozenset({JobStatus.COMPLETED, JobStatus.CANCELLED})
+LIVE_STATES = frozenset({JobStatus.STARTING, JobStatus.RUNNING})
+ACTIVE_STATES = frozenset(
+    {JobStatus.QUEUED, JobStatus.PENDING, JobStatus.STARTING, JobStatus.RUNNING}
+)
+
+# Every allowed move. Anything not listed here is refused by `check_move`.
+ALLOWED_MOVES: dict[JobStatus, frozenset[JobStatus]] = {
+    JobStatus.QUEUED: frozenset(
+        {JobStatus.PENDING, JobStatus.STARTING, JobStatus.FAILED, JobStatus.CANCELLED}
+    ),
+    JobStatus.PENDING: frozenset(
+        {JobStatus.QUEUED, JobStatus.STARTING, JobStatus.FAILED, JobStatus.CANCELLED}
+    ),
+    # starting -> queued: the claim's lease expired before the launch was confirmed.
+    # starting -> completed/failed: the process ended before its pid was recorded.
+    JobStatus.STARTING: frozenset(
+        {
+            JobStatus.RUNNING,
+            JobStatus.QUEUED,
+            JobStatus.COMPLETED,
+            JobStatus.FAILED,
+            JobStatus.CANCELLED,
+        }
+    ),
+    JobStatus.RUNNING: frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED}),
+    # failed -> queued is a retry (automatic or `rlfleet job retry`).
+    JobStatus.FAILED: frozenset({JobStatus.QUEUED}),
+    JobStatus.COMPLETED: frozenset(),
+    JobStatus.CANCELLED: frozenset(),
+}
+
+# The timestamp column stamped when a job enters each state.
+STATE_TIMESTAMP: dict[JobStatus, str] = {
+    JobStatus.QUEUED: "queued_at",
+    JobStatus.PENDING: "pending_at",
+    JobStatus.STARTING: "starting_at",
+    JobStatus.RUNNING: "running_at",
+    JobStatus.COMPLETED: "finished_at",
+    JobStatus.FAILED: "finished_at",
+    JobStatus.CANCELLED: "finished_at",
+}
+
+
+class IllegalMove(ValueError):
+    """A job state move that the state machine does not allow."""
+
+
+def is_allowed(src: JobStatus, dst: JobStatus) -> bool:
+    """Whether a job may move from `src` to `dst`."""
+    return dst in ALLOWED_MOVES[JobStatus(src)]
+
+
+def check_move(src: JobStatus, dst: JobStatus) -> None:
+    """Raise `IllegalMove` unless `src -> dst` is an allowed move."""
+    if not is_allowed(src, dst):
+        raise IllegalMove(f"a job cannot move from {src} to {dst}")
+
+
+class VMStatus(StrEnum):
+    """Reachability of a VM as the poller last saw it. Draining is a separate flag."""
+
+    UNKNOWN = "unknown"  # added, never polled yet
+    HEALTHY = "healthy"
+    UNREACHABLE = "unreachable"
+
+
+class FailureReason(StrEnum):
+    """Why a job failed; the requeue policy decides from this whether to retry."""
+
+    CONFIG_ERROR = "config_error"  # train_grpo.py exit 64: permanent
+    OOM = "oom"  # exit 75 or CUDA out of memory in the log
+    EXIT_NONZERO = "exit_nonzero"
+    KILLED = "killed"  # ended by a signal
+    LAUNCH_FAILED = "launch_failed"
+    NODE_LOST = "node_lost"
+    VANISHED = "vanished"  # process gone without an exit code

@@ -1,0 +1,58 @@
+"""Fixtures shared by the whole suite: a real PostgreSQL and real nats-servers.
+
+One PostgreSQL server runs for the session. It holds a template database migrated to
+head once; every test that asks for `database_url` gets a fresh copy of it (a
+`CREATE DATABASE … TEMPLATE`, a few tens of milliseconds). Every test that asks for
+`nats` gets its own nats-server with JetStream (they start in well under a second).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from scheduler.db import Database
+from scheduler.embedded import EmbeddedNats, EmbeddedPostgres
+from scheduler.migrate import upgrade
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+TEMPLATE_DB = "rlfleet_template"
+_db_counter = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedPostgres]:
+    """A real PostgreSQL server for the whole test session."""
+    server = EmbeddedPostgres(tmp_path_factory.mktemp("pg") / "data", durable=False)
+    server.start()
+    url = server.create_database(TEMPLATE_DB)
+    upgrade(url)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def database_url(postgres: EmbeddedPostgres) -> str:
+    """URL of a fresh, migrated database of its own for one test."""
+    return postgres.create_database(f"t{os.getpid()}_{next(_db_counter)}", template=TEMPLATE_DB)
+
+
+@pytest.fixture
+async def db(database_url: str) -> AsyncIterator[Database]:
+    """An async `Database` on the test's own database."""
+    database = Database(database_url)
+    yield database
+    await database.dispose()
+
+
+@pytest.fixture
+def nats(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    """A real nats-server with JetStream, of this test's own."""
+    server = EmbeddedNats(tmp_path / "nats")
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,44 @@
+"""`--reward_function module:function` resolution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rewards import BUILTIN_REWARDS, RewardError, load_reward
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "my_rewards_mod.py").write_text(
+        "def length_reward(prompts, completions, **kwargs):\n"
+        "    return [float(len(c)) for c in completions]\n"
+        "NOT_CALLABLE = 3\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_builtin_name_resolves_to_the_builtin():
+    assert load_reward("correctness", BUILTIN_REWARDS) is BUILTIN_REWARDS["correctness"]
+
+
+def test_module_function_is_imported_from_the_working_directory(user_module: Path):
+    func = load_reward("my_rewards_mod:length_reward", BUILTIN_REWARDS)
+    assert func(["p"], ["abc"]) == [3.0]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("nonsense", "unknown reward function 'nonsense'"),
+        ("no_such_module_xyz:f", "no module named 'no_such_module_xyz'"),
+        ("my_rewards_mod:missing", "has no attribute 'missing'"),
+        ("my_rewards_mod:NOT_CALLABLE", "is a int, not callable"),
+    ],
+)
+def test_bad_specs_raise_a_clear_error(user_module: Path, spec: str, message: str):
+    with pytest.raises(RewardError, match=message):
+        load_reward(spec, BUILTIN_REWARDS)
