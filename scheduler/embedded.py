@@ -105,8 +105,16 @@ class EmbeddedPostgres:
         if self._run_as:
             self._prepare_root()
         subprocess.run(
-            [self._bin("initdb"), "-D", str(self.data_dir), "--auth=trust", "-U", self.user,
-             "--encoding=UTF8", "--no-instructions"],
+            [
+                self._bin("initdb"),
+                "-D",
+                str(self.data_dir),
+                "--auth=trust",
+                "-U",
+                self.user,
+                "--encoding=UTF8",
+                "--no-instructions",
+            ],
             check=True,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -121,15 +129,26 @@ class EmbeddedPostgres:
             self._initdb()
         (self.data_dir / "postmaster.pid").unlink(missing_ok=True)
         options = [
-            "-c", "listen_addresses=127.0.0.1",
-            "-c", f"port={self.port}",
-            "-c", f"unix_socket_directories={self.data_dir}",
-            "-c", "max_connections=400",
-            "-c", "shared_buffers=128MB",
+            "-c",
+            "listen_addresses=127.0.0.1",
+            "-c",
+            f"port={self.port}",
+            "-c",
+            f"unix_socket_directories={self.data_dir}",
+            "-c",
+            "max_connections=400",
+            "-c",
+            "shared_buffers=128MB",
         ]
         if not self.durable:
-            options += ["-c", "fsync=off", "-c", "synchronous_commit=off",
-                        "-c", "full_page_writes=off"]
+            options += [
+                "-c",
+                "fsync=off",
+                "-c",
+                "synchronous_commit=off",
+                "-c",
+                "full_page_writes=off",
+            ]
         log = open(self.data_dir / "server.log", "ab")  # noqa: SIM115 - owned by the process
         self._proc = subprocess.Popen(
             [self._bin("postgres"), "-D", str(self.data_dir), *options],
@@ -240,8 +259,18 @@ class EmbeddedNats:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.data_dir / "nats-server.log", "ab")  # noqa: SIM115
         self._proc = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
-             "-sd", str(self.data_dir / "jetstream"), "-n", f"rlfleet-{self.port}"],
+            [
+                nats_server_binary(),
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-js",
+                "-sd",
+                str(self.data_dir / "jetstream"),
+                "-n",
+                f"rlfleet-{self.port}",
+            ],
             stdout=log,
             stderr=log,
             start_new_session=True,

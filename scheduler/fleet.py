@@ -97,9 +97,7 @@ async def remove_vm(session: AsyncSession, name: str, *, force: bool = False) ->
     vm = await get_vm(session, name)
     live = await live_job_count(session, vm.id)
     if live and not force:
-        raise BadInput(
-            f"VM {name!r} has {live} live job(s): drain it and wait, or pass --force"
-        )
+        raise BadInput(f"VM {name!r} has {live} live job(s): drain it and wait, or pass --force")
     await session.delete(vm)
 
 

@@ -78,7 +78,9 @@ async def create_job(session: AsyncSession, *, actor: str, **fields: Any) -> Job
     await session.flush()
     job.queued_at = job.submitted_at
     session.add(
-        JobEvent(job_id=job.id, from_status=None, to_status="queued", reason="submitted", actor=actor)
+        JobEvent(
+            job_id=job.id, from_status=None, to_status="queued", reason="submitted", actor=actor
+        )
     )
     await session.flush()
     return job

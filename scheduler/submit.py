@@ -37,7 +37,9 @@ async def submit_job(db: Database, settings: Settings, spec: JobSpec, *, actor: 
         await bus.ensure_stream(js)
         await bus.publish_job(js, job_id, dedupe_id=bus.msg_id(job_id, attempt))
     except Exception as exc:  # noqa: BLE001
-        return Submitted(job_id, f"publishing to {bus.SUBJECT_NEW} failed: {exc or type(exc).__name__}")
+        return Submitted(
+            job_id, f"publishing to {bus.SUBJECT_NEW} failed: {exc or type(exc).__name__}"
+        )
     finally:
         await nc.close()
     async with db.transaction() as session:

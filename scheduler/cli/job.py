@@ -119,9 +119,7 @@ def list_(ctx: CliContext, status: str | None, limit: int, as_json: bool) -> Non
         )
         for j in jobs
     ]
-    echo_table(
-        ["ID", "NAME", "STATUS", "GPUS", "VM", "ON", "RETRIES", "SUBMITTED", "REASON"], rows
-    )
+    echo_table(["ID", "NAME", "STATUS", "GPUS", "VM", "ON", "RETRIES", "SUBMITTED", "REASON"], rows)
 
 
 @group.command("show")
