@@ -1,0 +1,188 @@
+"""Prometheus metrics of the daemons: every metric object lives here, with the helpers
+the daemons call (`observe_dispatch`, `observe_poll_sweep`, `count_retry`…).
+
+A daemon started with `--metrics-port N` (N > 0) serves them on http://0.0.0.0:N/metrics.
+The gauges (jobs by state, VMs by status, GPUs free/allocated) are refreshed from the
+database by `refresh_gauges`, one short read-only transaction per tick, so they are right
+whichever daemon moved the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, TypeVar
+
+import click
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from sqlalchemy import case, func, select
+
+from scheduler.db import Database
+from scheduler.logging import get_logger
+from scheduler.models import GPU, VM, Job
+from scheduler.states import JobStatus, VMStatus
+
+log = get_logger("metrics")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Waits run from seconds (a free GPU) to hours (a busy fleet).
+_WAIT_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600, 24 * 3600)
+# Dispatching and polling are round trips over SSH: milliseconds to tens of seconds.
+_STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+JOBS = Gauge("rlfleet_jobs", "Jobs in each state.", ["status"])
+VMS = Gauge(
+    "rlfleet_vms", "VMs by poller status (draining VMs also counted in status).", ["status"]
+)
+VMS_DRAINING = Gauge("rlfleet_vms_draining", "VMs that take no new jobs.")
+GPUS = Gauge(
+    "rlfleet_gpus",
+    "GPUs by use: free (healthy, unallocated, not foreign), allocated, foreign, unhealthy.",
+    ["state"],
+)
+QUEUE_WAIT = Histogram(
+    "rlfleet_job_queue_wait_seconds",
+    "From the job entering queued (or being requeued) to the dispatcher claiming its GPUs.",
+    buckets=_WAIT_BUCKETS,
+)
+SUBMIT_TO_RUNNING = Histogram(
+    "rlfleet_job_submit_to_running_seconds",
+    "From submission to the job's first running state of an attempt.",
+    buckets=_WAIT_BUCKETS,
+)
+DISPATCH_DURATION = Histogram(
+    "rlfleet_dispatch_duration_seconds",
+    "Handling one jobs.new message: load, claim, launch over SSH, record.",
+    buckets=_STEP_BUCKETS,
+)
+POLL_SWEEP_DURATION = Histogram(
+    "rlfleet_poll_sweep_duration_seconds",
+    "One poller sweep over every VM.",
+    buckets=_STEP_BUCKETS,
+)
+DISPATCHES = Counter("rlfleet_dispatches_total", "Dispatch outcomes.", ["outcome"])
+RETRIES = Counter(
+    "rlfleet_job_retries_total", "Failed jobs put back in the queue, by failure reason.", ["reason"]
+)
+RECOVERIES = Counter(
+    "rlfleet_recoveries_total",
+    "Jobs the requeue manager recovered (stuck, lost node, never published…), by reason.",
+    ["reason"],
+)
+FAILURES = Counter("rlfleet_job_failures_total", "Jobs that failed, by failure reason.", ["reason"])
+
+DEFAULT_REFRESH_S = 5.0
+
+
+def metrics_option(fn: F) -> F:
+    """The `--metrics-port` flag every daemon command takes (0 or absent: no metrics)."""
+    return click.option(  # type: ignore[no-any-return]
+        "--metrics-port",
+        type=click.IntRange(min=0, max=65535),
+        default=0,
+        show_default=True,
+        envvar="RLFLEET_METRICS_PORT",
+        help="Serve Prometheus metrics on this port (0: off; env RLFLEET_METRICS_PORT).",
+    )(fn)
+
+
+def start_metrics_server(port: int | None, addr: str = "0.0.0.0") -> bool:
+    """Serve /metrics on `port` in a background thread; False (and nothing) for 0 or None."""
+    if not port:
+        return False
+    start_http_server(port, addr=addr)
+    log.info("metrics_serving", port=port, addr=addr)
+    return True
+
+
+def _seconds_since(start: datetime | None, end: datetime | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return max(0.0, (end - start).total_seconds())
+
+
+def observe_dispatch(seconds: float, outcome: str = "launched") -> None:
+    """Record how long one dispatch took and how it ended (launched, pending, lost_race…)."""
+    DISPATCH_DURATION.observe(seconds)
+    DISPATCHES.labels(outcome=outcome).inc()
+
+
+def observe_poll_sweep(seconds: float) -> None:
+    """Record the duration of one poller sweep over the fleet."""
+    POLL_SWEEP_DURATION.observe(seconds)
+
+
+def observe_queue_wait(queued_at: datetime | None, claimed_at: datetime | None) -> None:
+    """Record the wait from (re)queueing to the GPUs being claimed; no-op when unknown."""
+    seconds = _seconds_since(queued_at, claimed_at)
+    if seconds is not None:
+        QUEUE_WAIT.observe(seconds)
+
+
+def observe_running(submitted_at: datetime | None, running_at: datetime | None) -> None:
+    """Record submit→running latency for a job that just became running."""
+    seconds = _seconds_since(submitted_at, running_at)
+    if seconds is not None:
+        SUBMIT_TO_RUNNING.observe(seconds)
+
+
+def count_retry(reason: str | None) -> None:
+    """One failed job was requeued for another attempt."""
+    RETRIES.labels(reason=reason or "unknown").inc()
+
+
+def count_recovery(reason: str) -> None:
+    """The requeue manager recovered one job (stuck_pending, stuck_starting, node_lost…)."""
+    RECOVERIES.labels(reason=reason).inc()
+
+
+def count_failure(reason: str | None) -> None:
+    """One job moved to failed."""
+    FAILURES.labels(reason=reason or "unknown").inc()
+
+
+async def refresh_gauges(db: Database) -> None:
+    """Set the state gauges from COUNT(*) … GROUP BY queries in one short transaction."""
+    async with db.transaction() as session:
+        job_counts = dict(
+            (await session.execute(select(Job.status, func.count()).group_by(Job.status))).all()
+        )
+        vm_counts = dict(
+            (await session.execute(select(VM.status, func.count()).group_by(VM.status))).all()
+        )
+        draining = await session.scalar(
+            select(func.count()).select_from(VM).where(VM.draining.is_(True))
+        )
+        gpu_state = case(
+            (GPU.job_id.is_not(None), "allocated"),
+            (GPU.healthy.is_(False), "unhealthy"),
+            (GPU.foreign_busy.is_(True), "foreign"),
+            else_="free",
+        )
+        gpu_counts = dict(
+            (await session.execute(select(gpu_state, func.count()).group_by(gpu_state))).all()
+        )
+    for status in JobStatus:
+        JOBS.labels(status=status.value).set(job_counts.get(status.value, 0))
+    for vm_status in VMStatus:
+        VMS.labels(status=vm_status.value).set(vm_counts.get(vm_status.value, 0))
+    VMS_DRAINING.set(int(draining or 0))
+    for state in ("free", "allocated", "foreign", "unhealthy"):
+        GPUS.labels(state=state).set(gpu_counts.get(state, 0))
+
+
+async def refresh_forever(
+    db: Database, stop: asyncio.Event, interval: float = DEFAULT_REFRESH_S
+) -> None:
+    """Refresh the gauges every `interval` seconds until `stop`; database errors are logged
+    and retried at the next tick (metrics must never take a daemon down)."""
+    while not stop.is_set():
+        try:
+            await refresh_gauges(db)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("metrics_refresh_failed", error=str(exc).splitlines()[0][:200])
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval)
