@@ -1,0 +1,132 @@
+"""The retry policy: given a failed attempt, retry it (when) or give up (why). No I/O.
+
+Rules, as users of Slurm and SkyPilot would expect them:
+
+- `config_error` (train_grpo.py exit 64) and `cancelled` are permanent: never retried.
+- `oom`, `exit_nonzero`, `killed`, `launch_failed`, `vanished` (and a failure with no
+  recorded reason) are retried while `retry_count < max_retries`, after an exponential
+  backoff with jitter: `base * factor**retry_count`, capped at `max_delay`, then scaled by
+  a random factor in `[1 - jitter, 1 + jitter]` so that a burst of failures (a flaky hub,
+  a crashed node) does not come back as one burst.
+- `node_lost` (the VM stopped answering) is the machine's fault, not the job's: like
+  Slurm's requeue on node failure it does NOT count against `max_retries` and is retried
+  almost at once (elsewhere: the lost VM is unreachable, so no dispatcher picks it). It
+  has its own generous cap, `node_lost_limit`, so that a job that kills every node it
+  lands on still ends.
+
+`decide` is what the requeue manager calls when it first sees a failed job; the answer is
+stored on the job (`next_attempt_at`, or a `status_reason` starting with "gave up").
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Protocol
+
+from scheduler.states import FailureReason
+
+CANCELLED = "cancelled"
+"""Not a `FailureReason` (cancelled is a state of its own) but never retried either."""
+
+PERMANENT = frozenset({FailureReason.CONFIG_ERROR.value, CANCELLED})
+COUNTED = frozenset(
+    {
+        FailureReason.OOM.value,
+        FailureReason.EXIT_NONZERO.value,
+        FailureReason.KILLED.value,
+        FailureReason.LAUNCH_FAILED.value,
+        FailureReason.VANISHED.value,
+    }
+)
+GIVE_UP_PREFIX = "gave up"
+"""Every give-up reason starts with this, so a decided job is told from an undecided one."""
+
+
+class RetryableJob(Protocol):
+    """What the policy reads from a job (a `scheduler.models.Job` row fits)."""
+
+    retry_count: int
+    max_retries: int
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed attempt: why, with which exit code, and how many node losses so far."""
+
+    reason: str | None
+    exit_code: int | None = None
+    node_lost_count: int = 0
+    """Node losses of this job including this one (for `node_lost`)."""
+
+    def describe(self) -> str:
+        """`exit_nonzero (exit 1)`, `oom (exit 75)`, `node_lost`…"""
+        text = self.reason or "unknown failure"
+        return f"{text} (exit {self.exit_code})" if self.exit_code is not None else text
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Retry the job at `at`. `counts` says whether it uses up one of its `max_retries`."""
+
+    at: datetime
+    counts: bool = True
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Leave the job failed; `why` is its status_reason, e.g. "gave up after 3 retries: …"."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """The knobs of the backoff. The defaults suit real training jobs."""
+
+    base_delay_s: float = 10.0
+    factor: float = 2.0
+    max_delay_s: float = 600.0
+    jitter: float = 0.25
+    """Relative: 0.25 means the delay is scaled by a random factor in [0.75, 1.25]."""
+    node_lost_delay_s: float = 0.0
+    node_lost_limit: int = 10
+
+    def backoff(self, retry_count: int, rng: random.Random) -> float:
+        """Seconds to wait before retry number `retry_count + 1`, jitter included."""
+        raw = min(self.max_delay_s, self.base_delay_s * self.factor ** max(0, retry_count))
+        return max(0.0, raw * rng.uniform(1.0 - self.jitter, 1.0 + self.jitter))
+
+
+DEFAULT_POLICY = RetryPolicy()
+
+
+def decide(
+    job: RetryableJob,
+    failure: Failure,
+    now: datetime,
+    rng: random.Random,
+    policy: RetryPolicy = DEFAULT_POLICY,
+) -> Retry | GiveUp:
+    """Whether and when to retry `job` after `failure`, seen at `now`."""
+    reason = failure.reason
+    if reason in PERMANENT:
+        return GiveUp(f"{GIVE_UP_PREFIX}: {failure.describe()} is permanent, not retried")
+    if reason == FailureReason.NODE_LOST.value:
+        if failure.node_lost_count > policy.node_lost_limit:
+            return GiveUp(
+                f"{GIVE_UP_PREFIX} after {failure.node_lost_count} lost nodes: "
+                f"{failure.describe()} (limit {policy.node_lost_limit})"
+            )
+        return Retry(at=now + timedelta(seconds=policy.node_lost_delay_s), counts=False)
+    # Counted reasons, and anything unknown: a new reason must not make jobs immortal.
+    if job.retry_count >= job.max_retries:
+        plural = "retry" if job.retry_count == 1 else "retries"
+        return GiveUp(f"{GIVE_UP_PREFIX} after {job.retry_count} {plural}: {failure.describe()}")
+    return Retry(at=now + timedelta(seconds=policy.backoff(job.retry_count, rng)))
+
+
+def counts_against_limit(reason: str | None) -> bool:
+    """Whether a retry after a failure for `reason` uses up one of the job's `max_retries`."""
+    return reason != FailureReason.NODE_LOST.value
