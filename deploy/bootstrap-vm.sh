@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# Prepare a GPU VM for rlfleet: a Python environment with the `train` extra, a check that
+# nvidia-smi works, and the host key line to put in the control host's known_hosts.
+#
+# Run it on the VM, e.g. from the control host:
+#   ssh ubuntu@gpu-box-1 'bash -s' < deploy/bootstrap-vm.sh
+#   ssh ubuntu@gpu-box-1 'bash -s -- --source "git+https://example.com/rlfleet.git"' < deploy/bootstrap-vm.sh
+#
+# Options:
+#   --venv DIR         the environment to create or reuse (default: ~/.rlfleet/venv)
+#   --python PY        interpreter to create it with (default: python3, needs >= 3.11)
+#   --source SPEC      what to pip install, without the extra (default: rlfleet; a path,
+#                      a git+https URL or a wheel work too); `[train]` is added
+#   --no-install       create/reuse the environment but install nothing (tests, or a
+#                      prepared image)
+#   --allow-no-gpu     do not fail when nvidia-smi is missing or broken (CPU-only trials)
+#   --host-key FILE    public host key to print (default: the first of
+#                      /etc/ssh/ssh_host_{ed25519,ecdsa,rsa}_key.pub)
+#   --hostname NAME    the name the control host uses for this VM (default: hostname -f)
+#   --port N           the SSH port the control host uses (default: 22)
+#
+# Exit codes: 0 ready; 1 a check failed (the message says which); 2 bad usage.
+set -euo pipefail
+
+VENV="${HOME}/.rlfleet/venv"
+PYTHON=python3
+SOURCE=rlfleet
+INSTALL=1
+ALLOW_NO_GPU=0
+HOST_KEY=""
+HOSTNAME_FOR_KEY=""
+PORT=22
+
+die() { echo "bootstrap-vm: error: $*" >&2; exit 1; }
+usage() { echo "bootstrap-vm: $*" >&2; echo "see the header of deploy/bootstrap-vm.sh for options" >&2; exit 2; }
+step() { echo "==> $*"; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --venv) VENV="${2:?--venv needs a directory}"; shift 2 ;;
+    --python) PYTHON="${2:?--python needs an interpreter}"; shift 2 ;;
+    --source) SOURCE="${2:?--source needs a pip requirement}"; shift 2 ;;
+    --no-install) INSTALL=0; shift ;;
+    --allow-no-gpu) ALLOW_NO_GPU=1; shift ;;
+    --host-key) HOST_KEY="${2:?--host-key needs a file}"; shift 2 ;;
+    --hostname) HOSTNAME_FOR_KEY="${2:?--hostname needs a name}"; shift 2 ;;
+    --port) PORT="${2:?--port needs a number}"; shift 2 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
+    --) shift; break ;;
+    *) usage "unknown option: $1" ;;
+  esac
+done
+case "$PORT" in ''|*[!0-9]*) usage "--port must be a number, not '$PORT'" ;; esac
+
+# 1. The Python environment.
+command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found: install Python >= 3.11"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || die "$PYTHON is $("$PYTHON" -V 2>&1); rlfleet needs Python >= 3.11"
+if [ -x "$VENV/bin/python" ]; then
+  step "reusing the environment in $VENV"
+else
+  step "creating the environment in $VENV"
+  mkdir -p "$(dirname "$VENV")"
+  if [ "$INSTALL" = 1 ]; then
+    "$PYTHON" -m venv "$VENV" || die "could not create $VENV (on Debian/Ubuntu: apt install python3-venv)"
+  else
+    "$PYTHON" -m venv --without-pip "$VENV" || die "could not create $VENV"
+  fi
+fi
+VPY="$VENV/bin/python"
+
+# 2. nvidia-smi (checked before the long install, so a broken driver is reported at once).
+step "checking nvidia-smi"
+GPU_LINES=""
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  [ "$ALLOW_NO_GPU" = 1 ] || die "nvidia-smi not found: install the NVIDIA driver (or pass --allow-no-gpu)"
+  echo "    nvidia-smi not found; continuing because of --allow-no-gpu (jobs will run on CPU)"
+elif ! GPU_LINES="$(nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader 2>&1)"; then
+  [ "$ALLOW_NO_GPU" = 1 ] || die "nvidia-smi failed: $(printf '%s' "$GPU_LINES" | head -n 1)"
+  echo "    nvidia-smi failed; continuing because of --allow-no-gpu"
+  GPU_LINES=""
+elif printf '%s\n' "$GPU_LINES" | grep -qiE 'unable to determine|fallen off the bus|gpu is lost'; then
+  die "a GPU is lost: $(printf '%s\n' "$GPU_LINES" | grep -iE 'unable|fallen|lost' | head -n 1)"
+else
+  printf '%s\n' "$GPU_LINES" | sed 's/^/    GPU /'
+  echo "    $(printf '%s\n' "$GPU_LINES" | grep -c .) GPU(s)"
+fi
+
+# 3. rlfleet with the `train` extra.
+if [ "$INSTALL" = 1 ]; then
+  step "installing ${SOURCE}[train] (PyTorch, TRL…: this takes a few minutes)"
+  "$VPY" -m pip install -q --upgrade pip
+  if [ -z "$GPU_LINES" ]; then
+    # No GPU: the CPU build of torch avoids gigabytes of CUDA wheels.
+    "$VPY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+  fi
+  "$VPY" -m pip install -q "${SOURCE}[train]" || die "pip install ${SOURCE}[train] failed"
+  "$VPY" -c 'import training.train_grpo, trl, torch' \
+    || die "the environment cannot import training.train_grpo"
+  step "training entry point works: $("$VPY" -m training.train_grpo --help >/dev/null && echo ok)"
+else
+  step "skipping the install (--no-install)"
+fi
+
+# 4. The host key line for the control host's known_hosts.
+if [ -z "$HOST_KEY" ]; then
+  for kind in ed25519 ecdsa rsa; do
+    if [ -r "/etc/ssh/ssh_host_${kind}_key.pub" ]; then HOST_KEY="/etc/ssh/ssh_host_${kind}_key.pub"; break; fi
+  done
+fi
+[ -n "$HOST_KEY" ] && [ -r "$HOST_KEY" ] || die "no readable SSH host key (pass --host-key FILE)"
+NAME="${HOSTNAME_FOR_KEY:-$(hostname -f 2>/dev/null || hostname)}"
+if [ "$PORT" = 22 ]; then HOST_FIELD="$NAME"; else HOST_FIELD="[$NAME]:$PORT"; fi
+KEY_LINE="$HOST_FIELD $(awk '{print $1, $2}' "$HOST_KEY")"
+
+step "ready. On the control host, trust this VM's host key:"
+echo "    echo '$KEY_LINE' >> ~/.ssh/known_hosts"
+echo "  (or compare it with: ssh-keyscan -p $PORT $NAME)"
+step "and register it:"
+echo "    rlfleet vm add $(printf '%s' "$NAME" | tr -c 'A-Za-z0-9._\n-' '-') --host $NAME --port $PORT --user $(id -un) --python $VPY"
+echo "known_hosts: $KEY_LINE"
