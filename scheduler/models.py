@@ -195,3 +195,28 @@ class JobEvent(Base):
     created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
 
     job: Mapped[Job] = relationship(back_populates="events")
+
+
+class StaleProcess(Base):
+    """A job's process left behind on a VM that was lost: it must be killed when the VM
+    answers again, and the GPUs it held are not offered until then (invariant 2)."""
+
+    __tablename__ = "stale_processes"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    vm_id: Mapped[int] = mapped_column(ForeignKey("vms.id", ondelete="CASCADE"), index=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    """Process-group leader; NULL means unknown (the kill reads the attempt's pid file)."""
+    gpu_indices: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
+    """GPUs of the VM the process may still hold; NULL means unknown (block none)."""
+    reason: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    killed_at: Mapped[datetime | None] = mapped_column(_now())
+    """When the kill succeeded; NULL means the process may still be alive."""
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Kill attempts so far."""
+    last_error: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (UniqueConstraint("vm_id", "job_id", "attempt"),)
