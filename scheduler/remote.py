@@ -1,0 +1,225 @@
+"""Shell snippets run on a VM: launch an attempt, kill it, read its log and progress.
+
+Pure functions: they only BUILD POSIX `sh` text. Every value that could come from a user
+(model, dataset, reward names, extra args, paths) goes through `shlex.quote` (invariant 5).
+Layout on the VM (contract 1): `~/.rlfleet/jobs/<job_id>/<attempt>/` holds `train.log`,
+`pid`, `exit_code`, `progress.json` and `launch.sh`; outputs default to
+`~/.rlfleet/outputs/<job_id>/`.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+PID_MARK = "rlfleet-pid"
+EXITED_MARK = "rlfleet-exited"
+KILL_MARK = "rlfleet-kill"
+NO_FILE_EXIT = 3
+"""Exit status of the read snippets when the file does not exist (yet)."""
+
+
+def job_dir(job_id: int, attempt: int) -> str:
+    """The attempt's directory, relative to $HOME on the VM."""
+    return f".rlfleet/jobs/{int(job_id)}/{int(attempt)}"
+
+
+def default_output_dir(job_id: int) -> str:
+    """Where a job's outputs go when it names no `output_dir` (`~` is the VM's $HOME)."""
+    return f"~/.rlfleet/outputs/{int(job_id)}"
+
+
+def home_path(path: str) -> str:
+    """A shell word for `path`: `~/x` and relative paths are under $HOME, all quoted."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        path = path[2:]
+    if path.startswith("/"):
+        return shlex.quote(path)
+    return '"$HOME"/' + shlex.quote(path)
+
+
+def _dir_word(job_id: int, attempt: int) -> str:
+    return home_path(job_dir(job_id, attempt))
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """Everything a launch needs, copied out of the job and VM rows."""
+
+    job_id: int
+    attempt: int
+    python: str
+    entrypoint: str
+    gpu_indices: Sequence[int]
+    model: str
+    dataset: str
+    reward_functions: Sequence[str]
+    output_dir: str
+    extra_args: Sequence[str] = ()
+
+
+def entry_words(python: str, entrypoint: str, num_gpus: int) -> list[str]:
+    """How training starts on the VM (contract 5), as quoted shell words.
+
+    A `.py` entrypoint runs as a script, anything else as a module; more than one GPU puts
+    `accelerate launch --num_processes N` in front.
+    """
+    words = [shlex.quote(python)]
+    if num_gpus > 1:
+        words += ["-m", "accelerate.commands.launch", "--num_processes", str(int(num_gpus))]
+    if entrypoint.endswith(".py"):
+        words.append(shlex.quote(entrypoint))
+    else:
+        words += ["-m", shlex.quote(entrypoint)]
+    return words
+
+
+def train_words(spec: LaunchSpec) -> list[str]:
+    """The full, quoted training command of one attempt."""
+    words = entry_words(spec.python, spec.entrypoint, len(spec.gpu_indices))
+    words += ["--model", shlex.quote(spec.model), "--dataset", shlex.quote(spec.dataset)]
+    for reward in spec.reward_functions:
+        words += ["--reward_function", shlex.quote(reward)]
+    words += ["--output_dir", home_path(spec.output_dir)]
+    words += [shlex.quote(arg) for arg in spec.extra_args]
+    if spec.attempt > 1:
+        words += ["--resume", "auto"]
+    return words
+
+
+def wrapper_script(spec: LaunchSpec) -> str:
+    """`launch.sh`: records its pid, runs training in the foreground, records the exit code.
+
+    It runs as the leader of its own session (setsid), so its pid is the process group the
+    kill script signals. The traps keep the wrapper alive long enough to write `exit_code`
+    when the group is sent TERM/INT/HUP; the training process itself still gets the default
+    action because a trapped (not ignored) signal is reset on exec.
+    """
+    d = _dir_word(spec.job_id, spec.attempt)
+    gpus = ",".join(str(int(i)) for i in spec.gpu_indices)
+    return "\n".join(
+        [
+            "#!/bin/sh",
+            f"# rlfleet job {int(spec.job_id)} attempt {int(spec.attempt)}",
+            f"d={d}",
+            'echo "$$" > "$d/pid.tmp" && mv -f "$d/pid.tmp" "$d/pid"',
+            "trap 'rlfleet_sig=TERM' TERM",
+            "trap 'rlfleet_sig=INT' INT",
+            "trap 'rlfleet_sig=HUP' HUP",
+            'cd "$HOME" || exit 1',
+            f"export CUDA_VISIBLE_DEVICES={shlex.quote(gpus)}",
+            'export RLFLEET_PROGRESS_FILE="$d/progress.json"',
+            f"export RLFLEET_JOB_ID={int(spec.job_id)} RLFLEET_ATTEMPT={int(spec.attempt)}",
+            f"mkdir -p {home_path(spec.output_dir)}",
+            'echo "rlfleet: attempt started on $(hostname) at $(date -u +%FT%TZ)'
+            ' CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"',
+            " ".join(train_words(spec)),
+            "rc=$?",
+            'echo "$rc" > "$d/exit_code.tmp" && mv -f "$d/exit_code.tmp" "$d/exit_code"',
+            'echo "rlfleet: attempt ended with exit code $rc"',
+            "",
+        ]
+    )
+
+
+def launch_script(spec: LaunchSpec, *, pid_wait_s: float = 10.0) -> str:
+    """Start the attempt detached from the SSH session and print `rlfleet-pid <pid>`.
+
+    Idempotent per attempt directory: `mkdir` of a lock directory is atomic, so only the
+    first launch starts a process; a repeated launch waits for that one's pid file and
+    reports the same pid. Prints `rlfleet-exited <code>` too when the attempt already ended.
+    """
+    d = _dir_word(spec.job_id, spec.attempt)
+    polls = max(1, int(pid_wait_s / 0.05))
+    return "\n".join(
+        [
+            f"d={d}",
+            'mkdir -p "$d" || exit 97',
+            'if mkdir "$d/.launch.lock" 2>/dev/null; then',
+            f'  printf "%s" {shlex.quote(wrapper_script(spec))} > "$d/launch.sh" || exit 97',
+            '  setsid sh "$d/launch.sh" </dev/null >>"$d/train.log" 2>&1 &',
+            "fi",
+            "n=0",
+            'while [ ! -s "$d/pid" ]; do',
+            "  n=$((n + 1))",
+            f'  if [ "$n" -gt {polls} ]; then echo "rlfleet: no pid file after launch" >&2;'
+            " exit 98; fi",
+            "  sleep 0.05",
+            "done",
+            f'echo "{PID_MARK} $(cat "$d/pid")"',
+            f'if [ -s "$d/exit_code" ]; then echo "{EXITED_MARK} $(cat "$d/exit_code")"; fi',
+            "",
+        ]
+    )
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """What the launch script reported: the pid, and the exit code if it already ended."""
+
+    pid: int
+    exit_code: int | None = None
+
+
+def parse_launch(stdout: str) -> LaunchResult | None:
+    """Read the launch script's output; None when it printed no pid."""
+    pid: int | None = None
+    exit_code: int | None = None
+    for line in stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == PID_MARK and parts[1].isdigit():
+            pid = int(parts[1])
+        elif len(parts) == 2 and parts[0] == EXITED_MARK and parts[1].lstrip("-").isdigit():
+            exit_code = int(parts[1])
+    return None if pid is None else LaunchResult(pid, exit_code)
+
+
+def kill_script(job_id: int, attempt: int, grace_s: float = 10.0) -> str:
+    """TERM the attempt's process group, KILL it after `grace_s`; idempotent.
+
+    Prints `rlfleet-kill <outcome>`: `nopid` (never started), `gone` (nothing left to
+    signal), `terminated` (ended within the grace period) or `killed`. After a KILL the
+    wrapper cannot record an exit code, so the script writes 137 (128 + SIGKILL) for it.
+    """
+    d = _dir_word(job_id, attempt)
+    polls = max(1, int(grace_s / 0.1))
+    return "\n".join(
+        [
+            f"d={d}",
+            f'if [ ! -s "$d/pid" ]; then echo "{KILL_MARK} nopid"; exit 0; fi',
+            'pid=$(cat "$d/pid")',
+            f'kill -TERM -"$pid" 2>/dev/null || {{ echo "{KILL_MARK} gone"; exit 0; }}',
+            "n=0",
+            'while kill -0 -"$pid" 2>/dev/null; do',
+            "  n=$((n + 1))",
+            f'  if [ "$n" -gt {polls} ]; then',
+            '    kill -KILL -"$pid" 2>/dev/null',
+            '    [ -e "$d/exit_code" ] || echo 137 > "$d/exit_code"',
+            f'    echo "{KILL_MARK} killed"; exit 0',
+            "  fi",
+            "  sleep 0.1",
+            "done",
+            f'echo "{KILL_MARK} terminated"',
+            "",
+        ]
+    )
+
+
+def parse_kill(stdout: str) -> str | None:
+    """The kill script's outcome word, or None if it printed none."""
+    for line in stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == KILL_MARK:
+            return parts[1]
+    return None
+
+
+def read_file_script(job_id: int, attempt: int, name: str, *, offset: int = 0) -> str:
+    """Print one file of the attempt directory from byte `offset`; exit 3 if it is missing."""
+    if name not in {"train.log", "progress.json", "pid", "exit_code", "launch.sh"}:
+        raise ValueError(f"not an attempt file: {name}")
+    d = _dir_word(job_id, attempt)
+    return f'f={d}/{name}; [ -f "$f" ] || exit {NO_FILE_EXIT}; tail -c +{int(offset) + 1} "$f"'

@@ -1,0 +1,190 @@
+"""The VM-side shell snippets, built as text and run in a real /bin/sh with a temp $HOME."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from scheduler import remote
+from scheduler.remote import LaunchSpec
+from scheduler.transport import LocalTransport, VMTarget
+
+FAKE_TRAIN = str(Path(__file__).parents[1] / "workloads" / "fake_train.py")
+LOCAL = VMTarget(id=1, name="local", host="localhost", transport="local")
+
+
+def spec(**over: object) -> LaunchSpec:
+    """A launch of the stand-in workload, with overrides."""
+    base: dict[str, object] = {
+        "job_id": 7,
+        "attempt": 1,
+        "python": sys.executable,
+        "entrypoint": FAKE_TRAIN,
+        "gpu_indices": [2],
+        "model": "m",
+        "dataset": "d",
+        "reward_functions": ["format"],
+        "output_dir": remote.default_output_dir(7),
+        "extra_args": [],
+    }
+    base.update(over)
+    return LaunchSpec(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This test's $HOME: the VM's home for the local shell."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    return tmp_path
+
+
+async def sh(command: str, timeout: float = 20) -> tuple[int, str, str]:
+    """Run a snippet in /bin/sh the way a VM would."""
+    result = await LocalTransport().run(LOCAL, command, timeout=timeout)
+    return result.exit_status, result.stdout, result.stderr
+
+
+async def wait_for(path: Path, timeout: float = 10) -> str:
+    """The contents of `path` once it exists."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text()
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never appeared")
+
+
+def test_entry_words_follow_contract_5() -> None:
+    """A .py entrypoint is a script, anything else a module; N > 1 GPUs go via accelerate."""
+    assert remote.entry_words("py", "training.train_grpo", 1) == ["py", "-m", "training.train_grpo"]
+    assert remote.entry_words("py", "/x/t.py", 1) == ["py", "/x/t.py"]
+    assert remote.entry_words("py", "training.train_grpo", 4) == [
+        "py",
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "4",
+        "-m",
+        "training.train_grpo",
+    ]
+
+
+def test_train_words_order_and_resume() -> None:
+    """Model, dataset, one flag per reward, output dir, extra args verbatim; resume after 1."""
+    words = remote.train_words(
+        spec(reward_functions=["a", "b"], extra_args=["--max_steps", "5"], attempt=1)
+    )
+    text = " ".join(words)
+    assert text.endswith(
+        "--model m --dataset d --reward_function a --reward_function b "
+        '--output_dir "$HOME"/.rlfleet/outputs/7 --max_steps 5'
+    )
+    assert remote.train_words(spec(attempt=2))[-2:] == ["--resume", "auto"]
+
+
+@pytest.mark.parametrize(
+    ("path", "word"),
+    [
+        ("~/out", '"$HOME"/out'),
+        ("rel dir", "\"$HOME\"/'rel dir'"),
+        ("/abs/$x", "'/abs/$x'"),
+    ],
+)
+def test_home_path_quotes(path: str, word: str) -> None:
+    """Paths under ~ expand $HOME and nothing else."""
+    assert remote.home_path(path) == word
+
+
+async def test_hostile_arguments_reach_the_program_verbatim(home: Path) -> None:
+    """Given arguments full of shell syntax (and a heredoc-looking line), when launched,
+    then the training program receives them byte for byte and nothing else runs."""
+    evil = ["$(touch pwned)", "`touch pwned`", "a;touch pwned", "x\nEOF\ntouch pwned\n", "'\""]
+    launch = spec(model="$(touch pwned)", extra_args=evil)
+    code, out, err = await sh(remote.launch_script(launch))
+    assert code == 0, err
+    log = home / remote.job_dir(7, 1) / "train.log"
+    await wait_for(home / remote.job_dir(7, 1) / "exit_code")
+    args_line = next(line for line in log.read_text().splitlines() if "args=" in line)
+    # fake_train prints repr(sys.argv[1:]); every hostile string is there intact.
+    for piece in evil:
+        assert repr(piece) in args_line
+    assert not (home / "pwned").exists()
+
+
+async def test_launch_runs_detached_with_contract_files(home: Path) -> None:
+    """Given a launch, then pid, train.log, progress.json, launch.sh and exit_code appear,
+    CUDA_VISIBLE_DEVICES names the claimed GPUs and the pid leads its own process group."""
+    code, out, err = await sh(remote.launch_script(spec(gpu_indices=[1, 3])))
+    assert code == 0, err
+    result = remote.parse_launch(out)
+    assert result is not None
+    d = home / remote.job_dir(7, 1)
+    assert int((d / "pid").read_text()) == result.pid
+    assert (await wait_for(d / "exit_code")).strip() == "0"
+    assert "CUDA_VISIBLE_DEVICES=1,3" in (d / "train.log").read_text()
+    assert json.loads((d / "progress.json").read_text())["status"] == "finished"
+    assert (d / "launch.sh").exists()
+    assert (home / ".rlfleet/outputs/7").is_dir()
+
+
+async def test_launch_is_idempotent_per_attempt(home: Path) -> None:
+    """Given a running attempt, when the launch is repeated, then the same pid is reported
+    and only one process ever started."""
+    launch = spec(extra_args=["--fake_seconds", "2"])
+    first = remote.parse_launch((await sh(remote.launch_script(launch)))[1])
+    second = remote.parse_launch((await sh(remote.launch_script(launch)))[1])
+    assert first is not None and second is not None
+    assert first.pid == second.pid
+    log = (home / remote.job_dir(7, 1) / "train.log").read_text()
+    assert log.count("attempt started") == 1
+    os.killpg(first.pid, signal.SIGKILL)
+
+
+async def test_exit_code_is_recorded(home: Path) -> None:
+    """The wrapper records the training process's exit status."""
+    await sh(remote.launch_script(spec(extra_args=["--fake_exit", "3"])))
+    assert (await wait_for(home / remote.job_dir(7, 1) / "exit_code")).strip() == "3"
+
+
+async def test_kill_terminates_the_group_and_records_the_signal(home: Path) -> None:
+    """Given a long attempt, when killed, then the group is gone, exit_code says 143
+    (128 + TERM) and killing again is harmless."""
+    launch = spec(extra_args=["--fake_seconds", "30"])
+    result = remote.parse_launch((await sh(remote.launch_script(launch)))[1])
+    assert result is not None
+    code, out, _ = await sh(remote.kill_script(7, 1, grace_s=5))
+    assert code == 0
+    assert remote.parse_kill(out) == "terminated"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(result.pid, 0)
+    assert (await wait_for(home / remote.job_dir(7, 1) / "exit_code")).strip() == "143"
+    assert remote.parse_kill((await sh(remote.kill_script(7, 1)))[1]) == "gone"
+    assert remote.parse_kill((await sh(remote.kill_script(7, 9)))[1]) == "nopid"
+
+
+async def test_kill_escalates_to_kill_after_grace(home: Path) -> None:
+    """A process that ignores TERM is KILLed after the grace period."""
+    d = home / remote.job_dir(8, 1)
+    d.mkdir(parents=True)
+    script = "trap '' TERM; echo $$ > " + shlex.quote(str(d / "pid")) + "; sleep 30"
+    await sh(f"setsid sh -c {shlex.quote(script)} </dev/null >/dev/null 2>&1 &")
+    await wait_for(d / "pid")
+    code, out, _ = await sh(remote.kill_script(8, 1, grace_s=0.3))
+    assert remote.parse_kill(out) == "killed"
+    assert (d / "exit_code").read_text().strip() == "137"
+
+
+async def test_read_file_from_offset(home: Path) -> None:
+    """Logs are read from a byte offset; a missing file is exit 3."""
+    d = home / remote.job_dir(9, 2)
+    d.mkdir(parents=True)
+    (d / "train.log").write_text("hello world\n")
+    assert (await sh(remote.read_file_script(9, 2, "train.log", offset=6)))[1] == "world\n"
+    assert (await sh(remote.read_file_script(9, 3, "train.log")))[0] == remote.NO_FILE_EXIT

@@ -1,0 +1,87 @@
+"""A stand-in for train_grpo.py in scheduler tests (contract 4): cheap, no torch.
+
+It accepts and ignores train_grpo.py's flags and obeys a few of its own:
+`--fake_seconds S` sleeps, `--fake_exit N` exits with N, `--fake_oom_once` fails with a
+CUDA out-of-memory error (exit 75) on the first attempt only (a marker file in
+`--output_dir` remembers it). It writes progress.json to $RLFLEET_PROGRESS_FILE and, when
+`RLFLEET_FAKE_RECORD` names a directory, one JSON line per run there saying where and on
+which GPUs it ran, so tests can prove that no GPU was shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Parse the flags this stand-in obeys; every other flag is accepted and ignored."""
+    parser = argparse.ArgumentParser(prog="fake_train")
+    parser.add_argument("--output_dir", default=".")
+    parser.add_argument("--fake_seconds", type=float, default=0.0)
+    parser.add_argument("--fake_exit", type=int, default=0)
+    parser.add_argument("--fake_oom_once", action="store_true")
+    parser.add_argument("--max_steps", type=int, default=10)
+    args, _unknown = parser.parse_known_args(argv)
+    return args
+
+
+def write_progress(step: int, max_steps: int, status: str) -> None:
+    """Write progress.json atomically, the way training.progress does."""
+    path = os.environ.get("RLFLEET_PROGRESS_FILE")
+    if not path:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as handle:
+        json.dump({"status": status, "step": step, "max_steps": max_steps, "reward": 0.5}, handle)
+    os.replace(tmp, path)
+
+
+def record(event: str, **fields: object) -> None:
+    """Append one line to the run record, when the test asked for one."""
+    folder = os.environ.get("RLFLEET_FAKE_RECORD")
+    if not folder:
+        return
+    line = {
+        "event": event,
+        "vm": os.environ.get("RLFLEET_SIM_VM", ""),
+        "job_id": os.environ.get("RLFLEET_JOB_ID"),
+        "attempt": os.environ.get("RLFLEET_ATTEMPT"),
+        "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "pid": os.getpid(),
+        "t": time.time(),
+        **fields,
+    }
+    with open(Path(folder) / f"{line['vm']}-{line['job_id']}-{line['attempt']}.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Pretend to train; return the exit code asked for."""
+    args = parse(sys.argv[1:] if argv is None else argv)
+    print(f"fake_train: args={sys.argv[1:]}", flush=True)
+    print(f"fake_train: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
+    record("start")
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.fake_oom_once and not (out / ".fake_oom_done").exists():
+        (out / ".fake_oom_done").write_text("1")
+        print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", flush=True)
+        record("end", exit_code=75)
+        return 75
+    steps = max(1, min(args.max_steps, 5))
+    for step in range(1, steps + 1):
+        time.sleep(args.fake_seconds / steps)
+        write_progress(step, steps, "running")
+        print(f"fake_train: step {step}/{steps} loss=0.{step}", flush=True)
+    write_progress(steps, steps, "finished")
+    record("end", exit_code=args.fake_exit)
+    return args.fake_exit
+
+
+if __name__ == "__main__":
+    sys.exit(main())
