@@ -1,0 +1,272 @@
+"""GPU claims: take free GPUs for a job atomically, give them back, expire dead claims.
+
+A claim is one short transaction (invariant 4: no network I/O inside): the job row is
+locked, one statement picks the best-fitting VM and takes its GPU rows with
+`FOR UPDATE SKIP LOCKED`, and the job moves `queued → starting` with a lease. Two
+dispatchers racing for the same GPUs can never both win a row (invariant 1); the same job
+delivered twice is claimed once, because the second delivery finds it no longer queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import func, select, text, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from scheduler.db import Database
+from scheduler.jobs import transition
+from scheduler.logging import get_logger
+from scheduler.models import VM, Job, StaleProcess
+from scheduler.remote import default_output_dir
+from scheduler.states import JobStatus
+
+DEFAULT_LEASE_S = 60.0
+CANDIDATE_VMS = 4
+"""How many best-fitting VMs one claim statement tries; more than one so that a VM whose
+free GPUs another dispatcher holds locked right now does not make the claim miss."""
+
+log = get_logger("claims")
+
+# A GPU is free when nvidia-smi says it is healthy and idle, rlfleet has not given it to a
+# job, its VM answers and is not draining, and no process left over from a lost VM may
+# still hold it.
+_FREE_GPU = """
+    g.job_id IS NULL AND g.healthy AND NOT g.foreign_busy
+    AND NOT EXISTS (
+        SELECT 1 FROM stale_processes s
+        WHERE s.vm_id = g.vm_id AND s.killed_at IS NULL AND g.index = ANY(s.gpu_indices)
+    )
+"""
+
+CLAIM_SQL = text(
+    f"""
+WITH cand AS (
+    SELECT g.vm_id, count(*) AS free
+    FROM gpus g JOIN vms v ON v.id = g.vm_id
+    WHERE v.status = 'healthy' AND NOT v.draining AND {_FREE_GPU}
+    GROUP BY g.vm_id
+), fit AS (
+    SELECT vm_id, free FROM cand WHERE free >= :need
+    ORDER BY free, vm_id LIMIT :candidates
+), locked AS MATERIALIZED (
+    SELECT g.id, g.vm_id, g.index FROM gpus g
+    WHERE g.vm_id IN (SELECT vm_id FROM fit) AND {_FREE_GPU}
+    ORDER BY g.vm_id, g.index
+    FOR UPDATE OF g SKIP LOCKED
+), chosen_vm AS (
+    SELECT l.vm_id FROM locked l JOIN fit f ON f.vm_id = l.vm_id
+    GROUP BY l.vm_id, f.free HAVING count(*) >= :need
+    ORDER BY f.free, l.vm_id LIMIT 1
+), chosen AS (
+    SELECT l.id, l.index FROM locked l WHERE l.vm_id = (SELECT vm_id FROM chosen_vm)
+    ORDER BY l.index LIMIT :need
+), taken AS (
+    UPDATE gpus SET job_id = :job_id, allocated_at = now(), updated_at = now()
+    FROM chosen WHERE gpus.id = chosen.id
+    RETURNING gpus.index
+), vm_update AS (
+    UPDATE vms SET available_gpus = GREATEST(available_gpus - :need, 0)
+    WHERE id = (SELECT vm_id FROM chosen_vm)
+    RETURNING id
+)
+SELECT
+    (SELECT id FROM vm_update) AS vm_id,
+    (SELECT array_agg(index ORDER BY index) FROM taken) AS gpu_indices,
+    (SELECT coalesce(max(free), 0) FROM cand) AS largest_free
+"""
+)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """GPUs taken for a job that is now `starting`, and what its launch needs."""
+
+    job_id: int
+    attempt: int
+    vm_id: int
+    gpu_indices: list[int]
+    output_dir: str
+
+
+@dataclass(frozen=True)
+class NoClaim:
+    """Nothing was claimed. `status` is the job's state now (None: no such job);
+    `contended` means GPUs would fit but other claimers hold them locked: try again soon."""
+
+    job_id: int
+    status: str | None
+    reason: str | None = None
+    contended: bool = False
+    moved_to_pending: bool = False
+
+
+def pending_reason(need: int, largest_free: int) -> str:
+    """Why a job waits, in the words `job list` shows."""
+    unit = "GPU" if need == 1 else "GPUs"
+    return f"needs {need} {unit}, largest free block is {largest_free}"
+
+
+async def claim_in_session(
+    session: AsyncSession,
+    job_id: int,
+    *,
+    actor: str,
+    lease_s: float = DEFAULT_LEASE_S,
+    candidates: int = CANDIDATE_VMS,
+) -> Claim | NoClaim:
+    """Claim GPUs for queued job `job_id` inside the caller's (short) transaction.
+
+    Moves the job `queued → starting` (lease, attempt + 1, VM, GPUs, output dir) when a VM
+    fits, `queued → pending` with the reason when none does, and leaves any job that is not
+    `queued` untouched.
+    """
+    row = (
+        await session.execute(
+            select(Job.status, Job.gpus_requested, Job.attempt, Job.output_dir, Job.status_reason)
+            .where(Job.id == job_id)
+            .with_for_update()
+        )
+    ).first()
+    if row is None:
+        return NoClaim(job_id, None, "no such job")
+    if row.status != JobStatus.QUEUED:
+        return NoClaim(job_id, row.status, f"job is {row.status}")
+    need = row.gpus_requested
+    result = (
+        await session.execute(CLAIM_SQL, {"job_id": job_id, "need": need, "candidates": candidates})
+    ).one()
+    if result.vm_id is None or not result.gpu_indices:
+        if result.largest_free >= need:
+            # Free GPUs exist but other claimers hold them: not a reason to wait.
+            return NoClaim(job_id, row.status, "contended", contended=True)
+        reason = pending_reason(need, result.largest_free)
+        moved = await transition(
+            session,
+            job_id,
+            expected=JobStatus.QUEUED,
+            to=JobStatus.PENDING,
+            reason=reason,
+            actor=actor,
+            values={"status_reason": reason},
+        )
+        return NoClaim(job_id, JobStatus.PENDING.value, reason, moved_to_pending=moved)
+    attempt = row.attempt + 1
+    output_dir = row.output_dir or default_output_dir(job_id)
+    moved = await transition(
+        session,
+        job_id,
+        expected=JobStatus.QUEUED,
+        to=JobStatus.STARTING,
+        reason=f"claimed GPUs {','.join(map(str, result.gpu_indices))}",
+        actor=actor,
+        values={
+            "attempt": attempt,
+            "vm_id": result.vm_id,
+            "gpu_indices": list(result.gpu_indices),
+            "output_dir": output_dir,
+            "lease_expires_at": func.now() + timedelta(seconds=lease_s),
+            "status_reason": None,
+            "failure_reason": None,
+            "exit_code": None,
+            "remote_pid": None,
+        },
+    )
+    if not moved:  # cannot happen while we hold the row lock; be safe anyway
+        raise RuntimeError(f"job {job_id} changed state under its row lock")
+    return Claim(job_id, attempt, result.vm_id, list(result.gpu_indices), output_dir)
+
+
+async def claim_gpus(
+    db: Database, job_id: int, *, actor: str, lease_s: float = DEFAULT_LEASE_S
+) -> Claim | NoClaim:
+    """Claim GPUs for a queued job in one short transaction (see `claim_in_session`)."""
+    async with db.transaction() as session:
+        return await claim_in_session(session, job_id, actor=actor, lease_s=lease_s)
+
+
+async def release_in_session(session: AsyncSession, job_id: int) -> list[int]:
+    """Free every GPU allocated to `job_id` (caller's transaction); returns their indices."""
+    rows = (
+        await session.execute(
+            text(
+                "UPDATE gpus SET job_id = NULL, allocated_at = NULL, updated_at = now() "
+                "WHERE job_id = :job_id RETURNING vm_id, index"
+            ),
+            {"job_id": job_id},
+        )
+    ).all()
+    per_vm: dict[int, int] = {}
+    for vm_id, _index in rows:
+        per_vm[vm_id] = per_vm.get(vm_id, 0) + 1
+    for vm_id, count in per_vm.items():
+        await session.execute(
+            update(VM)
+            .where(VM.id == vm_id)
+            .values(available_gpus=VM.available_gpus + count)
+            .execution_options(synchronize_session=False)
+        )
+    return sorted(index for _vm, index in rows)
+
+
+async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:
+    """Take back claims whose launch was never confirmed: `starting` jobs past their lease.
+
+    Each such job's GPUs are freed and it goes back to `queued` (publish it again). The
+    attempt may still have started on the VM (a dispatcher that died after the launch but
+    before recording it), so a `stale_processes` row is written for it: its GPUs are not
+    offered again until that attempt is known to be dead (the kill reads its pid file).
+    Returns the ids of the jobs requeued.
+    """
+    expired: list[int] = []
+    async with db.transaction() as session:
+        rows = (
+            await session.execute(
+                select(Job.id, Job.vm_id, Job.attempt, Job.gpu_indices)
+                .where(
+                    Job.status == JobStatus.STARTING.value,
+                    Job.lease_expires_at < func.now(),
+                )
+                .order_by(Job.id)
+                .with_for_update(skip_locked=True)
+            )
+        ).all()
+        for job_id, vm_id, attempt, gpu_indices in rows:
+            moved = await transition(
+                session,
+                job_id,
+                expected=JobStatus.STARTING,
+                to=JobStatus.QUEUED,
+                reason="claim lease expired before the launch was confirmed",
+                actor=actor,
+                values={"lease_expires_at": None, "published_at": None},
+            )
+            if not moved:
+                continue
+            await release_in_session(session, job_id)
+            if vm_id is not None:
+                await _record_possible_leftover(session, job_id, vm_id, attempt, gpu_indices)
+            expired.append(job_id)
+    for job_id in expired:
+        log.warning("lease_expired", job_id=job_id)
+    return expired
+
+
+async def _record_possible_leftover(
+    session: AsyncSession, job_id: int, vm_id: int, attempt: int, gpu_indices: Sequence[int] | None
+) -> None:
+    await session.execute(
+        insert(StaleProcess)
+        .values(
+            vm_id=vm_id,
+            job_id=job_id,
+            attempt=attempt,
+            pid=None,
+            gpu_indices=list(gpu_indices) if gpu_indices else None,
+            reason="lease_expired",
+        )
+        .on_conflict_do_nothing()
+    )

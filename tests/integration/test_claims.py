@@ -1,0 +1,215 @@
+"""GPU claims against real Postgres: best fit, never a GPU twice, pending with a reason,
+and leases that expire."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+
+from sqlalchemy import func, select, text, update
+
+from scheduler.claims import Claim, NoClaim, claim_gpus, expire_leases, release_in_session
+from scheduler.db import Database
+from scheduler.jobs import JobSpec, get_job, insert_job
+from scheduler.models import GPU, VM, Job, StaleProcess
+
+
+async def add_vm(db: Database, name: str, gpus: int, **fields: object) -> int:
+    """A polled, healthy VM row with `gpus` idle GPUs."""
+    async with db.transaction() as session:
+        vm = VM(name=name, host="127.0.0.1", status="healthy", available_gpus=gpus, **fields)
+        session.add(vm)
+        await session.flush()
+        session.add_all(GPU(vm_id=vm.id, index=i, uuid=f"GPU-{name}-{i}") for i in range(gpus))
+        return vm.id
+
+
+async def new_job(db: Database, gpus: int = 1) -> int:
+    """A queued job asking for `gpus` GPUs."""
+    async with db.transaction() as session:
+        spec = JobSpec(model="m", dataset="d", reward_functions=("format",), gpus=gpus)
+        return (await insert_job(session, spec, actor="test")).id
+
+
+async def allocations(db: Database) -> dict[int, tuple[int, list[int]]]:
+    """job id -> (vm id, GPU indices) as the gpus table says."""
+    async with db.transaction() as session:
+        rows = (await session.execute(select(GPU.job_id, GPU.vm_id, GPU.index))).all()
+    out: dict[int, tuple[int, list[int]]] = {}
+    for job_id, vm_id, index in sorted(rows, key=lambda r: r.index):
+        if job_id is not None:
+            out.setdefault(job_id, (vm_id, []))[1].append(index)
+    return out
+
+
+async def test_best_fit_keeps_big_holes_for_big_jobs(db: Database) -> None:
+    """Given VMs with 8, 2 and 4 free GPUs, a 2-GPU job goes to the 2-GPU VM and a
+    4-GPU job to the 4-GPU VM, so the 8-GPU VM stays whole."""
+    big = await add_vm(db, "big", 8)
+    small = await add_vm(db, "small", 2)
+    mid = await add_vm(db, "mid", 4)
+    two, four = await new_job(db, 2), await new_job(db, 4)
+
+    c2 = await claim_gpus(db, two, actor="test")
+    c4 = await claim_gpus(db, four, actor="test")
+
+    assert isinstance(c2, Claim) and (c2.vm_id, c2.gpu_indices) == (small, [0, 1])
+    assert isinstance(c4, Claim) and (c4.vm_id, c4.gpu_indices) == (mid, [0, 1, 2, 3])
+    async with db.transaction() as session:
+        job = await get_job(session, four, with_events=True)
+        available = dict((await session.execute(select(VM.id, VM.available_gpus))).all())
+    assert job.status == "starting" and job.attempt == 1 and job.vm_id == mid
+    assert job.gpu_indices == [0, 1, 2, 3] and job.output_dir == f"~/.rlfleet/outputs/{four}"
+    assert job.lease_expires_at is not None and job.lease_expires_at > job.starting_at
+    assert [(e.from_status, e.to_status) for e in job.events][-1] == ("queued", "starting")
+    assert available == {big: 8, small: 0, mid: 0}
+
+
+async def test_nothing_fits_means_pending_with_the_reason(db: Database) -> None:
+    """Given only 2 free GPUs on any VM, a 4-GPU job is pending and says why."""
+    await add_vm(db, "a", 2)
+    job_id = await new_job(db, 4)
+    result = await claim_gpus(db, job_id, actor="test")
+    assert isinstance(result, NoClaim) and result.moved_to_pending
+    async with db.transaction() as session:
+        job = await get_job(session, job_id)
+    assert job.status == "pending"
+    assert job.status_reason == "needs 4 GPUs, largest free block is 2"
+
+
+async def test_unusable_gpus_and_vms_are_never_claimed(db: Database) -> None:
+    """Unhealthy, foreign-busy, stale-process GPUs and draining or unreachable VMs are
+    skipped; only the one clean GPU is claimed."""
+    await add_vm(db, "draining", 1, draining=True)
+    await add_vm(db, "down", 1)
+    ok = await add_vm(db, "ok", 4)
+    async with db.transaction() as session:
+        await session.execute(update(VM).where(VM.name == "down").values(status="unreachable"))
+        await session.execute(
+            update(GPU).where(GPU.vm_id == ok, GPU.index == 0).values(healthy=False)
+        )
+        await session.execute(
+            update(GPU).where(GPU.vm_id == ok, GPU.index == 1).values(foreign_busy=True)
+        )
+        leftover = await new_job(db, 1)
+        session.add(StaleProcess(vm_id=ok, job_id=leftover, attempt=1, gpu_indices=[2], reason="t"))
+    first, second = await new_job(db), await new_job(db)
+    c1 = await claim_gpus(db, first, actor="test")
+    c2 = await claim_gpus(db, second, actor="test")
+    assert isinstance(c1, Claim) and (c1.vm_id, c1.gpu_indices) == (ok, [3])
+    assert isinstance(c2, NoClaim) and c2.reason == "needs 1 GPU, largest free block is 0"
+
+
+async def test_a_job_not_queued_is_left_alone(db: Database) -> None:
+    """A second delivery of a claimed job, and an unknown id, claim nothing."""
+    await add_vm(db, "a", 2)
+    job_id = await new_job(db)
+    assert isinstance(await claim_gpus(db, job_id, actor="test"), Claim)
+    again = await claim_gpus(db, job_id, actor="test")
+    assert isinstance(again, NoClaim) and again.status == "starting"
+    unknown = await claim_gpus(db, 10**9, actor="test")
+    assert isinstance(unknown, NoClaim) and unknown.status is None
+    assert list(await allocations(db)) == [job_id]
+
+
+async def test_racing_claimers_never_share_a_gpu(db: Database) -> None:
+    """Given 10 VMs with 48 GPUs in all and 80 jobs of 1-4 GPUs, each claimed by 4
+    concurrent claimers at once (every job twice), then no GPU is held twice, no job is
+    claimed twice, and jobs are only pending when their size really does not fit."""
+    rng = random.Random(4)
+    for i in range(10):
+        await add_vm(db, f"vm{i}", rng.choice([2, 4, 8]))
+    sizes = {await new_job(db, rng.randint(1, 4)): 0 for _ in range(80)}
+    ids = list(sizes) * 2
+    rng.shuffle(ids)
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for job_id in ids:
+        queue.put_nowait(job_id)
+    claims: list[Claim] = []
+
+    async def claimer() -> None:
+        while not queue.empty():
+            job_id = queue.get_nowait()
+            result = await claim_gpus(db, job_id, actor="test")
+            if isinstance(result, Claim):
+                claims.append(result)
+            elif result.contended:
+                queue.put_nowait(job_id)
+
+    await asyncio.gather(*(claimer() for _ in range(4)))
+
+    assert Counter(c.job_id for c in claims).most_common(1)[0][1] == 1
+    held = [(c.vm_id, i) for c in claims for i in c.gpu_indices]
+    assert len(held) == len(set(held))
+    table = await allocations(db)
+    assert {j: (c.vm_id, c.gpu_indices) for c in claims for j in [c.job_id]} == table
+    async with db.transaction() as session:
+        free = (
+            await session.execute(
+                text("SELECT vm_id, count(*) FROM gpus WHERE job_id IS NULL GROUP BY vm_id")
+            )
+        ).all()
+        pending = (
+            await session.execute(select(Job.gpus_requested).where(Job.status == "pending"))
+        ).scalars()
+        mismatched = await session.scalar(
+            text(
+                "SELECT count(*) FROM vms v WHERE v.available_gpus <> "
+                "(SELECT count(*) FROM gpus g WHERE g.vm_id = v.id AND g.job_id IS NULL)"
+            )
+        )
+    largest = max((n for _vm, n in free), default=0)
+    assert claims, "some jobs must have fitted"
+    assert all(need > largest for need in pending)
+    assert mismatched == 0
+
+
+async def test_an_expired_lease_frees_the_gpus_and_requeues(db: Database) -> None:
+    """Given a dispatcher that claimed and died before launching, when its lease expires,
+    then a query finds it, `expire_leases` frees the GPUs (blocked only until the possibly
+    started attempt is known dead) and the job is queued again; a live lease is kept."""
+    vm_id = await add_vm(db, "a", 2)
+    dead, alive = await new_job(db), await new_job(db)
+    assert isinstance(await claim_gpus(db, dead, actor="test", lease_s=60), Claim)
+    assert isinstance(await claim_gpus(db, alive, actor="test", lease_s=60), Claim)
+    async with db.transaction() as session:
+        await session.execute(
+            update(Job)
+            .where(Job.id == dead)
+            .values(lease_expires_at=func.now() - text("interval '1 second'"))
+        )
+        found = (
+            await session.execute(
+                select(Job.id).where(Job.status == "starting", Job.lease_expires_at < func.now())
+            )
+        ).scalars()
+        assert list(found) == [dead]
+
+    assert await expire_leases(db) == [dead]
+    assert await expire_leases(db) == []
+
+    async with db.transaction() as session:
+        job = await get_job(session, dead)
+        stale = (await session.execute(select(StaleProcess))).scalars().one()
+        assert job.status == "queued" and job.lease_expires_at is None and job.attempt == 1
+        assert (await get_job(session, alive)).status == "starting"
+        assert (stale.vm_id, stale.job_id, stale.attempt, stale.gpu_indices) == (
+            vm_id,
+            dead,
+            1,
+            [0],
+        )
+    assert list(await allocations(db)) == [alive]
+
+
+async def test_release_frees_and_counts(db: Database) -> None:
+    """Releasing a job's GPUs frees its rows and gives them back to the VM's count."""
+    vm_id = await add_vm(db, "a", 4)
+    job_id = await new_job(db, 3)
+    assert isinstance(await claim_gpus(db, job_id, actor="test"), Claim)
+    async with db.transaction() as session:
+        assert await release_in_session(session, job_id) == [0, 1, 2]
+    async with db.transaction() as session:
+        assert await session.scalar(select(VM.available_gpus).where(VM.id == vm_id)) == 4
+    assert await allocations(db) == {}
