@@ -7,12 +7,20 @@ built by the caller with `shlex.quote` on every user-supplied piece (invariant 5
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import os
+import shlex
 import signal
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+import asyncssh
+
+from scheduler.logging import get_logger
 from scheduler.models import VM
+
+log = get_logger("transport")
 
 
 @dataclass(frozen=True)
@@ -102,10 +110,8 @@ class LocalTransport:
                 proc.communicate(input.encode() if input is not None else None), timeout
             )
         except TimeoutError as exc:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             await proc.wait()
             raise TransportError(f"{target.name}: command timed out after {timeout:.0f}s") from exc
         return CommandResult(
@@ -114,3 +120,243 @@ class LocalTransport:
 
     async def close(self) -> None:
         """Nothing to release."""
+
+
+# Fast, widely supported algorithms first (key exchange is the CPU-heavy part of a
+# connect); the rest of asyncssh's defaults follow so that older servers still connect.
+_PREFERRED_KEX = ("curve25519-sha256", "curve25519-sha256@libssh.org")
+_PREFERRED_CIPHERS = (
+    "chacha20-poly1305@openssh.com",
+    "aes128-gcm@openssh.com",
+    "aes256-gcm@openssh.com",
+)
+
+
+def _prefer(preferred: tuple[str, ...], defaults: list[bytes]) -> list[str]:
+    names = [d.decode() for d in defaults if not d.startswith(b"gss-")]
+    return [p for p in preferred if p in names] + [n for n in names if n not in preferred]
+
+
+def remote_timeout_wrapper(command: str, timeout: float) -> str:
+    """`command` wrapped so the VM itself kills it after `timeout` (+ a little) seconds.
+
+    The local timeout closes the channel, but OpenSSH does not kill a command without a
+    tty when its channel closes, so the VM enforces the limit too when it has `timeout`.
+    """
+    limit = max(1, math.ceil(timeout) + 1)
+    inner = shlex.quote(command)
+    return (
+        f"if command -v timeout >/dev/null 2>&1; then exec timeout -k 5 {limit} /bin/sh -c {inner};"
+        f" else exec /bin/sh -c {inner}; fi"
+    )
+
+
+class HostKeyMismatch(TransportError):
+    """The VM's host key is not the one in known_hosts: refusing to talk to it."""
+
+
+_ConnKey = tuple[str, int, str | None, str | None, str | None, bool]
+
+
+class SSHTransport:
+    """An asyncssh connection pool: one connection per VM, reused across commands.
+
+    Connections are opened lazily under a per-VM lock (no duplicate connects), reopened
+    when closed, and kept alive with keepalives. A global semaphore bounds concurrent
+    connects plus commands. Host keys are verified against the VM's known_hosts file
+    (default ~/.ssh/known_hosts) unless the VM says `verify_host_key = False`.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_concurrency: int = 200,
+        connect_timeout: float = 10.0,
+        login_timeout: float = 10.0,
+        keepalive_interval: float = 15.0,
+        keepalive_count_max: int = 3,
+        remote_timeout: bool = True,
+    ) -> None:
+        self._conns: dict[_ConnKey, asyncssh.SSHClientConnection] = {}
+        self._locks: dict[_ConnKey, asyncio.Lock] = {}
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self._connect_timeout = connect_timeout
+        self._login_timeout = login_timeout
+        self._keepalive_interval = keepalive_interval
+        self._keepalive_count_max = keepalive_count_max
+        self._remote_timeout = remote_timeout
+        self._kex = _prefer(_PREFERRED_KEX, asyncssh.kex.get_default_kex_algs())
+        self._ciphers = _prefer(
+            _PREFERRED_CIPHERS, asyncssh.encryption.get_default_encryption_algs()
+        )
+
+    @staticmethod
+    def _key(target: VMTarget) -> _ConnKey:
+        return (
+            target.host,
+            target.port,
+            target.user,
+            target.ssh_key_path,
+            target.known_hosts,
+            target.verify_host_key,
+        )
+
+    @property
+    def open_connections(self) -> int:
+        """How many pooled connections are open now."""
+        return sum(1 for c in self._conns.values() if not c.is_closed())
+
+    async def _connect(self, target: VMTarget) -> asyncssh.SSHClientConnection:
+        options: dict[str, Any] = {
+            "port": target.port,
+            "connect_timeout": self._connect_timeout,
+            "login_timeout": self._login_timeout,
+            "keepalive_interval": self._keepalive_interval,
+            "keepalive_count_max": self._keepalive_count_max,
+            "kex_algs": self._kex,
+            "encryption_algs": self._ciphers,
+        }
+        if target.user:
+            options["username"] = target.user
+        if target.ssh_key_path:
+            # Only the VM's own key: no agent, no guessing among ~/.ssh keys.
+            options["client_keys"] = [os.path.expanduser(target.ssh_key_path)]
+            options["agent_path"] = None
+        if not target.verify_host_key:
+            log.warning(
+                "ssh_host_key_not_verified",
+                vm=target.name,
+                host=target.host,
+                port=target.port,
+                detail="verify_host_key is off for this VM: any host key is accepted",
+            )
+            options["known_hosts"] = None
+        elif target.known_hosts:
+            options["known_hosts"] = os.path.expanduser(target.known_hosts)
+        try:
+            conn = await asyncssh.connect(target.host, **options)
+        except asyncssh.HostKeyNotVerifiable as exc:
+            raise HostKeyMismatch(
+                f"{target.name}: host key of {target.host}:{target.port} not verified "
+                f"against {target.known_hosts or '~/.ssh/known_hosts'}: {exc.reason}"
+            ) from exc
+        except (OSError, asyncssh.Error, TimeoutError) as exc:
+            raise TransportError(
+                f"{target.name}: cannot connect to {target.host}:{target.port}: {_describe(exc)}"
+            ) from exc
+        log.debug("ssh_connected", vm=target.name, host=target.host, port=target.port)
+        return conn
+
+    async def _connection(
+        self, target: VMTarget, *, fresh: bool = False
+    ) -> asyncssh.SSHClientConnection:
+        key = self._key(target)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(key)
+            if conn is not None and (fresh or conn.is_closed()):
+                conn.close()
+                conn = None
+                del self._conns[key]
+            if conn is None:
+                conn = await self._connect(target)
+                self._conns[key] = conn
+            return conn
+
+    async def run(
+        self, target: VMTarget, command: str, *, timeout: float, input: str | None = None
+    ) -> CommandResult:
+        """Run `command` on `target` over its pooled connection; `TransportError` on failure."""
+        wrapped = remote_timeout_wrapper(command, timeout) if self._remote_timeout else command
+        async with self._sem:
+            for attempt in (1, 2):
+                conn = await self._connection(target, fresh=attempt == 2)
+                try:
+                    result = await asyncio.wait_for(_run_once(conn, wrapped, input), timeout)
+                except (asyncssh.ChannelOpenError, asyncssh.ConnectionLost) as exc:
+                    # The pooled connection died under us (VM rebooted, network blip): the
+                    # command never started, so reconnecting once and retrying is safe.
+                    if attempt == 1 and isinstance(exc, asyncssh.ChannelOpenError):
+                        continue
+                    raise TransportError(f"{target.name}: {_describe(exc)}") from exc
+                except TimeoutError as exc:
+                    raise TransportError(
+                        f"{target.name}: command timed out after {timeout:g}s"
+                    ) from exc
+                except (OSError, asyncssh.Error) as exc:
+                    raise TransportError(f"{target.name}: {_describe(exc)}") from exc
+                return CommandResult(
+                    _exit_status(result), _text(result.stdout), _text(result.stderr)
+                )
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def close(self) -> None:
+        """Close every pooled connection."""
+        conns = list(self._conns.values())
+        self._conns.clear()
+        for conn in conns:
+            conn.close()
+        for conn in conns:
+            with contextlib.suppress(Exception):
+                await conn.wait_closed()
+
+
+async def _run_once(
+    conn: asyncssh.SSHClientConnection, command: str, input: str | None
+) -> asyncssh.SSHCompletedProcess:
+    process = await conn.create_process(command, input=input)
+    try:
+        return await process.wait(check=False)
+    finally:
+        # On timeout or cancellation, close the channel rather than leave it half open.
+        process.close()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, asyncssh.DisconnectError | asyncssh.ChannelOpenError):
+        return exc.reason or type(exc).__name__
+    return str(exc).strip() or type(exc).__name__
+
+
+def _text(data: str | bytes | None) -> str:
+    if data is None:
+        return ""
+    return data.decode(errors="replace") if isinstance(data, bytes) else data
+
+
+def _exit_status(result: asyncssh.SSHCompletedProcess) -> int:
+    """The shell's convention: the exit code, or 128 + N when killed by signal N."""
+    if result.exit_status is not None and result.exit_status >= 0:
+        return result.exit_status
+    if result.exit_signal:
+        signame = result.exit_signal[0]
+        num = getattr(signal, f"SIG{signame}", None)
+        return 128 + int(num) if num is not None else 255
+    return 255
+
+
+class RoutingTransport:
+    """Sends `transport == "local"` targets to a `LocalTransport`, the rest over SSH."""
+
+    def __init__(self, local: Transport, ssh: Transport) -> None:
+        self.local = local
+        self.ssh = ssh
+
+    def _pick(self, target: VMTarget) -> Transport:
+        return self.local if target.transport == "local" else self.ssh
+
+    async def run(
+        self, target: VMTarget, command: str, *, timeout: float, input: str | None = None
+    ) -> CommandResult:
+        """Run `command` on `target` with the transport its VM row names."""
+        return await self._pick(target).run(target, command, timeout=timeout, input=input)
+
+    async def close(self) -> None:
+        """Close both transports."""
+        await self.ssh.close()
+        await self.local.close()
+
+
+def make_transport(**ssh_options: Any) -> RoutingTransport:
+    """The transport every daemon uses: local for `local` VMs, pooled SSH otherwise."""
+    return RoutingTransport(LocalTransport(), SSHTransport(**ssh_options))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ import pytest
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats, EmbeddedPostgres
 from scheduler.migrate import upgrade
+from tests.fleet import SimFleet, start_fleet
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TEMPLATE_DB = "rlfleet_template"
@@ -56,3 +57,24 @@ def nats(tmp_path: Path) -> Iterator[EmbeddedNats]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+async def sim_fleet(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[SimFleet]]]:
+    """Factory of simulated VMs (real SSH servers, simulated GPUs); see tests/fleet.py.
+
+    `fleet = await sim_fleet(2, gpus_per_vm=2)`; every fleet is stopped after the test
+    and every process started on its VMs is killed.
+    """
+    fleets: list[SimFleet] = []
+
+    async def make(n_vms: int = 1, *, gpus_per_vm: int = 1, **gpu: object) -> SimFleet:
+        fleet = await start_fleet(
+            tmp_path / f"fleet{len(fleets)}", n_vms, gpus_per_vm=gpus_per_vm, **gpu
+        )
+        fleets.append(fleet)
+        return fleet
+
+    yield make
+    for fleet in fleets:
+        await fleet.close()

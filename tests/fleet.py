@@ -1,0 +1,446 @@
+"""A test fleet of real SSH servers: each "VM" is an in-process asyncssh server on 127.0.0.1.
+
+Every VM has its own HOME under a temp dir, its own ed25519 host key (with a known_hosts
+file the client verifies against) and accepts the fleet's client key. Commands run in a
+real `/bin/sh` with `HOME=<vm home>`, `PATH=<vm bin>:$PATH` and `RLFLEET_SIM_VM=<name>`.
+The GPU is the one thing simulated: `<vm bin>/nvidia-smi` reports the VM's GPUs in the
+real csv formats and shows a GPU as used by every live process of this VM whose
+environment names it in `CUDA_VISIBLE_DEVICES` (it scans /proc/*/environ).
+
+    fleet = await sim_fleet(2, gpus_per_vm=2)     # the pytest fixture
+    vm_ids = await fleet.register(db)             # rows in `vms`, keys and known_hosts set
+    await fleet[0].stop(kill_processes=True)      # a crash; `await fleet[0].start()` again
+    fleet[1].fail_nvidia_smi("driver")            # rc 9, as when the driver is gone
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import getpass
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncssh
+
+from scheduler.db import Database
+from scheduler.fleet import VMSpec, add_vm
+from scheduler.transport import VMTarget
+
+FAIL_MODES = ("driver", "no_devices", "fallen_off_bus", "garbage")
+DEFAULT_GPU_NAME = "NVIDIA A100-SXM4-80GB"
+DEFAULT_GPU_MEMORY_MB = 81920
+PROCESS_MEMORY_MB = 1024
+FAKE_TRAIN = Path(__file__).resolve().parent / "workloads" / "fake_train.py"
+
+# The simulated nvidia-smi. It must stay cheap: it runs on every poll of every VM.
+NVIDIA_SMI = r'''#!__PYTHON__ -S
+"""Simulated nvidia-smi for the rlfleet test fleet (see tests/fleet.py)."""
+import json, os, sys
+from pathlib import Path
+
+cfg = json.loads((Path(__file__).resolve().parent.parent / "sim.json").read_text())
+mode = cfg.get("fail")
+if mode == "driver":
+    print("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+          "Make sure that the latest NVIDIA driver is installed and running.\n")
+    sys.exit(9)
+if mode == "no_devices":
+    print("No devices were found")
+    sys.exit(6)
+
+def users():
+    """(pid, gpu indices) of every live process of this VM that names GPUs."""
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        if env.get(b"RLFLEET_SIM_VM", b"").decode() != cfg["name"]:
+            continue
+        cvd = env.get(b"CUDA_VISIBLE_DEVICES")
+        if not cvd:
+            continue
+        idx = {int(x) for x in cvd.decode().split(",") if x.strip().isdigit()}
+        if idx:
+            found.append((int(entry), idx))
+    return found
+
+query = next((a for a in sys.argv[1:] if a.startswith("--query-")), "")
+procs = users()
+lost = ("Unable to determine the device handle for GPU0000:3B:00.0: GPU is lost.  "
+        "Reboot the system to recover this GPU")
+if mode == "fallen_off_bus":
+    print(lost)
+if mode == "garbage":
+    print("0, GPU-3f1c2a9e-77, NVIDIA A1")
+    print("\x00\x7f#### ??")
+    sys.exit(0)
+for gpu in cfg["gpus"]:
+    i = gpu["index"]
+    if mode == "fallen_off_bus" and i == 0:
+        continue
+    holders = [pid for pid, idx in procs if i in idx]
+    if query.startswith("--query-gpu="):
+        used = len(holders) * __MEM__
+        util = 100 if holders else 0
+        print(f"{i}, {gpu['uuid']}, {gpu['name']}, {gpu['memory']}, {used}, {util}")
+    elif query.startswith("--query-compute-apps="):
+        for pid in holders:
+            print(f"{gpu['uuid']}, {pid}, __MEM__")
+sys.exit(15 if mode == "fallen_off_bus" else 0)
+'''
+
+
+def gpu_uuid(vm_name: str, index: int) -> str:
+    """The stable UUID the simulated nvidia-smi reports for GPU `index` of `vm_name`."""
+    return f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'rlfleet-sim/{vm_name}/{index}')}"
+
+
+def sim_processes(vm_name: str) -> list[int]:
+    """Pids of live processes started on the VM `vm_name` (they carry RLFLEET_SIM_VM)."""
+    needle = f"RLFLEET_SIM_VM={vm_name}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+class ForeignProcess:
+    """A process not started by rlfleet that holds a GPU of a simulated VM."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], gpu_index: int) -> None:
+        self.proc = proc
+        self.gpu_index = gpu_index
+
+    @property
+    def pid(self) -> int:
+        """Its pid, as nvidia-smi reports it."""
+        return self.proc.pid
+
+    def stop(self) -> None:
+        """Kill it and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(5)
+
+
+class _Server(asyncssh.SSHServer):
+    def __init__(self, vm: SimVM) -> None:
+        self.vm = vm
+
+    def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
+        self.vm._conns.add(conn)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.vm._conns = {c for c in self.vm._conns if not c.is_closed()}
+
+    def begin_auth(self, username: str) -> bool:
+        return True  # always require a key
+
+    def public_key_auth_supported(self) -> bool:
+        return True
+
+
+class SimVM:
+    """One simulated VM: an SSH server on 127.0.0.1:`port` with a HOME and simulated GPUs."""
+
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        *,
+        client_key: Path,
+        authorized: asyncssh.SSHAuthorizedKeys,
+        gpus: int = 1,
+        gpu_name: str = DEFAULT_GPU_NAME,
+        memory_mb: int = DEFAULT_GPU_MEMORY_MB,
+    ) -> None:
+        self.name = name
+        self.root = root
+        self.home = root / "home"
+        self.bin_dir = root / "bin"
+        self.client_key_path = client_key
+        self.known_hosts_path = root / "known_hosts"
+        self.port = 0
+        self._authorized = authorized
+        self._server: asyncssh.SSHAcceptor | None = None
+        self._conns: set[asyncssh.SSHServerConnection] = set()
+        self._shells: set[asyncio.subprocess.Process] = set()
+        self._foreign: list[ForeignProcess] = []
+        self.home.mkdir(parents=True)
+        self.bin_dir.mkdir()
+        self.host_key = asyncssh.generate_private_key("ssh-ed25519")
+        self.host_key_path = root / "ssh_host_ed25519_key"
+        self.host_key.write_private_key(str(self.host_key_path))
+        self._config: dict[str, object] = {
+            "name": name,
+            "fail": None,
+            "gpus": [
+                {"index": i, "uuid": gpu_uuid(name, i), "name": gpu_name, "memory": memory_mb}
+                for i in range(gpus)
+            ],
+        }
+        self._write_config()
+        smi = self.bin_dir / "nvidia-smi"
+        smi.write_text(
+            NVIDIA_SMI.replace("__PYTHON__", sys.executable).replace(
+                "__MEM__", str(PROCESS_MEMORY_MB)
+            )
+        )
+        smi.chmod(smi.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+    def _write_config(self) -> None:
+        tmp = self.root / "sim.json.tmp"
+        tmp.write_text(json.dumps(self._config))
+        tmp.replace(self.root / "sim.json")  # atomic: a poll never reads half a file
+
+    @property
+    def running(self) -> bool:
+        """Whether the SSH server listens."""
+        return self._server is not None
+
+    @property
+    def gpu_uuids(self) -> list[str]:
+        """The UUIDs nvidia-smi reports, by index."""
+        return [g["uuid"] for g in self._config["gpus"]]  # type: ignore[attr-defined, index]
+
+    async def start(self) -> None:
+        """Listen (again) on the VM's port, with the same host key."""
+        if self._server is not None:
+            return
+        self._server = await asyncssh.create_server(
+            lambda: _Server(self),
+            "127.0.0.1",
+            self.port,
+            server_host_keys=[self.host_key],
+            authorized_client_keys=self._authorized,
+            process_factory=self._handle,
+            encoding=None,
+            reuse_address=True,
+            keepalive_interval=0,
+        )
+        if not self.port:
+            self.port = self._server.get_port()
+            public = self.host_key.export_public_key("openssh").decode().strip()
+            self.known_hosts_path.write_text(f"[127.0.0.1]:{self.port} {public}\n")
+
+    async def stop(self, *, kill_processes: bool = False) -> None:
+        """Close the server and drop its connections; `kill_processes` simulates a crash."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for conn in list(self._conns):
+            conn.abort()
+        self._conns.clear()
+        for shell in list(self._shells):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(shell.pid, signal.SIGKILL)
+        if kill_processes:
+            self.kill_processes()
+
+    def kill_processes(self) -> None:
+        """SIGKILL every process started on this VM, as a power loss would."""
+        for pid in sim_processes(self.name):
+            if pid != os.getpid():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        for foreign in self._foreign:
+            foreign.stop()
+
+    def processes(self) -> list[int]:
+        """Pids of live processes started on this VM."""
+        return sim_processes(self.name)
+
+    def fail_nvidia_smi(self, mode: str | None) -> None:
+        """Make nvidia-smi fail like a real one (see `FAIL_MODES`), or None to heal it."""
+        if mode is not None and mode not in FAIL_MODES:
+            raise ValueError(f"unknown nvidia-smi failure mode {mode!r}; use one of {FAIL_MODES}")
+        self._config["fail"] = mode
+        self._write_config()
+
+    def add_foreign_process(self, gpu_index: int) -> ForeignProcess:
+        """Start a process rlfleet did not launch that holds GPU `gpu_index`."""
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "RLFLEET_SIM_VM": self.name,
+            "CUDA_VISIBLE_DEVICES": str(gpu_index),
+        }
+        proc = subprocess.Popen(["sleep", "3600"], env=env, start_new_session=True)
+        foreign = ForeignProcess(proc, gpu_index)
+        self._foreign.append(foreign)
+        return foreign
+
+    def spec(self, *, entrypoint: str | None = None, python: str | None = None) -> VMSpec:
+        """The VM as `rlfleet vm add` would register it, with its key and known_hosts."""
+        return VMSpec(
+            name=self.name,
+            host="127.0.0.1",
+            port=self.port,
+            user=getpass.getuser(),
+            ssh_key_path=str(self.client_key_path),
+            known_hosts=str(self.known_hosts_path),
+            verify_host_key=True,
+            transport="ssh",
+            python=python or sys.executable,
+            entrypoint=entrypoint or str(FAKE_TRAIN),
+        )
+
+    def target(self, vm_id: int = 0) -> VMTarget:
+        """A `VMTarget` for this VM without a database row (for transport tests)."""
+        spec = self.spec()
+        return VMTarget(id=vm_id, **spec.__dict__)
+
+    async def _handle(self, process: asyncssh.SSHServerProcess[bytes]) -> None:
+        env = dict(os.environ)
+        env.update(
+            HOME=str(self.home),
+            PATH=f"{self.bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+            RLFLEET_SIM_VM=self.name,
+        )
+        for var in ("CUDA_VISIBLE_DEVICES", "VIRTUAL_ENV", "PYTEST_CURRENT_TEST"):
+            env.pop(var, None)
+        shell = await asyncio.create_subprocess_exec(
+            "/bin/sh",
+            "-c",
+            process.command or "exit 0",
+            cwd=self.home,
+            env=env,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )
+        self._shells.add(shell)
+        feeder = asyncio.create_task(_feed(process.stdin, shell.stdin))
+        try:
+            assert shell.stdout is not None and shell.stderr is not None
+            await asyncio.gather(
+                _pump(shell.stdout, process.stdout), _pump(shell.stderr, process.stderr)
+            )
+            rc = await shell.wait()
+        except (OSError, asyncssh.Error, asyncio.CancelledError):
+            # The client went away: like sshd, end the session's own processes.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(shell.pid, signal.SIGKILL)
+            await shell.wait()
+            return
+        finally:
+            feeder.cancel()
+            self._shells.discard(shell)
+        with contextlib.suppress(OSError, asyncssh.Error):
+            if rc < 0:
+                process.exit_with_signal(signal.Signals(-rc).name.removeprefix("SIG"))
+            else:
+                process.exit(rc)
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncssh.SSHWriter[bytes]) -> None:
+    while chunk := await reader.read(65536):
+        writer.write(chunk)
+
+
+async def _feed(reader: asyncssh.SSHReader[bytes], writer: asyncio.StreamWriter | None) -> None:
+    if writer is None:
+        return
+    with contextlib.suppress(OSError, asyncssh.Error, ConnectionError):
+        while chunk := await reader.read(65536):
+            writer.write(chunk)
+            await writer.drain()
+        writer.close()
+
+
+class SimFleet:
+    """A set of `SimVM`s sharing one client key; index it or iterate it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.client_key_path = root / "id_ed25519"
+        key = asyncssh.generate_private_key("ssh-ed25519")
+        key.write_private_key(str(self.client_key_path))
+        self.client_key_path.chmod(0o600)
+        self._authorized = asyncssh.import_authorized_keys(
+            key.export_public_key("openssh").decode()
+        )
+        self.vms: list[SimVM] = []
+
+    async def add_vm(
+        self,
+        name: str | None = None,
+        *,
+        gpus: int = 1,
+        gpu_name: str = DEFAULT_GPU_NAME,
+        memory_mb: int = DEFAULT_GPU_MEMORY_MB,
+    ) -> SimVM:
+        """Create and start one more VM."""
+        name = name or f"vm{len(self.vms)}"
+        vm = SimVM(
+            self.root / name,
+            name,
+            client_key=self.client_key_path,
+            authorized=self._authorized,
+            gpus=gpus,
+            gpu_name=gpu_name,
+            memory_mb=memory_mb,
+        )
+        await vm.start()
+        self.vms.append(vm)
+        return vm
+
+    async def register(
+        self, db: Database, *, entrypoint: str | None = None, python: str | None = None
+    ) -> dict[str, int]:
+        """Add every VM to the `vms` table; returns their ids by name."""
+        ids = {}
+        async with db.transaction() as session:
+            for vm in self.vms:
+                row = await add_vm(session, vm.spec(entrypoint=entrypoint, python=python))
+                ids[vm.name] = row.id
+        return ids
+
+    def by_name(self, name: str) -> SimVM:
+        """The VM called `name`."""
+        return next(vm for vm in self.vms if vm.name == name)
+
+    def __getitem__(self, index: int) -> SimVM:
+        return self.vms[index]
+
+    def __iter__(self) -> Iterator[SimVM]:
+        return iter(self.vms)
+
+    def __len__(self) -> int:
+        return len(self.vms)
+
+    async def close(self) -> None:
+        """Stop every VM and kill every process started on it."""
+        for vm in self.vms:
+            await vm.stop(kill_processes=True)
+
+
+async def start_fleet(root: Path, n_vms: int, *, gpus_per_vm: int = 1, **gpu: object) -> SimFleet:
+    """A started fleet of `n_vms` VMs named vm0, vm1, … with `gpus_per_vm` GPUs each."""
+    fleet = SimFleet(root)
+    for _ in range(n_vms):
+        await fleet.add_vm(gpus=gpus_per_vm, **gpu)  # type: ignore[arg-type]
+    return fleet
