@@ -223,3 +223,84 @@ def read_file_script(job_id: int, attempt: int, name: str, *, offset: int = 0) -
         raise ValueError(f"not an attempt file: {name}")
     d = _dir_word(job_id, attempt)
     return f'f={d}/{name}; [ -f "$f" ] || exit {NO_FILE_EXIT}; tail -c +{int(offset) + 1} "$f"'
+
+
+# --- job status probe (contract 2), run by the poller in the same round trip as nvidia-smi
+
+STATUS_MARK = "rlfleet-job"
+LOG_MARK = "rlfleet-log"
+JOB_STATES = ("running", "exited", "vanished", "unknown")
+LOG_TAIL_LINES = 20
+LOG_TAIL_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class RemoteJobState:
+    """What the status probe saw of one attempt on its VM.
+
+    `state`: `running` (the pid answers), `exited` (`exit_code` written), `vanished` (a pid
+    file but no process and no exit code: killed with the wrapper, or the VM rebooted) or
+    `unknown` (no pid file: not launched yet, or the directory is gone).
+    """
+
+    state: str
+    exit_code: int | None = None
+    log_tail: str = ""
+
+
+def status_probe(jobs: Sequence[tuple[int, int]]) -> str:
+    """Shell text printing one `rlfleet-job <id> <attempt> <state> [code]` line per attempt.
+
+    An exited attempt is followed by the last lines of its train.log, each prefixed with
+    `rlfleet-log <id> <attempt> `. exit_code is checked before and after the liveness test
+    because the wrapper writes it just before it exits.
+    """
+    lines = []
+    for job_id, attempt in jobs:
+        j, a = int(job_id), int(attempt)
+        lines += [
+            f"d={_dir_word(j, a)}",
+            'if [ -s "$d/exit_code" ]; then s=exited',
+            'elif [ -s "$d/pid" ] && kill -0 "$(cat "$d/pid")" 2>/dev/null; then s=running',
+            'elif [ -s "$d/exit_code" ]; then s=exited',
+            'elif [ -s "$d/pid" ]; then s=vanished',
+            "else s=unknown; fi",
+            'if [ "$s" = exited ]; then',
+            f'  echo "{STATUS_MARK} {j} {a} exited $(head -c 32 "$d/exit_code" | tr -d "\\n")"',
+            f'  tail -n {LOG_TAIL_LINES} "$d/train.log" 2>/dev/null | tail -c {LOG_TAIL_BYTES}'
+            f' | sed "s/^/{LOG_MARK} {j} {a} /"',
+            "  echo",
+            f'else echo "{STATUS_MARK} {j} {a} $s"; fi',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
+    """Read `status_probe` output; an unreadable line for an attempt makes it `unknown`."""
+    states: dict[tuple[int, int], tuple[str, int | None]] = {}
+    logs: dict[tuple[int, int], list[str]] = {}
+    for line in stdout.splitlines():
+        if line.startswith(LOG_MARK + " "):
+            parts = line.split(" ", 3)
+            if len(parts) >= 3 and parts[1].isdigit() and parts[2].isdigit():
+                key = (int(parts[1]), int(parts[2]))
+                logs.setdefault(key, []).append(parts[3] if len(parts) == 4 else "")
+            continue
+        parts = line.split()
+        if len(parts) < 4 or parts[0] != STATUS_MARK:
+            continue
+        if not (parts[1].isdigit() and parts[2].isdigit()) or parts[3] not in JOB_STATES:
+            continue
+        key = (int(parts[1]), int(parts[2]))
+        if parts[3] == "exited":
+            code = parts[4] if len(parts) == 5 else ""
+            if code.lstrip("-").isdigit():
+                states[key] = ("exited", int(code))
+            else:
+                states[key] = ("unknown", None)
+        else:
+            states[key] = (parts[3], None)
+    return {
+        key: RemoteJobState(state, code, "\n".join(logs.get(key, [])))
+        for key, (state, code) in states.items()
+    }
