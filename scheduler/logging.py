@@ -42,7 +42,7 @@ def configure(level: str = "INFO", *, json: bool | None = None) -> None:
 
 def get_logger(name: str | None = None, **bound: object) -> structlog.stdlib.BoundLogger:
     """A structlog logger, bound to `component=name` and any extra context."""
-    log = structlog.get_logger()
-    if name:
-        log = log.bind(component=name)
-    return log.bind(**bound) if bound else log  # type: ignore[no-any-return]
+    # Initial values, not .bind(): bind() on the lazy proxy builds the logger at once, so a
+    # module-level logger would keep structlog's defaults and ignore `configure`.
+    initial = {"component": name, **bound} if name else bound
+    return structlog.get_logger(**initial)  # type: ignore[no-any-return]
