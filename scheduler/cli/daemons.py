@@ -8,3 +8,14 @@ from __future__ import annotations
 import click
 
 COMMANDS: list[click.Command] = []
+
+
+def _add_up() -> None:
+    # Imported here, not at the top, so that a daemon module's own import of this list
+    # cannot form a cycle with scheduler.up.
+    from scheduler.up import command as up_command
+
+    COMMANDS.append(up_command)
+
+
+_add_up()

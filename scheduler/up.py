@@ -1,0 +1,587 @@
+"""`rlfleet up`: the whole scheduler on one machine.
+
+Embedded PostgreSQL and NATS (JetStream) keep their data in a state directory, the
+migrations are applied, and the poller, the dispatcher and the requeue manager run in this
+one process. With `--local-vm` the machine registers itself as a VM (local transport): its
+real `nvidia-smi` when there is one, else a simulated one reporting `--gpus N` GPUs, so a
+CPU-only machine can run real (CPU) training jobs through the scheduler.
+
+The state directory remembers the ports (`up.json`), so running `up` again reuses the
+data and, when the ports are still free, the same URLs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import click
+
+from scheduler import migrate
+from scheduler.db import Database
+from scheduler.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+from scheduler.errors import BadInput, RlfleetError, ServiceUnavailable
+from scheduler.fleet import VMSpec, add_vm
+from scheduler.logging import get_logger
+from scheduler.metrics import metrics_option
+from scheduler.settings import Settings
+
+log = get_logger("up")
+
+STATE_FILE = "up.json"
+LOCK_FILE = "up.lock"
+SIM_VM_ENV = "RLFLEET_SIM_VM"
+
+
+class AlreadyRunning(RlfleetError):
+    """Another `rlfleet up` uses this state directory."""
+
+    exit_code = 1
+
+
+def default_state_dir() -> Path:
+    """$XDG_DATA_HOME/rlfleet, else ~/.local/share/rlfleet."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "rlfleet"
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether nothing listens on `host:port` and it can be bound."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass
+class UpOptions:
+    """What `rlfleet up` was asked to do."""
+
+    state_dir: Path
+    local_vm: bool = False
+    gpus: int | None = None
+    vm_name: str = "local"
+    metrics_port: int = 0
+    log_level: str = "INFO"
+
+
+@dataclass
+class StateDir:
+    """The state directory: data of both servers, the remembered ports, a lock."""
+
+    path: Path
+    _lock: IO[str] | None = field(default=None, repr=False)
+
+    @property
+    def state_file(self) -> Path:
+        """up.json: ports, URLs, and the pid of the `up` that runs (while it runs)."""
+        return self.path / STATE_FILE
+
+    def read(self) -> dict[str, Any]:
+        """The remembered state; {} for a new or unreadable file."""
+        try:
+            data = json.loads(self.state_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def write(self, data: dict[str, Any]) -> None:
+        """Replace up.json atomically."""
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, self.state_file)
+
+    def lock(self) -> None:
+        """Take the directory for this process, or raise `AlreadyRunning`."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path / LOCK_FILE, "a+")  # noqa: SIM115 - held for the process's life
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            handle.close()
+            pid = self.read().get("pid")
+            raise AlreadyRunning(
+                f"another `rlfleet up` (pid {pid or '?'}) uses {self.path}; "
+                "stop it first or pass another --state-dir"
+            ) from exc
+        self._lock = handle
+
+    def unlock(self) -> None:
+        """Release the directory."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def pick_port(self, service: str) -> int:
+        """The remembered port of `service` when it is free, else a new free one."""
+        remembered = self.read().get("ports", {}).get(service)
+        if isinstance(remembered, int) and port_is_free(remembered):
+            return remembered
+        if remembered:
+            log.warning("port_taken", service=service, port=remembered)
+        return free_port()
+
+
+def kill_leftover_servers(state: StateDir) -> None:
+    """Stop servers a previous `up` left running (it was SIGKILLed): they hold the data."""
+    for service, pid in state.read().get("server_pids", {}).items():
+        if not isinstance(pid, int) or pid <= 0:
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "postgres" not in cmdline and "nats-server" not in cmdline:
+            continue  # the pid was reused by something else
+        if str(state.path) not in cmdline:
+            continue
+        log.warning("killing_leftover_server", service=service, pid=pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            if not Path(f"/proc/{pid}").exists():
+                break
+            time.sleep(0.1)
+
+
+SIM_NVIDIA_SMI = '''#!{python}
+"""A simulated nvidia-smi written by `rlfleet up --gpus {gpus}` (no real GPU here).
+
+It reports {gpus} GPU(s) and shows one as used while a live process of this VM
+(environment {sim_env}={vm}) has CUDA_VISIBLE_DEVICES naming it. Jobs run on the CPU.
+"""
+import os
+import sys
+import uuid
+
+GPUS = {gpus}
+VM = {vm!r}
+NAME = "Simulated GPU (CPU)"
+TOTAL_MB = 16384
+PER_PROCESS_MB = 1024
+
+
+def holders():
+    found = {{}}
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{{entry}}/environ", "rb") as handle:
+                env = dict(
+                    item.split(b"=", 1) for item in handle.read().split(b"\\0") if b"=" in item
+                )
+        except OSError:
+            continue
+        if env.get({sim_env!r}.encode()) != VM.encode() or b"CUDA_VISIBLE_DEVICES" not in env:
+            continue
+        for part in env[b"CUDA_VISIBLE_DEVICES"].decode().split(","):
+            if part.strip().isdigit() and int(part) < GPUS:
+                found.setdefault(int(part), []).append(int(entry))
+    return found
+
+
+def gpu_uuid(index):
+    return "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_DNS, f"rlfleet-sim-{{VM}}-{{index}}"))
+
+
+def field_value(name, index, used, units):
+    mem_used = PER_PROCESS_MB * len(used.get(index, []))
+    values = {{
+        "index": str(index),
+        "uuid": gpu_uuid(index),
+        "gpu_uuid": gpu_uuid(index),
+        "name": NAME,
+        "gpu_name": NAME,
+        "memory.total": f"{{TOTAL_MB}}" + (" MiB" if units else ""),
+        "memory.used": f"{{mem_used}}" + (" MiB" if units else ""),
+        "memory.free": f"{{TOTAL_MB - mem_used}}" + (" MiB" if units else ""),
+        "utilization.gpu": ("100" if index in used else "0") + (" %" if units else ""),
+        "pci.bus_id": f"00000000:{{index + 1:02X}}:00.0",
+        "temperature.gpu": "40",
+    }}
+    return values.get(name, "[N/A]")
+
+
+def main(argv):
+    used = holders()
+    options = dict(a.split("=", 1) if "=" in a else (a, "") for a in argv)
+    fmt = options.get("--format", "")
+    units = "nounits" not in fmt
+    header = "noheader" not in fmt
+    if "-L" in options or "--list-gpus" in options:
+        for i in range(GPUS):
+            print(f"GPU {{i}}: {{NAME}} (UUID: {{gpu_uuid(i)}})")
+        return 0
+    if "--query-gpu" in options:
+        fields = [f.strip() for f in options["--query-gpu"].split(",")]
+        if header:
+            print(", ".join(fields))
+        for i in range(GPUS):
+            print(", ".join(field_value(f, i, used, units) for f in fields))
+        return 0
+    if "--query-compute-apps" in options:
+        fields = [f.strip() for f in options["--query-compute-apps"].split(",")]
+        if header:
+            print(", ".join(fields))
+        for index, pids in sorted(used.items()):
+            for pid in pids:
+                row = {{
+                    "gpu_uuid": gpu_uuid(index),
+                    "pid": str(pid),
+                    "used_memory": str(PER_PROCESS_MB) + (" MiB" if units else ""),
+                    "used_gpu_memory": str(PER_PROCESS_MB) + (" MiB" if units else ""),
+                    "process_name": "python",
+                    "name": "python",
+                }}
+                print(", ".join(row.get(f, "[N/A]") for f in fields))
+        return 0
+    print(f"Simulated nvidia-smi: {{GPUS}} GPU(s) on {{VM}}, {{len(used)}} in use")
+    for i in range(GPUS):
+        state = "in use by " + ",".join(map(str, used[i])) if i in used else "free"
+        print(f"  GPU {{i}}  {{NAME}}  {{gpu_uuid(i)}}  {{state}}")
+    return 0
+
+
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def write_sim_nvidia_smi(bin_dir: Path, *, gpus: int, vm: str) -> Path:
+    """Write the simulated nvidia-smi into `bin_dir` and return its path."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    path = bin_dir / "nvidia-smi"
+    path.write_text(
+        SIM_NVIDIA_SMI.format(python=sys.executable, gpus=gpus, vm=vm, sim_env=SIM_VM_ENV)
+    )
+    path.chmod(0o755)
+    return path
+
+
+def prepare_local_gpus(options: UpOptions) -> str:
+    """Make `nvidia-smi` on this process's PATH report the local VM's GPUs; say which."""
+    real = shutil.which("nvidia-smi")
+    if real and not str(real).startswith(str(options.state_dir)):
+        if options.gpus is not None:
+            log.info("real_nvidia_smi_used", path=real, ignored_gpus=options.gpus)
+        return f"real nvidia-smi ({real})"
+    if options.gpus is None:
+        raise BadInput("no nvidia-smi on this machine: pass --gpus N to simulate N GPUs")
+    if options.gpus < 1:
+        raise BadInput(f"--gpus must be at least 1, not {options.gpus}")
+    bin_dir = options.state_dir / "bin"
+    write_sim_nvidia_smi(bin_dir, gpus=options.gpus, vm=options.vm_name)
+    # The local transport's shells, the jobs they launch and the simulated nvidia-smi all
+    # inherit this environment: that is how a job's CUDA_VISIBLE_DEVICES shows as used.
+    os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+    os.environ[SIM_VM_ENV] = options.vm_name
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    return f"simulated nvidia-smi, {options.gpus} GPU(s), jobs run on the CPU"
+
+
+async def register_local_vm(db: Database, name: str) -> bool:
+    """Register this machine as VM `name` (local transport); False if it already is."""
+    from sqlalchemy import select, update
+
+    from scheduler.models import VM
+
+    async with db.transaction() as session:
+        existing = await session.scalar(select(VM).where(VM.name == name))
+        if existing is not None:
+            if existing.transport != "local":
+                raise BadInput(f"a VM named {name!r} exists and is not local: pass --vm-name")
+            # The venv may have moved since the last run: keep python current.
+            await session.execute(
+                update(VM).where(VM.id == existing.id).values(python=sys.executable)
+            )
+            return False
+        await add_vm(
+            session,
+            VMSpec(
+                name=name,
+                host="localhost",
+                transport="local",
+                python=sys.executable,
+                entrypoint="training.train_grpo",
+            ),
+        )
+        return True
+
+
+@dataclass
+class Services:
+    """The embedded Postgres and NATS of one state directory."""
+
+    postgres: EmbeddedPostgres
+    nats: EmbeddedNats
+
+    @property
+    def settings(self) -> Settings:
+        """Settings pointing at the embedded servers."""
+        return Settings(database_url=self.postgres.url(), nats_url=self.nats.url)
+
+    def stop(self) -> None:
+        """Stop both servers (NATS first: nothing should publish to a stopped database)."""
+        with contextlib.suppress(Exception):
+            self.nats.stop()
+        with contextlib.suppress(Exception):
+            self.postgres.stop()
+
+
+def start_services(state: StateDir) -> Services:
+    """Start Postgres and NATS on the remembered (or new free) ports, migrated to head."""
+    kill_leftover_servers(state)
+    postgres = EmbeddedPostgres(state.path / "postgres", port=state.pick_port("postgres"))
+    nats = EmbeddedNats(state.path / "nats", port=state.pick_port("nats"))
+    services = Services(postgres, nats)
+    try:
+        postgres.start(timeout=60)
+        nats.start()
+        # Remember the servers at once: an `up` killed from now on leaves them findable.
+        state.write(
+            {
+                **state.read(),
+                "ports": {"postgres": postgres.port, "nats": nats.port},
+                "server_pids": {
+                    "postgres": postgres._proc.pid if postgres._proc else None,
+                    "nats": nats._proc.pid if nats._proc else None,
+                },
+            }
+        )
+        migrate.upgrade(postgres.url())
+    except BaseException:
+        services.stop()
+        raise
+    return services
+
+
+DaemonMain = Callable[[Settings, asyncio.Event, asyncio.Event], Awaitable[None]]
+
+
+def daemon_entries() -> dict[str, DaemonMain]:
+    """The in-process entries of the three daemons: `main(settings, stop, ready)`."""
+    import importlib
+
+    entries: dict[str, DaemonMain] = {}
+    for name, module in (
+        ("poller", "scheduler.gpu_poller"),
+        ("dispatcher", "scheduler.dispatcher"),
+        ("requeue", "scheduler.requeue"),
+    ):
+        try:
+            entries[name] = importlib.import_module(module).run_in_process
+        except (ImportError, AttributeError) as exc:
+            log.error("daemon_unavailable", daemon=name, error=str(exc))
+    return entries
+
+
+async def run_daemons(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:
+    """Run the three daemons until `stop`; if one crashes, stop the others and re-raise."""
+    entries = daemon_entries()
+    if not entries:
+        ready.set()
+        await stop.wait()
+        return
+    readies = {name: asyncio.Event() for name in entries}
+    tasks = {
+        name: asyncio.create_task(main(settings, stop, readies[name]), name=f"up:{name}")
+        for name, main in entries.items()
+    }
+
+    async def all_ready() -> None:
+        await asyncio.gather(*(r.wait() for r in readies.values()))
+        ready.set()
+
+    watcher = asyncio.create_task(all_ready())
+    try:
+        done, _ = await asyncio.wait(tasks.values(), return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                log.error("daemon_crashed", daemon=task.get_name(), error=str(task.exception()))
+                stop.set()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+    finally:
+        watcher.cancel()
+        stop.set()
+        for task in tasks.values():
+            task.cancel()
+        await asyncio.gather(*tasks.values(), watcher, return_exceptions=True)
+
+
+def announce(options: UpOptions, settings: Settings, gpu_note: str | None) -> None:
+    """Print what the user needs: the exports for the other commands, and how to stop."""
+    lines = [
+        f"rlfleet is up (state in {options.state_dir})",
+        f"  Postgres: {settings.database_url}",
+        f"  NATS:     {settings.nats_url}",
+    ]
+    if gpu_note is not None:
+        lines.append(f"  local VM: {options.vm_name} ({gpu_note})")
+    if options.metrics_port:
+        lines.append(f"  metrics:  http://127.0.0.1:{options.metrics_port}/metrics")
+    lines += [
+        "In another shell:",
+        f"  export RLFLEET_DATABASE_URL={settings.database_url} "
+        f"RLFLEET_NATS_URL={settings.nats_url}",
+        "Ctrl-C stops everything.",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """Until the event loop takes over, SIGTERM interrupts like Ctrl-C, so the servers
+    started so far are stopped rather than orphaned."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_up(options: UpOptions) -> None:
+    """Start everything, serve until SIGINT/SIGTERM, then stop everything."""
+    from scheduler.daemon import serve
+
+    options.state_dir = options.state_dir.expanduser().resolve()
+    state = StateDir(options.state_dir)
+    state.lock()
+    services: Services | None = None
+    try:
+        with _sigterm_as_interrupt():
+            gpu_note = prepare_local_gpus(options) if options.local_vm else None
+            services = start_services(state)
+            settings = services.settings
+            if options.local_vm:
+                asyncio.run(_register(settings, options.vm_name))
+        state.write(
+            {
+                **state.read(),
+                "pid": os.getpid(),
+                "database_url": settings.database_url,
+                "nats_url": settings.nats_url,
+                "local_vm": options.vm_name if options.local_vm else None,
+                "ready": False,
+            }
+        )
+
+        ready = asyncio.Event()
+
+        async def main(stop: asyncio.Event) -> None:
+            async def mark_ready() -> None:
+                await ready.wait()
+                state.write({**state.read(), "ready": True})
+                announce(options, settings, gpu_note)
+
+            marker = asyncio.create_task(mark_ready())
+            try:
+                await run_daemons(settings, stop, ready)
+            finally:
+                marker.cancel()
+
+        asyncio.run(
+            serve(
+                "up",
+                main,
+                ready=ready,
+                metrics_port=options.metrics_port,
+                database_url=settings.database_url,
+            )
+        )
+    except OSError as exc:
+        raise ServiceUnavailable(f"cannot start the embedded services: {exc}") from exc
+    finally:
+        if services is not None:
+            print("rlfleet up: stopping", file=sys.stderr, flush=True)
+            services.stop()
+            data = state.read()
+            data.update(pid=None, ready=False, server_pids={})
+            state.write(data)
+        state.unlock()
+
+
+async def _register(settings: Settings, name: str) -> None:
+    db = Database(settings.database_url, pool_size=1)
+    try:
+        if await register_local_vm(db, name):
+            log.info("local_vm_registered", vm=name)
+    finally:
+        await db.dispose()
+
+
+@click.command("up")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where Postgres, NATS and the remembered ports live "
+    "(default: $XDG_DATA_HOME/rlfleet or ~/.local/share/rlfleet).",
+)
+@click.option(
+    "--local-vm",
+    is_flag=True,
+    help="Register this machine as a VM (local transport) that jobs can run on.",
+)
+@click.option(
+    "--gpus",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --local-vm and no nvidia-smi: simulate N GPUs (jobs run on the CPU).",
+)
+@click.option(
+    "--vm-name", default="local", show_default=True, help="Name of the local VM (--local-vm)."
+)
+@metrics_option
+@click.pass_context
+def command(
+    ctx: click.Context,
+    state_dir: Path | None,
+    local_vm: bool,
+    gpus: int | None,
+    vm_name: str,
+    metrics_port: int,
+) -> None:
+    """Run everything on this machine: embedded Postgres and NATS, the three daemons.
+
+    Prints the `export RLFLEET_DATABASE_URL=… RLFLEET_NATS_URL=…` line the other
+    commands need. Ctrl-C or SIGTERM stops everything; running it again reuses the data.
+    """
+    from scheduler.logging import configure
+
+    log_level = getattr(ctx.obj, "log_level", "INFO")
+    configure(log_level)
+    if gpus is not None and not local_vm:
+        raise BadInput("--gpus only makes sense with --local-vm")
+    run_up(
+        UpOptions(
+            state_dir=state_dir or default_state_dir(),
+            local_vm=local_vm,
+            gpus=gpus,
+            vm_name=vm_name,
+            metrics_port=metrics_port,
+            log_level=log_level,
+        )
+    )
