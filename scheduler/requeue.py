@@ -1,0 +1,830 @@
+"""The requeue manager: nothing submitted is lost, nothing runs twice (invariants 2 and 3).
+
+`rlfleet requeue` / `python -m scheduler.requeue`. Every `--interval` seconds one tick:
+
+1. **Expired claims** — `starting` jobs past their lease go back to `queued`, GPUs freed
+   (`scheduler.claims.expire_leases`, which records the attempt as possibly left over).
+2. **Lost nodes** — `running`/`starting` jobs on a VM the poller has found unreachable for
+   longer than `--node-lost-timeout` fail with `node_lost`; their GPUs are freed in the
+   books and a `stale_processes` row is written. A shorter blip restarts nothing.
+3. **Decisions** — a failed job that has no decision yet gets one from
+   `scheduler.retry.decide`: `next_attempt_at`, or a status_reason "gave up …" that stays.
+4. **Retries** — failed jobs whose `next_attempt_at` has come go back to `queued`
+   (`retry_count + 1`, except after `node_lost`, which does not count).
+5. **Pending jobs** — put back in the queue when the fleet reports free GPUs that fit
+   them, in priority then submission order, or after `--pending-timeout` anyway.
+   Anti-starvation (honest and simple): once a job that does not fit has waited
+   `--starvation-after` seconds, the pending jobs behind it (equal or lower priority,
+   submitted later) are not re-announced until it runs, so the GPUs that jobs finishing
+   meanwhile free up accumulate for it. The dispatcher places greedily and fresh
+   submissions still go straight to it; this rule only governs what the requeue manager
+   announces again.
+6. **Announcements** — every queued job whose current queued spell was never announced
+   (`published_at` NULL or older than `queued_at`: a row inserted straight into the
+   database, a publish lost while NATS was down, any of the moves above) is published on
+   `jobs.new`, and so is one announced more than `--republish-after` seconds ago and still
+   queued. The `Nats-Msg-Id` is built from the job, its attempt and the previous
+   `published_at`, so two managers publishing the same state are deduplicated by
+   JetStream; `published_at` is set only after the stream stored the message.
+7. **Stale processes** — for each `stale_processes` row not yet killed whose VM answers
+   again, the attempt's process group is killed (TERM, then KILL) over SSH; only then is
+   the row closed, and the claim query offers the GPUs again (it skips GPUs listed in an
+   open row).
+
+Steps 2 to 6's database work is one short transaction under a Postgres advisory
+transaction lock, so several copies can run at once (one does the work, the others skip
+the tick); every SSH and NATS call happens after it committed (invariant 4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+import click
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from scheduler import bus, metrics
+from scheduler.claims import expire_leases, release_in_session
+from scheduler.db import Database
+from scheduler.jobs import transition
+from scheduler.logging import configure, get_logger
+from scheduler.models import GPU, VM, Job, JobEvent, StaleProcess
+from scheduler.remote import kill_script, parse_kill
+from scheduler.retry import (
+    DEFAULT_POLICY,
+    GIVE_UP_PREFIX,
+    Failure,
+    GiveUp,
+    PendingJob,
+    RetryPolicy,
+    counts_against_limit,
+    decide,
+    plan_pending,
+)
+from scheduler.settings import Settings, redact_url
+from scheduler.states import FailureReason, JobStatus, VMStatus
+from scheduler.transport import Transport, TransportError, VMTarget
+
+log = get_logger("requeue")
+
+ADVISORY_LOCK_KEY = 0x726C666C_7271  # "rlfl" "rq": one requeue tick at a time per database
+NODE_LOST = FailureReason.NODE_LOST.value
+BATCH = 500
+"""Most jobs handled per step per tick; the rest wait for the next tick."""
+
+
+@dataclass(frozen=True)
+class RequeueConfig:
+    """The requeue manager's knobs; the defaults suit a real fleet."""
+
+    interval_s: float = 2.0
+    pending_timeout_s: float = 60.0
+    node_lost_timeout_s: float = 20.0
+    republish_after_s: float = 60.0
+    """A queued job announced this long ago and still queued is announced again."""
+    recheck_after_s: float = 2.0
+    """A pending job is not re-announced within this long of a dispatcher's last look."""
+    starvation_after_s: float = 300.0
+    kill_grace_s: float = 10.0
+    ssh_timeout_s: float = 20.0
+    policy: RetryPolicy = DEFAULT_POLICY
+
+
+@dataclass
+class TickReport:
+    """What one tick did, for logs and tests."""
+
+    skipped: bool = False
+    expired: list[int] = field(default_factory=list)
+    node_lost: list[int] = field(default_factory=list)
+    gave_up: list[int] = field(default_factory=list)
+    scheduled: list[int] = field(default_factory=list)
+    retried: list[int] = field(default_factory=list)
+    unpended: list[int] = field(default_factory=list)
+    published: list[int] = field(default_factory=list)
+    publish_failed: int = 0
+    killed: list[int] = field(default_factory=list)
+    kill_failed: int = 0
+
+    def busy(self) -> bool:
+        """Whether the tick changed anything."""
+        return any(
+            (
+                self.expired,
+                self.node_lost,
+                self.gave_up,
+                self.scheduled,
+                self.retried,
+                self.unpended,
+                self.published,
+                self.killed,
+            )
+        )
+
+
+class Publisher(Protocol):
+    """Announces a job id on `jobs.new`."""
+
+    async def publish(self, job_id: int, msg_id: str) -> None:
+        """Publish and wait until the stream stored it; raise on any failure."""
+        ...
+
+
+class NatsPublisher:
+    """Publishes through JetStream, so the stream deduplicates on `Nats-Msg-Id`."""
+
+    def __init__(self, nc: Any) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self._stream_ready = False
+
+    async def publish(self, job_id: int, msg_id: str) -> None:
+        """Publish `job_id` with `msg_id`; the stream is (re)created first if needed."""
+        if not self.nc.is_connected:
+            raise ConnectionError("not connected to NATS")
+        if not self._stream_ready:
+            await bus.ensure_stream(self.js)
+            self._stream_ready = True
+        await bus.publish_job(self.js, job_id, dedupe_id=msg_id)
+
+
+@dataclass(frozen=True)
+class _Announce:
+    job_id: int
+    attempt: int
+    queued_at: datetime | None
+    published_at: datetime | None
+
+
+def announce_msg_id(job_id: int, attempt: int, published_at: datetime | None) -> str:
+    """The `Nats-Msg-Id` for announcing a job again: same state, same id."""
+    generation = 0 if published_at is None else int(published_at.timestamp() * 1000)
+    return bus.msg_id(job_id, attempt, generation)
+
+
+class RequeueManager:
+    """One requeue manager: `tick()` does one pass; `run(stop)` ticks until stopped."""
+
+    def __init__(
+        self,
+        db: Database,
+        publisher: Publisher | None,
+        transport: Transport | None,
+        config: RequeueConfig | None = None,
+        *,
+        rng: random.Random | None = None,
+        actor: str | None = None,
+    ) -> None:
+        self.db = db
+        self.publisher = publisher
+        self.transport = transport
+        self.config = config or RequeueConfig()
+        self.rng = rng or random.Random()
+        self.actor = actor or f"requeue:{socket.gethostname()}:{os.getpid()}"
+
+    # -- the tick -------------------------------------------------------------------------
+
+    async def tick(self) -> TickReport:
+        """One pass: recover, decide, retry, wake pending jobs, announce, kill leftovers."""
+        report = TickReport()
+        report.expired = await expire_leases(self.db, actor=self.actor)
+        for _ in report.expired:
+            metrics.count_recovery("lease_expired")
+        announce: list[_Announce] = []
+        async with self.db.transaction() as session:
+            got = await session.scalar(select(func.pg_try_advisory_xact_lock(ADVISORY_LOCK_KEY)))
+            if not got:
+                report.skipped = True
+            else:
+                now = await session.scalar(select(func.now()))
+                assert now is not None
+                report.node_lost = await self._fail_lost_nodes(session)
+                report.scheduled, report.gave_up = await self._decide_failed(session, now)
+                report.retried = await self._requeue_due(session)
+                report.unpended = await self._wake_pending(session)
+                announce = await self._to_announce(session)
+        if announce:
+            await self._announce(announce, report)
+        await self._kill_stale(report)
+        return report
+
+    async def _fail_lost_nodes(self, session: AsyncSession) -> list[int]:
+        """Fail live jobs of VMs unreachable for longer than the node-lost timeout."""
+        timeout = self.config.node_lost_timeout_s
+        outage = func.extract("epoch", func.now() - VM.unreachable_since)
+        rows = (
+            await session.execute(
+                select(
+                    Job.id,
+                    Job.status,
+                    Job.vm_id,
+                    Job.attempt,
+                    Job.remote_pid,
+                    Job.gpu_indices,
+                    VM.name,
+                    outage.label("outage_s"),
+                )
+                .join(VM, VM.id == Job.vm_id)
+                .where(
+                    Job.status.in_([JobStatus.RUNNING.value, JobStatus.STARTING.value]),
+                    VM.status == VMStatus.UNREACHABLE.value,
+                    VM.unreachable_since < func.now() - timedelta(seconds=timeout),
+                )
+                .order_by(Job.id)
+                .limit(BATCH)
+                .with_for_update(of=Job, skip_locked=True)
+            )
+        ).all()
+        lost: list[int] = []
+        for row in rows:
+            why = f"{NODE_LOST}: VM {row.name} unreachable for {float(row.outage_s):.0f}s"
+            moved = await transition(
+                session,
+                row.id,
+                expected=JobStatus(row.status),
+                to=JobStatus.FAILED,
+                reason=why,
+                actor=self.actor,
+                values={
+                    "failure_reason": NODE_LOST,
+                    "exit_code": None,
+                    "status_reason": why,
+                    "lease_expires_at": None,
+                    "next_attempt_at": None,
+                },
+            )
+            if not moved:
+                continue
+            # The process may live on when the VM comes back: remember to kill it, and keep
+            # its GPUs out of every claim until then (the claim query skips open rows).
+            await session.execute(
+                insert(StaleProcess)
+                .values(
+                    vm_id=row.vm_id,
+                    job_id=row.id,
+                    attempt=row.attempt,
+                    pid=row.remote_pid,
+                    gpu_indices=list(row.gpu_indices) if row.gpu_indices else None,
+                    reason=NODE_LOST,
+                )
+                .on_conflict_do_nothing()
+            )
+            await release_in_session(session, row.id)
+            lost.append(row.id)
+            metrics.count_failure(NODE_LOST)
+            metrics.count_recovery(NODE_LOST)
+            log.warning(
+                "node_lost",
+                job_id=row.id,
+                vm=row.name,
+                attempt=row.attempt,
+                outage_s=round(float(row.outage_s), 1),
+            )
+        return lost
+
+    async def _decide_failed(
+        self, session: AsyncSession, now: datetime
+    ) -> tuple[list[int], list[int]]:
+        """Stamp the retry decision on failed jobs that have none yet."""
+        lost_nodes = (
+            select(func.count())
+            .select_from(JobEvent)
+            .where(
+                JobEvent.job_id == Job.id,
+                JobEvent.to_status == JobStatus.FAILED.value,
+                JobEvent.reason.like(f"{NODE_LOST}%"),
+            )
+            .correlate(Job)
+            .scalar_subquery()
+        )
+        rows = (
+            await session.execute(
+                select(
+                    Job.id,
+                    Job.attempt,
+                    Job.retry_count,
+                    Job.max_retries,
+                    Job.failure_reason,
+                    Job.exit_code,
+                    lost_nodes.label("lost_nodes"),
+                )
+                .where(
+                    Job.status == JobStatus.FAILED.value,
+                    Job.next_attempt_at.is_(None),
+                    or_(
+                        Job.status_reason.is_(None),
+                        Job.status_reason.not_like(f"{GIVE_UP_PREFIX}%"),
+                    ),
+                )
+                .order_by(Job.id)
+                .limit(BATCH)
+                .with_for_update(of=Job, skip_locked=True)
+            )
+        ).all()
+        scheduled: list[int] = []
+        gave_up: list[int] = []
+        for row in rows:
+            failure = Failure(row.failure_reason, row.exit_code, int(row.lost_nodes))
+            decision = decide(row, failure, now, self.rng, self.config.policy)
+            bound = log.bind(job_id=row.id, attempt=row.attempt, failure=failure.describe())
+            if isinstance(decision, GiveUp):
+                values: dict[str, Any] = {"status_reason": decision.why}
+                gave_up.append(row.id)
+                bound.info("retry_gave_up", why=decision.why)
+            else:
+                values = {
+                    "next_attempt_at": decision.at,
+                    "status_reason": _retry_note(row, failure, decision.at, now, self.config),
+                }
+                scheduled.append(row.id)
+                bound.info(
+                    "retry_scheduled",
+                    at=decision.at.isoformat(),
+                    counts=decision.counts,
+                    retry_count=row.retry_count,
+                    max_retries=row.max_retries,
+                )
+            await session.execute(
+                update(Job)
+                .where(
+                    Job.id == row.id,
+                    Job.status == JobStatus.FAILED.value,
+                    Job.next_attempt_at.is_(None),
+                )
+                .values(updated_at=func.now(), **values)
+                .execution_options(synchronize_session=False)
+            )
+        return scheduled, gave_up
+
+    async def _requeue_due(self, session: AsyncSession) -> list[int]:
+        """Move failed jobs whose retry time has come back to `queued`."""
+        rows = (
+            await session.execute(
+                select(
+                    Job.id,
+                    Job.attempt,
+                    Job.failure_reason,
+                    Job.exit_code,
+                    Job.retry_count,
+                    Job.max_retries,
+                )
+                .where(Job.status == JobStatus.FAILED.value, Job.next_attempt_at <= func.now())
+                .order_by(Job.next_attempt_at, Job.id)
+                .limit(BATCH)
+                .with_for_update(skip_locked=True)
+            )
+        ).all()
+        retried: list[int] = []
+        for row in rows:
+            counted = counts_against_limit(row.failure_reason)
+            failure = Failure(row.failure_reason, row.exit_code).describe()
+            if counted:
+                why = f"retry {row.retry_count + 1}/{row.max_retries} after {failure}"
+            else:
+                why = f"requeued after {failure} (does not count against max_retries)"
+            moved = await transition(
+                session,
+                row.id,
+                expected=JobStatus.FAILED,
+                to=JobStatus.QUEUED,
+                reason=why,
+                actor=self.actor,
+                values={
+                    "retry_count": Job.retry_count + (1 if counted else 0),
+                    "next_attempt_at": None,
+                    "status_reason": why,
+                },
+            )
+            if moved:
+                retried.append(row.id)
+                metrics.count_retry(row.failure_reason)
+                log.info("job_requeued", job_id=row.id, attempt=row.attempt, why=why)
+        return retried
+
+    async def _wake_pending(self, session: AsyncSession) -> list[int]:
+        """Put pending jobs back in the queue when GPUs that fit them are free."""
+        cfg = self.config
+        since_pending = func.extract(
+            "epoch", func.now() - func.coalesce(Job.pending_at, Job.submitted_at)
+        )
+        waited = func.extract("epoch", func.now() - Job.submitted_at)
+        rows = (
+            await session.execute(
+                select(
+                    Job.id,
+                    Job.gpus_requested,
+                    Job.priority,
+                    waited.label("waited"),
+                    since_pending.label("since_pending"),
+                )
+                .where(Job.status == JobStatus.PENDING.value)
+                .order_by(Job.priority.desc(), Job.id)
+                .limit(BATCH)
+            )
+        ).all()
+        if not rows:
+            return []
+        free = {vm_id: int(n) for vm_id, n in (await session.execute(_FREE_BY_VM)).all()}
+        plan = plan_pending(
+            [
+                PendingJob(
+                    r.id, r.gpus_requested, r.priority, float(r.waited), float(r.since_pending)
+                )
+                for r in rows
+            ],
+            free,
+            recheck_after_s=cfg.recheck_after_s,
+            pending_timeout_s=cfg.pending_timeout_s,
+            starvation_after_s=cfg.starvation_after_s,
+        )
+        if plan.held:
+            log.info("pending_held_back", held_for=plan.held_for, held=len(plan.held))
+        woken: list[int] = []
+        for job_id, why in plan.republish:
+            reason = (
+                "GPUs that fit are free again"
+                if why == "capacity"
+                else f"pending for {cfg.pending_timeout_s:.0f}s: looking again"
+            )
+            moved = await transition(
+                session,
+                job_id,
+                expected=JobStatus.PENDING,
+                to=JobStatus.QUEUED,
+                reason=reason,
+                actor=self.actor,
+                values={"status_reason": None},
+            )
+            if moved:
+                woken.append(job_id)
+                metrics.count_recovery(f"pending_{why}")
+        return woken
+
+    async def _to_announce(self, session: AsyncSession) -> list[_Announce]:
+        """Queued jobs whose current queued spell was never announced, or long ago."""
+        stale_before = func.now() - timedelta(seconds=self.config.republish_after_s)
+        rows = (
+            await session.execute(
+                select(Job.id, Job.attempt, Job.queued_at, Job.published_at)
+                .where(
+                    Job.status == JobStatus.QUEUED.value,
+                    or_(
+                        Job.published_at.is_(None),
+                        Job.published_at < Job.queued_at,
+                        Job.published_at < stale_before,
+                    ),
+                )
+                .order_by(Job.priority.desc(), Job.id)
+                .limit(BATCH)
+            )
+        ).all()
+        return [_Announce(r.id, r.attempt, r.queued_at, r.published_at) for r in rows]
+
+    async def _announce(self, items: Sequence[_Announce], report: TickReport) -> None:
+        """Publish (no transaction open), then record what the stream stored."""
+        if self.publisher is None:
+            return
+        done: list[_Announce] = []
+        for item in items:
+            msg_id = announce_msg_id(item.job_id, item.attempt, item.published_at)
+            try:
+                await self.publisher.publish(item.job_id, msg_id)
+            except Exception as exc:  # noqa: BLE001 - NATS down: the next tick tries again
+                report.publish_failed = len(items) - len(done)
+                log.warning(
+                    "publish_failed",
+                    job_id=item.job_id,
+                    error=(str(exc) or type(exc).__name__)[:200],
+                    left=report.publish_failed,
+                )
+                break
+            done.append(item)
+        if not done:
+            return
+        async with self.db.transaction() as session:
+            for item in done:
+                # Only the queued spell we announced: a job requeued meanwhile needs its own.
+                same_spell = (
+                    Job.queued_at.is_(None)
+                    if item.queued_at is None
+                    else Job.queued_at == item.queued_at
+                )
+                await session.execute(
+                    update(Job)
+                    .where(and_(Job.id == item.job_id, same_spell))
+                    .values(published_at=func.now())
+                    .execution_options(synchronize_session=False)
+                )
+        report.published = [item.job_id for item in done]
+        log.info("jobs_announced", count=len(done))
+
+    async def _kill_stale(self, report: TickReport) -> None:
+        """Kill leftover attempts on VMs that answer again; close their rows once dead."""
+        if self.transport is None:
+            return
+        async with self.db.transaction() as session:
+            rows = (
+                await session.execute(
+                    select(StaleProcess, VM)
+                    .join(VM, VM.id == StaleProcess.vm_id)
+                    .where(
+                        StaleProcess.killed_at.is_(None),
+                        VM.status == VMStatus.HEALTHY.value,
+                    )
+                    .order_by(StaleProcess.id)
+                    .limit(BATCH)
+                )
+            ).all()
+            work = [
+                (stale.id, stale.job_id, stale.attempt, VMTarget.from_vm(vm)) for stale, vm in rows
+            ]
+        if not work:
+            return
+        results = await asyncio.gather(*(self._kill_one(j, a, t) for _s, j, a, t in work))
+        async with self.db.transaction() as session:
+            for (stale_id, job_id, _attempt, _target), error in zip(work, results, strict=True):
+                values: dict[str, Any] = {"attempts": StaleProcess.attempts + 1}
+                if error is None:
+                    values["killed_at"] = func.now()
+                    values["last_error"] = None
+                    report.killed.append(job_id)
+                else:
+                    values["last_error"] = error[:500]
+                    report.kill_failed += 1
+                await session.execute(
+                    update(StaleProcess)
+                    .where(StaleProcess.id == stale_id, StaleProcess.killed_at.is_(None))
+                    .values(**values)
+                    .execution_options(synchronize_session=False)
+                )
+
+    async def _kill_one(self, job_id: int, attempt: int, target: VMTarget) -> str | None:
+        """Kill one leftover attempt; None on success, else why it failed."""
+        assert self.transport is not None
+        bound = log.bind(job_id=job_id, attempt=attempt, vm=target.name)
+        script = kill_script(job_id, attempt, self.config.kill_grace_s)
+        try:
+            result = await self.transport.run(
+                target, script, timeout=self.config.kill_grace_s + self.config.ssh_timeout_s
+            )
+        except TransportError as exc:
+            bound.warning("stale_kill_unreachable", error=str(exc)[:200])
+            return str(exc) or "unreachable"
+        outcome = parse_kill(result.stdout)
+        if not result.ok or outcome is None:
+            error = (result.stderr or result.stdout).strip()[:200] or f"exit {result.exit_status}"
+            bound.warning("stale_kill_failed", exit_status=result.exit_status, error=error)
+            return error
+        bound.info("stale_process_killed", outcome=outcome)
+        return None
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Tick every `interval` until `stop` is set; a failed tick is logged, not fatal."""
+        failures = 0
+        while not stop.is_set():
+            try:
+                report = await self.tick()
+            except Exception as exc:  # noqa: BLE001 - Postgres restarting, a bug in one row…
+                failures += 1
+                log.warning(
+                    "requeue_tick_failed",
+                    error=(str(exc).splitlines() or [type(exc).__name__])[0][:300],
+                    error_type=type(exc).__name__,
+                    failures=failures,
+                )
+            else:
+                failures = 0
+                if report.busy():
+                    log.info(
+                        "requeue_tick",
+                        expired=len(report.expired),
+                        node_lost=len(report.node_lost),
+                        scheduled=len(report.scheduled),
+                        gave_up=len(report.gave_up),
+                        retried=len(report.retried),
+                        unpended=len(report.unpended),
+                        published=len(report.published),
+                        killed=len(report.killed),
+                    )
+            wait = self.config.interval_s * min(2 ** min(failures, 4), 8) if failures else 0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait or self.config.interval_s)
+
+
+# A GPU counts as free for waking pending jobs exactly as the claim query counts it.
+_FREE_BY_VM = (
+    select(GPU.vm_id, func.count())
+    .join(VM, VM.id == GPU.vm_id)
+    .where(
+        VM.status == VMStatus.HEALTHY.value,
+        VM.draining.is_(False),
+        GPU.job_id.is_(None),
+        GPU.healthy.is_(True),
+        GPU.foreign_busy.is_(False),
+        ~select(StaleProcess.id)
+        .where(
+            StaleProcess.vm_id == GPU.vm_id,
+            StaleProcess.killed_at.is_(None),
+            GPU.index == func.any(StaleProcess.gpu_indices),
+        )
+        .exists(),
+    )
+    .group_by(GPU.vm_id)
+)
+
+
+def _retry_note(
+    row: Any, failure: Failure, at: datetime, now: datetime, config: RequeueConfig
+) -> str:
+    """The status_reason of a failed job waiting for its retry."""
+    wait = max(0.0, (at - now).total_seconds())
+    if failure.reason == NODE_LOST:
+        return (
+            f"{failure.describe()}: retrying elsewhere "
+            f"(lost nodes {failure.node_lost_count}/{config.policy.node_lost_limit})"
+        )
+    return f"{failure.describe()}: retry {row.retry_count + 1}/{row.max_retries} in {wait:.0f}s"
+
+
+# -- the daemon ---------------------------------------------------------------------------
+
+
+async def _connect_nats(settings: Settings, stop: asyncio.Event) -> Any | None:
+    """Connect to NATS, retrying until it answers or `stop` is set."""
+    delay = 0.5
+    while not stop.is_set():
+        try:
+            return await bus.connect(settings, name="rlfleet-requeue", forever=True)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("nats_connect_failed", error=str(exc)[:200], retry_in=delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(delay * 2, 10.0)
+    return None
+
+
+async def run_daemon(settings: Settings, config: RequeueConfig, stop: asyncio.Event) -> None:
+    """The requeue manager as a daemon: connect, tick until stopped, clean up."""
+    from scheduler.transport import make_transport
+
+    db = Database(settings.database_url, pool_size=3)
+    transport = make_transport()
+    nc = await _connect_nats(settings, stop)
+    try:
+        if nc is not None:
+            manager = RequeueManager(db, NatsPublisher(nc), transport, config)
+            log.info(
+                "requeue_started",
+                database=redact_url(settings.database_url),
+                nats=redact_url(settings.nats_url),
+                interval_s=config.interval_s,
+                node_lost_timeout_s=config.node_lost_timeout_s,
+                pending_timeout_s=config.pending_timeout_s,
+            )
+            await manager.run(stop)
+    finally:
+        if nc is not None:
+            with contextlib.suppress(Exception):
+                await nc.close()
+        await transport.close()
+        await db.dispose()
+
+
+@click.command("requeue")
+@click.option("--database-url", metavar="URL", help="Postgres URL (else RLFLEET_DATABASE_URL).")
+@click.option("--nats-url", metavar="URL[,URL…]", help="NATS server(s) (else RLFLEET_NATS_URL).")
+@click.option(
+    "--interval",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(min=0.05),
+    help="Seconds between ticks.",
+)
+@click.option(
+    "--pending-timeout",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Re-announce a pending job after this many seconds even if no GPUs look free.",
+)
+@click.option(
+    "--node-lost-timeout",
+    default=20.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds a VM may stay unreachable before its jobs are failed as node_lost and retried.",
+)
+@click.option(
+    "--republish-after",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(min=1),
+    help="Announce again a job still queued this many seconds after its last announcement.",
+)
+@click.option(
+    "--starvation-after",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="After this many seconds waiting, a job that does not fit holds back smaller ones.",
+)
+@click.option(
+    "--retry-base-delay",
+    default=DEFAULT_POLICY.base_delay_s,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Backoff before the first retry; doubles for each further retry.",
+)
+@click.option(
+    "--retry-max-delay",
+    default=DEFAULT_POLICY.max_delay_s,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Longest backoff between retries.",
+)
+@click.option(
+    "--kill-grace",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds between TERM and KILL for a leftover process.",
+)
+@metrics.metrics_option
+@click.option(
+    "--log-level",
+    default=None,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    help="Log verbosity (default: the rlfleet --log-level, else INFO).",
+)
+@click.pass_context
+def requeue_command(
+    ctx: click.Context,
+    database_url: str | None,
+    nats_url: str | None,
+    interval: float,
+    pending_timeout: float,
+    node_lost_timeout: float,
+    republish_after: float,
+    starvation_after: float,
+    retry_base_delay: float,
+    retry_max_delay: float,
+    kill_grace: float,
+    metrics_port: int,
+    log_level: str | None,
+) -> None:
+    """Run the requeue manager: retries, stuck jobs, lost VMs, unannounced jobs."""
+    from scheduler.cli._common import CliContext
+
+    parent = ctx.find_object(CliContext)  # set when run as `rlfleet requeue`
+    settings = Settings.load(
+        database_url or (parent.settings.database_url if parent else None),
+        nats_url or (parent.settings.nats_url if parent else None),
+    )
+    configure((log_level or (parent.log_level if parent else None) or "INFO").upper())
+    config = RequeueConfig(
+        interval_s=interval,
+        pending_timeout_s=pending_timeout,
+        node_lost_timeout_s=node_lost_timeout,
+        republish_after_s=republish_after,
+        recheck_after_s=max(1.0, 2 * interval),
+        starvation_after_s=starvation_after,
+        kill_grace_s=kill_grace,
+        policy=RetryPolicy(base_delay_s=retry_base_delay, max_delay_s=retry_max_delay),
+    )
+    from scheduler.daemon import serve
+
+    async def main(stop: asyncio.Event) -> None:
+        await run_daemon(settings, config, stop)
+
+    asyncio.run(
+        serve(
+            "requeue",
+            main,
+            metrics_port=metrics_port or None,
+            database_url=settings.database_url,
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m scheduler.requeue`."""
+    from scheduler.cli._common import run_guarded
+
+    sys.exit(run_guarded(requeue_command, argv))
+
+
+if __name__ == "__main__":
+    main()
