@@ -120,11 +120,32 @@ async def ensure_stream(js: JetStreamContext) -> None:
         ):
             await js.update_stream(wanted)
             log.info("stream_updated", stream=STREAM)
+    wanted_consumer = consumer_config()
     try:
-        await js.consumer_info(STREAM, CONSUMER)
+        consumer = await js.consumer_info(STREAM, CONSUMER)
     except NotFoundError:
-        await js.add_consumer(STREAM, consumer_config())
+        await js.add_consumer(STREAM, wanted_consumer)
         log.info("consumer_created", stream=STREAM, consumer=CONSUMER)
+    else:
+        if _consumer_differs(consumer.config, wanted_consumer):
+            # A create request for an existing durable updates its editable fields.
+            await js.add_consumer(STREAM, wanted_consumer)
+            log.info("consumer_updated", stream=STREAM, consumer=CONSUMER)
+
+
+def _consumer_differs(current: ConsumerConfig, wanted: ConsumerConfig) -> bool:
+    return (
+        current.ack_wait != wanted.ack_wait
+        or current.max_ack_pending != wanted.max_ack_pending
+        or current.filter_subject != wanted.filter_subject
+        or current.max_deliver not in (wanted.max_deliver, None)
+    )
+
+
+async def subscribe_dispatcher(js: JetStreamContext) -> JetStreamContext.PullSubscription:
+    """Bind to the shared durable pull consumer (creating stream and consumer if needed)."""
+    await ensure_stream(js)
+    return await js.pull_subscribe_bind(durable=CONSUMER, stream=STREAM)
 
 
 def msg_id(job_id: int, attempt: int, generation: int = 0) -> str:

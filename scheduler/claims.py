@@ -50,17 +50,23 @@ WITH cand AS (
     WHERE v.status = 'healthy' AND NOT v.draining AND {_FREE_GPU}
     GROUP BY g.vm_id
 ), fit AS (
+    -- Best fit: the fullest VM that still fits. Ties are broken per job, so that
+    -- concurrent claimers spread over equally full VMs instead of queueing on one row.
     SELECT vm_id, free FROM cand WHERE free >= :need
-    ORDER BY free, vm_id LIMIT :candidates
+    ORDER BY free, (vm_id * 2654435761 + :job_id) % 4294967296 LIMIT :candidates
 ), locked AS MATERIALIZED (
-    SELECT g.id, g.vm_id, g.index FROM gpus g
-    WHERE g.vm_id IN (SELECT vm_id FROM fit) AND {_FREE_GPU}
-    ORDER BY g.vm_id, g.index
-    FOR UPDATE OF g SKIP LOCKED
+    -- Lock at most `need` free rows per candidate VM; rows another claimer holds are
+    -- skipped, never waited for.
+    SELECT f.vm_id, l.id, l.index FROM fit f CROSS JOIN LATERAL (
+        SELECT g.id, g.index FROM gpus g
+        WHERE g.vm_id = f.vm_id AND {_FREE_GPU}
+        ORDER BY g.index LIMIT :need
+        FOR UPDATE OF g SKIP LOCKED
+    ) l
 ), chosen_vm AS (
     SELECT l.vm_id FROM locked l JOIN fit f ON f.vm_id = l.vm_id
     GROUP BY l.vm_id, f.free HAVING count(*) >= :need
-    ORDER BY f.free, l.vm_id LIMIT 1
+    ORDER BY f.free, (l.vm_id * 2654435761 + :job_id) % 4294967296 LIMIT 1
 ), chosen AS (
     SELECT l.id, l.index FROM locked l WHERE l.vm_id = (SELECT vm_id FROM chosen_vm)
     ORDER BY l.index LIMIT :need
@@ -90,6 +96,10 @@ class Claim:
     vm_id: int
     gpu_indices: list[int]
     output_dir: str
+    model: str = ""
+    dataset: str = ""
+    reward_functions: tuple[str, ...] = ()
+    extra_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -126,7 +136,16 @@ async def claim_in_session(
     """
     row = (
         await session.execute(
-            select(Job.status, Job.gpus_requested, Job.attempt, Job.output_dir, Job.status_reason)
+            select(
+                Job.status,
+                Job.gpus_requested,
+                Job.attempt,
+                Job.output_dir,
+                Job.model,
+                Job.dataset,
+                Job.reward_function,
+                Job.extra_args,
+            )
             .where(Job.id == job_id)
             .with_for_update()
         )
@@ -177,7 +196,17 @@ async def claim_in_session(
     )
     if not moved:  # cannot happen while we hold the row lock; be safe anyway
         raise RuntimeError(f"job {job_id} changed state under its row lock")
-    return Claim(job_id, attempt, result.vm_id, list(result.gpu_indices), output_dir)
+    return Claim(
+        job_id,
+        attempt,
+        result.vm_id,
+        list(result.gpu_indices),
+        output_dir,
+        model=row.model,
+        dataset=row.dataset,
+        reward_functions=tuple(r for r in row.reward_function.split(",") if r),
+        extra_args=tuple(str(a) for a in row.extra_args or ()),
+    )
 
 
 async def claim_gpus(

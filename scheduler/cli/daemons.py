@@ -19,3 +19,12 @@ def _add_up() -> None:
 
 
 _add_up()
+
+
+def _add_dispatcher() -> None:
+    from scheduler.dispatcher import command as dispatcher_command
+
+    COMMANDS.append(dispatcher_command)
+
+
+_add_dispatcher()

@@ -1,0 +1,481 @@
+"""The dispatcher daemon: pull job ids from `jobs.new`, claim GPUs, launch over SSH.
+
+Every dispatcher binds to the one durable pull consumer, so a message goes to one of them
+at a time; Postgres decides the rest. Per message: claim (one short transaction) → launch
+(SSH, no transaction) → record the pid (one short guarded transaction) → ack. A message
+is acked only once the database says `running`, `pending` or `failed` (or the job needs
+nothing from us); transient trouble with the database is a nak with a delay, and a claim
+whose launch never got recorded is taken back by its lease (`claims.expire_leases`).
+
+Run it as `rlfleet dispatcher` or `python -m scheduler.dispatcher`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import click
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from scheduler import bus
+from scheduler.claims import DEFAULT_LEASE_S, Claim, NoClaim, claim_gpus, release_in_session
+from scheduler.daemon import sd_notify, serve, watchdog_interval
+from scheduler.db import Database
+from scheduler.jobs import transition
+from scheduler.logging import configure, get_logger
+from scheduler.models import VM, StaleProcess
+from scheduler.remote import LaunchSpec, kill_script, launch_script, parse_launch
+from scheduler.settings import Settings
+from scheduler.states import FailureReason, JobStatus
+from scheduler.transport import Transport, TransportError, VMTarget, make_transport
+
+log = get_logger("dispatcher")
+
+CONTENDED_RETRIES = 20
+VM_CACHE_TTL_S = 15.0
+DB_NAK_DELAY_S = 2.0
+
+
+class TransientError(Exception):
+    """Something that may work in a moment (database unreachable, claims contended)."""
+
+
+def default_actor() -> str:
+    """`dispatcher:<host>:<pid>`, cut to fit `job_events.actor`."""
+    return f"dispatcher:{socket.gethostname()}:{os.getpid()}"[:64]
+
+
+def parse_job_id(payload: bytes) -> int:
+    """The job id a `jobs.new` message carries; ValueError with the reason if malformed."""
+    try:
+        text = payload.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise ValueError("payload is not UTF-8") from exc
+    if not text.isascii() or not text.isdigit():
+        raise ValueError(f"payload {text[:40]!r} is not a job id")
+    job_id = int(text)
+    if not 0 < job_id < 2**63:
+        raise ValueError(f"job id {job_id} is out of range")
+    return job_id
+
+
+def _is_transient_db_error(exc: BaseException) -> bool:
+    if isinstance(exc, OperationalError):
+        return True
+    if isinstance(exc, DBAPIError):
+        code = getattr(exc.orig, "sqlstate", None)
+        # 40001 serialization failure, 40P01 deadlock: simply try again.
+        return exc.connection_invalidated or code in {"40001", "40P01"}
+    return isinstance(exc, OSError | TimeoutError)
+
+
+@dataclass
+class DispatchStats:
+    """What this dispatcher did, for logs and benchmarks."""
+
+    launched: int = 0
+    pending: int = 0
+    skipped: int = 0
+    launch_failed: int = 0
+    terminated: int = 0
+    nak: int = 0
+
+
+class GlobalJobDispatcher:
+    """Consumes `jobs.new` and turns queued jobs into running ones."""
+
+    def __init__(
+        self,
+        db: Database,
+        js: JetStreamContext,
+        transport: Transport,
+        *,
+        actor: str | None = None,
+        batch: int = 32,
+        max_in_flight: int = 64,
+        lease_s: float = DEFAULT_LEASE_S,
+        launch_timeout_s: float = 30.0,
+        kill_grace_s: float = 10.0,
+        fetch_timeout_s: float = 1.0,
+        on_running: Callable[[int], None] | None = None,
+    ) -> None:
+        self.db = db
+        self.js = js
+        self.transport = transport
+        self.actor = actor or default_actor()
+        self.batch = batch
+        self.max_in_flight = max_in_flight
+        self.lease_s = lease_s
+        self.launch_timeout_s = launch_timeout_s
+        self.kill_grace_s = kill_grace_s
+        self.fetch_timeout_s = fetch_timeout_s
+        self.on_running = on_running
+        self.stats = DispatchStats()
+        self._vms: dict[int, tuple[VMTarget, float]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---------------------------------------------------------------- the loop
+
+    async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+        """Fetch and handle messages until `stop` is set, then finish the ones in flight.
+
+        `ready` is set once bound to the consumer."""
+        sub = await self._subscribe(stop)
+        if sub is None:
+            return
+        sd_notify("READY=1")
+        if ready is not None:
+            ready.set()
+        log.info("dispatcher_ready", actor=self.actor, max_in_flight=self.max_in_flight)
+        watchdog = watchdog_interval()
+        last_ping = time.monotonic()
+        backoff = 0.5
+        while not stop.is_set():
+            if watchdog and time.monotonic() - last_ping >= watchdog:
+                sd_notify("WATCHDOG=1")
+                last_ping = time.monotonic()
+            room = self.max_in_flight - len(self._tasks)
+            if room <= 0:
+                await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            try:
+                msgs = await sub.fetch(min(self.batch, room), timeout=self.fetch_timeout_s)
+            except TimeoutError:
+                continue
+            except Exception as exc:  # noqa: BLE001 - NATS down or reconnecting: wait
+                log.warning("fetch_failed", error=str(exc) or type(exc).__name__)
+                await _sleep_or_stop(stop, backoff)
+                backoff = min(backoff * 2, 10.0)
+                continue
+            backoff = 0.5
+            for msg in msgs:
+                task = asyncio.create_task(self.handle(msg))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=self.launch_timeout_s + 5)
+        with contextlib.suppress(Exception):  # closing anyway
+            await sub.unsubscribe()
+
+    async def _subscribe(self, stop: asyncio.Event) -> JetStreamContext.PullSubscription | None:
+        backoff = 0.5
+        while not stop.is_set():
+            try:
+                return await bus.subscribe_dispatcher(self.js)
+            except Exception as exc:  # noqa: BLE001 - JetStream not ready yet: retry
+                log.warning("subscribe_failed", error=str(exc) or type(exc).__name__)
+                await _sleep_or_stop(stop, backoff)
+                backoff = min(backoff * 2, 10.0)
+        return None
+
+    async def handle(self, msg: Msg) -> None:
+        """Handle one `jobs.new` message: ack, nak (transient trouble) or term (malformed)."""
+        try:
+            job_id = parse_job_id(msg.data)
+        except ValueError as exc:
+            self.stats.terminated += 1
+            log.warning("message_terminated", reason=str(exc), subject=msg.subject)
+            await _quietly(msg.term())
+            return
+        try:
+            await self.dispatch(job_id)
+        except TransientError as exc:
+            self.stats.nak += 1
+            delay = DB_NAK_DELAY_S * (0.5 + random.random())
+            log.warning("dispatch_deferred", job_id=job_id, error=str(exc), retry_in_s=delay)
+            await _quietly(msg.nak(delay=delay))
+            return
+        except Exception:
+            # A bug, not weather: leave the message for redelivery after ack_wait.
+            log.exception("dispatch_crashed", job_id=job_id)
+            await _quietly(msg.nak(delay=DB_NAK_DELAY_S * 5))
+            return
+        await _quietly(msg.ack())
+
+    # ---------------------------------------------------------------- one job
+
+    async def dispatch(self, job_id: int) -> str:
+        """Claim, launch and record one job; returns what happened (for tests and logs).
+
+        Raises `TransientError` when the message should be delivered again later.
+        """
+        claim = await self._claim(job_id)
+        if isinstance(claim, NoClaim):
+            if claim.status == JobStatus.PENDING and claim.moved_to_pending:
+                self.stats.pending += 1
+                log.info("job_pending", job_id=job_id, reason=claim.reason)
+                return "pending"
+            self.stats.skipped += 1
+            log.info("job_skipped", job_id=job_id, status=claim.status, reason=claim.reason)
+            return "skipped"
+        target = await self._target(claim.vm_id)
+        bound = log.bind(job_id=job_id, vm=target.name, attempt=claim.attempt)
+        bound.info("job_claimed", gpus=claim.gpu_indices)
+        spec = LaunchSpec(
+            job_id=job_id,
+            attempt=claim.attempt,
+            python=target.python,
+            entrypoint=target.entrypoint,
+            gpu_indices=claim.gpu_indices,
+            model=claim.model,
+            dataset=claim.dataset,
+            reward_functions=claim.reward_functions,
+            output_dir=claim.output_dir,
+            extra_args=claim.extra_args,
+        )
+        error: str | None = None
+        pid: int | None = None
+        try:
+            result = await self.transport.run(
+                target, launch_script(spec), timeout=self.launch_timeout_s
+            )
+        except TransportError as exc:
+            error = str(exc) or type(exc).__name__
+        else:
+            launched = parse_launch(result.stdout)
+            if launched is None:
+                error = _first_line(result.stderr) or f"launch exited {result.exit_status}"
+            else:
+                pid = launched.pid
+        if pid is None:
+            await self._launch_failed(claim, target, error or "launch failed")
+            return "failed"
+        return await self._record_running(claim, target, pid)
+
+    async def _claim(self, job_id: int) -> Claim | NoClaim:
+        for _ in range(CONTENDED_RETRIES):
+            try:
+                claim = await claim_gpus(self.db, job_id, actor=self.actor, lease_s=self.lease_s)
+            except Exception as exc:
+                if _is_transient_db_error(exc):
+                    raise TransientError(f"database: {_first_line(str(exc))}") from exc
+                raise
+            if isinstance(claim, Claim) or not claim.contended:
+                return claim
+            # Other claimers hold the free GPUs locked right now: their commit is a few
+            # milliseconds away, and may leave room.
+            await asyncio.sleep(0.005 + random.random() * 0.02)
+        raise TransientError("free GPUs stayed locked by other claimers")
+
+    async def _record_running(self, claim: Claim, target: VMTarget, pid: int) -> str:
+        bound = log.bind(job_id=claim.job_id, vm=target.name, attempt=claim.attempt)
+        try:
+            async with self.db.transaction() as session:
+                moved = await transition(
+                    session,
+                    claim.job_id,
+                    expected=JobStatus.STARTING,
+                    to=JobStatus.RUNNING,
+                    reason=f"pid {pid} on {target.name}",
+                    actor=self.actor,
+                    values={"remote_pid": pid, "lease_expires_at": None},
+                )
+        except Exception as exc:
+            if _is_transient_db_error(exc):
+                # The process runs; the lease will bring the claim back if we never can.
+                raise TransientError(f"database: {_first_line(str(exc))}") from exc
+            raise
+        if not moved:
+            # Cancelled, or the lease expired, while we launched: this attempt must not run.
+            bound.warning("launch_superseded", pid=pid)
+            await self._kill_quietly(claim, target)
+            self.stats.skipped += 1
+            return "superseded"
+        self.stats.launched += 1
+        bound.info("job_running", pid=pid, gpus=claim.gpu_indices)
+        if self.on_running is not None:
+            self.on_running(claim.job_id)
+        return "running"
+
+    async def _launch_failed(self, claim: Claim, target: VMTarget, error: str) -> None:
+        bound = log.bind(job_id=claim.job_id, vm=target.name, attempt=claim.attempt)
+        bound.warning("launch_failed", error=error)
+        try:
+            async with self.db.transaction() as session:
+                moved = await transition(
+                    session,
+                    claim.job_id,
+                    expected=JobStatus.STARTING,
+                    to=JobStatus.FAILED,
+                    reason=f"launch failed: {error}"[:500],
+                    actor=self.actor,
+                    values={
+                        "failure_reason": FailureReason.LAUNCH_FAILED.value,
+                        "status_reason": f"launch failed: {error}"[:500],
+                        "lease_expires_at": None,
+                    },
+                )
+                if moved:
+                    await release_in_session(session, claim.job_id)
+                    # The launch may have started after all (a timeout, a dropped link):
+                    # keep its GPUs out of use until that attempt is known to be dead.
+                    await session.execute(
+                        _stale_insert(claim, target.id, "launch_failed"),
+                    )
+        except Exception as exc:
+            if _is_transient_db_error(exc):
+                raise TransientError(f"database: {_first_line(str(exc))}") from exc
+            raise
+        if moved:
+            self.stats.launch_failed += 1
+
+    async def _kill_quietly(self, claim: Claim, target: VMTarget) -> None:
+        try:
+            await self.transport.run(
+                target,
+                kill_script(claim.job_id, claim.attempt, self.kill_grace_s),
+                timeout=self.kill_grace_s + 10,
+            )
+        except TransportError as exc:
+            log.warning(
+                "kill_failed", job_id=claim.job_id, vm=target.name, error=str(exc) or "unknown"
+            )
+
+    async def _target(self, vm_id: int) -> VMTarget:
+        cached = self._vms.get(vm_id)
+        now = time.monotonic()
+        if cached is not None and now - cached[1] < VM_CACHE_TTL_S:
+            return cached[0]
+        try:
+            async with self.db.transaction() as session:
+                vm = await session.scalar(select(VM).where(VM.id == vm_id))
+        except Exception as exc:
+            if _is_transient_db_error(exc):
+                raise TransientError(f"database: {_first_line(str(exc))}") from exc
+            raise
+        if vm is None:
+            raise RuntimeError(f"VM {vm_id} vanished under a claim")
+        target = VMTarget.from_vm(vm)
+        self._vms[vm_id] = (target, now)
+        return target
+
+
+def _stale_insert(claim: Claim, vm_id: int, reason: str) -> Any:
+    return (
+        insert(StaleProcess)
+        .values(
+            vm_id=vm_id,
+            job_id=claim.job_id,
+            attempt=claim.attempt,
+            pid=None,
+            gpu_indices=list(claim.gpu_indices),
+            reason=reason,
+        )
+        .on_conflict_do_nothing()
+    )
+
+
+def _first_line(text: str) -> str:
+    text = text.strip()
+    return text.splitlines()[-1][:300] if text else ""
+
+
+async def _quietly(coro: Any) -> None:
+    try:
+        await coro
+    except Exception as exc:  # noqa: BLE001 - the ack/nak is lost; redelivery covers it
+        log.warning("ack_failed", error=str(exc) or type(exc).__name__)
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+
+
+async def run_dispatcher(
+    settings: Settings,
+    stop: asyncio.Event,
+    *,
+    ready: asyncio.Event | None = None,
+    transport: Transport | None = None,
+    **options: Any,
+) -> GlobalJobDispatcher:
+    """Connect to Postgres and NATS and dispatch until `stop`; returns the dispatcher."""
+    db = Database(settings.database_url, pool_size=10)
+    nc = None
+    backoff = 0.5
+    while nc is None and not stop.is_set():
+        try:
+            nc = await bus.connect(settings, name="rlfleet-dispatcher", forever=True)
+        except Exception as exc:  # noqa: BLE001 - keep trying: NATS may come up later
+            log.warning("nats_connect_failed", error=str(exc) or type(exc).__name__)
+            await _sleep_or_stop(stop, backoff)
+            backoff = min(backoff * 2, 30.0)
+    own_transport = transport is None
+    transport = transport or make_transport()
+    dispatcher = GlobalJobDispatcher(db, nc.jetstream(), transport, **options) if nc else None
+    try:
+        if dispatcher is not None:
+            await dispatcher.run(stop, ready)
+    finally:
+        if nc is not None:
+            await nc.close()
+        if own_transport:
+            await transport.close()
+        await db.dispose()
+    assert dispatcher is not None or stop.is_set()
+    return dispatcher  # type: ignore[return-value]
+
+
+async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:
+    """The entry `rlfleet up` runs: dispatch until `stop`, set `ready` once subscribed."""
+    await run_dispatcher(settings, stop, ready=ready)
+
+
+@click.command("dispatcher")
+@click.option("--max-in-flight", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--lease", "lease_s", default=DEFAULT_LEASE_S, show_default=True, type=float)
+@click.option("--launch-timeout", "launch_timeout_s", default=30.0, show_default=True, type=float)
+@click.pass_obj
+def command(obj: Any, max_in_flight: int, lease_s: float, launch_timeout_s: float) -> None:
+    """Run the dispatcher: claim GPUs for new jobs and launch them over SSH."""
+    configure(obj.log_level)
+
+    async def main(stop: asyncio.Event) -> None:
+        await run_dispatcher(
+            obj.settings,
+            stop,
+            max_in_flight=max_in_flight,
+            lease_s=lease_s,
+            launch_timeout_s=launch_timeout_s,
+        )
+
+    asyncio.run(serve("dispatcher", main))
+
+
+def main() -> None:
+    """`python -m scheduler.dispatcher`: the same as `rlfleet dispatcher`."""
+    from scheduler.cli import cli
+    from scheduler.cli._common import run_guarded
+
+    # The connection options belong to the `rlfleet` group: put them before the command.
+    group_args: list[str] = []
+    own_args: list[str] = []
+    argv = sys.argv[1:]
+    while argv:
+        arg = argv.pop(0)
+        name = arg.split("=", 1)[0]
+        if name in ("--database-url", "--nats-url", "--log-level"):
+            group_args.append(arg)
+            if "=" not in arg and argv:
+                group_args.append(argv.pop(0))
+        else:
+            own_args.append(arg)
+    raise SystemExit(run_guarded(cli, [*group_args, "dispatcher", *own_args]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""The dispatcher against real Postgres, real NATS JetStream and real SSH servers (the
+test fleet); only the GPUs are simulated."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import nats as nats_client
+import pytest
+from sqlalchemy import func, select, update
+
+from scheduler import bus
+from scheduler.claims import expire_leases
+from scheduler.db import Database
+from scheduler.embedded import EmbeddedNats
+from scheduler.models import GPU, Job, JobEvent, StaleProcess
+from scheduler.remote import job_dir
+from scheduler.transport import CommandResult, Transport, VMTarget, make_transport
+from tests.fleet import SimFleet
+from tests.workloads.support import (
+    FAKE_TRAIN,
+    job_row,
+    mark_polled,
+    new_job,
+    publish,
+    running_dispatcher,
+    wait_file,
+    wait_status,
+)
+
+FleetFactory = Callable[..., Awaitable[SimFleet]]
+
+
+async def fleet_with_rows(
+    sim_fleet: FleetFactory, db: Database, n_vms: int, gpus: int
+) -> tuple[SimFleet, dict[str, int]]:
+    """A started test fleet, registered and marked as polled."""
+    fleet = await sim_fleet(n_vms, gpus_per_vm=gpus)
+    ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN))
+    await mark_polled(db, {vm_id: gpus for vm_id in ids.values()})
+    return fleet, ids
+
+
+async def test_a_published_job_runs_on_the_gpus_it_claimed(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
+) -> None:
+    """Given one VM with two GPUs, when a user's script publishes a 1-GPU job id with a
+    plain `nc.publish`, then the job is running with the pid of its process-group leader,
+    its attempt directory holds the contract's files, the process sees only its GPU,
+    and the arguments arrived verbatim."""
+    fleet, ids = await fleet_with_rows(sim_fleet, db, 1, 2)
+    home = fleet[0].home
+    extra = ("--max_steps", "3", "--note", "it's $(not) a `command`")
+    job_id = await new_job(db, 1, extra, reward_functions=("format", "mod:fn"))
+    async with running_dispatcher(db, nats.url):
+        nc = await nats_client.connect(nats.url)
+        await publish(nc, job_id)
+        await nc.close()
+        job = await wait_status(db, job_id, "running")
+
+    d = home / job_dir(job_id, 1)
+    assert (job.vm_id, job.gpu_indices, job.attempt) == (ids["vm0"], [0], 1)
+    assert job.lease_expires_at is None and job.running_at is not None
+    assert int((d / "pid").read_text()) == job.remote_pid
+    assert (await wait_file(d / "exit_code")).strip() == "0"
+    log = (d / "train.log").read_text()
+    assert "CUDA_VISIBLE_DEVICES=0" in log
+    argv = [
+        "--model", "tiny", "--dataset", "data.jsonl", "--reward_function", "format",
+        "--reward_function", "mod:fn", "--output_dir", f"{home}/.rlfleet/outputs/{job_id}",
+        *extra,
+    ]  # fmt: skip
+    assert f"args={argv!r}" in log
+    assert json.loads((d / "progress.json").read_text())["status"] == "finished"
+    assert (d / "launch.sh").exists()
+    async with db.transaction() as session:
+        moves = (
+            await session.execute(
+                select(JobEvent.from_status, JobEvent.to_status).where(JobEvent.job_id == job_id)
+            )
+        ).all()
+    assert [tuple(m) for m in moves] == [
+        (None, "queued"),
+        ("queued", "starting"),
+        ("starting", "running"),
+    ]
+
+
+async def test_duplicates_unknown_and_malformed_messages(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
+) -> None:
+    """Given a job published three times, an unknown id, a cancelled job, and payloads
+    that are not job ids, then the job is launched once, nothing else happens, and every
+    message is acked or terminated (the work queue ends empty)."""
+    fleet, _ = await fleet_with_rows(sim_fleet, db, 1, 2)
+    job_id = await new_job(db, 1, ("--fake_seconds", "1"))
+    cancelled = await new_job(db)
+    async with db.transaction() as session:
+        await session.execute(update(Job).where(Job.id == cancelled).values(status="cancelled"))
+    async with running_dispatcher(db, nats.url) as dispatcher:
+        nc = await nats_client.connect(nats.url)
+        await publish(nc, job_id, job_id, 987654, cancelled, b"\xff\xfe", b"12abc", b"", job_id)
+        await wait_status(db, job_id, "running")
+        js = nc.jetstream()
+        for _ in range(100):
+            info = await js.consumer_info(bus.STREAM, bus.CONSUMER)
+            if info.num_pending == 0 and info.num_ack_pending == 0:
+                break
+            await asyncio.sleep(0.05)
+        stream = await js.stream_info(bus.STREAM)
+        await nc.close()
+
+    assert (info.num_pending, info.num_ack_pending, stream.state.messages) == (0, 0, 0)
+    assert dispatcher.stats.launched == 1
+    assert dispatcher.stats.terminated == 3
+    assert dispatcher.stats.skipped == 4  # two repeats, the unknown id, the cancelled job
+    attempts = list((fleet[0].home / ".rlfleet/jobs" / str(job_id)).iterdir())
+    assert [p.name for p in attempts] == ["1"]
+    assert (await job_row(db, cancelled)).status == "cancelled"
+
+
+async def test_a_job_that_fits_nowhere_is_pending_with_the_reason(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
+) -> None:
+    """Given two VMs with two GPUs each, a 4-GPU job is pending and says why."""
+    await fleet_with_rows(sim_fleet, db, 2, 2)
+    job_id = await new_job(db, 4)
+    async with running_dispatcher(db, nats.url):
+        nc = await nats_client.connect(nats.url)
+        await publish(nc, job_id)
+        await nc.close()
+        job = await wait_status(db, job_id, "pending")
+    assert job.status_reason == "needs 4 GPUs, largest free block is 2"
+
+
+async def test_a_multi_gpu_job_starts_through_accelerate(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
+) -> None:
+    """Given a 2-GPU job, the VM runs it with `accelerate launch --num_processes 2` on the
+    two claimed GPUs (the real accelerate launcher, contract 5)."""
+    fleet, _ = await fleet_with_rows(sim_fleet, db, 1, 3)
+    job_id = await new_job(db, 2)
+    async with running_dispatcher(db, nats.url):
+        nc = await nats_client.connect(nats.url)
+        await publish(nc, job_id)
+        await nc.close()
+        await wait_status(db, job_id, "running")
+    d = fleet[0].home / job_dir(job_id, 1)
+    assert (await wait_file(d / "exit_code", timeout=60)).strip() == "0"
+    launch = (d / "launch.sh").read_text()
+    assert "-m accelerate.commands.launch --num_processes 2 " + shlex.quote(str(FAKE_TRAIN)) in (
+        launch
+    )
+    assert "CUDA_VISIBLE_DEVICES=0,1" in (d / "train.log").read_text()
+
+
+async def test_an_unreachable_vm_fails_the_launch_and_frees_the_claim(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
+) -> None:
+    """Given a VM that stops answering SSH after its last poll, the job fails with
+    `launch_failed` (retryable), its GPUs leave the job, and they stay blocked (a stale
+    process row) until that attempt is known not to run there."""
+    fleet, ids = await fleet_with_rows(sim_fleet, db, 1, 1)
+    await fleet[0].stop()
+    job_id = await new_job(db)
+    async with running_dispatcher(db, nats.url):
+        nc = await nats_client.connect(nats.url)
+        await publish(nc, job_id)
+        await nc.close()
+        job = await wait_status(db, job_id, "failed")
+    assert job.failure_reason == "launch_failed"
+    assert job.next_attempt_at is None and "launch failed" in (job.status_reason or "")
+    async with db.transaction() as session:
+        assert await session.scalar(select(func.count()).where(GPU.job_id.is_not(None))) == 0
+        stale = (await session.execute(select(StaleProcess))).scalars().one()
+    assert (stale.vm_id, stale.job_id, stale.attempt, stale.gpu_indices) == (
+        ids["vm0"],
+        job_id,
+        1,
+        [0],
+    )
+
+
+class StallingTransport:
+    """Forwards everything except launches, which hang: a dispatcher about to die."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.launch_started = asyncio.Event()
+
+    async def run(
+        self, target: VMTarget, command: str, *, timeout: float, input: str | None = None
+    ) -> CommandResult:
+        if ".launch.lock" in command:
+            self.launch_started.set()
+            await asyncio.sleep(3600)
+        return await self.inner.run(target, command, timeout=timeout, input=input)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def test_a_dispatcher_dying_between_claim_and_launch_blocks_nothing_for_ever(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
+) -> None:
+    """Given a dispatcher that claims a job and dies before launching, then the job holds
+    a lease that expires; `expire_leases` frees the claim and requeues the job, and a
+    healthy dispatcher runs it as attempt 2 on the other GPU (the first one stays blocked
+    until the attempt that may have started there is known dead)."""
+    fleet, _ = await fleet_with_rows(sim_fleet, db, 1, 2)
+    job_id = await new_job(db)
+    stalling = StallingTransport(make_transport())
+    nc = await nats_client.connect(nats.url)
+    async with running_dispatcher(db, nats.url, transport=stalling, lease_s=1.0) as doomed:
+        await publish(nc, job_id)
+        await asyncio.wait_for(stalling.launch_started.wait(), 10)
+        job = await job_row(db, job_id)
+        for task in list(doomed._tasks):  # the process dies: its work is gone
+            task.cancel()
+    await stalling.close()
+    assert job.status == "starting" and job.lease_expires_at is not None
+    assert job.lease_expires_at > job.starting_at
+
+    await asyncio.sleep(1.2)
+    async with db.transaction() as session:
+        expired = (
+            await session.scalars(
+                select(Job.id).where(Job.status == "starting", Job.lease_expires_at < func.now())
+            )
+        ).all()
+    assert expired == [job_id]
+    assert await expire_leases(db) == [job_id]
+    assert (await job_row(db, job_id)).status == "queued"
+
+    async with running_dispatcher(db, nats.url):
+        await publish(nc, job_id)
+        job = await wait_status(db, job_id, "running")
+    await nc.close()
+    assert (job.attempt, job.gpu_indices) == (2, [1])
+    assert not (fleet[0].home / job_dir(job_id, 1) / "pid").exists()
+
+
+@pytest.mark.parametrize("payload", [b"\xff", b"-3", b"1e9", b"99999999999999999999999"])
+def test_malformed_payloads_are_refused(payload: bytes) -> None:
+    """Only a decimal id in range is a job id."""
+    from scheduler.dispatcher import parse_job_id
+
+    with pytest.raises(ValueError):
+        parse_job_id(payload)
+    assert parse_job_id(b" 42\n") == 42
+
+
+async def test_cancelled_during_launch_is_killed_not_run(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, tmp_path: Path
+) -> None:
+    """Given a job cancelled while its launch is on the wire, the dispatcher loses the
+    starting → running move and kills the process it just started."""
+    fleet, _ = await fleet_with_rows(sim_fleet, db, 1, 1)
+    job_id = await new_job(db, 1, ("--fake_seconds", "30"))
+
+    class CancelDuringLaunch:
+        def __init__(self, inner: Transport) -> None:
+            self.inner = inner
+
+        async def run(
+            self, target: VMTarget, command: str, *, timeout: float, input: str | None = None
+        ) -> CommandResult:
+            result = await self.inner.run(target, command, timeout=timeout, input=input)
+            if ".launch.lock" in command:
+                async with db.transaction() as session:
+                    await session.execute(
+                        update(Job).where(Job.id == job_id).values(status="cancelled")
+                    )
+            return result
+
+        async def close(self) -> None:
+            await self.inner.close()
+
+    transport = CancelDuringLaunch(make_transport())
+    async with running_dispatcher(db, nats.url, transport=transport, kill_grace_s=2) as d:
+        nc = await nats_client.connect(nats.url)
+        await publish(nc, job_id)
+        await nc.close()
+        code = await wait_file(fleet[0].home / job_dir(job_id, 1) / "exit_code")
+    await transport.close()
+    assert code.strip() == "143"
+    assert d.stats.launched == 0

@@ -1,0 +1,201 @@
+"""Helpers for the dispatcher tests and benchmark: VM/GPU rows, a dispatcher in a task,
+a stand-in VM interpreter, and a small loop that plays the poller's part."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import stat
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import nats as nats_client
+from nats.aio.client import Client as NATS
+from sqlalchemy import select, update
+
+from scheduler import bus
+from scheduler.claims import release_in_session
+from scheduler.db import Database
+from scheduler.dispatcher import GlobalJobDispatcher
+from scheduler.jobs import JobSpec, insert_job, transition
+from scheduler.models import GPU, VM, Job
+from scheduler.remote import job_dir
+from scheduler.states import JobStatus
+from scheduler.transport import Transport, make_transport
+
+FAKE_TRAIN = Path(__file__).resolve().parent / "fake_train.py"
+
+
+def write_fake_python(folder: Path) -> str:
+    """A stand-in VM interpreter that runs `-m accelerate.commands.launch --num_processes N
+    SCRIPT …` as one cheap `python SCRIPT …` (exporting N), so that tests with many
+    multi-GPU jobs do not pay for importing torch. Anything else runs unchanged."""
+    path = folder / "fake-python"
+    path.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "-m" ] && [ "$2" = "accelerate.commands.launch" ] '
+        '&& [ "$3" = "--num_processes" ]; then\n'
+        '  RLFLEET_FAKE_NUM_PROCESSES="$4"; export RLFLEET_FAKE_NUM_PROCESSES; shift 4\n'
+        "fi\n"
+        f'exec {sys.executable} -S "$@"\n'
+    )
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+async def mark_polled(db: Database, gpus_by_vm: dict[int, int]) -> None:
+    """Do what a first poll does: VMs healthy, one idle GPU row per simulated GPU."""
+    async with db.transaction() as session:
+        for vm_id, count in gpus_by_vm.items():
+            await session.execute(
+                update(VM).where(VM.id == vm_id).values(status="healthy", available_gpus=count)
+            )
+            session.add_all(
+                GPU(vm_id=vm_id, index=i, uuid=f"GPU-{vm_id}-{i}", healthy=True)
+                for i in range(count)
+            )
+
+
+async def new_job(db: Database, gpus: int = 1, extra: tuple[str, ...] = (), **spec: Any) -> int:
+    """Insert a queued job (not published)."""
+    async with db.transaction() as session:
+        job = await insert_job(
+            session,
+            JobSpec(
+                model=spec.pop("model", "tiny"),
+                dataset=spec.pop("dataset", "data.jsonl"),
+                reward_functions=spec.pop("reward_functions", ("format",)),
+                gpus=gpus,
+                extra_args=extra,
+                **spec,
+            ),
+            actor="test",
+        )
+        return job.id
+
+
+async def publish(nc: NATS, *job_ids: int | bytes) -> None:
+    """Plain `nc.publish("jobs.new", …)`, as a user's script would."""
+    for job_id in job_ids:
+        payload = job_id if isinstance(job_id, bytes) else str(job_id).encode()
+        await nc.publish(bus.SUBJECT_NEW, payload)
+    await nc.flush()
+
+
+async def job_row(db: Database, job_id: int) -> Job:
+    """The job as the database has it now."""
+    async with db.transaction() as session:
+        job = await session.scalar(select(Job).where(Job.id == job_id))
+        assert job is not None
+        return job
+
+
+async def wait_status(
+    db: Database, job_id: int, statuses: set[str] | str, timeout: float = 20
+) -> Job:
+    """Wait until the job is in one of `statuses`."""
+    wanted = {statuses} if isinstance(statuses, str) else statuses
+    deadline = time.monotonic() + timeout
+    while True:
+        job = await job_row(db, job_id)
+        if job.status in wanted:
+            return job
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"job {job_id} is {job.status} ({job.status_reason}), not {wanted}"
+            )
+        await asyncio.sleep(0.05)
+
+
+async def wait_file(path: Path, timeout: float = 15) -> str:
+    """The text of `path` once it exists and is not empty."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text()
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{path} never appeared")
+
+
+@asynccontextmanager
+async def running_dispatcher(
+    db: Database, nats_url: str, *, transport: Transport | None = None, **options: Any
+) -> AsyncIterator[GlobalJobDispatcher]:
+    """A dispatcher with its own NATS connection, running in a task until the block ends."""
+    nc = await nats_client.connect(nats_url)
+    own = transport is None
+    transport = transport or make_transport()
+    dispatcher = GlobalJobDispatcher(db, nc.jetstream(), transport, fetch_timeout_s=0.2, **options)
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(dispatcher.run(stop, ready))
+    await asyncio.wait_for(ready.wait(), 10)
+    try:
+        yield dispatcher
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await nc.close()
+        if own:
+            await transport.close()
+
+
+async def complete_finished(
+    db: Database, homes: dict[int, Path], *, requeue: Callable[[list[int]], Any] | None = None
+) -> int:
+    """Play the poller: every running job whose attempt wrote `exit_code` becomes completed
+    (or failed) and frees its GPUs. Then play the requeue manager: pending jobs go back to
+    queued and `requeue(ids)` is called to publish them. Returns how many jobs finished."""
+    async with db.transaction() as session:
+        running = (
+            await session.execute(
+                select(Job.id, Job.vm_id, Job.attempt).where(Job.status == "running")
+            )
+        ).all()
+    finished: list[tuple[int, int]] = []
+    for job_id, vm_id, attempt in running:
+        code_file = homes[vm_id] / job_dir(job_id, attempt) / "exit_code"
+        if code_file.exists() and code_file.read_text().strip():
+            finished.append((job_id, int(code_file.read_text())))
+    requeued: list[int] = []
+    async with db.transaction() as session:
+        for job_id, code in finished:
+            to = JobStatus.COMPLETED if code == 0 else JobStatus.FAILED
+            if await transition(
+                session,
+                job_id,
+                expected=JobStatus.RUNNING,
+                to=to,
+                reason=f"exit {code}",
+                actor="test-poller",
+                values={"exit_code": code},
+            ):
+                await release_in_session(session, job_id)
+        if finished or requeue is not None:
+            pending = (
+                await session.execute(select(Job.id).where(Job.status == "pending"))
+            ).scalars()
+            for job_id in pending:
+                if await transition(
+                    session,
+                    job_id,
+                    expected=JobStatus.PENDING,
+                    to=JobStatus.QUEUED,
+                    reason="GPUs freed",
+                    actor="test-requeue",
+                ):
+                    requeued.append(job_id)
+    if requeued and requeue is not None:
+        await requeue(requeued)
+    return len(finished)
+
+
+def read_records(folder: Path) -> list[dict[str, Any]]:
+    """Every line fake_train wrote to its run record."""
+    lines = []
+    for path in sorted(folder.glob("*.jsonl")):
+        lines += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return lines
