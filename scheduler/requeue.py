@@ -540,7 +540,8 @@ class RequeueManager:
                     .join(VM, VM.id == StaleProcess.vm_id)
                     .where(
                         StaleProcess.killed_at.is_(None),
-                        VM.status == VMStatus.HEALTHY.value,
+                        # Any VM that answers SSH (healthy, or GPUs in trouble).
+                        VM.status != VMStatus.UNREACHABLE.value,
                     )
                     .order_by(StaleProcess.id)
                     .limit(BATCH)
@@ -817,6 +818,10 @@ def requeue_command(
             database_url=settings.database_url,
         )
     )
+
+
+command = requeue_command
+"""The click command `rlfleet requeue` (collected by scheduler.cli.daemons)."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,3 +28,12 @@ def _add_dispatcher() -> None:
 
 
 _add_dispatcher()
+
+
+def _add_requeue() -> None:
+    from scheduler.requeue import command as requeue_command
+
+    COMMANDS.append(requeue_command)
+
+
+_add_requeue()
