@@ -261,7 +261,10 @@ def status_probe(jobs: Sequence[tuple[int, int]]) -> str:
         lines += [
             f"d={_dir_word(j, a)}",
             'if [ -s "$d/exit_code" ]; then s=exited',
-            'elif [ -s "$d/pid" ] && kill -0 "$(cat "$d/pid")" 2>/dev/null; then s=running',
+            'elif [ -s "$d/pid" ] && p=$(cat "$d/pid") && kill -0 "$p" 2>/dev/null'
+            # A zombie answers kill -0 but is dead (its reaper may be slow or absent).
+            " && ! { [ -r /proc/$p/stat ] && cut -d')' -f2- /proc/$p/stat | grep -q '^ Z'; };"
+            " then s=running",
             'elif [ -s "$d/exit_code" ]; then s=exited',
             'elif [ -s "$d/pid" ]; then s=vanished',
             "else s=unknown; fi",

@@ -95,6 +95,7 @@ class VMStatus(StrEnum):
 
     UNKNOWN = "unknown"  # added, never polled yet
     HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"  # answers SSH, but nvidia-smi failed: its GPUs are not offered
     UNREACHABLE = "unreachable"
 
 

@@ -2,7 +2,8 @@
 
 Every VM has its own HOME under a temp dir, its own ed25519 host key (with a known_hosts
 file the client verifies against) and accepts the fleet's client key. Commands run in a
-real `/bin/sh` with `HOME=<vm home>`, `PATH=<vm bin>:$PATH` and `RLFLEET_SIM_VM=<name>`.
+real `/bin/sh` with `HOME=<vm home>`, `PATH=<vm bin>:$PATH`, `RLFLEET_SIM_VM=<name>` and
+`RLFLEET_SIM_FLEET=<token of this fleet>` (names repeat across fleets; the token does not).
 The GPU is the one thing simulated: `<vm bin>/nvidia-smi` reports the VM's GPUs in the
 real csv formats and shows a GPU as used by every live process of this VM whose
 environment names it in `CUDA_VISIBLE_DEVICES` (it scans /proc/*/environ).
@@ -70,6 +71,8 @@ def users():
             continue
         if env.get(b"RLFLEET_SIM_VM", b"").decode() != cfg["name"]:
             continue
+        if env.get(b"RLFLEET_SIM_FLEET", b"").decode() != cfg["fleet"]:
+            continue
         cvd = env.get(b"CUDA_VISIBLE_DEVICES")
         if not cvd:
             continue
@@ -109,16 +112,16 @@ def gpu_uuid(vm_name: str, index: int) -> str:
     return f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'rlfleet-sim/{vm_name}/{index}')}"
 
 
-def sim_processes(vm_name: str) -> list[int]:
-    """Pids of live processes started on the VM `vm_name` (they carry RLFLEET_SIM_VM)."""
-    needle = f"RLFLEET_SIM_VM={vm_name}".encode()
+def sim_processes(vm_name: str, fleet_token: str) -> list[int]:
+    """Pids of live processes started on the VM `vm_name` of the fleet `fleet_token`."""
+    needles = {f"RLFLEET_SIM_VM={vm_name}".encode(), f"RLFLEET_SIM_FLEET={fleet_token}".encode()}
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
+                if needles <= set(f.read().split(b"\0")):
                     pids.append(int(entry))
         except OSError:
             continue
@@ -171,11 +174,13 @@ class SimVM:
         *,
         client_key: Path,
         authorized: asyncssh.SSHAuthorizedKeys,
+        fleet_token: str,
         gpus: int = 1,
         gpu_name: str = DEFAULT_GPU_NAME,
         memory_mb: int = DEFAULT_GPU_MEMORY_MB,
     ) -> None:
         self.name = name
+        self.fleet_token = fleet_token
         self.root = root
         self.home = root / "home"
         self.bin_dir = root / "bin"
@@ -194,6 +199,7 @@ class SimVM:
         self.host_key.write_private_key(str(self.host_key_path))
         self._config: dict[str, object] = {
             "name": name,
+            "fleet": fleet_token,
             "fail": None,
             "gpus": [
                 {"index": i, "uuid": gpu_uuid(name, i), "name": gpu_name, "memory": memory_mb}
@@ -261,7 +267,7 @@ class SimVM:
 
     def kill_processes(self) -> None:
         """SIGKILL every process started on this VM, as a power loss would."""
-        for pid in sim_processes(self.name):
+        for pid in sim_processes(self.name, self.fleet_token):
             if pid != os.getpid():
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
@@ -270,7 +276,7 @@ class SimVM:
 
     def processes(self) -> list[int]:
         """Pids of live processes started on this VM."""
-        return sim_processes(self.name)
+        return sim_processes(self.name, self.fleet_token)
 
     def fail_nvidia_smi(self, mode: str | None) -> None:
         """Make nvidia-smi fail like a real one (see `FAIL_MODES`), or None to heal it."""
@@ -284,6 +290,7 @@ class SimVM:
         env = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "RLFLEET_SIM_VM": self.name,
+            "RLFLEET_SIM_FLEET": self.fleet_token,
             "CUDA_VISIBLE_DEVICES": str(gpu_index),
         }
         proc = subprocess.Popen(["sleep", "3600"], env=env, start_new_session=True)
@@ -317,6 +324,7 @@ class SimVM:
             HOME=str(self.home),
             PATH=f"{self.bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
             RLFLEET_SIM_VM=self.name,
+            RLFLEET_SIM_FLEET=self.fleet_token,
         )
         for var in ("CUDA_VISIBLE_DEVICES", "VIRTUAL_ENV", "PYTEST_CURRENT_TEST"):
             env.pop(var, None)
@@ -384,6 +392,9 @@ class SimFleet:
             key.export_public_key("openssh").decode()
         )
         self.vms: list[SimVM] = []
+        # VM names repeat across fleets (and across test runs sharing this machine), so
+        # processes are told apart by this token too, in RLFLEET_SIM_FLEET.
+        self.token = uuid.uuid4().hex[:12]
 
     async def add_vm(
         self,
@@ -400,6 +411,7 @@ class SimFleet:
             name,
             client_key=self.client_key_path,
             authorized=self._authorized,
+            fleet_token=self.token,
             gpus=gpus,
             gpu_name=gpu_name,
             memory_mb=memory_mb,

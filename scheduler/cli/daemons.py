@@ -21,6 +21,15 @@ def _add_up() -> None:
 _add_up()
 
 
+def _add_poller() -> None:
+    from scheduler.gpu_poller import command as poller_command
+
+    COMMANDS.append(poller_command)
+
+
+_add_poller()
+
+
 def _add_dispatcher() -> None:
     from scheduler.dispatcher import command as dispatcher_command
 

@@ -1,0 +1,588 @@
+"""The GPU poller: every few seconds, one SSH round trip per VM, all VMs at once.
+
+A sweep is load → probe → apply (invariant 4: no transaction is open during SSH):
+1. one short transaction reads every VM, its GPU rows and its live jobs;
+2. every VM runs `nvidia_smi.poll_command` concurrently (the transport bounds how many);
+3. finished jobs are moved (one short transaction each, GPUs freed in it), then one short
+   transaction writes every VM and GPU row with batched statements.
+
+It never frees or steals a GPU a job holds: only a job's end frees its GPUs, and a GPU is
+offered only when healthy, unallocated and used by no process (`foreign_busy`).
+
+Run it as `rlfleet poller` or `python -m scheduler.gpu_poller`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+from sqlalchemy import select, text, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from scheduler import metrics
+from scheduler.daemon import serve
+from scheduler.db import Database
+from scheduler.jobs import transition
+from scheduler.logging import configure, get_logger
+from scheduler.models import GPU, VM, Job
+from scheduler.nvidia_smi import PollResult, parse_poll, poll_command
+from scheduler.remote import RemoteJobState
+from scheduler.settings import Settings
+from scheduler.states import LIVE_STATES, FailureReason, JobStatus, VMStatus
+from scheduler.transport import Transport, TransportError, VMTarget, make_transport
+
+log = get_logger("gpu_poller")
+
+ACTOR = "poller"
+DEFAULT_INTERVAL_S = 5.0
+DEFAULT_UNREACHABLE_AFTER = 3
+DEFAULT_COMMAND_TIMEOUT_S = 20.0
+UNHEALTHY = VMStatus.UNHEALTHY.value
+"""`vms.status` of a VM that answers SSH but whose GPUs cannot be trusted (nvidia-smi failed)."""
+
+CONFIG_ERROR_EXIT = 64
+TRANSIENT_EXIT = 75
+_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError", re.IGNORECASE)
+_SIGNAL = re.compile(r"\b(SIG(KILL|TERM|INT|HUP|SEGV|ABRT|BUS)|Killed|Terminated)\b")
+
+
+# --- pure decisions ---------------------------------------------------------------------
+
+
+def classify_failure(exit_code: int | None, log_tail: str = "") -> FailureReason | None:
+    """Why an attempt failed, from its exit code and the end of its log; None for success.
+
+    64 is permanent (bad arguments or input); 75 or an out-of-memory message is `oom`; an
+    exit of 128+N or a signal name at the end of the log is `killed`; no exit code at all
+    is `vanished`; anything else non-zero is `exit_nonzero`.
+    """
+    if exit_code is None:
+        return FailureReason.VANISHED
+    if exit_code == 0:
+        return None
+    if exit_code == CONFIG_ERROR_EXIT:
+        return FailureReason.CONFIG_ERROR
+    if exit_code == TRANSIENT_EXIT or _OOM.search(log_tail):
+        return FailureReason.OOM
+    if exit_code >= 128 or exit_code < 0 or _SIGNAL.search(log_tail[-400:]):
+        return FailureReason.KILLED
+    return FailureReason.EXIT_NONZERO
+
+
+@dataclass(frozen=True)
+class LiveJob:
+    """A job in starting/running on a VM, as loaded at the start of a sweep."""
+
+    id: int
+    vm_id: int
+    status: str
+    attempt: int
+    remote_pid: int | None
+
+
+@dataclass(frozen=True)
+class JobVerdict:
+    """What the poller will do with a live job: move it to `to` and why."""
+
+    job: LiveJob
+    to: JobStatus
+    exit_code: int | None
+    failure_reason: FailureReason | None
+    reason: str
+
+
+def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None:
+    """The move a probed job needs, or None while it runs or is still being launched."""
+    if state is None or state.state == "running":
+        return None
+    if state.state == "unknown" and job.remote_pid is None:
+        return None  # launching: no pid file yet; the lease expiry handles a launch that died
+    if state.state == "exited":
+        failure = classify_failure(state.exit_code, state.log_tail)
+        if failure is None:
+            return JobVerdict(job, JobStatus.COMPLETED, 0, None, "exited 0")
+        return JobVerdict(
+            job, JobStatus.FAILED, state.exit_code, failure, f"exited {state.exit_code}"
+        )
+    why = "no pid file" if state.state == "unknown" else "process gone without an exit code"
+    return JobVerdict(job, JobStatus.FAILED, None, FailureReason.VANISHED, why)
+
+
+# --- the sweep --------------------------------------------------------------------------
+
+
+@dataclass
+class GpuRow:
+    """A GPU row as loaded."""
+
+    index: int
+    job_id: int | None
+    values: tuple[Any, ...]
+    """(uuid, name, memory_total_mb, memory_used_mb, utilization_pct, healthy, foreign_busy)"""
+
+
+@dataclass
+class VMState:
+    """One VM as loaded at the start of a sweep."""
+
+    target: VMTarget
+    status: str
+    consecutive_failures: int
+    gpus: dict[int, GpuRow] = field(default_factory=dict)
+    jobs: list[LiveJob] = field(default_factory=list)
+
+
+@dataclass
+class Outcome:
+    """What probing one VM gave: a parsed poll, or the transport error."""
+
+    vm: VMState
+    result: PollResult | None = None
+    error: str | None = None
+
+
+@dataclass
+class SweepStats:
+    """Counts of one sweep, for logs and tests."""
+
+    vms: int = 0
+    reachable: int = 0
+    unhealthy: int = 0
+    failed: int = 0
+    jobs_finished: int = 0
+    seconds: float = 0.0
+
+
+_VM_OK_SQL = text(
+    """
+UPDATE vms SET status = :status, last_error = :error, consecutive_failures = 0,
+    unreachable_since = NULL, last_polled_at = now(), last_seen_at = now()
+WHERE id = :vm_id
+"""
+)
+_VM_FAIL_SQL = text(
+    """
+UPDATE vms SET consecutive_failures = consecutive_failures + 1, last_polled_at = now(),
+    last_error = :error, unreachable_since = COALESCE(unreachable_since, now()),
+    status = CASE WHEN consecutive_failures + 1 >= :after THEN 'unreachable' ELSE status END
+WHERE id = :vm_id
+"""
+)
+# A GPU allocated to a job when the row is written is not foreign-busy: its processes are
+# the job's. The CASE reads the row's job_id at write time, not at load time.
+_GPU_UPSERT_SQL = text(
+    """
+INSERT INTO gpus (vm_id, index, uuid, name, memory_total_mb, memory_used_mb,
+                  utilization_pct, healthy, foreign_busy, updated_at)
+VALUES (:vm_id, :index, :uuid, :name, :total, :used, :util, true, :foreign, now())
+ON CONFLICT (vm_id, index) DO UPDATE SET
+    uuid = excluded.uuid, name = excluded.name, memory_total_mb = excluded.memory_total_mb,
+    memory_used_mb = excluded.memory_used_mb, utilization_pct = excluded.utilization_pct,
+    healthy = true,
+    foreign_busy = CASE WHEN gpus.job_id IS NULL THEN excluded.foreign_busy ELSE false END,
+    updated_at = now()
+"""
+)
+_GPU_UNHEALTHY_SQL = text(
+    "UPDATE gpus SET healthy = false, updated_at = now() WHERE vm_id = :vm_id AND index = :index"
+)
+_GPUS_OF_UNREACHABLE_SQL = text(
+    """
+UPDATE gpus SET healthy = false, updated_at = now()
+WHERE healthy AND vm_id = ANY(:ids)
+  AND vm_id IN (SELECT id FROM vms WHERE status = 'unreachable')
+"""
+)
+# The same notion of free as the dispatcher's claim (scheduler/claims.py).
+_AVAILABLE_SQL = text(
+    """
+UPDATE vms v SET available_gpus = (
+    SELECT count(*) FROM gpus g
+    WHERE g.vm_id = v.id AND g.job_id IS NULL AND g.healthy AND NOT g.foreign_busy
+      AND NOT EXISTS (
+        SELECT 1 FROM stale_processes s
+        WHERE s.vm_id = g.vm_id AND s.killed_at IS NULL AND g.index = ANY(s.gpu_indices))
+)
+WHERE v.id = ANY(:ids)
+"""
+)
+
+
+class GpuPoller:
+    """Sweeps the fleet: GPU rows, VM health, and the end of launched jobs."""
+
+    def __init__(
+        self,
+        db: Database,
+        transport: Transport,
+        *,
+        unreachable_after: int = DEFAULT_UNREACHABLE_AFTER,
+        command_timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
+    ) -> None:
+        self.db = db
+        self.transport = transport
+        self.unreachable_after = max(1, unreachable_after)
+        self.command_timeout = command_timeout
+
+    async def sweep(self) -> SweepStats:
+        """Poll every VM once and record what was seen."""
+        started = time.monotonic()
+        vms = await self._load()
+        outcomes = await asyncio.gather(*(self._probe(vm) for vm in vms))
+        stats = SweepStats(vms=len(vms))
+        stats.jobs_finished = await self._finish_jobs(outcomes)
+        await self._apply(outcomes, stats)
+        stats.seconds = time.monotonic() - started
+        metrics.observe_poll_sweep(stats.seconds)
+        log.debug("poll_sweep_done", **stats.__dict__)
+        return stats
+
+    async def _load(self) -> list[VMState]:
+        async with self.db.transaction() as session:
+            vm_rows = (await session.execute(select(VM))).scalars().all()
+            vms = {
+                vm.id: VMState(VMTarget.from_vm(vm), vm.status, vm.consecutive_failures)
+                for vm in vm_rows
+            }
+            gpu_rows = await session.execute(
+                select(
+                    GPU.vm_id,
+                    GPU.index,
+                    GPU.job_id,
+                    GPU.uuid,
+                    GPU.name,
+                    GPU.memory_total_mb,
+                    GPU.memory_used_mb,
+                    GPU.utilization_pct,
+                    GPU.healthy,
+                    GPU.foreign_busy,
+                )
+            )
+            for row in gpu_rows:
+                if row.vm_id in vms:
+                    vms[row.vm_id].gpus[row.index] = GpuRow(row.index, row.job_id, tuple(row[3:]))
+            job_rows = await session.execute(
+                select(Job.id, Job.vm_id, Job.status, Job.attempt, Job.remote_pid).where(
+                    Job.status.in_([s.value for s in LIVE_STATES]),
+                    Job.vm_id.is_not(None),
+                    Job.attempt >= 1,
+                )
+            )
+            for row in job_rows:
+                if row.vm_id in vms:
+                    vms[row.vm_id].jobs.append(LiveJob(*row))
+        return list(vms.values())
+
+    async def _probe(self, vm: VMState) -> Outcome:
+        command = poll_command([(j.id, j.attempt) for j in vm.jobs])
+        try:
+            result = await self.transport.run(vm.target, command, timeout=self.command_timeout)
+        except TransportError as exc:
+            return Outcome(vm, error=str(exc))
+        except Exception as exc:  # a bug or an odd library error must not stop the sweep
+            log.exception("poll_probe_crashed", vm=vm.target.name)
+            return Outcome(vm, error=f"poll failed: {type(exc).__name__}: {exc}")
+        return Outcome(vm, result=parse_poll(result.stdout))
+
+    async def _finish_jobs(self, outcomes: Sequence[Outcome]) -> int:
+        finished = 0
+        for outcome in outcomes:
+            if outcome.result is None:
+                continue
+            for job in outcome.vm.jobs:
+                verdict = job_verdict(job, outcome.result.jobs.get((job.id, job.attempt)))
+                if verdict is not None and await self._finish(outcome.vm, verdict):
+                    finished += 1
+        return finished
+
+    async def _finish(self, vm: VMState, verdict: JobVerdict) -> bool:
+        job = verdict.job
+        async with self.db.transaction() as session:
+            moved = await _finish_job(session, verdict)
+        if moved:
+            log.info(
+                "job_finished",
+                job_id=job.id,
+                vm=vm.target.name,
+                attempt=job.attempt,
+                status=verdict.to.value,
+                exit_code=verdict.exit_code,
+                failure_reason=verdict.failure_reason,
+            )
+            if verdict.failure_reason is not None:
+                metrics.count_failure(verdict.failure_reason.value)
+        return moved
+
+    async def _apply(self, outcomes: Sequence[Outcome], stats: SweepStats) -> None:
+        ok: list[dict[str, Any]] = []
+        failed: list[dict[str, Any]] = []
+        upserts: list[dict[str, Any]] = []
+        lost_gpus: list[dict[str, Any]] = []
+        for outcome in outcomes:
+            vm, result = outcome.vm, outcome.result
+            if result is None:
+                failed.append(
+                    {"vm_id": vm.target.id, "error": outcome.error, "after": self.unreachable_after}
+                )
+                self._log_failure(vm, outcome.error or "")
+                continue
+            stats.reachable += 1
+            if result.error is not None:
+                stats.unhealthy += 1
+                ok.append({"vm_id": vm.target.id, "status": UNHEALTHY, "error": result.error})
+                lost_gpus += [{"vm_id": vm.target.id, "index": i} for i in vm.gpus]
+                if vm.status != UNHEALTHY:
+                    log.warning("vm_unhealthy", vm=vm.target.name, error=result.error)
+                continue
+            ok.append({"vm_id": vm.target.id, "status": VMStatus.HEALTHY.value, "error": None})
+            if vm.status != VMStatus.HEALTHY:
+                log.info("vm_healthy", vm=vm.target.name, was=vm.status)
+            upserts += _gpu_changes(vm, result)
+            seen = {g.index for g in result.gpus}
+            lost_gpus += [
+                {"vm_id": vm.target.id, "index": i}
+                for i, row in vm.gpus.items()
+                if i not in seen and row.values[5]
+            ]
+        stats.failed = len(failed)
+        ids = [o.vm.target.id for o in outcomes]
+        async with self.db.transaction() as session:
+            if ok:
+                await session.execute(_VM_OK_SQL, ok)
+            if failed:
+                await session.execute(_VM_FAIL_SQL, failed)
+                await session.execute(
+                    _GPUS_OF_UNREACHABLE_SQL, {"ids": [f["vm_id"] for f in failed]}
+                )
+            if upserts:
+                await session.execute(_GPU_UPSERT_SQL, upserts)
+            if lost_gpus:
+                await session.execute(_GPU_UNHEALTHY_SQL, lost_gpus)
+            if ids:
+                await session.execute(_AVAILABLE_SQL, {"ids": ids})
+
+    def _log_failure(self, vm: VMState, error: str) -> None:
+        failures = vm.consecutive_failures + 1
+        if failures >= self.unreachable_after and vm.status != VMStatus.UNREACHABLE:
+            log.warning("vm_unreachable", vm=vm.target.name, failures=failures, error=error)
+        else:
+            log.info("vm_poll_failed", vm=vm.target.name, failures=failures, error=error)
+
+
+def _gpu_changes(vm: VMState, result: PollResult) -> list[dict[str, Any]]:
+    """Upsert parameters for the GPUs whose reported values differ from their rows."""
+    busy = result.busy_indices()
+    rows = []
+    for gpu in result.gpus:
+        loaded = vm.gpus.get(gpu.index)
+        # Processes on a GPU allocated to a job are that job's.
+        foreign = gpu.index in busy and (loaded is None or loaded.job_id is None)
+        values = (
+            gpu.uuid,
+            gpu.name,
+            gpu.memory_total_mb,
+            gpu.memory_used_mb,
+            gpu.utilization_pct,
+            True,
+            foreign,
+        )
+        if loaded is not None and loaded.values == values:
+            continue
+        rows.append(
+            {
+                "vm_id": vm.target.id,
+                "index": gpu.index,
+                "uuid": gpu.uuid,
+                "name": gpu.name,
+                "total": gpu.memory_total_mb,
+                "used": gpu.memory_used_mb,
+                "util": gpu.utilization_pct,
+                "foreign": foreign,
+            }
+        )
+    return rows
+
+
+async def _finish_job(session: AsyncSession, verdict: JobVerdict) -> bool:
+    """Move the job to its end state and free its GPUs, if it is still that attempt."""
+    job = verdict.job
+    row = (
+        await session.execute(
+            select(Job.status, Job.attempt).where(Job.id == job.id).with_for_update()
+        )
+    ).first()
+    # Someone else moved it, or it was requeued and relaunched since the probe.
+    if row is None or row.attempt != job.attempt or JobStatus(row.status) not in LIVE_STATES:
+        return False
+    moved = await transition(
+        session,
+        job.id,
+        expected=JobStatus(row.status),
+        to=verdict.to,
+        reason=verdict.reason,
+        actor=ACTOR,
+        values={
+            "exit_code": verdict.exit_code,
+            "failure_reason": verdict.failure_reason.value if verdict.failure_reason else None,
+            "status_reason": verdict.reason,
+        },
+    )
+    if moved:
+        await session.execute(
+            update(GPU).where(GPU.job_id == job.id).values(job_id=None, allocated_at=None)
+        )
+    return moved
+
+
+# --- the daemon -------------------------------------------------------------------------
+
+
+async def run_poller(
+    db: Database,
+    transport: Transport,
+    stop: asyncio.Event,
+    *,
+    interval: float = DEFAULT_INTERVAL_S,
+    unreachable_after: int = DEFAULT_UNREACHABLE_AFTER,
+    ready: asyncio.Event | None = None,
+) -> None:
+    """Sweep every `interval` seconds until `stop`; a failed sweep is logged, never fatal."""
+    poller = GpuPoller(db, transport, unreachable_after=unreachable_after)
+    log.info("poller_started", interval=interval, unreachable_after=unreachable_after)
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            await poller.sweep()
+        except Exception as exc:  # the database may be down: try again next interval
+            log.error("poll_sweep_failed", error=f"{type(exc).__name__}: {exc}")
+        if ready is not None:
+            ready.set()
+        delay = max(0.0, interval - (time.monotonic() - started))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+
+
+async def run_in_process(
+    settings: Settings,
+    stop: asyncio.Event,
+    ready: asyncio.Event,
+    *,
+    interval: float = DEFAULT_INTERVAL_S,
+    unreachable_after: int = DEFAULT_UNREACHABLE_AFTER,
+) -> None:
+    """The poller as one task of a bigger process (`rlfleet up`)."""
+    db = Database(settings.database_url, pool_size=2)
+    transport = make_transport()
+    try:
+        await run_poller(
+            db,
+            transport,
+            stop,
+            interval=interval,
+            unreachable_after=unreachable_after,
+            ready=ready,
+        )
+    finally:
+        await transport.close()
+        await db.dispose()
+
+
+@click.command("poller")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    default=DEFAULT_INTERVAL_S,
+    show_default=True,
+    help="Seconds between sweeps of the fleet.",
+)
+@click.option(
+    "--unreachable-after",
+    type=click.IntRange(min=1),
+    default=DEFAULT_UNREACHABLE_AFTER,
+    show_default=True,
+    help="Consecutive failed polls after which a VM is marked unreachable.",
+)
+@click.option(
+    "--database-url",
+    envvar="RLFLEET_DATABASE_URL",
+    metavar="URL",
+    help="Overrides the global --database-url (env RLFLEET_DATABASE_URL).",
+)
+@click.option(
+    "--nats-url",
+    envvar="RLFLEET_NATS_URL",
+    metavar="URL[,URL…]",
+    help="Overrides the global --nats-url (env RLFLEET_NATS_URL).",
+)
+@metrics.metrics_option
+@click.option(
+    "--log-level",
+    default=None,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    help="Log verbosity (default: the rlfleet --log-level, else INFO).",
+)
+@click.pass_context
+def command(
+    ctx: click.Context,
+    interval: float,
+    unreachable_after: int,
+    database_url: str | None,
+    nats_url: str | None,
+    metrics_port: int,
+    log_level: str | None,
+) -> None:
+    """Poll every VM's GPUs and launched jobs over SSH (the GPU poller daemon)."""
+    from scheduler.cli._common import CliContext  # here: the CLI package imports this module
+
+    parent = ctx.find_object(CliContext)  # set when run as `rlfleet poller`
+    settings = Settings.load(
+        database_url or (parent.settings.database_url if parent else None),
+        nats_url or (parent.settings.nats_url if parent else None),
+    )
+    configure((log_level or (parent.log_level if parent else None) or "INFO").upper())
+
+    async def main(stop: asyncio.Event) -> None:
+        db = Database(settings.database_url, pool_size=2)
+        transport = make_transport()
+        try:
+            await run_poller(
+                db,
+                transport,
+                stop,
+                interval=interval,
+                unreachable_after=unreachable_after,
+                ready=ready,
+            )
+        finally:
+            await transport.close()
+            await db.dispose()
+
+    ready = asyncio.Event()
+    asyncio.run(
+        serve(
+            "poller",
+            main,
+            ready=ready,
+            metrics_port=metrics_port or None,
+            database_url=settings.database_url,
+        )
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m scheduler.gpu_poller [flags]`, the same as `rlfleet poller`."""
+    from scheduler.cli._common import run_guarded
+
+    sys.exit(run_guarded(command, argv))
+
+
+if __name__ == "__main__":
+    main()

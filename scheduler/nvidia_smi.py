@@ -1,0 +1,255 @@
+"""One poll of a VM: the command (nvidia-smi twice plus the job status probe, one round
+trip) and a pure parser of its output.
+
+The parser never raises on what a VM prints: anything it cannot read becomes
+`PollResult.error`, a one-line reason the poller stores in `vms.last_error` while it marks
+the VM's GPUs unhealthy.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from scheduler.remote import RemoteJobState, parse_status, status_probe
+
+GPU_QUERY = "index,uuid,name,memory.total,memory.used,utilization.gpu"
+APPS_QUERY = "gpu_uuid,pid,used_memory"
+_FORMAT = "--format=csv,noheader,nounits"
+
+_MARK = "@@rlfleet"
+GPUS, GPUS_RC, APPS, APPS_RC, JOBS, END = (
+    f"{_MARK}-gpus",
+    f"{_MARK}-gpus-rc",
+    f"{_MARK}-apps",
+    f"{_MARK}-apps-rc",
+    f"{_MARK}-jobs",
+    f"{_MARK}-end",
+)
+
+# What nvidia-smi prints where it cannot give a value; all mean "unknown", not an error.
+_NOT_AVAILABLE = {
+    "[N/A]",
+    "N/A",
+    "[Not Supported]",
+    "[Insufficient Permissions]",
+    "[Unknown Error]",
+    "[GPU requires reset]",
+    "",
+}
+_NO_APPS = ("No running processes found", "No running compute processes found")
+_INT = re.compile(r"^-?\d+(\.\d+)?$")
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One line of `--query-gpu`; None where nvidia-smi said N/A or the like."""
+
+    index: int
+    uuid: str
+    name: str | None
+    memory_total_mb: int | None
+    memory_used_mb: int | None
+    utilization_pct: int | None
+
+
+@dataclass(frozen=True)
+class ComputeApp:
+    """One line of `--query-compute-apps`: a process using a GPU."""
+
+    gpu_uuid: str
+    pid: int | None
+    used_memory_mb: int | None
+
+
+@dataclass(frozen=True)
+class PollResult:
+    """Everything one poll learned about a VM."""
+
+    gpus: tuple[GpuInfo, ...] = ()
+    apps: tuple[ComputeApp, ...] = ()
+    error: str | None = None
+    """Why the GPUs cannot be trusted (driver gone, GPU lost, garbage…); None when fine."""
+    jobs: dict[tuple[int, int], RemoteJobState] = field(default_factory=dict)
+
+    def busy_indices(self) -> set[int]:
+        """Indices of GPUs some process is using.
+
+        A process on a GPU uuid that matches no listed GPU (a MIG instance, a GPU that just
+        disappeared) could be on any of them, so then every GPU counts as busy: better to
+        offer none than to put two users on one GPU.
+        """
+        by_uuid = {g.uuid: g.index for g in self.gpus}
+        busy: set[int] = set()
+        for app in self.apps:
+            if app.gpu_uuid in by_uuid:
+                busy.add(by_uuid[app.gpu_uuid])
+            else:
+                return {g.index for g in self.gpus}
+        return busy
+
+
+def poll_command(jobs: Sequence[tuple[int, int]]) -> str:
+    """The shell text of one poll: GPUs, compute apps and the status of `jobs` (id, attempt).
+
+    nvidia-smi's stderr is folded into its section because its errors (driver, lost GPU)
+    are what the parser needs to see.
+    """
+    return "\n".join(
+        [
+            f"echo {GPUS}",
+            f"nvidia-smi --query-gpu={GPU_QUERY} {_FORMAT} 2>&1",
+            f'echo "{GPUS_RC} $?"',
+            f"echo {APPS}",
+            f"nvidia-smi --query-compute-apps={APPS_QUERY} {_FORMAT} 2>&1",
+            f'echo "{APPS_RC} $?"',
+            f"echo {JOBS}",
+            status_probe(jobs),
+            f"echo {END}",
+        ]
+    )
+
+
+def _sections(stdout: str) -> tuple[dict[str, list[str]], dict[str, int | None]]:
+    sections: dict[str, list[str]] = {}
+    rcs: dict[str, int | None] = {}
+    current: str | None = None
+    for line in stdout.splitlines():
+        head = line.strip()
+        if head in (GPUS, APPS, JOBS, END):
+            current = head
+            sections.setdefault(head, [])
+            continue
+        if head.startswith((GPUS_RC + " ", APPS_RC + " ")):
+            name, _, value = head.partition(" ")
+            rcs[name] = int(value) if value.isdigit() else None
+            current = None
+            continue
+        if current is not None:
+            sections[current].append(line)
+    return sections, rcs
+
+
+def _number(text: str) -> int | None:
+    value = text.strip()
+    if value in _NOT_AVAILABLE:
+        return None
+    if not _INT.match(value):
+        raise ValueError(f"not a number: {value!r}")
+    return int(float(value))
+
+
+def _clean(lines: list[str]) -> list[str]:
+    return [line.strip() for line in lines if line.strip()]
+
+
+def diagnose(lines: Sequence[str], rc: int | None) -> str | None:
+    """A reason when nvidia-smi's output is one of its known failures, else None."""
+    text = "\n".join(lines)
+    first = next((line.strip() for line in lines if line.strip()), "")
+    if "couldn't communicate with the NVIDIA driver" in text or rc == 9:
+        return f"nvidia-smi cannot reach the NVIDIA driver (rc {rc}): {first}"
+    if "No devices were found" in text or rc == 6:
+        return "nvidia-smi: no devices were found (rc 6)"
+    lost = next(
+        (line.strip() for line in lines if "fallen off the bus" in line or "GPU is lost" in line),
+        None,
+    )
+    if lost is not None:
+        return f"a GPU has fallen off the bus: {lost}"
+    if rc == 127 or "command not found" in text or "nvidia-smi: not found" in text:
+        return "nvidia-smi not found on the VM"
+    if rc is None:
+        return "nvidia-smi output truncated (no exit status)"
+    if rc != 0:
+        return f"nvidia-smi failed (rc {rc}): {first or 'no output'}"
+    return None
+
+
+def parse_gpu_line(line: str) -> GpuInfo:
+    """One `--query-gpu` csv line; `ValueError` when it is not one."""
+    fields = [f.strip() for f in line.split(",")]
+    if len(fields) < 6:
+        raise ValueError(f"expected 6 fields, got {len(fields)}")
+    # A name with a comma in it would split into more fields: rejoin the middle.
+    index, uuid, rest = fields[0], fields[1], fields[2:]
+    name = ", ".join(rest[:-3])
+    if not index.isdigit():
+        raise ValueError(f"bad index {index!r}")
+    if not uuid.startswith(("GPU-", "MIG-")) or len(uuid) < 12:
+        raise ValueError(f"bad uuid {uuid!r}")
+    return GpuInfo(
+        index=int(index),
+        uuid=uuid,
+        name=None if name in _NOT_AVAILABLE else name,
+        memory_total_mb=_number(rest[-3]),
+        memory_used_mb=_number(rest[-2]),
+        utilization_pct=_number(rest[-1]),
+    )
+
+
+def parse_app_line(line: str) -> ComputeApp:
+    """One `--query-compute-apps` csv line; `ValueError` when it is not one."""
+    fields = [f.strip() for f in line.split(",")]
+    if len(fields) != 3:
+        raise ValueError(f"expected 3 fields, got {len(fields)}")
+    uuid, pid, used = fields
+    if not uuid.startswith(("GPU-", "MIG-")):
+        raise ValueError(f"bad uuid {uuid!r}")
+    return ComputeApp(gpu_uuid=uuid, pid=_number(pid), used_memory_mb=_number(used))
+
+
+def parse_gpus(lines: Sequence[str], rc: int | None) -> tuple[list[GpuInfo], str | None]:
+    """The GPUs in a `--query-gpu` section, and the reason it cannot be trusted, if any."""
+    lines = _clean(list(lines))
+    reason = diagnose(lines, rc)
+    if reason is not None:
+        return [], reason
+    gpus: list[GpuInfo] = []
+    for n, line in enumerate(lines, 1):
+        try:
+            gpus.append(parse_gpu_line(line))
+        except ValueError as exc:
+            return [], f"unreadable nvidia-smi GPU line {n} ({exc}): {line[:120]!r}"
+    if not gpus:
+        return [], "nvidia-smi listed no GPUs"
+    if len({g.index for g in gpus}) != len(gpus):
+        return [], "nvidia-smi listed a GPU index twice"
+    return sorted(gpus, key=lambda g: g.index), None
+
+
+def parse_apps(lines: Sequence[str], rc: int | None) -> tuple[list[ComputeApp], str | None]:
+    """The processes in a `--query-compute-apps` section, and a reason when unreadable."""
+    lines = [line for line in _clean(list(lines)) if not line.startswith(_NO_APPS)]
+    reason = diagnose(lines, rc)
+    if reason is not None:
+        return [], reason
+    apps: list[ComputeApp] = []
+    for n, line in enumerate(lines, 1):
+        try:
+            apps.append(parse_app_line(line))
+        except ValueError as exc:
+            return [], f"unreadable nvidia-smi process line {n} ({exc}): {line[:120]!r}"
+    return apps, None
+
+
+def parse_poll(stdout: str) -> PollResult:
+    """Read the output of `poll_command`. Never raises: problems become `error`."""
+    sections, rcs = _sections(stdout)
+    jobs = parse_status("\n".join(sections.get(JOBS, [])))
+    if GPUS not in sections:
+        return PollResult(error="poll output has no GPU section (truncated?)", jobs=jobs)
+    gpus, error = parse_gpus(sections[GPUS], rcs.get(GPUS_RC))
+    if error is None:
+        if APPS not in sections:
+            return PollResult(error="poll output has no process section (truncated?)", jobs=jobs)
+        apps, error = parse_apps(sections[APPS], rcs.get(APPS_RC))
+    else:
+        apps = []
+    if error is not None:
+        return PollResult(gpus=tuple(gpus), error=error, jobs=jobs)
+    if END not in sections:
+        # The job lines may be cut short; GPUs are fine, but do not act on partial job news.
+        return PollResult(gpus=tuple(gpus), apps=tuple(apps), error=None, jobs={})
+    return PollResult(gpus=tuple(gpus), apps=tuple(apps), error=None, jobs=jobs)

@@ -1,0 +1,186 @@
+"""Table tests of the poll parser (real nvidia-smi output formats) and failure classes."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.gpu_poller import LiveJob, classify_failure, job_verdict
+from scheduler.nvidia_smi import (
+    APPS,
+    APPS_RC,
+    END,
+    GPUS,
+    GPUS_RC,
+    JOBS,
+    GpuInfo,
+    parse_poll,
+)
+from scheduler.remote import RemoteJobState
+from scheduler.states import FailureReason, JobStatus
+
+U0 = "GPU-5d2ad6c4-d5a1-8a4b-1b1d-0c4e7c1b8e50"
+U1 = "GPU-9e1f0a3b-2c4d-4e5f-8a9b-0c1d2e3f4a5b"
+A100 = f"0, {U0}, NVIDIA A100-SXM4-80GB, 81920, 4, 0"
+H100 = f"1, {U1}, NVIDIA H100 80GB HBM3, 81559, 70123, 97"
+DRIVER = (
+    "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+    "Make sure that the latest NVIDIA driver is installed and running."
+)
+LOST = "Unable to determine the device handle for GPU0000:3B:00.0: GPU is lost."
+
+
+def poll_output(
+    gpus: list[str], apps: list[str], *, gpus_rc: int = 0, apps_rc: int = 0, jobs: str = ""
+) -> str:
+    """What poll_command prints on a VM."""
+    return "\n".join(
+        [GPUS, *gpus, f"{GPUS_RC} {gpus_rc}", APPS, *apps, f"{APPS_RC} {apps_rc}", JOBS]
+        + ([jobs] if jobs else [])
+        + [END, ""]
+    )
+
+
+def test_two_gpus_one_busy() -> None:
+    result = parse_poll(poll_output([A100, H100], [f"{U1}, 4242, 70000"]))
+    assert result.error is None
+    assert result.gpus == (
+        GpuInfo(0, U0, "NVIDIA A100-SXM4-80GB", 81920, 4, 0),
+        GpuInfo(1, U1, "NVIDIA H100 80GB HBM3", 81559, 70123, 97),
+    )
+    assert result.apps[0].pid == 4242
+    assert result.busy_indices() == {1}
+
+
+def test_no_compute_apps_means_every_gpu_idle() -> None:
+    for apps in ([], ["No running processes found"]):
+        result = parse_poll(poll_output([A100, H100], apps))
+        assert result.error is None and result.busy_indices() == set()
+
+
+@pytest.mark.parametrize(
+    "marker", ["[N/A]", "[Not Supported]", "[Insufficient Permissions]", "[Unknown Error]"]
+)
+def test_unavailable_values_are_unknown_not_errors(marker: str) -> None:
+    line = f"0, {U0}, NVIDIA A10G, 23028, {marker}, {marker}"
+    app = f"{U0}, 77, {marker}"
+    result = parse_poll(poll_output([line], [app]))
+    assert result.error is None
+    assert result.gpus[0].memory_used_mb is None and result.gpus[0].utilization_pct is None
+    assert result.apps[0].used_memory_mb is None
+    assert result.busy_indices() == {0}
+
+
+def test_mig_gpu_with_an_app_on_a_mig_instance_blocks_every_gpu() -> None:
+    # Given a MIG-enabled A100 (utilization N/A) and a process on a MIG instance
+    mig_gpu = f"0, {U0}, NVIDIA A100-SXM4-40GB, 40960, 12, [N/A]"
+    app = "MIG-1b2c3d4e-5f60-5a7b-8c9d-0e1f2a3b4c5d, 991, 4864"
+    result = parse_poll(poll_output([mig_gpu, H100], [app]))
+    # Then it parses, and since the process cannot be placed, no GPU is offered
+    assert result.error is None
+    assert result.gpus[0].utilization_pct is None
+    assert result.busy_indices() == {0, 1}
+
+
+def test_a_gpu_name_with_a_comma_is_rejoined() -> None:
+    line = f"0, {U0}, Tesla V100, SXM2, 16384, 0, 0"
+    assert parse_poll(poll_output([line], [])).gpus[0].name == "Tesla V100, SXM2"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "gpus_rc", "apps", "apps_rc", "reason"),
+    [
+        ([DRIVER, ""], 9, [DRIVER], 9, "cannot reach the NVIDIA driver"),
+        (["No devices were found"], 6, ["No devices were found"], 6, "no devices were found"),
+        ([LOST, H100], 15, [LOST], 15, "fallen off the bus"),
+        (["GPU 00000000:3B:00.0: GPU has fallen off the bus."], 0, [], 0, "fallen off the bus"),
+        (["sh: 1: nvidia-smi: not found"], 127, [], 127, "not found"),
+        ([f"0, {U0}, NVIDIA A1"], 0, [], 0, "unreadable nvidia-smi GPU line 1"),
+        ([A100, "\x00\x7f#### ??"], 0, [], 0, "unreadable nvidia-smi GPU line 2"),
+        ([f"x, {U0}, NVIDIA A10G, 1, 2, 3"], 0, [], 0, "bad index"),
+        ([f"0, {U0}, NVIDIA A10G, lots, 2, 3"], 0, [], 0, "not a number"),
+        ([A100, A100], 0, [], 0, "index twice"),
+        ([], 0, [], 0, "listed no GPUs"),
+        ([A100], 0, [f"{U0}, 12"], 0, "unreadable nvidia-smi process line 1"),
+        ([A100], 0, ["Failed to initialize NVML: Unknown Error"], 255, "rc 255"),
+    ],
+)
+def test_failure_modes_become_a_reason(
+    gpus: list[str], gpus_rc: int, apps: list[str], apps_rc: int, reason: str
+) -> None:
+    result = parse_poll(poll_output(gpus, apps, gpus_rc=gpus_rc, apps_rc=apps_rc))
+    assert result.error is not None and reason in result.error
+
+
+@pytest.mark.parametrize(
+    ("stdout", "reason"),
+    [
+        ("", "no GPU section"),
+        ("garbage\x00\n", "no GPU section"),
+        (f"{GPUS}\n{A100}\n", "truncated"),
+        (f"{GPUS}\n{A100}\n{GPUS_RC} 0\n", "no process section"),
+    ],
+)
+def test_truncated_output_is_an_error_not_a_crash(stdout: str, reason: str) -> None:
+    result = parse_poll(stdout)
+    assert result.error is not None and reason in result.error
+
+
+def test_job_lines_are_read_only_from_a_complete_output() -> None:
+    jobs = "rlfleet-job 7 1 exited 75\nrlfleet-log 7 1 CUDA out of memory\n"
+    complete = parse_poll(poll_output([A100], [], jobs=jobs))
+    assert complete.jobs[(7, 1)] == RemoteJobState("exited", 75, "CUDA out of memory")
+    cut = poll_output([A100], [], jobs=jobs).replace(END, "")
+    assert parse_poll(cut).jobs == {}
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "log", "expected"),
+    [
+        (0, "", None),
+        (0, "CUDA out of memory (recovered)", None),
+        (64, "unknown reward function", FailureReason.CONFIG_ERROR),
+        (64, "CUDA out of memory", FailureReason.CONFIG_ERROR),
+        (75, "", FailureReason.OOM),
+        (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate", FailureReason.OOM),
+        (137, "CUDA out of memory", FailureReason.OOM),
+        (137, "", FailureReason.KILLED),
+        (143, "", FailureReason.KILLED),
+        (-9, "", FailureReason.KILLED),
+        (1, "step 10\nKilled", FailureReason.KILLED),
+        (1, "Traceback ... ValueError", FailureReason.EXIT_NONZERO),
+        (2, "", FailureReason.EXIT_NONZERO),
+        (None, "", FailureReason.VANISHED),
+    ],
+)
+def test_failure_classification(
+    exit_code: int | None, log: str, expected: FailureReason | None
+) -> None:
+    assert classify_failure(exit_code, log) == expected
+
+
+RUNNING = LiveJob(id=1, vm_id=1, status="running", attempt=1, remote_pid=4242)
+STARTING = LiveJob(id=1, vm_id=1, status="starting", attempt=1, remote_pid=None)
+
+
+@pytest.mark.parametrize(
+    ("job", "state", "to", "reason"),
+    [
+        (RUNNING, RemoteJobState("running"), None, None),
+        (RUNNING, None, None, None),
+        (STARTING, RemoteJobState("unknown"), None, None),
+        (RUNNING, RemoteJobState("exited", 0), JobStatus.COMPLETED, None),
+        (STARTING, RemoteJobState("exited", 0), JobStatus.COMPLETED, None),
+        (RUNNING, RemoteJobState("exited", 3), JobStatus.FAILED, FailureReason.EXIT_NONZERO),
+        (RUNNING, RemoteJobState("vanished"), JobStatus.FAILED, FailureReason.VANISHED),
+        (RUNNING, RemoteJobState("unknown"), JobStatus.FAILED, FailureReason.VANISHED),
+    ],
+)
+def test_job_verdicts(
+    job: LiveJob,
+    state: RemoteJobState | None,
+    to: JobStatus | None,
+    reason: FailureReason | None,
+) -> None:
+    verdict = job_verdict(job, state)
+    assert (verdict.to if verdict else None) == to
+    assert (verdict.failure_reason if verdict else None) == reason
