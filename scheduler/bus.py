@@ -79,7 +79,9 @@ async def connect(settings: Settings, *, name: str, forever: bool = False) -> NA
     bound = log.bind(client=name, servers=redact_url(settings.nats_url))
 
     async def on_error(exc: Exception) -> None:
-        bound.warning("nats_error", error=str(exc) or type(exc).__name__)
+        # A fail-fast client reports its one error itself; a daemon logs each one.
+        if forever:
+            bound.warning("nats_error", error=str(exc) or type(exc).__name__)
 
     async def on_disconnect() -> None:
         bound.warning("nats_disconnected")

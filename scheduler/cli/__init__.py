@@ -28,6 +28,7 @@ from scheduler.settings import Settings
 )
 @click.option(
     "--log-level",
+    envvar="RLFLEET_LOG_LEVEL",
     default="INFO",
     show_default=True,
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
