@@ -1,0 +1,208 @@
+"""The transport and the poller against OpenSSH's real `sshd`, the server users run.
+
+sshd runs as a non-daemon child on a free loopback port with its own host key, config and
+authorized_keys in a temp dir (`make test` installs openssh-server when it is missing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import getpass
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import asyncssh
+import pytest
+
+from scheduler.db import Database
+from scheduler.embedded import free_port
+from scheduler.fleet import VMSpec, add_vm
+from scheduler.gpu_poller import GpuPoller
+from scheduler.models import GPU, VM
+from scheduler.transport import HostKeyMismatch, SSHTransport, VMTarget
+from tests.fleet import NVIDIA_SMI, PROCESS_MEMORY_MB, gpu_uuid
+
+SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
+pytestmark = pytest.mark.skipif(
+    SSHD is None, reason="OpenSSH sshd is not installed (apt-get install openssh-server)"
+)
+
+
+@dataclasses.dataclass
+class RealSshd:
+    """A running sshd and what a client needs to reach it."""
+
+    target: VMTarget
+    proc: subprocess.Popen[bytes]
+    root: Path
+
+
+def _write_key(path: Path) -> asyncssh.SSHKey:
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    path.write_bytes(key.export_private_key("openssh"))
+    path.chmod(0o600)
+    return key
+
+
+@pytest.fixture
+def sshd(tmp_path: Path) -> Iterator[RealSshd]:
+    """sshd on 127.0.0.1, with a simulated nvidia-smi (2 GPUs) first on the session PATH."""
+    assert SSHD is not None
+    root = tmp_path / "sshd"
+    (root / "bin").mkdir(parents=True)
+    host_key = _write_key(root / "host_key")
+    client_key = _write_key(root / "client_key")
+    (root / "authorized_keys").write_text(client_key.export_public_key("openssh").decode())
+    fleet = uuid.uuid4().hex[:12]
+    config = {
+        "name": "real",
+        "fleet": fleet,
+        "fail": None,
+        "gpus": [
+            {"index": i, "uuid": gpu_uuid("real", i), "name": "NVIDIA L4", "memory": 23034}
+            for i in range(2)
+        ],
+    }
+    (root / "sim.json").write_text(json.dumps(config))
+    smi = root / "bin" / "nvidia-smi"
+    smi.write_text(
+        NVIDIA_SMI.replace("__PYTHON__", sys.executable).replace("__MEM__", str(PROCESS_MEMORY_MB))
+    )
+    smi.chmod(0o755)
+    port = free_port()
+    (root / "sshd_config").write_text(
+        "\n".join(
+            [
+                f"Port {port}",
+                "ListenAddress 127.0.0.1",
+                f"HostKey {root / 'host_key'}",
+                f"AuthorizedKeysFile {root / 'authorized_keys'}",
+                "PubkeyAuthentication yes",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "StrictModes no",
+                "PermitRootLogin prohibit-password",
+                "PidFile none",
+                "LogLevel ERROR",
+                f"SetEnv PATH={root / 'bin'}:/usr/local/bin:/usr/bin:/bin"
+                f" RLFLEET_SIM_VM=real RLFLEET_SIM_FLEET={fleet}",
+                "",
+            ]
+        )
+    )
+    if os.geteuid() == 0:
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege separation dir
+    proc = subprocess.Popen(
+        [SSHD, "-D", "-e", "-f", str(root / "sshd_config")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 10
+    while True:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode() if proc.stderr else ""
+            pytest.fail(f"sshd exited with {proc.returncode}: {err}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                break
+        except OSError:
+            assert time.monotonic() < deadline, "sshd never listened"
+            time.sleep(0.05)
+    public = host_key.export_public_key("openssh").decode().strip()
+    (root / "known_hosts").write_text(f"[127.0.0.1]:{port} {public}\n")
+    target = VMTarget(
+        id=0,
+        name="real",
+        host="127.0.0.1",
+        port=port,
+        user=getpass.getuser(),
+        ssh_key_path=str(root / "client_key"),
+        known_hosts=str(root / "known_hosts"),
+    )
+    yield RealSshd(target, proc, root)
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+async def test_commands_over_real_sshd(sshd: RealSshd) -> None:
+    transport = SSHTransport()
+    try:
+        # Given a transport verifying sshd's host key, when commands run over one connection
+        hello = await transport.run(sshd.target, "echo hello; echo err >&2; exit 4", timeout=10)
+        piped = await transport.run(sshd.target, "wc -c", timeout=10, input="12345")
+        # Then output, errors, exit status and stdin all come through
+        assert (hello.exit_status, hello.stdout, hello.stderr) == (4, "hello\n", "err\n")
+        assert piped.stdout.strip() == "5"
+        assert transport.open_connections == 1
+        # And a command past its timeout fails fast and is ended by the VM's own `timeout`
+        marker = sshd.root / "late"
+        started = time.monotonic()
+        with pytest.raises(Exception, match="timed out"):
+            await transport.run(sshd.target, f"sleep 3; touch {marker}", timeout=0.5)
+        assert time.monotonic() - started < 3
+        await asyncio.sleep(3.5)
+        assert not marker.exists(), "the remote command outlived its timeout"
+    finally:
+        await transport.close()
+
+
+async def test_real_sshd_with_an_unknown_host_key_is_refused(sshd: RealSshd) -> None:
+    # Given a known_hosts file that holds some other key for sshd's address
+    other = asyncssh.generate_private_key("ssh-ed25519").export_public_key("openssh").decode()
+    wrong = sshd.root / "wrong_known_hosts"
+    wrong.write_text(f"[127.0.0.1]:{sshd.target.port} {other}")
+    transport = SSHTransport()
+    try:
+        # Then the connection is refused
+        with pytest.raises(HostKeyMismatch):
+            await transport.run(
+                dataclasses.replace(sshd.target, known_hosts=str(wrong)), "true", timeout=10
+            )
+    finally:
+        await transport.close()
+
+
+async def test_the_poller_polls_a_vm_behind_real_sshd(sshd: RealSshd, db: Database) -> None:
+    # Given the sshd host registered as a VM
+    target = sshd.target
+    async with db.transaction() as session:
+        vm = await add_vm(
+            session,
+            VMSpec(
+                name="real",
+                host=target.host,
+                port=target.port,
+                user=target.user,
+                ssh_key_path=target.ssh_key_path,
+                known_hosts=target.known_hosts,
+            ),
+        )
+        vm_id = vm.id
+    transport = SSHTransport()
+    try:
+        # When the poller sweeps
+        stats = await GpuPoller(db, transport).sweep()
+    finally:
+        await transport.close()
+    # Then the VM is healthy with its two GPUs recorded
+    assert stats.reachable == 1
+    async with db.transaction() as session:
+        row = await session.get(VM, vm_id)
+        assert row is not None
+        assert (row.status, row.available_gpus, row.last_error) == ("healthy", 2, None)
+        gpus = (await session.execute(GPU.__table__.select().where(GPU.vm_id == vm_id))).all()
+    assert sorted(g.uuid for g in gpus) == sorted(gpu_uuid("real", i) for i in range(2))
