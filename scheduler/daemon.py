@@ -60,11 +60,11 @@ async def _notify_systemd(name: str, ready: asyncio.Event, stop: asyncio.Event) 
         waits = [asyncio.ensure_future(stop.wait())]
         if not announced:
             waits.append(asyncio.ensure_future(ready.wait()))
-        _, pending = await asyncio.wait(
-            waits, timeout=interval, return_when=asyncio.FIRST_COMPLETED
-        )
-        for task in pending:
-            task.cancel()
+        try:
+            await asyncio.wait(waits, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
 
 
 async def serve(
@@ -92,7 +92,8 @@ async def serve(
         ready.set()
     helpers = [asyncio.create_task(_notify_systemd(name, ready, stop))]
     refresher_db = None
-    if metrics.start_metrics_server(metrics_port) and database_url:
+    metrics_server = metrics.start_metrics_server(metrics_port)
+    if metrics_server is not None and database_url:
         from scheduler.db import Database
 
         refresher_db = Database(database_url, pool_size=1)
@@ -107,4 +108,10 @@ async def serve(
         await asyncio.gather(*helpers, return_exceptions=True)
         if refresher_db is not None:
             await refresher_db.dispose()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
     log.info("daemon_stopped", daemon=name)

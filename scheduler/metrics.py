@@ -14,12 +14,14 @@ import contextlib
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, TypeVar
+from wsgiref.simple_server import WSGIServer
 
 import click
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from sqlalchemy import case, func, select
 
 from scheduler.db import Database
+from scheduler.errors import ServiceUnavailable
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM, Job
 from scheduler.states import JobStatus, VMStatus
@@ -89,13 +91,17 @@ def metrics_option(fn: F) -> F:
     )(fn)
 
 
-def start_metrics_server(port: int | None, addr: str = "0.0.0.0") -> bool:
-    """Serve /metrics on `port` in a background thread; False (and nothing) for 0 or None."""
+def start_metrics_server(port: int | None, addr: str = "0.0.0.0") -> WSGIServer | None:
+    """Serve /metrics on `port` in a background thread; None (and nothing) for 0 or None.
+    Call `.shutdown()` on the returned server to stop it."""
     if not port:
-        return False
-    start_http_server(port, addr=addr)
+        return None
+    try:
+        server, _thread = start_http_server(port, addr=addr)
+    except OSError as exc:
+        raise ServiceUnavailable(f"cannot serve metrics on port {port}: {exc.strerror}") from exc
     log.info("metrics_serving", port=port, addr=addr)
-    return True
+    return server
 
 
 def _seconds_since(start: datetime | None, end: datetime | None) -> float | None:
