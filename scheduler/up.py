@@ -76,6 +76,7 @@ class UpOptions:
     local_vm: bool = False
     gpus: int | None = None
     vm_name: str = "local"
+    entrypoint: str = "training.train_grpo"
     metrics_port: int = 0
     log_level: str = "INFO"
 
@@ -295,7 +296,9 @@ def prepare_local_gpus(options: UpOptions) -> str:
     return f"simulated nvidia-smi, {options.gpus} GPU(s), jobs run on the CPU"
 
 
-async def register_local_vm(db: Database, name: str) -> bool:
+async def register_local_vm(
+    db: Database, name: str, entrypoint: str = "training.train_grpo"
+) -> bool:
     """Register this machine as VM `name` (local transport); False if it already is."""
     from sqlalchemy import select, update
 
@@ -308,7 +311,9 @@ async def register_local_vm(db: Database, name: str) -> bool:
                 raise BadInput(f"a VM named {name!r} exists and is not local: pass --vm-name")
             # The venv may have moved since the last run: keep python current.
             await session.execute(
-                update(VM).where(VM.id == existing.id).values(python=sys.executable)
+                update(VM)
+                .where(VM.id == existing.id)
+                .values(python=sys.executable, entrypoint=entrypoint)
             )
             return False
         await add_vm(
@@ -318,7 +323,7 @@ async def register_local_vm(db: Database, name: str) -> bool:
                 host="localhost",
                 transport="local",
                 python=sys.executable,
-                entrypoint="training.train_grpo",
+                entrypoint=entrypoint,
             ),
         )
         return True
@@ -374,30 +379,46 @@ def start_services(state: StateDir) -> Services:
 DaemonMain = Callable[[Settings, asyncio.Event, asyncio.Event], Awaitable[None]]
 
 
-def daemon_entries() -> dict[str, DaemonMain]:
-    """The in-process entries of the three daemons: `main(settings, stop, ready)`."""
-    import importlib
+def _ready_at_once(
+    run: Callable[[Settings, asyncio.Event], Awaitable[Any]],
+) -> DaemonMain:
+    """Adapt a daemon entry without a readiness hook: ready as soon as it starts (it
+    retries its own connections)."""
 
-    entries: dict[str, DaemonMain] = {}
-    for name, module in (
-        ("poller", "scheduler.gpu_poller"),
-        ("dispatcher", "scheduler.dispatcher"),
-        ("requeue", "scheduler.requeue"),
-    ):
-        try:
-            entries[name] = importlib.import_module(module).run_in_process
-        except (ImportError, AttributeError) as exc:
-            log.error("daemon_unavailable", daemon=name, error=str(exc))
-    return entries
+    async def main(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:
+        ready.set()
+        await run(settings, stop)
+
+    return main
+
+
+def daemon_entries() -> dict[str, DaemonMain]:
+    """The in-process entries of the three daemons: `main(settings, stop, ready)`.
+
+    A daemon module offers `run_in_process(settings, stop, ready)`; until it does, its
+    plain runner is adapted here.
+    """
+    from scheduler import dispatcher, gpu_poller, requeue
+
+    def entry(module: Any, fallback: Callable[[], DaemonMain]) -> DaemonMain:
+        found = getattr(module, "run_in_process", None)
+        return found if found is not None else fallback()
+
+    return {
+        "poller": gpu_poller.run_in_process,
+        "dispatcher": entry(dispatcher, lambda: _ready_at_once(dispatcher.run_dispatcher)),
+        "requeue": entry(
+            requeue,
+            lambda: _ready_at_once(
+                lambda settings, stop: requeue.run_daemon(settings, requeue.RequeueConfig(), stop)
+            ),
+        ),
+    }
 
 
 async def run_daemons(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:
     """Run the three daemons until `stop`; if one crashes, stop the others and re-raise."""
     entries = daemon_entries()
-    if not entries:
-        ready.set()
-        await stop.wait()
-        return
     readies = {name: asyncio.Event() for name in entries}
     tasks = {
         name: asyncio.create_task(main(settings, stop, readies[name]), name=f"up:{name}")
@@ -476,7 +497,7 @@ def run_up(options: UpOptions) -> None:
             services = start_services(state)
             settings = services.settings
             if options.local_vm:
-                asyncio.run(_register(settings, options.vm_name))
+                asyncio.run(_register(settings, options.vm_name, options.entrypoint))
         state.write(
             {
                 **state.read(),
@@ -523,10 +544,10 @@ def run_up(options: UpOptions) -> None:
         state.unlock()
 
 
-async def _register(settings: Settings, name: str) -> None:
+async def _register(settings: Settings, name: str, entrypoint: str) -> None:
     db = Database(settings.database_url, pool_size=1)
     try:
-        if await register_local_vm(db, name):
+        if await register_local_vm(db, name, entrypoint):
             log.info("local_vm_registered", vm=name)
     finally:
         await db.dispose()
@@ -554,6 +575,12 @@ async def _register(settings: Settings, name: str) -> None:
 @click.option(
     "--vm-name", default="local", show_default=True, help="Name of the local VM (--local-vm)."
 )
+@click.option(
+    "--entrypoint",
+    default="training.train_grpo",
+    show_default=True,
+    help="How the local VM trains: a module (run with -m) or a .py script.",
+)
 @metrics_option
 @click.pass_context
 def command(
@@ -562,6 +589,7 @@ def command(
     local_vm: bool,
     gpus: int | None,
     vm_name: str,
+    entrypoint: str,
     metrics_port: int,
 ) -> None:
     """Run everything on this machine: embedded Postgres and NATS, the three daemons.
@@ -581,6 +609,7 @@ def command(
             local_vm=local_vm,
             gpus=gpus,
             vm_name=vm_name,
+            entrypoint=entrypoint,
             metrics_port=metrics_port,
             log_level=log_level,
         )

@@ -1,0 +1,246 @@
+"""`rlfleet up`: one machine runs everything, a job runs on it as on any VM, Ctrl-C/SIGTERM
+stops it all, and a second start reuses the data on the same ports."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from scheduler.up import write_sim_nvidia_smi
+
+REPO = Path(__file__).resolve().parents[2]
+RLFLEET = Path(sys.executable).parent / "rlfleet"
+FAKE_TRAIN = REPO / "tests" / "workloads" / "fake_train.py"
+
+
+class Up:
+    """One `rlfleet up` subprocess in its own process group."""
+
+    def __init__(self, state_dir: Path, home: Path, *args: str) -> None:
+        self.state_dir = state_dir
+        self.env = {**os.environ, "HOME": str(home), "RLFLEET_LOG_LEVEL": "INFO"}
+        for var in ("RLFLEET_DATABASE_URL", "RLFLEET_NATS_URL", "CUDA_VISIBLE_DEVICES"):
+            self.env.pop(var, None)
+        self.log = state_dir.parent / f"up-{time.monotonic_ns()}.log"
+        with self.log.open("wb") as handle:
+            self.proc = subprocess.Popen(
+                [str(RLFLEET), "up", "--state-dir", str(state_dir), *args],
+                env=self.env,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def output(self) -> str:
+        """Everything it printed so far."""
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 120) -> dict:
+        """up.json once this process says it is ready."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"up exited {self.proc.returncode}:\n{self.output()}"
+            try:
+                state = json.loads((self.state_dir / "up.json").read_text())
+            except (OSError, ValueError):
+                state = {}
+            if state.get("ready") and state.get("pid") == self.proc.pid:
+                return state
+            time.sleep(0.2)
+        raise AssertionError(f"up not ready after {timeout}s:\n{self.output()}")
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """`rlfleet ARGS` pointed at this up's services by the exported variables."""
+        state = json.loads((self.state_dir / "up.json").read_text())
+        env = {
+            **self.env,
+            "RLFLEET_DATABASE_URL": state["database_url"],
+            "RLFLEET_NATS_URL": state["nats_url"],
+        }
+        return subprocess.run(
+            [str(RLFLEET), *args], env=env, capture_output=True, text=True, timeout=60
+        )
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        """Signal it like systemd or Ctrl-C would, and wait for it to finish."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+                raise
+        return self.proc.returncode
+
+
+@pytest.fixture
+def ups(tmp_path: Path) -> Iterator[list[Up]]:
+    """Every `up` a test starts; each is stopped (or killed) afterwards."""
+    started: list[Up] = []
+    yield started
+    for up in started:
+        if up.proc.poll() is None:
+            try:
+                with_servers = json.loads((up.state_dir / "up.json").read_text())
+            except (OSError, ValueError):
+                with_servers = {}
+            os.killpg(up.proc.pid, signal.SIGKILL)
+            up.proc.wait(10)
+            for pid in (with_servers.get("server_pids") or {}).values():
+                if pid:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    """Whether a process (not a zombie) has this pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_for(fn, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    """Poll `fn()` until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+def test_up_runs_a_job_on_the_local_vm_stops_cleanly_and_restarts_on_the_same_data(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    state_dir, home = tmp_path / "state", tmp_path / "home"
+    home.mkdir()
+    # Given `rlfleet up --local-vm --gpus 2` on a machine without nvidia-smi
+    up = Up(state_dir, home, "--local-vm", "--gpus", "2", "--entrypoint", str(FAKE_TRAIN))
+    ups.append(up)
+    state = up.wait_ready()
+    # Then it prints the exports the other commands need
+    assert (
+        f"export RLFLEET_DATABASE_URL={state['database_url']} "
+        f"RLFLEET_NATS_URL={state['nats_url']}" in up.output()
+    )
+    # And the poller finds the machine's two (simulated) GPUs
+    vm = wait_for(
+        lambda: (
+            (v := json.loads(up.cli("vm", "show", "local", "--json").stdout or "{}"))
+            and v.get("status") == "healthy"
+            and len(v.get("gpus", [])) == 2
+            and v
+        ),
+        60,
+        "the local VM to be healthy with 2 GPUs",
+    )
+    assert vm["transport"] == "local"
+
+    # When a job is submitted, it runs there (on one of the GPUs) and completes
+    submitted = up.cli(
+        "job", "submit", "--model", "m", "--dataset", "d.jsonl", "--reward-function", "r",
+        "--", "--fake_seconds", "1",
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    job = wait_for(
+        lambda: (
+            (j := json.loads(up.cli("job", "show", job_id, "--json").stdout or "{}"))
+            and j.get("status") in ("completed", "failed", "cancelled")
+            and j
+        ),
+        90,
+        f"job {job_id} to finish",
+    )
+    assert job["status"] == "completed", job
+    assert [e["to"] for e in job["events"]][-2:] == ["running", "completed"]
+    assert (home / ".rlfleet" / "jobs" / job_id / "1" / "exit_code").read_text().strip() == "0"
+
+    # When it is stopped with SIGTERM
+    servers = json.loads((state_dir / "up.json").read_text())["server_pids"]
+    assert up.stop(signal.SIGTERM) == 0, up.output()[-3000:]
+    # Then its Postgres and NATS are gone too
+    assert not any(alive(pid) for pid in servers.values()), servers
+
+    # When it starts again on the same state directory (Ctrl-C this time)
+    again = Up(state_dir, home, "--local-vm", "--gpus", "2", "--entrypoint", str(FAKE_TRAIN))
+    ups.append(again)
+    restarted = again.wait_ready()
+    # Then the ports were remembered and the job is still there
+    assert restarted["database_url"] == state["database_url"]
+    assert restarted["nats_url"] == state["nats_url"]
+    listed = json.loads(again.cli("job", "list", "--json").stdout)
+    assert [(str(j["id"]), j["status"]) for j in listed] == [(job_id, "completed")]
+    assert again.stop(signal.SIGINT) == 0, again.output()[-3000:]
+
+
+def test_a_second_up_on_the_same_state_dir_is_refused(tmp_path: Path, ups: list[Up]) -> None:
+    state_dir = tmp_path / "state"
+    first = Up(state_dir, tmp_path)
+    ups.append(first)
+    first.wait_ready()
+    second = Up(state_dir, tmp_path)
+    ups.append(second)
+    assert second.proc.wait(60) == 1
+    lines = second.output().strip().splitlines()
+    assert lines[-1].startswith("Error: another `rlfleet up`"), lines
+    assert first.proc.poll() is None
+    assert first.stop() == 0
+
+
+def test_local_vm_without_nvidia_smi_needs_gpus(tmp_path: Path) -> None:
+    path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
+    if shutil.which("nvidia-smi", path=path):
+        pytest.skip("this machine has a real nvidia-smi")
+    env = {**os.environ, "PATH": path}
+    result = subprocess.run(
+        [str(RLFLEET), "up", "--state-dir", str(tmp_path / "s"), "--local-vm"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "Error: no nvidia-smi on this machine: pass --gpus N to simulate N GPUs"
+    )
+
+
+def test_simulated_nvidia_smi_shows_the_gpu_a_live_process_holds(tmp_path: Path) -> None:
+    # Given the simulated nvidia-smi of a local VM with two GPUs
+    smi = write_sim_nvidia_smi(tmp_path, gpus=2, vm="box")
+    query = ["--query-gpu=index,memory.used,utilization.gpu", "--format=csv,noheader,nounits"]
+    apps = ["--query-compute-apps=gpu_uuid,pid,used_memory", "--format=csv,noheader,nounits"]
+    idle = subprocess.run([str(smi), *query], capture_output=True, text=True, check=True)
+    assert idle.stdout.splitlines() == ["0, 0, 0", "1, 0, 0"]
+    # When a process of that VM holds GPU 1 (and one of another VM holds GPU 0)
+    env = {**os.environ, "RLFLEET_SIM_VM": "box", "CUDA_VISIBLE_DEVICES": "1"}
+    other = {**os.environ, "RLFLEET_SIM_VM": "elsewhere", "CUDA_VISIBLE_DEVICES": "0"}
+    holder = subprocess.Popen(["sleep", "30"], env=env)
+    stranger = subprocess.Popen(["sleep", "30"], env=other)
+    try:
+        busy = subprocess.run([str(smi), *query], capture_output=True, text=True, check=True)
+        held = subprocess.run([str(smi), *apps], capture_output=True, text=True, check=True)
+    finally:
+        holder.kill()
+        stranger.kill()
+        holder.wait()
+        stranger.wait()
+    # Then only GPU 1 shows as used, by that process
+    assert busy.stdout.splitlines() == ["0, 0, 0", "1, 1024, 100"]
+    assert [line.split(", ")[1] for line in held.stdout.splitlines()] == [str(holder.pid)]
