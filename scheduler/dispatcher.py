@@ -30,7 +30,7 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from scheduler import bus
+from scheduler import bus, metrics
 from scheduler.claims import DEFAULT_LEASE_S, Claim, NoClaim, claim_gpus, release_in_session
 from scheduler.daemon import sd_notify, serve, watchdog_interval
 from scheduler.db import Database
@@ -190,9 +190,11 @@ class GlobalJobDispatcher:
             log.warning("message_terminated", reason=str(exc), subject=msg.subject)
             await _quietly(msg.term())
             return
+        started = time.monotonic()
         try:
-            await self.dispatch(job_id)
+            outcome = await self.dispatch(job_id)
         except TransientError as exc:
+            metrics.observe_dispatch(time.monotonic() - started, "deferred")
             self.stats.nak += 1
             delay = DB_NAK_DELAY_S * (0.5 + random.random())
             log.warning("dispatch_deferred", job_id=job_id, error=str(exc), retry_in_s=delay)
@@ -201,8 +203,10 @@ class GlobalJobDispatcher:
         except Exception:
             # A bug, not weather: leave the message for redelivery after ack_wait.
             log.exception("dispatch_crashed", job_id=job_id)
+            metrics.observe_dispatch(time.monotonic() - started, "crashed")
             await _quietly(msg.nak(delay=DB_NAK_DELAY_S * 5))
             return
+        metrics.observe_dispatch(time.monotonic() - started, outcome)
         await _quietly(msg.ack())
 
     # ---------------------------------------------------------------- one job
@@ -283,6 +287,8 @@ class GlobalJobDispatcher:
                     actor=self.actor,
                     values={"remote_pid": pid, "lease_expires_at": None},
                 )
+                if moved:
+                    await metrics.observe_job_running(session, claim.job_id)
         except Exception as exc:
             if _is_transient_db_error(exc):
                 # The process runs; the lease will bring the claim back if we never can.

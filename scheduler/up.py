@@ -287,11 +287,13 @@ def prepare_local_gpus(options: UpOptions) -> str:
     if options.gpus < 1:
         raise BadInput(f"--gpus must be at least 1, not {options.gpus}")
     bin_dir = options.state_dir / "bin"
-    write_sim_nvidia_smi(bin_dir, gpus=options.gpus, vm=options.vm_name)
+    # The state dir in the identity: two `up`s on one machine never see each other's jobs.
+    identity = f"{options.vm_name}@{options.state_dir}"
+    write_sim_nvidia_smi(bin_dir, gpus=options.gpus, vm=identity)
     # The local transport's shells, the jobs they launch and the simulated nvidia-smi all
     # inherit this environment: that is how a job's CUDA_VISIBLE_DEVICES shows as used.
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
-    os.environ[SIM_VM_ENV] = options.vm_name
+    os.environ[SIM_VM_ENV] = identity
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     return f"simulated nvidia-smi, {options.gpus} GPU(s), jobs run on the CPU"
 

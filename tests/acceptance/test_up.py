@@ -6,16 +6,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from scheduler.embedded import free_port
 from scheduler.up import write_sim_nvidia_smi
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,7 +133,11 @@ def test_up_runs_a_job_on_the_local_vm_stops_cleanly_and_restarts_on_the_same_da
     state_dir, home = tmp_path / "state", tmp_path / "home"
     home.mkdir()
     # Given `rlfleet up --local-vm --gpus 2` on a machine without nvidia-smi
-    up = Up(state_dir, home, "--local-vm", "--gpus", "2", "--entrypoint", str(FAKE_TRAIN))
+    metrics_port = free_port()
+    up = Up(
+        state_dir, home, "--local-vm", "--gpus", "2", "--entrypoint", str(FAKE_TRAIN),
+        "--metrics-port", str(metrics_port),
+    )  # fmt: skip
     ups.append(up)
     state = up.wait_ready()
     # Then it prints the exports the other commands need
@@ -170,6 +177,16 @@ def test_up_runs_a_job_on_the_local_vm_stops_cleanly_and_restarts_on_the_same_da
     assert job["status"] == "completed", job
     assert [e["to"] for e in job["events"]][-2:] == ["running", "completed"]
     assert (home / ".rlfleet" / "jobs" / job_id / "1" / "exit_code").read_text().strip() == "0"
+    # And its metrics saw the dispatch, the job's wait and its start
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        page = r.read().decode()
+    for name in (
+        "rlfleet_dispatch_duration_seconds_count",
+        "rlfleet_job_queue_wait_seconds_count",
+        "rlfleet_job_submit_to_running_seconds_count",
+        "rlfleet_poll_sweep_duration_seconds_count",
+    ):
+        assert re.search(rf"^{name} [1-9]", page, re.MULTILINE), name
 
     # When it is stopped with SIGTERM
     servers = json.loads((state_dir / "up.json").read_text())["server_pids"]
