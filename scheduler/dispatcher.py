@@ -445,21 +445,34 @@ async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio
 @click.option("--max-in-flight", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--lease", "lease_s", default=DEFAULT_LEASE_S, show_default=True, type=float)
 @click.option("--launch-timeout", "launch_timeout_s", default=30.0, show_default=True, type=float)
+@metrics.metrics_option
 @click.pass_obj
-def command(obj: Any, max_in_flight: int, lease_s: float, launch_timeout_s: float) -> None:
+def command(
+    obj: Any, max_in_flight: int, lease_s: float, launch_timeout_s: float, metrics_port: int
+) -> None:
     """Run the dispatcher: claim GPUs for new jobs and launch them over SSH."""
     configure(obj.log_level)
+    ready = asyncio.Event()
 
     async def main(stop: asyncio.Event) -> None:
         await run_dispatcher(
             obj.settings,
             stop,
+            ready=ready,
             max_in_flight=max_in_flight,
             lease_s=lease_s,
             launch_timeout_s=launch_timeout_s,
         )
 
-    asyncio.run(serve("dispatcher", main))
+    asyncio.run(
+        serve(
+            "dispatcher",
+            main,
+            ready=ready,
+            metrics_port=metrics_port or None,
+            database_url=obj.settings.database_url,
+        )
+    )
 
 
 def main() -> None:
