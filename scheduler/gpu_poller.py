@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import sys
 import time
@@ -161,19 +162,24 @@ class SweepStats:
     seconds: float = 0.0
 
 
+# Each statement takes whole columns as arrays (unnest): one statement and one round trip
+# for the whole fleet, instead of one per VM or per GPU.
 _VM_OK_SQL = text(
     """
-UPDATE vms SET status = :status, last_error = :error, consecutive_failures = 0,
+UPDATE vms SET status = t.status, last_error = t.error, consecutive_failures = 0,
     unreachable_since = NULL, last_polled_at = now(), last_seen_at = now()
-WHERE id = :vm_id
+FROM unnest(CAST(:ids AS int[]), CAST(:statuses AS text[]), CAST(:errors AS text[]))
+    AS t(id, status, error)
+WHERE vms.id = t.id
 """
 )
 _VM_FAIL_SQL = text(
     """
 UPDATE vms SET consecutive_failures = consecutive_failures + 1, last_polled_at = now(),
-    last_error = :error, unreachable_since = COALESCE(unreachable_since, now()),
+    last_error = t.error, unreachable_since = COALESCE(unreachable_since, now()),
     status = CASE WHEN consecutive_failures + 1 >= :after THEN 'unreachable' ELSE status END
-WHERE id = :vm_id
+FROM unnest(CAST(:ids AS int[]), CAST(:errors AS text[])) AS t(id, error)
+WHERE vms.id = t.id
 """
 )
 # A GPU allocated to a job when the row is written is not foreign-busy: its processes are
@@ -182,7 +188,11 @@ _GPU_UPSERT_SQL = text(
     """
 INSERT INTO gpus (vm_id, index, uuid, name, memory_total_mb, memory_used_mb,
                   utilization_pct, healthy, foreign_busy, updated_at)
-VALUES (:vm_id, :index, :uuid, :name, :total, :used, :util, true, :foreign, now())
+SELECT t.vm_id, t.idx, t.u, t.n, t.total, t.used, t.util, true, t.fb, now()
+FROM unnest(CAST(:vm_ids AS int[]), CAST(:idxs AS int[]), CAST(:uuids AS text[]),
+            CAST(:names AS text[]), CAST(:totals AS int[]), CAST(:useds AS int[]),
+            CAST(:utils AS int[]), CAST(:fbs AS boolean[]))
+    AS t(vm_id, idx, u, n, total, used, util, fb)
 ON CONFLICT (vm_id, index) DO UPDATE SET
     uuid = excluded.uuid, name = excluded.name, memory_total_mb = excluded.memory_total_mb,
     memory_used_mb = excluded.memory_used_mb, utilization_pct = excluded.utilization_pct,
@@ -192,7 +202,11 @@ ON CONFLICT (vm_id, index) DO UPDATE SET
 """
 )
 _GPU_UNHEALTHY_SQL = text(
-    "UPDATE gpus SET healthy = false, updated_at = now() WHERE vm_id = :vm_id AND index = :index"
+    """
+UPDATE gpus SET healthy = false, updated_at = now()
+FROM unnest(CAST(:vm_ids AS int[]), CAST(:idxs AS int[])) AS t(vm_id, idx)
+WHERE gpus.vm_id = t.vm_id AND gpus.index = t.idx
+"""
 )
 _GPUS_OF_UNREACHABLE_SQL = text(
     """
@@ -214,6 +228,9 @@ UPDATE vms v SET available_gpus = (
 WHERE v.id = ANY(:ids)
 """
 )
+
+
+_TARGET_FIELDS = tuple(f.name for f in dataclasses.fields(VMTarget))
 
 
 class GpuPoller:
@@ -247,10 +264,19 @@ class GpuPoller:
 
     async def _load(self) -> list[VMState]:
         async with self.db.transaction() as session:
-            vm_rows = (await session.execute(select(VM))).scalars().all()
+            # Plain columns, not ORM objects: this runs for every VM on every sweep.
+            vm_rows = await session.execute(
+                select(
+                    *(getattr(VM, f) for f in _TARGET_FIELDS), VM.status, VM.consecutive_failures
+                )
+            )
             vms = {
-                vm.id: VMState(VMTarget.from_vm(vm), vm.status, vm.consecutive_failures)
-                for vm in vm_rows
+                row.id: VMState(
+                    VMTarget(**{f: row[i] for i, f in enumerate(_TARGET_FIELDS)}),
+                    row.status,
+                    row.consecutive_failures,
+                )
+                for row in vm_rows
             }
             gpu_rows = await session.execute(
                 select(
@@ -329,9 +355,7 @@ class GpuPoller:
         for outcome in outcomes:
             vm, result = outcome.vm, outcome.result
             if result is None:
-                failed.append(
-                    {"vm_id": vm.target.id, "error": outcome.error, "after": self.unreachable_after}
-                )
+                failed.append({"vm_id": vm.target.id, "error": outcome.error})
                 self._log_failure(vm, outcome.error or "")
                 continue
             stats.reachable += 1
@@ -356,16 +380,39 @@ class GpuPoller:
         ids = [o.vm.target.id for o in outcomes]
         async with self.db.transaction() as session:
             if ok:
-                await session.execute(_VM_OK_SQL, ok)
+                await session.execute(
+                    _VM_OK_SQL, _columns(ok, ids="vm_id", statuses="status", errors="error")
+                )
             if failed:
-                await session.execute(_VM_FAIL_SQL, failed)
+                await session.execute(
+                    _VM_FAIL_SQL,
+                    {
+                        **_columns(failed, ids="vm_id", errors="error"),
+                        "after": self.unreachable_after,
+                    },
+                )
                 await session.execute(
                     _GPUS_OF_UNREACHABLE_SQL, {"ids": [f["vm_id"] for f in failed]}
                 )
             if upserts:
-                await session.execute(_GPU_UPSERT_SQL, upserts)
+                await session.execute(
+                    _GPU_UPSERT_SQL,
+                    _columns(
+                        upserts,
+                        vm_ids="vm_id",
+                        idxs="index",
+                        uuids="uuid",
+                        names="name",
+                        totals="total",
+                        useds="used",
+                        utils="util",
+                        fbs="foreign",
+                    ),
+                )
             if lost_gpus:
-                await session.execute(_GPU_UNHEALTHY_SQL, lost_gpus)
+                await session.execute(
+                    _GPU_UNHEALTHY_SQL, _columns(lost_gpus, vm_ids="vm_id", idxs="index")
+                )
             if ids:
                 await session.execute(_AVAILABLE_SQL, {"ids": ids})
 
@@ -375,6 +422,11 @@ class GpuPoller:
             log.warning("vm_unreachable", vm=vm.target.name, failures=failures, error=error)
         else:
             log.info("vm_poll_failed", vm=vm.target.name, failures=failures, error=error)
+
+
+def _columns(rows: Sequence[dict[str, Any]], **names: str) -> dict[str, list[Any]]:
+    """Rows as columns: `names` maps each bind parameter to the row key it collects."""
+    return {param: [row[key] for row in rows] for param, key in names.items()}
 
 
 def _gpu_changes(vm: VMState, result: PollResult) -> list[dict[str, Any]]:
