@@ -44,6 +44,7 @@ def build_config(args: ScriptArguments) -> GRPOConfig:
             save_steps=args.save_steps,
             save_total_limit=args.save_total_limit or None,
             bf16=on_gpu,
+            dataloader_pin_memory=on_gpu,
             report_to="none",
             **checkpointing,
         )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.training.conftest import ARITHMETIC, REPO, train_grpo
+from tests.training.helpers import ARITHMETIC, REPO, train_grpo
 
 
 @pytest.fixture(scope="module")

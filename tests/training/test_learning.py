@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from tests.training.conftest import ARITHMETIC
+from tests.training.helpers import ARITHMETIC
 from training.args import parse_args
 from training.train_grpo import run
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.training.conftest import tiny_run_args, train_grpo
+from tests.training.helpers import tiny_run_args, train_grpo
 
 # A user reward that varies with every sample, so that even two steps move the weights
 # (keyword_match alone is often 0 for the whole group at the start: no advantage, no update).

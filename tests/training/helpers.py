@@ -1,0 +1,43 @@
+"""Helpers for the training tests: run the real script as a subprocess, fast tiny-run arguments."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ARITHMETIC = REPO / "training" / "data" / "arithmetic.jsonl"
+
+
+def train_grpo(
+    *args: str, cwd: Path = REPO, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """Run `python -m training.train_grpo ARGS` the way users and the scheduler do."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "training.train_grpo", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def tiny_run_args(model: Path, output_dir: Path, *extra: str) -> list[str]:
+    """Arguments for a fast CPU run of the tiny model on the arithmetic data."""
+    return [
+        "--model", str(model),
+        "--dataset", str(ARITHMETIC),
+        "--reward_function", "keyword_match",
+        "--keywords", "hello",
+        "--output_dir", str(output_dir),
+        "--num_generations", "4",
+        "--per_device_train_batch_size", "4",
+        "--max_completion_length", "8",
+        "--learning_rate", "3e-3",
+        *extra,
+    ]  # fmt: skip
