@@ -1,7 +1,8 @@
 """Benchmark: full poller sweeps over 1000 simulated VMs, against a naive sequential poll.
 
 A separate process runs 1000 asyncssh servers on 127.0.0.1 (one port per VM, one shared
-ed25519 host key). Every command is answered after 50 ms, standing for network distance,
+ed25519 host key). Every command (an exec, or a request to the poller's persistent shell) is
+answered after 50 ms, standing for network distance,
 with a 4-GPU nvidia-smi poll from memory (utilization and memory vary per answer, so the
 poller really writes GPU rows every sweep). The real `GpuPoller` sweeps the fleet against
 embedded Postgres with warm connections; the baseline opens a new SSH connection per VM
@@ -19,6 +20,7 @@ import asyncio
 import getpass
 import multiprocessing as mp
 import random
+import re
 import resource
 import statistics
 import sys
@@ -39,9 +41,16 @@ from scheduler.logging import configure  # noqa: E402
 from scheduler.migrate import upgrade  # noqa: E402
 from scheduler.models import VM  # noqa: E402
 from scheduler.nvidia_smi import APPS, APPS_RC, END, GPUS, GPUS_RC, JOBS, parse_poll  # noqa: E402
-from scheduler.transport import SSHTransport, VMTarget, remote_timeout_wrapper  # noqa: E402
+from scheduler.transport import (  # noqa: E402
+    SESSION_END,
+    SSHTransport,
+    VMTarget,
+    remote_timeout_wrapper,
+)
 
 LATENCY_S = 0.05
+# The last line of a request to a persistent session (see scheduler.transport._Session).
+END_OF_REQUEST = re.compile(rb"printf '\\n%s\\n' (" + SESSION_END.encode() + rb"[0-9a-f]+) >&2\n")
 GPUS_PER_VM = 4
 FAST = {
     "kex_algs": ["curve25519-sha256"],
@@ -83,8 +92,21 @@ def fleet_main(n: int, host_key: bytes, client_pub: str, out: Connection) -> Non
 
         def handler(vm: int):  # type: ignore[no-untyped-def]
             async def handle(process: asyncssh.SSHServerProcess[bytes]) -> None:
-                await asyncio.sleep(LATENCY_S)
-                process.stdout.write(poll_answer(vm, rng))
+                if process.command != "sh":  # one command per channel (the baseline)
+                    await asyncio.sleep(LATENCY_S)
+                    process.stdout.write(poll_answer(vm, rng))
+                    process.exit(0)
+                    return
+                # A persistent shell (the poller): answer each framed request in turn.
+                buffer = b""
+                while chunk := await process.stdin.read(65536):
+                    buffer += chunk
+                    while (match := END_OF_REQUEST.search(buffer)) is not None:
+                        buffer = buffer[match.end() :]
+                        await asyncio.sleep(LATENCY_S)
+                        end = match.group(1)
+                        process.stdout.write(poll_answer(vm, rng) + b"\n" + end + b" 0\n")
+                        process.stderr.write(b"\n" + end + b"\n")
                 process.exit(0)
 
             return handle

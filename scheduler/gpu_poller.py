@@ -310,7 +310,10 @@ class GpuPoller:
     async def _probe(self, vm: VMState) -> Outcome:
         command = poll_command([(j.id, j.attempt) for j in vm.jobs])
         try:
-            result = await self.transport.run(vm.target, command, timeout=self.command_timeout)
+            # persistent: a poll every few seconds is worth a shell kept open on the VM.
+            result = await self.transport.run(
+                vm.target, command, timeout=self.command_timeout, persistent=True
+            )
         except TransportError as exc:
             return Outcome(vm, error=str(exc))
         except Exception as exc:  # a bug or an odd library error must not stop the sweep

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import math
 import os
+import secrets
 import shlex
 import signal
 from collections.abc import Callable
@@ -80,9 +81,19 @@ class Transport(Protocol):
     """Runs shell commands on VMs."""
 
     async def run(
-        self, target: VMTarget, command: str, *, timeout: float, input: str | None = None
+        self,
+        target: VMTarget,
+        command: str,
+        *,
+        timeout: float,
+        input: str | None = None,
+        persistent: bool = False,
     ) -> CommandResult:
-        """Run `command` in a POSIX shell on `target`; raise `TransportError` if unreachable."""
+        """Run `command` in a POSIX shell on `target`; raise `TransportError` if unreachable.
+
+        `persistent` is a hint that the command is repeated often (the poll): a transport
+        may keep a shell open on the VM for it.
+        """
         ...
 
     async def close(self) -> None:
@@ -94,9 +105,15 @@ class LocalTransport:
     """Runs commands on this machine with `/bin/sh -c`, for a VM that is the machine itself."""
 
     async def run(
-        self, target: VMTarget, command: str, *, timeout: float, input: str | None = None
+        self,
+        target: VMTarget,
+        command: str,
+        *,
+        timeout: float,
+        input: str | None = None,
+        persistent: bool = False,
     ) -> CommandResult:
-        """Run `command` locally, killing its process group on timeout."""
+        """Run `command` locally, killing its process group on timeout (`persistent` is moot)."""
         proc = await asyncio.create_subprocess_exec(
             "/bin/sh",
             "-c",
@@ -188,6 +205,7 @@ class SSHTransport:
         self._keepalive_interval = keepalive_interval
         self._keepalive_count_max = keepalive_count_max
         self._remote_timeout = remote_timeout
+        self._sessions: dict[_ConnKey, _Session] = {}
         self._files: dict[tuple[str, Callable[[str], Any]], tuple[tuple[int, int], Any]] = {}
         self._kex = _prefer(_PREFERRED_KEX, asyncssh.kex.get_default_kex_algs())
         self._ciphers = _prefer(
@@ -287,10 +305,24 @@ class SSHTransport:
             return conn
 
     async def run(
-        self, target: VMTarget, command: str, *, timeout: float, input: str | None = None
+        self,
+        target: VMTarget,
+        command: str,
+        *,
+        timeout: float,
+        input: str | None = None,
+        persistent: bool = False,
     ) -> CommandResult:
-        """Run `command` on `target` over its pooled connection; `TransportError` on failure."""
+        """Run `command` on `target` over its pooled connection; `TransportError` on failure.
+
+        `persistent` sends it to a long-lived `sh` on the VM instead of a new exec channel:
+        one network round trip instead of three, for a command run every few seconds (the
+        poll). The command runs in a subshell, so it cannot change the session's state.
+        """
         wrapped = remote_timeout_wrapper(command, timeout) if self._remote_timeout else command
+        if persistent and input is None:
+            async with self._sem:
+                return await self._run_in_session(target, wrapped, timeout)
         async with self._sem:
             for attempt in (1, 2):
                 conn = await self._connection(target, fresh=attempt == 2)
@@ -313,8 +345,38 @@ class SSHTransport:
                 )
         raise AssertionError("unreachable")  # pragma: no cover
 
+    async def _run_in_session(
+        self, target: VMTarget, command: str, timeout: float
+    ) -> CommandResult:
+        key = self._key(target)
+        for attempt in (1, 2):
+            conn = await self._connection(target, fresh=attempt == 2)
+            session = self._sessions.get(key)
+            if session is None or session.conn is not conn or session.closed:
+                try:
+                    session = _Session(conn, await conn.create_process("sh", encoding="utf-8"))
+                except (asyncssh.ChannelOpenError, asyncssh.ConnectionLost) as exc:
+                    if attempt == 1:
+                        continue  # the pooled connection died: reconnect once
+                    raise TransportError(f"{target.name}: {_describe(exc)}") from exc
+                except (OSError, asyncssh.Error) as exc:
+                    raise TransportError(f"{target.name}: {_describe(exc)}") from exc
+                self._sessions[key] = session
+            try:
+                return await session.run(command, timeout)
+            except TimeoutError as exc:
+                raise TransportError(
+                    f"{target.name}: command timed out after {timeout:g}s"
+                ) from exc
+            except (OSError, asyncssh.Error, EOFError, asyncio.IncompleteReadError) as exc:
+                raise TransportError(f"{target.name}: session lost: {_describe(exc)}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def close(self) -> None:
         """Close every pooled connection."""
+        for session in self._sessions.values():
+            session.close()
+        self._sessions.clear()
         conns = list(self._conns.values())
         self._conns.clear()
         for conn in conns:
@@ -322,6 +384,57 @@ class SSHTransport:
         for conn in conns:
             with contextlib.suppress(Exception):
                 await conn.wait_closed()
+
+
+SESSION_END = "__rlfleet_end_"
+
+
+class _Session:
+    """A long-lived `sh` on a VM that runs one framed command at a time.
+
+    Each request runs the command in a subshell with stdin from /dev/null, then prints an
+    end marker carrying a fresh token and the exit status on stdout, and the marker on
+    stderr, so both streams can be read up to exactly this command's end. Any error or
+    timeout closes the session; the next command starts a new one.
+    """
+
+    def __init__(
+        self, conn: asyncssh.SSHClientConnection, process: asyncssh.SSHClientProcess[str]
+    ) -> None:
+        self.conn = conn
+        self.process = process
+        self.lock = asyncio.Lock()
+        self.closed = False
+
+    async def run(self, command: str, timeout: float) -> CommandResult:
+        """Run one command; the session is closed if it fails or times out."""
+        end = f"{SESSION_END}{secrets.token_hex(8)}"
+        request = (
+            f"( {command}\n) </dev/null; rlfleet_rc=$?; "
+            f"printf '\\n%s %d\\n' {end} \"$rlfleet_rc\"; printf '\\n%s\\n' {end} >&2\n"
+        )
+        async with self.lock:
+            try:
+                return await asyncio.wait_for(self._exchange(request, end), timeout)
+            except BaseException:
+                self.close()
+                raise
+
+    async def _exchange(self, request: str, end: str) -> CommandResult:
+        self.process.stdin.write(request)
+        out = await self.process.stdout.readuntil(f"\n{end} ")
+        rc = (await self.process.stdout.readline()).strip()
+        err = await self.process.stderr.readuntil(f"\n{end}\n")
+        return CommandResult(
+            int(rc) if rc.lstrip("-").isdigit() else 255,
+            out[: -len(end) - 2],
+            err[: -len(end) - 2],
+        )
+
+    def close(self) -> None:
+        """End the remote shell's channel."""
+        self.closed = True
+        self.process.close()
 
 
 async def _run_once(
@@ -369,10 +482,18 @@ class RoutingTransport:
         return self.local if target.transport == "local" else self.ssh
 
     async def run(
-        self, target: VMTarget, command: str, *, timeout: float, input: str | None = None
+        self,
+        target: VMTarget,
+        command: str,
+        *,
+        timeout: float,
+        input: str | None = None,
+        persistent: bool = False,
     ) -> CommandResult:
         """Run `command` on `target` with the transport its VM row names."""
-        return await self._pick(target).run(target, command, timeout=timeout, input=input)
+        return await self._pick(target).run(
+            target, command, timeout=timeout, input=input, persistent=persistent
+        )
 
     async def close(self) -> None:
         """Close both transports."""

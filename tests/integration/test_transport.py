@@ -179,3 +179,32 @@ def _cmdline(pid: int) -> bytes:
             return f.read()
     except OSError:
         return b""
+
+
+async def test_persistent_session_runs_commands_framed_and_isolated(sim_fleet) -> None:
+    # Given a VM and a transport keeping a shell open on it
+    fleet = await sim_fleet(1)
+    vm = fleet[0]
+    transport = SSHTransport()
+    try:
+        # When commands run one after another in the session
+        run = transport.run
+        first = await run(
+            vm.target(), "cd /; export X=1; echo a; echo b >&2; exit 5", timeout=10, persistent=True
+        )
+        second = await run(vm.target(), 'pwd; echo "${X:-unset}"', timeout=10, persistent=True)
+        # Then each has its own output, errors and exit status, and none leaks its state
+        assert (first.exit_status, first.stdout, first.stderr) == (5, "a\n", "b\n")
+        assert second.stdout.split() == [str(vm.home), "unset"] and second.exit_status == 0
+        # And a command past its timeout fails without spoiling the next one
+        with pytest.raises(TransportError, match="timed out"):
+            await run(vm.target(), "sleep 30", timeout=0.5, persistent=True)
+        third = await run(vm.target(), "printf 'no newline'", timeout=10, persistent=True)
+        assert third.stdout == "no newline"
+        # And a VM restart is survived by reconnecting
+        await vm.stop()
+        await vm.start()
+        fourth = await run(vm.target(), "echo again", timeout=10, persistent=True)
+        assert fourth.stdout == "again\n"
+    finally:
+        await transport.close()
