@@ -19,21 +19,25 @@
    meanwhile free up accumulate for it. The dispatcher places greedily and fresh
    submissions still go straight to it; this rule only governs what the requeue manager
    announces again.
-6. **Announcements** — every queued job whose current queued spell was never announced
+6. **Stale processes** — for each `stale_processes` row not yet killed whose VM answers
+   SSH, the attempt's process group is killed (TERM, then KILL) over SSH; only then is
+   the row closed, and the claim query offers the GPUs again (it skips GPUs listed in an
+   open row).
+7. **Announcements** — every queued job whose current queued spell was never announced
    (`published_at` NULL or older than `queued_at`: a row inserted straight into the
    database, a publish lost while NATS was down, any of the moves above) is published on
    `jobs.new`, and so is one announced more than `--republish-after` seconds ago and still
-   queued. The `Nats-Msg-Id` is built from the job, its attempt and the previous
-   `published_at`, so two managers publishing the same state are deduplicated by
-   JetStream; `published_at` is set only after the stream stored the message.
-7. **Stale processes** — for each `stale_processes` row not yet killed whose VM answers
-   again, the attempt's process group is killed (TERM, then KILL) over SSH; only then is
-   the row closed, and the claim query offers the GPUs again (it skips GPUs listed in an
-   open row).
+   queued. A job whose previous attempt is a leftover on a VM that answers waits until
+   step 6 killed it, so a job never runs twice; a leftover on a lost VM cannot be waited
+   for, and is killed when the VM answers again. The `Nats-Msg-Id` is built from the
+   job, its attempt and the previous `published_at`, so two managers publishing the same
+   state are deduplicated by JetStream; `published_at` is set only after the stream
+   stored the message.
 
-Steps 2 to 6's database work is one short transaction under a Postgres advisory
-transaction lock, so several copies can run at once (one does the work, the others skip
-the tick); every SSH and NATS call happens after it committed (invariant 4).
+Steps 2 to 5's database work, and the choice of what step 7 announces, is one short
+transaction under a Postgres advisory transaction lock, so several copies can run at once
+(one does the work, the others skip the tick); every SSH and NATS call happens after it
+committed (invariant 4).
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ log = get_logger("requeue")
 ADVISORY_LOCK_KEY = 0x726C666C_7271  # "rlfl" "rq": one requeue tick at a time per database
 NODE_LOST = FailureReason.NODE_LOST.value
 BATCH = 500
+MAX_KILL_WAITS = 5
+"""Failed kills of a job's leftover after which its next attempt is announced anyway."""
 """Most jobs handled per step per tick; the rest wait for the next tick."""
 
 
@@ -214,9 +220,9 @@ class RequeueManager:
                 report.retried = await self._requeue_due(session)
                 report.unpended = await self._wake_pending(session)
                 announce = await self._to_announce(session)
+        await self._kill_stale(report)
         if announce:
             await self._announce(announce, report)
-        await self._kill_stale(report)
         return report
 
     async def _fail_lost_nodes(self, session: AsyncSession) -> list[int]:
@@ -474,6 +480,20 @@ class RequeueManager:
     async def _to_announce(self, session: AsyncSession) -> list[_Announce]:
         """Queued jobs whose current queued spell was never announced, or long ago."""
         stale_before = func.now() - timedelta(seconds=self.config.republish_after_s)
+        # A leftover attempt on a VM that answers is killed first (this very tick), so
+        # that the next attempt never runs beside it; one on a lost VM cannot be waited
+        # for. After a few failed kills the job goes ahead anyway (its GPUs stay blocked).
+        leftover_reachable = (
+            select(StaleProcess.id)
+            .join(VM, VM.id == StaleProcess.vm_id)
+            .where(
+                StaleProcess.job_id == Job.id,
+                StaleProcess.killed_at.is_(None),
+                StaleProcess.attempts < MAX_KILL_WAITS,
+                VM.status != VMStatus.UNREACHABLE.value,
+            )
+            .exists()
+        )
         rows = (
             await session.execute(
                 select(Job.id, Job.attempt, Job.queued_at, Job.published_at)
@@ -484,6 +504,7 @@ class RequeueManager:
                         Job.published_at < Job.queued_at,
                         Job.published_at < stale_before,
                     ),
+                    ~leftover_reachable,
                 )
                 .order_by(Job.priority.desc(), Job.id)
                 .limit(BATCH)

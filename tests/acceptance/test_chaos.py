@@ -1,0 +1,452 @@
+"""Chaos: 200 jobs on a 10-VM test fleet while daemons, NATS, Postgres and VMs fail.
+
+The real daemons run as subprocesses of the real CLI — one poller, two dispatchers, two
+requeue managers — against an embedded Postgres and nats-server of the test's own, and
+ten SSH test VMs with two simulated GPUs each. While the jobs run: one dispatcher is
+killed with SIGKILL (and started again later, as systemd would), nats-server is
+restarted, Postgres is restarted, two VMs crash (one comes back), and some job ids are
+published three times. In the end every job must be in the state its script implies,
+within its retry limits, with no GPU ever double-booked and no job ever running twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats as nats_client
+import pytest
+from sqlalchemy import func, select
+
+from scheduler import bus
+from scheduler.db import Database
+from scheduler.embedded import EmbeddedNats, EmbeddedPostgres
+from scheduler.jobs import JobSpec, insert_job, mark_published
+from scheduler.migrate import upgrade
+from scheduler.models import VM, Job, JobEvent, StaleProcess
+from scheduler.retry import DEFAULT_POLICY, GIVE_UP_PREFIX
+from tests.acceptance.chaos import (
+    Daemon,
+    LiveSampler,
+    double_booked,
+    duplicate_runs,
+    read_records,
+    runs_from,
+)
+from tests.fleet import SimFleet
+from tests.workloads.support import FAKE_TRAIN, write_fake_python
+
+FleetFactory = Callable[..., Awaitable[SimFleet]]
+N_JOBS = 200
+N_VMS = 10
+GPUS_PER_VM = 2
+DEADLINE_S = 300.0
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A scripted job: its fake_train flags and the end its script implies."""
+
+    name: str
+    count: int
+    args: tuple[str, ...]
+    gpus: int = 1
+    max_retries: int = 3
+    priority: int = 0
+    ends: str = "completed"
+    failure: str | None = None
+
+
+KINDS = [
+    Kind("long", 6, ("--fake_seconds", "40"), priority=5),
+    Kind("oom_once", 15, ("--fake_oom_once", "--fake_seconds", "0.5")),
+    Kind("config_error", 10, ("--fake_exit", "64"), ends="failed", failure="config_error"),
+    Kind(
+        "always_exit_1",
+        10,
+        ("--fake_exit", "1", "--fake_seconds", "0.2"),
+        max_retries=2,
+        ends="failed",
+        failure="exit_nonzero",
+    ),
+    Kind("two_gpus", 10, ("--fake_seconds", "1"), gpus=2),
+    Kind("ok", 149, ()),
+]
+
+
+def job_specs(outputs: Path, rng: random.Random) -> list[tuple[Kind, JobSpec]]:
+    """The 200 jobs, in submission order (long ones first, the rest shuffled)."""
+    kinds = [k for k in KINDS for _ in range(k.count)]
+    assert len(kinds) == N_JOBS
+    head, tail = kinds[:6], kinds[6:]
+    rng.shuffle(tail)
+    specs = []
+    for i, kind in enumerate(head + tail):
+        args = kind.args
+        if kind.name == "ok":
+            args = ("--fake_seconds", f"{rng.uniform(0.2, 2.0):.2f}")
+        # Outputs on storage every VM shares, as checkpoints for --resume would be.
+        args = (*args, "--output_dir", str(outputs / f"job{i}"))
+        specs.append(
+            (
+                kind,
+                JobSpec(
+                    model="tiny",
+                    dataset="data.jsonl",
+                    reward_functions=("format",),
+                    gpus=kind.gpus,
+                    max_retries=kind.max_retries,
+                    priority=kind.priority or rng.choice((0, 0, 1, 2)),
+                    name=f"{kind.name}-{i}",
+                    extra_args=args,
+                ),
+            )
+        )
+    return specs
+
+
+def daemons(url: str, nats_url: str, log_dir: Path, env: dict[str, str]) -> dict[str, Daemon]:
+    """The five daemons, with the short intervals a test can afford."""
+    conn = ["--database-url", url, "--nats-url", nats_url]
+    py = [sys.executable, "-m"]
+    requeue = [
+        *py,
+        "scheduler.requeue",
+        *conn,
+        "--interval",
+        "0.5",
+        "--node-lost-timeout",
+        "3",
+        "--pending-timeout",
+        "10",
+        "--republish-after",
+        "20",
+        "--retry-base-delay",
+        "0.3",
+        "--retry-max-delay",
+        "2",
+        "--kill-grace",
+        "2",
+    ]
+    dispatcher = [*py, "scheduler.dispatcher", *conn, "--lease", "10", "--launch-timeout", "8"]
+    return {
+        "poller": Daemon(
+            "poller",
+            [*py, "scheduler.gpu_poller", *conn, "--interval", "0.5", "--unreachable-after", "2"],
+            log_dir,
+            env,
+        ),
+        "dispatcher-1": Daemon("dispatcher-1", dispatcher, log_dir, env),
+        "dispatcher-2": Daemon("dispatcher-2", dispatcher, log_dir, env),
+        "requeue-1": Daemon("requeue-1", requeue, log_dir, env),
+        "requeue-2": Daemon("requeue-2", requeue, log_dir, env),
+    }
+
+
+async def submit_all(
+    db: Database,
+    nats_url: str,
+    specs: list[tuple[Kind, JobSpec]],
+    env: dict[str, str],
+    kind_of: dict[int, Kind],
+) -> None:
+    """Submit the jobs three ways: the real CLI (3 jobs), straight into the database with
+    no publish at all (every 12th), and the rest as `rlfleet job submit` does it (insert,
+    publish with the job's Nats-Msg-Id, mark published) over one shared connection. A
+    publish that fails (NATS is restarted meanwhile) leaves the job unannounced, as the
+    CLI does; the requeue manager must announce it."""
+    cli_idx = {7, 77, 177}
+    nc = await nats_client.connect(nats_url, max_reconnect_attempts=-1, reconnect_time_wait=0.5)
+    js = nc.jetstream()
+
+    async def one(i: int, kind: Kind, spec: JobSpec) -> None:
+        if i in cli_idx:
+            kind_of[await _submit_with_cli(spec, env)] = kind
+            return
+        async with db.transaction() as session:
+            job = await insert_job(session, spec, actor="chaos")
+            job_id, attempt = job.id, job.attempt
+        kind_of[job_id] = kind
+        if i % 12 == 5 or not nc.is_connected:
+            return
+        try:
+            await bus.publish_job(js, job_id, dedupe_id=bus.msg_id(job_id, attempt))
+        except Exception:  # noqa: BLE001 - as the CLI: queued but not announced
+            return
+        async with db.transaction() as session:
+            await mark_published(session, job_id)
+
+    # The long jobs first, so they start at once; then several submitters at a time, as
+    # users would, with the (slow to start) CLI ones alongside.
+    try:
+        for i, (kind, spec) in enumerate(specs[:6]):
+            await one(i, kind, spec)
+        queue = list(enumerate(specs))[6:]
+
+        async def submitter() -> None:
+            while queue:
+                i, (kind, spec) = queue.pop(0)
+                await one(i, kind, spec)
+
+        await asyncio.gather(*(submitter() for _ in range(6)))
+    finally:
+        await nc.close()
+
+
+async def _submit_with_cli(spec: JobSpec, env: dict[str, str]) -> int:
+    argv = [sys.executable, "-m", "scheduler.cli", "job", "submit", "--model", spec.model]
+    argv += ["--dataset", spec.dataset, "--reward-function", spec.reward_functions[0]]
+    argv += ["--gpus", str(spec.gpus), "--max-retries", str(spec.max_retries)]
+    argv += ["--priority", str(spec.priority), "--name", spec.name or "", "--", *spec.extra_args]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await proc.communicate()
+    # With NATS down the CLI still stores the job, prints its id and says so (exit 1).
+    assert proc.returncode == 0 or "is queued but not announced" in err.decode(), err.decode()
+    return int(out.decode().strip())
+
+
+async def vms_running(db: Database, kind_of: dict[int, Kind], name: str) -> list[int]:
+    """Ids of VMs where a job of kind `name` runs now."""
+    async with db.transaction() as session:
+        rows = (
+            await session.execute(select(Job.id, Job.vm_id).where(Job.status == "running"))
+        ).all()
+    return sorted({vm for job_id, vm in rows if kind_of[job_id].name == name and vm})
+
+
+def settled(job: Job) -> bool:
+    """A job in a state no daemon will move it out of."""
+    if job.status in ("completed", "cancelled"):
+        return True
+    return job.status == "failed" and (job.status_reason or "").startswith(GIVE_UP_PREFIX)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_chaos(
+    sim_fleet: FleetFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given 200 jobs, when everything that can fail fails while they run, then every
+    job ends as its script implies, none is lost, no GPU is double-booked and no job
+    ever runs twice."""
+    rng = random.Random(20261121)
+    records = tmp_path / "records"
+    records.mkdir()
+    # The SSH test VMs run in this process and pass its environment to what they start.
+    monkeypatch.setenv("RLFLEET_FAKE_RECORD", str(records))
+    pg = EmbeddedPostgres(tmp_path / "pg", durable=False)
+    await asyncio.to_thread(pg.start)
+    nats = EmbeddedNats(tmp_path / "nats")
+    nats.start()
+    url = pg.url()
+    await asyncio.to_thread(upgrade, url)
+    db = Database(url)
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "RLFLEET_DATABASE_URL": url,
+        "RLFLEET_NATS_URL": nats.url,
+    }
+    env.pop("RLFLEET_FAKE_RECORD", None)
+    fleet = await sim_fleet(N_VMS, gpus_per_vm=GPUS_PER_VM)
+    await fleet.register(db, entrypoint=str(FAKE_TRAIN), python=write_fake_python(tmp_path))
+    vm_names = {vm.name for vm in fleet}
+    sampler = LiveSampler(frozenset(vm_names), str(records))
+    sampler.start()
+    procs = daemons(url, nats.url, tmp_path, env)
+    for daemon in procs.values():
+        daemon.start()
+    started = time.monotonic()
+    chaos_log: list[str] = []
+
+    def note(what: str) -> None:
+        chaos_log.append(f"t={time.monotonic() - started:5.1f}s {what}")
+
+    try:
+        kind_of: dict[int, Kind] = {}
+        specs = job_specs(tmp_path / "outputs", rng)
+        submitting = asyncio.create_task(submit_all(db, nats.url, specs, env, kind_of))
+
+        # --- the chaos, while jobs are submitted and run ---------------------------------
+        # Crash two VMs that run long jobs, so the crashes surely hit running work.
+        hosting: list[int] = []
+        for _ in range(300):
+            hosting = await vms_running(db, kind_of, "long")
+            if len(hosting) >= 2:
+                break
+            await asyncio.sleep(0.2)
+        assert len(hosting) >= 2, "the long jobs never ran on two VMs"
+        procs["dispatcher-1"].kill9()
+        note("dispatcher-1 killed with SIGKILL")
+        names = {vm_id: name for name, vm_id in (await _vm_ids(db)).items()}
+        gone, back = fleet.by_name(names[hosting[0]]), fleet.by_name(names[hosting[1]])
+        await gone.stop(kill_processes=True)
+        await back.stop(kill_processes=True)
+        note(f"VMs {gone.name} (for good) and {back.name} (for a while) crashed")
+
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(nats.stop)
+        note("nats-server stopped")
+        await asyncio.sleep(1.5)
+        await asyncio.to_thread(nats.start)
+        note("nats-server started again")
+
+        await submitting
+        note(f"submitted {len(kind_of)} jobs")
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(pg.stop)
+        note("Postgres stopped")
+        await asyncio.sleep(1.5)
+        await asyncio.to_thread(pg.start)
+        note("Postgres started again")
+
+        some = rng.sample(sorted(kind_of), 10)
+        nc = await nats_client.connect(nats.url)
+        for job_id in some:
+            for _ in range(3):
+                await nc.publish(bus.SUBJECT_NEW, str(job_id).encode())
+        await nc.flush()
+        await nc.close()
+        note(f"published {len(some)} job ids three times each")
+
+        procs["dispatcher-1"].start()
+        note("dispatcher-1 started again")
+        # The VM comes back once its jobs were moved off it as lost.
+        for _ in range(300):
+            if await _node_lost_on(db, back.name):
+                break
+            await asyncio.sleep(0.2)
+        await back.start()
+        note(f"VM {back.name} is back")
+
+        # --- wait for the dust to settle -------------------------------------------------
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            async with db.transaction() as session:
+                jobs = list((await session.execute(select(Job))).scalars())
+            done = sum(settled(j) for j in jobs)
+            if done == N_JOBS or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1.0)
+        note(f"{done}/{N_JOBS} jobs settled")
+        # Leftovers on the VM that came back are killed by the requeue manager.
+        for _ in range(100):
+            if not await _open_leftovers(db, gone.name):
+                break
+            await asyncio.sleep(0.2)
+    finally:
+        # Stopped from threads: the SSH test VMs live on this event loop, and a stopping
+        # dispatcher may still be finishing a launch on one of them.
+        codes = await asyncio.gather(*(asyncio.to_thread(d.stop) for d in procs.values()))
+        exits = dict(zip(procs, codes, strict=True))
+        sampler.stop()
+
+    async with db.transaction() as session:
+        jobs = list((await session.execute(select(Job))).scalars())
+        lost_nodes = dict(
+            (
+                await session.execute(
+                    select(JobEvent.job_id, func.count())
+                    .where(JobEvent.to_status == "failed", JobEvent.reason.like("node_lost%"))
+                    .group_by(JobEvent.job_id)
+                )
+            ).all()
+        )
+    leftovers = await _open_leftovers(db, gone.name)
+    await db.dispose()
+    nats.stop()
+    pg.stop()
+
+    runs = runs_from(read_records(records), sampler)
+    booked = double_booked(runs) + sampler.double_booked_instants
+    twice = duplicate_runs(runs) + sampler.duplicate_instants
+    wrong = [_unexpected(j, kind_of[j.id]) for j in jobs]
+    wrong = [w for w in wrong if w]
+    over_limit = [
+        f"job {j.id}: {j.retry_count}/{j.max_retries} retries, {lost_nodes.get(j.id, 0)} lost nodes"
+        for j in jobs
+        if j.retry_count > j.max_retries
+        or lost_nodes.get(j.id, 0) > DEFAULT_POLICY.node_lost_limit + 1
+    ]
+    statuses = Counter(j.status for j in jobs)
+    completed = statuses["completed"]
+    failed_ok = sum(1 for j in jobs if j.status == "failed" and not _unexpected(j, kind_of[j.id]))
+    lost = sum(1 for j in jobs if not settled(j))
+    print()
+    print("\n".join(chaos_log))
+    print(f"jobs moved off a lost node: {len(lost_nodes)}; runs recorded: {len(runs)}")
+    print(
+        f"chaos: jobs={len(jobs)} completed={completed} failed_as_expected={failed_ok} "
+        f"lost={lost} double_booked={len(booked)} duplicate_runs={len(twice)}"
+    )
+    context = "\n".join(
+        [*chaos_log, *(f"--- {d.name} (exit {exits[d.name]}):\n{d.tail()}" for d in procs.values())]
+    )
+    assert len(jobs) == N_JOBS
+    assert lost == 0, f"{lost} jobs never settled: {dict(statuses)}\n{context}"
+    assert not wrong, "\n".join(wrong[:20]) + "\n" + context
+    assert not over_limit, over_limit
+    assert not booked, booked[:10]
+    assert not twice, twice[:10]
+    assert lost_nodes, "no job was moved off a crashed VM: the chaos missed its target"
+    # Every leftover on a VM that answers was killed (and its GPUs given back).
+    assert not leftovers, leftovers
+    assert sampler.scans > 100
+    for name in ("poller", "dispatcher-2", "requeue-1", "requeue-2"):
+        assert procs[name].starts == 1 and exits[name] == 0, f"{name} died\n{context}"
+
+
+def _unexpected(job: Job, kind: Kind) -> str | None:
+    """Why the job's end does not match its script; None when it does."""
+    where = f"job {job.id} ({kind.name})"
+    if job.status != kind.ends:
+        return f"{where}: {job.status} ({job.status_reason}), expected {kind.ends}"
+    if kind.name == "oom_once" and job.retry_count < 1:
+        return f"{where}: completed without the OOM retry"
+    if kind.ends == "failed":
+        if job.failure_reason != kind.failure and kind.failure == "config_error":
+            return f"{where}: failed with {job.failure_reason}, expected {kind.failure}"
+        if kind.name == "always_exit_1" and job.retry_count != job.max_retries:
+            return f"{where}: gave up after {job.retry_count}/{job.max_retries} retries"
+        if not (job.status_reason or "").startswith(GIVE_UP_PREFIX):
+            return f"{where}: failed without saying it gave up ({job.status_reason})"
+    return None
+
+
+async def _node_lost_on(db: Database, vm_name: str) -> bool:
+    """Whether some job was failed as node_lost on the VM."""
+    async with db.transaction() as session:
+        found = await session.scalar(
+            select(func.count())
+            .select_from(JobEvent)
+            .where(
+                JobEvent.reason.like(f"node_lost: VM {vm_name} %"),
+                JobEvent.to_status == "failed",
+            )
+        )
+    return bool(found)
+
+
+async def _open_leftovers(db: Database, lost_for_good: str) -> list[tuple[int, int, str]]:
+    """(job, attempt, VM) of leftovers not yet killed on VMs that answer again."""
+    async with db.transaction() as session:
+        rows = await session.execute(
+            select(StaleProcess.job_id, StaleProcess.attempt, VM.name)
+            .join(VM, VM.id == StaleProcess.vm_id)
+            .where(StaleProcess.killed_at.is_(None), VM.name != lost_for_good)
+        )
+        return [(j, a, n) for j, a, n in rows]
+
+
+async def _vm_ids(db: Database) -> dict[str, int]:
+    async with db.transaction() as session:
+        return {name: vm_id for name, vm_id in (await session.execute(select(VM.name, VM.id)))}
