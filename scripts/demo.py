@@ -132,6 +132,10 @@ def stop_up(up: subprocess.Popen[bytes], state_dir: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the exit code (0 when the job completed)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -139,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, help="Where to keep everything (default .demo/<time>)")
     parser.add_argument("--timeout", type=float, default=1200, help="Give up after this long")
     args = parser.parse_args(argv)
+    # Ctrl-C and SIGTERM both end in the `finally` that stops everything (a shell may
+    # have started us with SIGINT ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
 
     base = (args.dir or REPO / ".demo" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     state_dir, home, model_dir, up_log = (
@@ -221,9 +229,39 @@ def main(argv: list[str] | None = None) -> int:
             say(f"cancelling job {job_id}")
             with contextlib.suppress(Exception):
                 rlfleet(cli_env, "job", "cancel", str(job_id), check=False)
+            # The VM is this machine: make sure no training process outlives the demo.
+            kill_job_processes(home, job_id)
         say("stopping rlfleet up")
         stop_up(up, state_dir)
         say(f"done; everything stopped (logs: {up_log})")
+
+
+def kill_job_processes(home: Path, job_id: int, grace_s: float = 10.0) -> None:
+    """TERM, then KILL, the process group of every attempt of the job on the local VM."""
+    groups = []
+    for pid_file in (home / ".rlfleet" / "jobs" / str(job_id)).glob("*/pid"):
+        with contextlib.suppress(OSError, ValueError):
+            groups.append(int(pid_file.read_text().strip()))
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = []
+        for pgid in groups:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, sig)
+                alive.append(pgid)
+        if not alive:
+            return
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_group_alive(g) for g in alive):
+            time.sleep(0.2)
+        groups = [g for g in alive if _group_alive(g)]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def attempt_dir(home: Path, job: dict[str, Any]) -> Path:
