@@ -32,7 +32,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from scheduler import bus, metrics
 from scheduler.claims import DEFAULT_LEASE_S, Claim, NoClaim, claim_gpus, release_in_session
-from scheduler.daemon import sd_notify, serve, watchdog_interval
+from scheduler.daemon import serve
 from scheduler.db import Database
 from scheduler.jobs import transition
 from scheduler.logging import configure, get_logger
@@ -136,17 +136,12 @@ class GlobalJobDispatcher:
         sub = await self._subscribe(stop)
         if sub is None:
             return
-        sd_notify("READY=1")
+        # systemd's READY=1 and watchdog pings come from `serve`, driven by `ready`.
         if ready is not None:
             ready.set()
         log.info("dispatcher_ready", actor=self.actor, max_in_flight=self.max_in_flight)
-        watchdog = watchdog_interval()
-        last_ping = time.monotonic()
         backoff = 0.5
         while not stop.is_set():
-            if watchdog and time.monotonic() - last_ping >= watchdog:
-                sd_notify("WATCHDOG=1")
-                last_ping = time.monotonic()
             room = self.max_in_flight - len(self._tasks)
             if room <= 0:
                 await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)

@@ -4,12 +4,29 @@ from __future__ import annotations
 
 import click
 
-from scheduler.cli._common import CliContext, echo_json, echo_table, fmt_time, json_option, pass_cli
+from scheduler.cli._common import (
+    CliContext,
+    echo_json,
+    echo_table,
+    fmt_time,
+    json_option,
+    pass_cli,
+    warn,
+)
+from scheduler.control import (
+    DEFAULT_GRACE_S,
+    JobPlace,
+    cancel_job,
+    read_progress,
+    retry_job,
+    stream_log,
+)
 from scheduler.db import Database
 from scheduler.errors import ServiceUnavailable
 from scheduler.jobs import JobSpec, get_job, job_to_dict, list_jobs
 from scheduler.states import JobStatus
 from scheduler.submit import submit_job
+from scheduler.transport import VMTarget, make_transport
 
 
 @click.group("job")
@@ -124,22 +141,45 @@ def list_(ctx: CliContext, status: str | None, limit: int, as_json: bool) -> Non
 
 @group.command("show")
 @click.argument("job_id", type=int)
+@click.option("--no-progress", is_flag=True, help="Do not ask the VM for the training progress.")
 @json_option
 @pass_cli
-def show(ctx: CliContext, job_id: int, as_json: bool) -> None:
-    """Show a job: where it runs, why it is in its state, and its event history."""
+def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None:
+    """Show a job: where it runs, why it is in its state, its training progress (read from
+    the VM, a few seconds at most) and its event history."""
 
     async def go(db: Database) -> dict[str, object]:
         async with db.transaction() as session:
-            return job_to_dict(await get_job(session, job_id, with_events=True), events=True)
+            job = await get_job(session, job_id, with_events=True)
+            data = job_to_dict(job, events=True)
+            place = JobPlace(
+                job.id,
+                job.status,
+                job.attempt,
+                VMTarget.from_vm(job.vm) if job.vm is not None else None,
+                job.gpu_indices,
+            )
+        data["progress"], data["progress_error"] = None, None
+        if not no_progress and place.attempt > 0 and place.target is not None:
+            transport = make_transport()
+            try:
+                data["progress"], data["progress_error"] = await read_progress(transport, place)
+            finally:
+                await transport.close()
+        return data
 
     job = ctx.run(go)
     if as_json:
         echo_json(job)
         return
     for key, value in job.items():
-        if key != "events":
+        if key not in ("events", "progress", "progress_error"):
             click.echo(f"{key + ':':18}{'-' if value in (None, []) else value}")
+    progress = job["progress"]
+    if isinstance(progress, dict):
+        click.echo(f"{'progress:':18}{_progress_line(progress)}")
+    elif job["progress_error"] and job["progress_error"] != "not started":
+        click.echo(f"{'progress:':18}unavailable ({job['progress_error']})")
     click.echo("\nevents:")
     echo_table(
         ["AT", "FROM", "TO", "ATTEMPT", "ACTOR", "REASON"],
@@ -148,3 +188,87 @@ def show(ctx: CliContext, job_id: int, as_json: bool) -> None:
             for e in job["events"]  # type: ignore[attr-defined]
         ],
     )
+
+
+def _progress_line(progress: dict[str, object]) -> str:
+    """`step 40/500 (8%), reward 0.61, loss 0.02, eta 13m` from progress.json."""
+    parts = []
+    step, total = progress.get("step"), progress.get("max_steps")
+    if isinstance(step, int) and isinstance(total, int) and total > 0:
+        parts.append(f"step {step}/{total} ({100 * step // total}%)")
+    for key in ("reward", "loss"):
+        value = progress.get(key)
+        if isinstance(value, int | float):
+            parts.append(f"{key} {value:.4g}")
+    eta = progress.get("eta_s")
+    if isinstance(eta, int | float):
+        parts.append(f"eta {int(eta) // 60}m{int(eta) % 60:02d}s")
+    if progress.get("status"):
+        parts.append(str(progress["status"]))
+    return ", ".join(parts) or "-"
+
+
+@group.command("cancel")
+@click.argument("job_id", type=int)
+@click.option(
+    "--grace",
+    default=DEFAULT_GRACE_S,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds between TERM and KILL for a running job.",
+)
+@pass_cli
+def cancel(ctx: CliContext, job_id: int, grace: float) -> None:
+    """Cancel a job; a running one is killed on its VM (TERM, then KILL) and its GPUs freed."""
+
+    async def go(db: Database) -> object:
+        transport = make_transport()
+        try:
+            return await cancel_job(db, transport, job_id, grace_s=grace)
+        finally:
+            await transport.close()
+
+    result = ctx.run(go)
+    kill = getattr(result, "kill", None)
+    if kill and kill.startswith("unreachable"):
+        click.echo(f"job {job_id} cancelled")
+        warn(f"could not kill it on its VM ({kill}); it will be killed when the VM answers")
+    elif kill:
+        click.echo(f"job {job_id} cancelled (process {kill})")
+    else:
+        click.echo(f"job {job_id} cancelled")
+
+
+@group.command("retry")
+@click.argument("job_id", type=int)
+@pass_cli
+def retry(ctx: CliContext, job_id: int) -> None:
+    """Queue a failed job again now (a manual retry)."""
+    published = ctx.run(lambda db: retry_job(db, ctx.settings, job_id))
+    click.echo(f"job {job_id} queued")
+    if not published:
+        raise ServiceUnavailable(
+            f"job {job_id} is queued but not announced (NATS unreachable); "
+            "the requeue manager will publish it"
+        )
+
+
+@group.command("logs")
+@click.argument("job_id", type=int)
+@click.option("--follow", "-f", is_flag=True, help="Keep printing until the job ends.")
+@click.option("--attempt", type=int, help="Which attempt's log (default: the latest).")
+@pass_cli
+def logs(ctx: CliContext, job_id: int, follow: bool, attempt: int | None) -> None:
+    """Print a job's train.log from its VM (every attempt's log is kept)."""
+
+    def write(text: str) -> None:
+        click.echo(text, nl=False)
+
+    async def go(db: Database) -> None:
+        transport = make_transport()
+        try:
+            await stream_log(db, transport, job_id, write, attempt=attempt, follow=follow)
+        finally:
+            await transport.close()
+
+    ctx.run(go)

@@ -52,6 +52,7 @@ def record(event: str, **fields: object) -> None:
         "job_id": os.environ.get("RLFLEET_JOB_ID"),
         "attempt": os.environ.get("RLFLEET_ATTEMPT"),
         "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "num_processes": os.environ.get("RLFLEET_FAKE_NUM_PROCESSES"),
         "pid": os.getpid(),
         "t": time.time(),
         **fields,

@@ -15,7 +15,7 @@ from typing import Any
 
 import nats as nats_client
 from nats.aio.client import Client as NATS
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
 from scheduler import bus
 from scheduler.claims import release_in_session
@@ -129,7 +129,11 @@ async def running_dispatcher(
     nc = await nats_client.connect(nats_url)
     own = transport is None
     transport = transport or make_transport()
-    dispatcher = GlobalJobDispatcher(db, nc.jetstream(), transport, fetch_timeout_s=0.2, **options)
+    # A database handle of its own, as a dispatcher process would have.
+    own_db = Database(db.url, pool_size=10)
+    dispatcher = GlobalJobDispatcher(
+        own_db, nc.jetstream(), transport, fetch_timeout_s=0.2, **options
+    )
     stop, ready = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(dispatcher.run(stop, ready))
     await asyncio.wait_for(ready.wait(), 10)
@@ -139,6 +143,7 @@ async def running_dispatcher(
         stop.set()
         await asyncio.wait_for(task, 30)
         await nc.close()
+        await own_db.dispose()
         if own:
             await transport.close()
 
@@ -174,10 +179,8 @@ async def complete_finished(
                 values={"exit_code": code},
             ):
                 await release_in_session(session, job_id)
-        if finished or requeue is not None:
-            pending = (
-                await session.execute(select(Job.id).where(Job.status == "pending"))
-            ).scalars()
+        if finished and requeue is not None:
+            pending = await _pending_that_fit(session)
             for job_id in pending:
                 if await transition(
                     session,
@@ -191,6 +194,36 @@ async def complete_finished(
     if requeued and requeue is not None:
         await requeue(requeued)
     return len(finished)
+
+
+async def _pending_that_fit(session: Any) -> list[int]:
+    """Pending jobs that the free GPUs could take now, packed greedily by best fit, so a
+    freed GPU wakes one job rather than every waiting job."""
+    free = dict(
+        (
+            await session.execute(
+                select(GPU.vm_id, func.count())
+                .join(VM, VM.id == GPU.vm_id)
+                .where(VM.status == "healthy", GPU.job_id.is_(None))
+                .group_by(GPU.vm_id)
+            )
+        ).all()
+    )
+    rows = (
+        await session.execute(
+            select(Job.id, Job.gpus_requested)
+            .where(Job.status == "pending")
+            .order_by(Job.priority.desc(), Job.id)
+        )
+    ).all()
+    wake = []
+    for job_id, need in rows:
+        fits = [vm for vm, n in free.items() if n >= need]
+        if fits:
+            vm = min(fits, key=lambda v: free[v])
+            free[vm] -= need
+            wake.append(job_id)
+    return wake
 
 
 def read_records(folder: Path) -> list[dict[str, Any]]:

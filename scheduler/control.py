@@ -1,0 +1,266 @@
+"""What a user does to one job after submitting it: cancel, retry, read its log and progress.
+
+Each operation follows load (short transaction) → SSH (no transaction) → apply (short
+guarded transaction), like the daemons. The CLI is a thin layer over these functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.dialects.postgresql import insert
+
+from scheduler import bus
+from scheduler.claims import release_in_session
+from scheduler.db import Database
+from scheduler.errors import BadInput, ServiceUnavailable
+from scheduler.jobs import get_job, mark_published, transition
+from scheduler.logging import get_logger
+from scheduler.models import StaleProcess
+from scheduler.remote import NO_FILE_EXIT, kill_script, parse_kill, read_file_script
+from scheduler.settings import Settings
+from scheduler.states import FINAL_STATES, LIVE_STATES, JobStatus
+from scheduler.transport import Transport, TransportError, VMTarget
+
+log = get_logger("control")
+
+DEFAULT_GRACE_S = 10.0
+PROGRESS_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class JobPlace:
+    """Where a job's current attempt is (or was): read in a short transaction."""
+
+    job_id: int
+    status: str
+    attempt: int
+    target: VMTarget | None
+    gpu_indices: list[int] | None
+
+
+async def load_place(db: Database, job_id: int) -> JobPlace:
+    """The job's state and VM, detached from the session (`NotFound` if no such job)."""
+    async with db.transaction() as session:
+        job = await get_job(session, job_id)
+        target = VMTarget.from_vm(job.vm) if job.vm is not None else None
+        return JobPlace(job.id, job.status, job.attempt, target, job.gpu_indices)
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    """What `cancel_job` did: the state left, and what the kill on the VM said."""
+
+    job_id: int
+    previous: str
+    kill: str | None = None
+    """`terminated`, `killed`, `gone`, `nopid`, `unreachable: …`, or None (nothing ran)."""
+
+
+async def cancel_job(
+    db: Database,
+    transport: Transport,
+    job_id: int,
+    *,
+    actor: str = "cli",
+    grace_s: float = DEFAULT_GRACE_S,
+) -> CancelResult:
+    """Cancel any job that is not final; a live one has its process group killed on its VM
+    (TERM, then KILL after `grace_s`) before its GPUs are freed. `BadInput` if final."""
+    for _ in range(5):
+        place = await load_place(db, job_id)
+        status = JobStatus(place.status)
+        if status in FINAL_STATES:
+            raise BadInput(f"job {job_id} is already {status}; there is nothing to cancel")
+        async with db.transaction() as session:
+            moved = await transition(
+                session,
+                job_id,
+                expected=status,
+                to=JobStatus.CANCELLED,
+                reason="cancelled by the user",
+                actor=actor,
+                values={"status_reason": "cancelled by the user", "lease_expires_at": None},
+            )
+            if moved and status not in LIVE_STATES:
+                await release_in_session(session, job_id)  # a failed job holds none; be sure
+        if not moved:
+            continue  # it moved under us: look again
+        if status not in LIVE_STATES or place.target is None:
+            log.info("job_cancelled", job_id=job_id, previous=status.value)
+            return CancelResult(job_id, status.value)
+        kill = await _kill(transport, place, grace_s)
+        async with db.transaction() as session:
+            await release_in_session(session, job_id)
+            if kill not in ("terminated", "killed", "gone") or status == JobStatus.STARTING:
+                # The process may still hold the GPUs (VM unreachable), or a launch in
+                # flight may start it yet: keep them blocked until it is known dead.
+                await session.execute(
+                    insert(StaleProcess)
+                    .values(
+                        vm_id=place.target.id,
+                        job_id=job_id,
+                        attempt=place.attempt,
+                        gpu_indices=place.gpu_indices,
+                        reason="cancelled",
+                    )
+                    .on_conflict_do_nothing()
+                )
+        log.info(
+            "job_cancelled",
+            job_id=job_id,
+            vm=place.target.name,
+            attempt=place.attempt,
+            previous=status.value,
+            kill=kill,
+        )
+        return CancelResult(job_id, status.value, kill)
+    raise ServiceUnavailable(f"job {job_id} kept changing state; try again")
+
+
+async def _kill(transport: Transport, place: JobPlace, grace_s: float) -> str:
+    assert place.target is not None
+    try:
+        result = await transport.run(
+            place.target,
+            kill_script(place.job_id, place.attempt, grace_s),
+            timeout=grace_s + 15,
+        )
+    except TransportError as exc:
+        return f"unreachable: {exc}"
+    return parse_kill(result.stdout) or f"kill script exited {result.exit_status}"
+
+
+async def retry_job(db: Database, settings: Settings, job_id: int, *, actor: str = "cli") -> bool:
+    """Move a `failed` job back to `queued` and publish it; `BadInput` for any other state.
+
+    Returns whether the publish reached NATS (if not, the requeue manager publishes it).
+    """
+    place = await load_place(db, job_id)
+    if place.status != JobStatus.FAILED:
+        raise BadInput(f"job {job_id} is {place.status}; only a failed job can be retried")
+    async with db.transaction() as session:
+        moved = await transition(
+            session,
+            job_id,
+            expected=JobStatus.FAILED,
+            to=JobStatus.QUEUED,
+            reason="retried by the user",
+            actor=actor,
+            values={"status_reason": None, "next_attempt_at": None, "published_at": None},
+        )
+    if not moved:
+        raise BadInput(f"job {job_id} is no longer failed; nothing was changed")
+    try:
+        nc = await bus.connect(settings, name="rlfleet-cli")
+    except Exception as exc:  # noqa: BLE001 - any connect failure means "not published"
+        log.warning("retry_not_published", job_id=job_id, error=str(exc))
+        return False
+    try:
+        js = nc.jetstream()
+        await bus.ensure_stream(js)
+        await bus.publish_job(js, job_id)
+    except Exception as exc:  # noqa: BLE001
+        log.warning("retry_not_published", job_id=job_id, error=str(exc))
+        return False
+    finally:
+        await nc.close()
+    async with db.transaction() as session:
+        await mark_published(session, job_id)
+    return True
+
+
+def _pick_attempt(place: JobPlace, attempt: int | None) -> int:
+    if place.attempt == 0:
+        raise BadInput(f"job {place.job_id} has not started yet ({place.status}): no log")
+    if attempt is None:
+        return place.attempt
+    if not 1 <= attempt <= place.attempt:
+        raise BadInput(
+            f"job {place.job_id} has attempts 1 to {place.attempt}; there is no attempt {attempt}"
+        )
+    return attempt
+
+
+async def _read(
+    transport: Transport, place: JobPlace, attempt: int, name: str, offset: int, timeout: float
+) -> str | None:
+    """The file from `offset`, or None when it does not exist (yet)."""
+    assert place.target is not None
+    try:
+        result = await transport.run(
+            place.target,
+            read_file_script(place.job_id, attempt, name, offset=offset),
+            timeout=timeout,
+        )
+    except TransportError as exc:
+        raise ServiceUnavailable(f"cannot read {name} of job {place.job_id}: {exc}") from exc
+    if result.exit_status == NO_FILE_EXIT:
+        return None
+    if not result.ok:
+        raise ServiceUnavailable(
+            f"reading {name} of job {place.job_id} failed: {result.stderr.strip()[:200]}"
+        )
+    return result.stdout
+
+
+async def stream_log(
+    db: Database,
+    transport: Transport,
+    job_id: int,
+    write: Callable[[str], Any],
+    *,
+    attempt: int | None = None,
+    follow: bool = False,
+    poll_s: float = 1.0,
+) -> None:
+    """Write the attempt's `train.log` (default: the current attempt) with `write`.
+
+    With `follow`, keep writing what is appended until the job is no longer live, like
+    `tail -f` that knows when to stop.
+    """
+    place = await load_place(db, job_id)
+    wanted = _pick_attempt(place, attempt)
+    if place.target is None:
+        raise BadInput(f"job {job_id} has no VM recorded; no log to read")
+    offset = 0
+    while True:
+        chunk = await _read(transport, place, wanted, "train.log", offset, timeout=30)
+        if chunk:
+            write(chunk)
+            offset += len(chunk.encode())
+        if not follow:
+            return
+        if chunk is None and offset == 0 and place.status not in LIVE_STATES:
+            return
+        now = await load_place(db, job_id)
+        if now.status not in LIVE_STATES or now.attempt != wanted:
+            # One last read: what the process wrote just before it ended.
+            tail = await _read(transport, place, wanted, "train.log", offset, timeout=30)
+            if tail:
+                write(tail)
+            return
+        await asyncio.sleep(poll_s)
+
+
+async def read_progress(
+    transport: Transport, place: JobPlace, *, timeout: float = PROGRESS_TIMEOUT_S
+) -> tuple[dict[str, Any] | None, str | None]:
+    """progress.json of the current attempt, or (None, why not) — never raises."""
+    if place.target is None or place.attempt == 0:
+        return None, "not started"
+    try:
+        text = await _read(transport, place, place.attempt, "progress.json", 0, timeout)
+    except ServiceUnavailable as exc:
+        return None, str(exc)
+    if text is None:
+        return None, "no progress.json yet"
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None, "progress.json is being rewritten"
+    return (data, None) if isinstance(data, dict) else (None, "progress.json is not an object")

@@ -1,0 +1,169 @@
+"""`rlfleet job cancel | retry | logs | show` against a running job on the test fleet:
+the real CLI as a subprocess, real Postgres, NATS and SSH."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import nats as nats_client
+from sqlalchemy import func, select
+
+from scheduler.claims import release_in_session
+from scheduler.db import Database
+from scheduler.embedded import EmbeddedNats
+from scheduler.jobs import transition
+from scheduler.models import GPU
+from scheduler.remote import job_dir
+from scheduler.states import JobStatus
+from tests.fleet import SimFleet
+from tests.workloads.support import (
+    FAKE_TRAIN,
+    job_row,
+    mark_polled,
+    new_job,
+    publish,
+    running_dispatcher,
+    wait_file,
+    wait_status,
+)
+
+RLFLEET = str(Path(sys.executable).parent / "rlfleet")
+
+
+async def rlfleet(db: Database, nats: EmbeddedNats, *args: str) -> tuple[int, str, str]:
+    """Run the real CLI; the event loop keeps serving the simulated VMs meanwhile."""
+    env = dict(os.environ, RLFLEET_DATABASE_URL=db.url, RLFLEET_NATS_URL=nats.url)
+    proc = await asyncio.create_subprocess_exec(
+        RLFLEET,
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def started_fleet(
+    sim_fleet: Callable[..., Awaitable[SimFleet]], db: Database, gpus: int = 2
+) -> SimFleet:
+    """One registered, polled VM."""
+    fleet = await sim_fleet(1, gpus_per_vm=gpus)
+    ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN))
+    await mark_polled(db, {vm_id: gpus for vm_id in ids.values()})
+    return fleet
+
+
+async def test_cancel_kills_a_running_job_and_frees_its_gpus(
+    sim_fleet: Callable[..., Awaitable[SimFleet]], db: Database, nats: EmbeddedNats
+) -> None:
+    """Given a running job, `job cancel` kills its process group on the VM, frees its GPUs
+    and makes it cancelled; cancelling it again is exit 2 with one line."""
+    fleet = await started_fleet(sim_fleet, db)
+    job_id = await new_job(db, 2, ("--fake_seconds", "60"))
+    async with running_dispatcher(db, nats.url):
+        nc = await nats_client.connect(nats.url)
+        await publish(nc, job_id)
+        await nc.close()
+        job = await wait_status(db, job_id, "running")
+    assert job.remote_pid in fleet[0].processes()
+
+    code, out, err = await rlfleet(db, nats, "job", "cancel", str(job_id), "--grace", "3")
+    assert (code, out.strip()) == (0, f"job {job_id} cancelled (process terminated)"), err
+    job = await job_row(db, job_id)
+    assert job.status == "cancelled" and job.finished_at is not None
+    assert job.remote_pid not in fleet[0].processes()
+    d = fleet[0].home / job_dir(job_id, 1)
+    assert (await wait_file(d / "exit_code")).strip() == "143"
+    async with db.transaction() as session:
+        assert await session.scalar(select(func.count()).where(GPU.job_id.is_not(None))) == 0
+
+    code, out, err = await rlfleet(db, nats, "job", "cancel", str(job_id))
+    assert code == 2 and err.strip().splitlines() == [
+        f"Error: job {job_id} is already cancelled; there is nothing to cancel"
+    ]
+
+
+async def test_cancel_a_queued_job_and_an_unknown_one(db: Database, nats: EmbeddedNats) -> None:
+    """A queued job is cancelled without any VM; an unknown id is exit 2."""
+    job_id = await new_job(db)
+    code, out, _ = await rlfleet(db, nats, "job", "cancel", str(job_id))
+    assert (code, out.strip()) == (0, f"job {job_id} cancelled")
+    assert (await job_row(db, job_id)).status == "cancelled"
+    code, _, err = await rlfleet(db, nats, "job", "cancel", "424242")
+    assert code == 2 and err.strip() == "Error: no job with id 424242"
+
+
+async def test_retry_logs_of_every_attempt_and_show(
+    sim_fleet: Callable[..., Awaitable[SimFleet]], db: Database, nats: EmbeddedNats
+) -> None:
+    """Given a job whose first attempt fails (a CUDA OOM), `job retry` queues and publishes
+    it, the second attempt runs with --resume auto, `job logs` prints each attempt's log,
+    `--follow` ends when the job does, and `job show` reports progress from the VM."""
+    fleet = await started_fleet(sim_fleet, db, gpus=1)
+    job_id = await new_job(db, 1, ("--fake_oom_once", "--fake_seconds", "1.5"))
+    async with running_dispatcher(db, nats.url):
+        nc = await nats_client.connect(nats.url)
+        await publish(nc, job_id)
+        await wait_status(db, job_id, "running")
+        d1 = fleet[0].home / job_dir(job_id, 1)
+        assert (await wait_file(d1 / "exit_code")).strip() == "75"
+        # The poller's part, done by hand: the attempt failed and its GPUs are free.
+        async with db.transaction() as session:
+            assert await transition(
+                session,
+                job_id,
+                expected=JobStatus.RUNNING,
+                to=JobStatus.FAILED,
+                reason="exit 75",
+                actor="test",
+                values={"failure_reason": "oom", "exit_code": 75},
+            )
+            await release_in_session(session, job_id)
+
+        code, _, err = await rlfleet(db, nats, "job", "retry", str(job_id))
+        assert code == 0, err
+        job = await wait_status(db, job_id, "running")
+        assert job.attempt == 2
+        follow = asyncio.create_task(rlfleet(db, nats, "job", "logs", str(job_id), "--follow"))
+        d2 = fleet[0].home / job_dir(job_id, 2)
+        await wait_file(d2 / "progress.json")
+        code, shown, err = await rlfleet(db, nats, "job", "show", str(job_id))
+        assert code == 0, err
+        assert "progress:" in shown and "/5 (" in shown
+        await wait_file(d2 / "exit_code")
+        async with db.transaction() as session:
+            await transition(
+                session,
+                job_id,
+                expected=JobStatus.RUNNING,
+                to=JobStatus.COMPLETED,
+                reason="exit 0",
+                actor="test",
+            )
+            await release_in_session(session, job_id)
+        code, followed, err = await asyncio.wait_for(follow, 30)
+        await nc.close()
+    assert code == 0, err
+    assert "step 5/5" in followed and "--resume', 'auto'" in followed
+
+    code, first, _ = await rlfleet(db, nats, "job", "logs", str(job_id), "--attempt", "1")
+    assert code == 0 and "CUDA out of memory" in first
+    code, _, err = await rlfleet(db, nats, "job", "retry", str(job_id))
+    assert code == 2 and err.strip() == (
+        f"Error: job {job_id} is completed; only a failed job can be retried"
+    )
+    code, _, err = await rlfleet(db, nats, "job", "logs", str(job_id), "--attempt", "3")
+    assert code == 2 and "there is no attempt 3" in err
+
+    # The VM goes away: show still works and says so in one line.
+    await fleet[0].stop()
+    code, shown, err = await rlfleet(db, nats, "job", "show", str(job_id))
+    assert code == 0, err
+    assert [line for line in shown.splitlines() if line.startswith("progress:")][0].startswith(
+        "progress:         unavailable (cannot read progress.json"
+    )
