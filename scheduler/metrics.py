@@ -184,8 +184,8 @@ async def refresh_gauges(db: Database) -> None:
             (GPU.foreign_busy.is_(True), "foreign"),
             else_="free",
         )
-        gpu_counts = dict(
-            (await session.execute(select(gpu_state, func.count()).group_by(gpu_state))).all()
+        gpu_counts: dict[str, int] = dict(
+            (await session.execute(select(gpu_state, func.count()).group_by(gpu_state))).all()  # type: ignore[arg-type]
         )
     for status in JobStatus:
         JOBS.labels(status=status.value).set(job_counts.get(status.value, 0))

@@ -395,26 +395,19 @@ def _ready_at_once(
 
 
 def daemon_entries() -> dict[str, DaemonMain]:
-    """The in-process entries of the three daemons: `main(settings, stop, ready)`.
-
-    A daemon module offers `run_in_process(settings, stop, ready)`; until it does, its
-    plain runner is adapted here.
-    """
+    """The in-process entries of the three daemons: `main(settings, stop, ready)`."""
     from scheduler import dispatcher, gpu_poller, requeue
 
-    def entry(module: Any, fallback: Callable[[], DaemonMain]) -> DaemonMain:
-        found = getattr(module, "run_in_process", None)
-        return found if found is not None else fallback()
-
+    requeue_entry: DaemonMain | None = getattr(requeue, "run_in_process", None)
+    if requeue_entry is None:
+        # No readiness hook there (yet): its runner retries its own connections.
+        requeue_entry = _ready_at_once(
+            lambda settings, stop: requeue.run_daemon(settings, requeue.RequeueConfig(), stop)
+        )
     return {
         "poller": gpu_poller.run_in_process,
-        "dispatcher": entry(dispatcher, lambda: _ready_at_once(dispatcher.run_dispatcher)),
-        "requeue": entry(
-            requeue,
-            lambda: _ready_at_once(
-                lambda settings, stop: requeue.run_daemon(settings, requeue.RequeueConfig(), stop)
-            ),
-        ),
+        "dispatcher": dispatcher.run_in_process,
+        "requeue": requeue_entry,
     }
 
 
@@ -422,10 +415,12 @@ async def run_daemons(settings: Settings, stop: asyncio.Event, ready: asyncio.Ev
     """Run the three daemons until `stop`; if one crashes, stop the others and re-raise."""
     entries = daemon_entries()
     readies = {name: asyncio.Event() for name in entries}
-    tasks = {
-        name: asyncio.create_task(main(settings, stop, readies[name]), name=f"up:{name}")
+    tasks: dict[str, asyncio.Task[None]] = {
+        name: asyncio.ensure_future(main(settings, stop, readies[name]))
         for name, main in entries.items()
     }
+    for name, task in tasks.items():
+        task.set_name(f"up:{name}")
 
     async def all_ready() -> None:
         await asyncio.gather(*(r.wait() for r in readies.values()))
