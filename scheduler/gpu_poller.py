@@ -3,8 +3,9 @@
 A sweep is load → probe → apply (invariant 4: no transaction is open during SSH):
 1. one short transaction reads every VM, its GPU rows and its live jobs;
 2. every VM runs `nvidia_smi.poll_command` concurrently (the transport bounds how many);
-3. finished jobs are moved (one short transaction each, GPUs freed in it), then one short
-   transaction writes every VM and GPU row with batched statements.
+3. as results come in, in batches (so writing overlaps the probes still out): finished
+   jobs are moved (one short transaction each, GPUs freed in it), then one short
+   transaction writes the batch's VM and GPU rows, one array statement per kind of write.
 
 It never frees or steals a GPU a job holds: only a job's end frees its GPUs, and a GPU is
 offered only when healthy, unallocated and used by no process (`foreign_busy`).
@@ -243,8 +244,10 @@ class GpuPoller:
         *,
         unreachable_after: int = DEFAULT_UNREACHABLE_AFTER,
         command_timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
+        batch_size: int = 250,
     ) -> None:
         self.db = db
+        self.batch_size = batch_size
         self.transport = transport
         self.unreachable_after = max(1, unreachable_after)
         self.command_timeout = command_timeout
@@ -253,14 +256,31 @@ class GpuPoller:
         """Poll every VM once and record what was seen."""
         started = time.monotonic()
         vms = await self._load()
-        outcomes = await asyncio.gather(*(self._probe(vm) for vm in vms))
         stats = SweepStats(vms=len(vms))
-        stats.jobs_finished = await self._finish_jobs(outcomes)
-        await self._apply(outcomes, stats)
+        # Results are written in batches while the other probes are still out, so the
+        # database work overlaps the SSH work instead of following it.
+        batch = max(self.batch_size, 1)
+        pending: list[Outcome] = []
+        writer: asyncio.Task[None] | None = None
+        for probe in asyncio.as_completed([self._probe(vm) for vm in vms]):
+            pending.append(await probe)
+            if len(pending) >= batch and (writer is None or writer.done()):
+                if writer is not None:
+                    await writer  # re-raises a failed write
+                writer = asyncio.create_task(self._record(pending, stats))
+                pending = []
+        if writer is not None:
+            await writer
+        if pending:
+            await self._record(pending, stats)
         stats.seconds = time.monotonic() - started
         metrics.observe_poll_sweep(stats.seconds)
         log.debug("poll_sweep_done", **stats.__dict__)
         return stats
+
+    async def _record(self, outcomes: Sequence[Outcome], stats: SweepStats) -> None:
+        stats.jobs_finished += await self._finish_jobs(outcomes)
+        await self._apply(outcomes, stats)
 
     async def _load(self) -> list[VMState]:
         async with self.db.transaction() as session:
@@ -379,7 +399,7 @@ class GpuPoller:
                 for i, row in vm.gpus.items()
                 if i not in seen and row.values[5]
             ]
-        stats.failed = len(failed)
+        stats.failed += len(failed)
         ids = [o.vm.target.id for o in outcomes]
         async with self.db.transaction() as session:
             if ok:
