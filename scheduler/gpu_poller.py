@@ -312,9 +312,9 @@ class GpuPoller:
                     GPU.foreign_busy,
                 )
             )
-            for row in gpu_rows:
-                if row.vm_id in vms:
-                    vms[row.vm_id].gpus[row.index] = GpuRow(row.index, row.job_id, tuple(row[3:]))
+            for vm_id, index, job_id, *values in gpu_rows:
+                if vm_id in vms:
+                    vms[vm_id].gpus[index] = GpuRow(index, job_id, tuple(values))
             job_rows = await session.execute(
                 select(Job.id, Job.vm_id, Job.status, Job.attempt, Job.remote_pid).where(
                     Job.status.in_([s.value for s in LIVE_STATES]),
@@ -322,9 +322,9 @@ class GpuPoller:
                     Job.attempt >= 1,
                 )
             )
-            for row in job_rows:
-                if row.vm_id in vms:
-                    vms[row.vm_id].jobs.append(LiveJob(*row))
+            for live_id, live_vm, status, attempt, remote_pid in job_rows:
+                if live_vm is not None and live_vm in vms:
+                    vms[live_vm].jobs.append(LiveJob(live_id, live_vm, status, attempt, remote_pid))
         return list(vms.values())
 
     async def _probe(self, vm: VMState) -> Outcome:
