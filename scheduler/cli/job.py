@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from scheduler.cli._common import (
@@ -113,7 +115,7 @@ def submit(
 def list_(ctx: CliContext, status: str | None, limit: int, as_json: bool) -> None:
     """List jobs, newest first."""
 
-    async def go(db: Database) -> list[dict[str, object]]:
+    async def go(db: Database) -> list[dict[str, Any]]:
         async with db.transaction() as session:
             wanted = JobStatus(status) if status else None
             return [job_to_dict(j) for j in await list_jobs(session, status=wanted, limit=limit)]
@@ -129,9 +131,9 @@ def list_(ctx: CliContext, status: str | None, limit: int, as_json: bool) -> Non
             j["status"],
             j["gpus"],
             j["vm"] or "",
-            ",".join(map(str, j["gpu_indices"] or [])),  # type: ignore[call-overload]
+            ",".join(map(str, j["gpu_indices"] or [])),
             f"{j['retry_count']}/{j['max_retries']}",
-            fmt_time(j["submitted_at"]),  # type: ignore[arg-type]
+            fmt_time(j["submitted_at"]),
             j["failure_reason"] or j["status_reason"] or "",
         )
         for j in jobs
@@ -148,7 +150,7 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
     """Show a job: where it runs, why it is in its state, its training progress (read from
     the VM, a few seconds at most) and its event history."""
 
-    async def go(db: Database) -> dict[str, object]:
+    async def go(db: Database) -> dict[str, Any]:
         async with db.transaction() as session:
             job = await get_job(session, job_id, with_events=True)
             data = job_to_dict(job, events=True)
@@ -185,12 +187,12 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
         ["AT", "FROM", "TO", "ATTEMPT", "ACTOR", "REASON"],
         [
             (fmt_time(e["at"]), e["from"] or "", e["to"], e["attempt"], e["actor"], e["reason"])
-            for e in job["events"]  # type: ignore[attr-defined]
+            for e in job["events"]
         ],
     )
 
 
-def _progress_line(progress: dict[str, object]) -> str:
+def _progress_line(progress: dict[str, Any]) -> str:
     """`step 40/500 (8%), reward 0.61, loss 0.02, eta 13m` from progress.json."""
     parts = []
     step, total = progress.get("step"), progress.get("max_steps")

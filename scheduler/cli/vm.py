@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from scheduler import fleet
@@ -94,7 +96,7 @@ def add(
     if insecure_no_host_key_check:
         warn(f"host key checking is OFF for VM {name!r}: anyone on the path can impersonate it")
 
-    async def go(db: Database) -> dict[str, object]:
+    async def go(db: Database) -> dict[str, Any]:
         async with db.transaction() as session:
             vm = await fleet.add_vm(session, spec)
             return fleet.vm_to_dict(vm, gpus=False)
@@ -112,7 +114,7 @@ def add(
 def list_(ctx: CliContext, as_json: bool) -> None:
     """List VMs with their state and free GPUs."""
 
-    async def go(db: Database) -> list[dict[str, object]]:
+    async def go(db: Database) -> list[dict[str, Any]]:
         async with db.transaction() as session:
             return [fleet.vm_to_dict(vm) for vm in await fleet.list_vms(session)]
 
@@ -125,8 +127,8 @@ def list_(ctx: CliContext, as_json: bool) -> None:
             vm["name"],
             f"{vm['host']}:{vm['port']}",
             vm["status"] + ("+draining" if vm["draining"] else ""),
-            f"{vm['available_gpus']}/{len(vm['gpus'])}",  # type: ignore[arg-type]
-            fmt_time(vm["last_polled_at"]),  # type: ignore[arg-type]
+            f"{vm['available_gpus']}/{len(vm['gpus'])}",
+            fmt_time(vm["last_polled_at"]),
             vm["last_error"] or "",
         )
         for vm in vms
@@ -141,7 +143,7 @@ def list_(ctx: CliContext, as_json: bool) -> None:
 def show(ctx: CliContext, name: str, as_json: bool) -> None:
     """Show one VM and each of its GPUs."""
 
-    async def go(db: Database) -> dict[str, object]:
+    async def go(db: Database) -> dict[str, Any]:
         async with db.transaction() as session:
             return fleet.vm_to_dict(await fleet.get_vm(session, name, with_gpus=True))
 
@@ -161,7 +163,7 @@ def show(ctx: CliContext, name: str, as_json: bool) -> None:
             "yes" if g["healthy"] else "NO",
             "foreign" if g["foreign_busy"] else (f"job {g['job_id']}" if g["job_id"] else "free"),
         )
-        for g in vm["gpus"]  # type: ignore[attr-defined]
+        for g in vm["gpus"]
     ]
     if rows:
         click.echo("")
