@@ -40,6 +40,13 @@ class ScriptArguments:
         }
     )
     dataset_split: str = field(default="train", metadata={"help": "Dataset split to train on."})
+    dataset_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "Configuration of a hub dataset with several ('main' for openai/gsm8k).",
+            "metavar": "NAME",
+        },
+    )
     reward_weights: list[float] | None = field(
         default=None,
         metadata={

@@ -23,7 +23,7 @@ LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv
 PROMPT_COLUMNS = ("prompt", "question")
 
 
-def load_raw_dataset(name: str, split: str) -> Dataset:
+def load_raw_dataset(name: str, split: str, config: str | None = None) -> Dataset:
     """Load a local file (by suffix) or a hub dataset; unusable input raises UsageError."""
     from datasets import load_dataset
 
@@ -34,7 +34,7 @@ def load_raw_dataset(name: str, split: str) -> Dataset:
     try:
         if builder is not None:
             return load_dataset(builder, data_files={"train": str(path)}, split=split)
-        return load_dataset(name, split=split)
+        return load_dataset(name, config, split=split)
     except Exception as exc:  # noqa: BLE001 - datasets raises many types; sort them by cause
         if is_network_timeout(exc):
             raise TransientError(f"downloading dataset {name} failed: {one_line(exc)}") from exc

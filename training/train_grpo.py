@@ -49,7 +49,7 @@ def run(args: ScriptArguments) -> TrainResult:
     from training import model as loading
     from training.data import check_columns, load_raw_dataset, preprocess
 
-    raw = load_raw_dataset(args.dataset, args.dataset_split)
+    raw = load_raw_dataset(args.dataset, args.dataset_split, args.dataset_config)
     if args.use_unsloth:
         model, tokenizer = loading.load_unsloth_model(args)
         peft_config = None

@@ -15,7 +15,10 @@ def train_grpo(
     *args: str, cwd: Path = REPO, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
     """Run `python -m training.train_grpo ARGS` the way users and the scheduler do."""
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
+    # One torch thread: the tiny model's matrices are too small to gain from more, and on a
+    # busy 2-core machine extra threads only contend (measured: half the CPU time, 2x faster).
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    full_env = {**os.environ, **offline, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), full_env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "training.train_grpo", *args],
