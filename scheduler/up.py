@@ -22,7 +22,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -31,7 +31,7 @@ import click
 
 from scheduler import migrate
 from scheduler.db import Database
-from scheduler.embedded import EmbeddedNats, EmbeddedPostgres, free_port
+from scheduler.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServiceError, free_port
 from scheduler.errors import BadInput, RlfleetError, ServiceUnavailable
 from scheduler.fleet import VMSpec, add_vm
 from scheduler.logging import get_logger
@@ -465,19 +465,8 @@ def announce(options: UpOptions, settings: Settings, gpu_note: str | None) -> No
     print("\n".join(lines), flush=True)
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """Until the event loop takes over, SIGTERM interrupts like Ctrl-C, so the servers
-    started so far are stopped rather than orphaned."""
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def run_up(options: UpOptions) -> None:
@@ -488,13 +477,15 @@ def run_up(options: UpOptions) -> None:
     state = StateDir(options.state_dir)
     state.lock()
     services: Services | None = None
+    # Outside the event loop (starting, stopping) SIGTERM interrupts like Ctrl-C, so the
+    # servers started so far are stopped rather than orphaned; inside it, serve() handles it.
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        with _sigterm_as_interrupt():
-            gpu_note = prepare_local_gpus(options) if options.local_vm else None
-            services = start_services(state)
-            settings = services.settings
-            if options.local_vm:
-                asyncio.run(_register(settings, options.vm_name, options.entrypoint))
+        gpu_note = prepare_local_gpus(options) if options.local_vm else None
+        services = start_services(state)
+        settings = services.settings
+        if options.local_vm:
+            asyncio.run(_register(settings, options.vm_name, options.entrypoint))
         state.write(
             {
                 **state.read(),
@@ -529,16 +520,23 @@ def run_up(options: UpOptions) -> None:
                 database_url=settings.database_url,
             )
         )
-    except OSError as exc:
+    except (OSError, EmbeddedServiceError) as exc:
         raise ServiceUnavailable(f"cannot start the embedded services: {exc}") from exc
     finally:
-        if services is not None:
-            print("rlfleet up: stopping", file=sys.stderr, flush=True)
-            services.stop()
-            data = state.read()
-            data.update(pid=None, ready=False, server_pids={})
-            state.write(data)
-        state.unlock()
+        # A second Ctrl-C or SIGTERM must not cut the shutdown short (it is bounded anyway).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            if services is not None:
+                print("rlfleet up: stopping", file=sys.stderr, flush=True)
+                services.stop()
+                data = state.read()
+                data.update(pid=None, ready=False, server_pids={})
+                state.write(data)
+            state.unlock()
+        finally:
+            signal.signal(signal.SIGTERM, previous_sigterm)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 async def _register(settings: Settings, name: str, entrypoint: str) -> None:
