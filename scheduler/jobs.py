@@ -39,6 +39,9 @@ async def transition(
         STATE_TIMESTAMP[to]: func.now(),
         "updated_at": func.now(),
     }
+    if JobStatus.FAILED in sources and to != JobStatus.FAILED:
+        # A retry time belongs to one failure; leaving `failed` (by any path) ends it.
+        changes["next_attempt_at"] = None
     changes.update(values or {})
     if len(sources) == 1:
         src: str | None = sources[0].value

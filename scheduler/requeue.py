@@ -327,7 +327,7 @@ class RequeueManager:
                 )
                 .where(
                     Job.status == JobStatus.FAILED.value,
-                    Job.next_attempt_at.is_(None),
+                    _UNDECIDED,
                     or_(
                         Job.status_reason.is_(None),
                         Job.status_reason.not_like(f"{GIVE_UP_PREFIX}%"),
@@ -363,11 +363,7 @@ class RequeueManager:
                 )
             await session.execute(
                 update(Job)
-                .where(
-                    Job.id == row.id,
-                    Job.status == JobStatus.FAILED.value,
-                    Job.next_attempt_at.is_(None),
-                )
+                .where(Job.id == row.id, Job.status == JobStatus.FAILED.value, _UNDECIDED)
                 .values(updated_at=func.now(), **values)
                 .execution_options(synchronize_session=False)
             )
@@ -385,7 +381,11 @@ class RequeueManager:
                     Job.retry_count,
                     Job.max_retries,
                 )
-                .where(Job.status == JobStatus.FAILED.value, Job.next_attempt_at <= func.now())
+                .where(
+                    Job.status == JobStatus.FAILED.value,
+                    Job.next_attempt_at <= func.now(),
+                    ~_UNDECIDED,
+                )
                 .order_by(Job.next_attempt_at, Job.id)
                 .limit(BATCH)
                 .with_for_update(skip_locked=True)
@@ -645,6 +645,10 @@ class RequeueManager:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), wait or self.config.interval_s)
 
+
+# A failed job has no decision yet while it has no retry time (`transition` clears it
+# whenever a job leaves `failed`, so a time never outlives the failure it was made for).
+_UNDECIDED = Job.next_attempt_at.is_(None)
 
 # A GPU counts as free for waking pending jobs exactly as the claim query counts it.
 _FREE_BY_VM = (

@@ -362,6 +362,15 @@ async def test_chaos(
             ).all()
         )
     leftovers = await _open_leftovers(db, gone.name)
+    # What a user sees of a job that ran out of retries.
+    quitter = next(j for j in jobs if kind_of[j.id].name == "always_exit_1")
+    show = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "scheduler.cli", "job", "show", str(quitter.id)),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    shown, _ = await show.communicate()
     await db.dispose()
     nats.stop()
     pg.stop()
@@ -392,6 +401,7 @@ async def test_chaos(
         [*chaos_log, *(f"--- {d.name} (exit {exits[d.name]}):\n{d.tail()}" for d in procs.values())]
     )
     assert len(jobs) == N_JOBS
+    assert "gave up after 2 retries: " in shown.decode(), shown.decode()
     assert lost == 0, f"{lost} jobs never settled: {dict(statuses)}\n{context}"
     assert not wrong, "\n".join(wrong[:20]) + "\n" + context
     assert not over_limit, over_limit

@@ -456,3 +456,31 @@ async def _unreachable_for(db: Database, vm_id: int, seconds: float) -> None:
                 unreachable_since=func.now() - timedelta(seconds=seconds),
             )
         )
+
+
+async def test_a_new_failure_after_a_manual_retry_gets_a_decision_of_its_own(
+    db: Database, nc: NATS
+) -> None:
+    """Given a failed job waiting for its retry that a user queued again by hand (the
+    old retry time still on the row), when it fails again, then the manager decides
+    anew for this failure instead of acting on the stale retry time."""
+    vm = await add_vm(db, "a", 1)
+    job_id = await new_job(db, max_retries=1)
+    slow = RequeueConfig(**{**FAST.__dict__, "policy": RetryPolicy(base_delay_s=60, jitter=0)})
+    m = manager(db, nc, slow)
+    await run_on(db, job_id, vm, [0])
+    await fail(db, job_id, "exit_nonzero", 1)
+    assert (await m.tick()).scheduled == [job_id]
+    async with db.transaction() as session:  # `rlfleet job retry`, done by hand
+        assert await transition(
+            session, job_id, expected=JobStatus.FAILED, to=JobStatus.QUEUED, reason="t", actor="t"
+        )
+    await run_on(db, job_id, vm, [0])
+    await fail(db, job_id, "oom", 75)
+
+    report = await m.tick()
+
+    row = await job(db, job_id)
+    assert report.scheduled == [job_id] and report.retried == []
+    assert row.next_attempt_at > row.finished_at
+    assert row.status_reason.startswith("oom (exit 75): retry 1/1 in 60s")
