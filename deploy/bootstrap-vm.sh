@@ -45,7 +45,9 @@ while [ $# -gt 0 ]; do
     --host-key) HOST_KEY="${2:?--host-key needs a file}"; shift 2 ;;
     --hostname) HOSTNAME_FOR_KEY="${2:?--hostname needs a name}"; shift 2 ;;
     --port) PORT="${2:?--port needs a number}"; shift 2 ;;
-    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
+    -h|--help)
+      if [ -f "$0" ]; then sed -n '2,/^set -euo/p' "$0" | sed '$d'; else echo "options: see the header of deploy/bootstrap-vm.sh"; fi
+      exit 0 ;;
     --) shift; break ;;
     *) usage "unknown option: $1" ;;
   esac
