@@ -37,7 +37,6 @@ TRAIN_ARGS = [
     "--num_generations", "8",
     "--per_device_train_batch_size", "8",
     "--max_completion_length", "16",
-    "--logging_steps", "5",
     "--save_steps", "1000",
     "--seed", "0",
 ]  # fmt: skip
@@ -210,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             "--reward-function", "keyword_match",
             "--name", "demo-keyword",
             "--max-retries", "1",
-            "--", "--max_steps", str(args.max_steps), *TRAIN_ARGS,
+            "--", "--max_steps", str(args.max_steps),
+            # Every 5 steps (a mean over 40 answers), fewer for a very short run.
+            "--logging_steps", str(max(1, min(5, args.max_steps // 2))),
+            *TRAIN_ARGS,
         ]  # fmt: skip
         say("$ rlfleet " + " ".join(submit))
         job_id = int(rlfleet(cli_env, *submit).strip())

@@ -261,3 +261,44 @@ def test_simulated_nvidia_smi_shows_the_gpu_a_live_process_holds(tmp_path: Path)
     # Then only GPU 1 shows as used, by that process
     assert busy.stdout.splitlines() == ["0, 0, 0", "1, 1024, 100"]
     assert [line.split(", ")[1] for line in held.stdout.splitlines()] == [str(holder.pid)]
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that mention `text` (e.g. a directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline and alive(int(entry.name)):
+            found.append(cmdline)
+    return found
+
+
+@pytest.mark.slow
+def test_demo_trains_through_the_scheduler_and_leaves_nothing_running(tmp_path: Path) -> None:
+    # Given the demo, shortened to two GRPO steps
+    demo_dir = tmp_path / "demo"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for var in ("RLFLEET_DATABASE_URL", "RLFLEET_NATS_URL"):
+        env.pop(var, None)
+    # When it runs
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "demo.py"), "--max-steps", "2",
+         "--dir", str(demo_dir), "--timeout", "400"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    out = result.stdout
+    # Then the job went through its states and completed, and the demo says where the
+    # model is and what the reward was at both ends
+    assert result.returncode == 0, out[-3000:] + result.stderr[-2000:]
+    for move in ("queued -> starting", "starting -> running", "running -> completed"):
+        assert move in out, out
+    model = re.search(r"trained model: (\S+)", out)
+    assert model and (Path(model.group(1)) / "config.json").exists(), out
+    assert re.search(r"mean reward \(keyword 'hello'\): start \d\.\d{3} -> end \d\.\d{3}", out)
+    # And nothing it started is still running
+    assert processes_mentioning(str(demo_dir)) == []
