@@ -702,8 +702,14 @@ async def _connect_nats(settings: Settings, stop: asyncio.Event) -> Any | None:
     return None
 
 
-async def run_daemon(settings: Settings, config: RequeueConfig, stop: asyncio.Event) -> None:
-    """The requeue manager as a daemon: connect, tick until stopped, clean up."""
+async def run_daemon(
+    settings: Settings,
+    config: RequeueConfig,
+    stop: asyncio.Event,
+    ready: asyncio.Event | None = None,
+) -> None:
+    """The requeue manager as a daemon: connect, tick until stopped, clean up.
+    `ready` is set once connected (systemd's READY=1 waits for it)."""
     from scheduler.transport import make_transport
 
     db = Database(settings.database_url, pool_size=3)
@@ -712,6 +718,8 @@ async def run_daemon(settings: Settings, config: RequeueConfig, stop: asyncio.Ev
     try:
         if nc is not None:
             manager = RequeueManager(db, NatsPublisher(nc), transport, config)
+            if ready is not None:
+                ready.set()
             log.info(
                 "requeue_started",
                 database=redact_url(settings.database_url),
@@ -727,6 +735,11 @@ async def run_daemon(settings: Settings, config: RequeueConfig, stop: asyncio.Ev
                 await nc.close()
         await transport.close()
         await db.dispose()
+
+
+async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:
+    """The entry `rlfleet up` runs: the requeue manager with its default knobs."""
+    await run_daemon(settings, RequeueConfig(), stop, ready)
 
 
 @click.command("requeue")
@@ -832,13 +845,16 @@ def requeue_command(
     )
     from scheduler.daemon import serve
 
+    ready = asyncio.Event()
+
     async def main(stop: asyncio.Event) -> None:
-        await run_daemon(settings, config, stop)
+        await run_daemon(settings, config, stop, ready)
 
     asyncio.run(
         serve(
             "requeue",
             main,
+            ready=ready,
             metrics_port=metrics_port or None,
             database_url=settings.database_url,
         )

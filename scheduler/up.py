@@ -381,33 +381,14 @@ def start_services(state: StateDir) -> Services:
 DaemonMain = Callable[[Settings, asyncio.Event, asyncio.Event], Awaitable[None]]
 
 
-def _ready_at_once(
-    run: Callable[[Settings, asyncio.Event], Awaitable[Any]],
-) -> DaemonMain:
-    """Adapt a daemon entry without a readiness hook: ready as soon as it starts (it
-    retries its own connections)."""
-
-    async def main(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:
-        ready.set()
-        await run(settings, stop)
-
-    return main
-
-
 def daemon_entries() -> dict[str, DaemonMain]:
-    """The in-process entries of the three daemons: `main(settings, stop, ready)`."""
+    """The in-process entries of the three daemons: `run_in_process(settings, stop, ready)`."""
     from scheduler import dispatcher, gpu_poller, requeue
 
-    requeue_entry: DaemonMain | None = getattr(requeue, "run_in_process", None)
-    if requeue_entry is None:
-        # No readiness hook there (yet): its runner retries its own connections.
-        requeue_entry = _ready_at_once(
-            lambda settings, stop: requeue.run_daemon(settings, requeue.RequeueConfig(), stop)
-        )
     return {
         "poller": gpu_poller.run_in_process,
         "dispatcher": dispatcher.run_in_process,
-        "requeue": requeue_entry,
+        "requeue": requeue.run_in_process,
     }
 
 
