@@ -11,18 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler.db import Database
 from scheduler.jobs import transition
 from scheduler.logging import get_logger
-from scheduler.models import VM, Job, StaleProcess
+from scheduler.models import Job, StaleProcess
 from scheduler.remote import default_output_dir
-from scheduler.states import JobStatus
+from scheduler.states import JobStatus, check_move
 
 DEFAULT_LEASE_S = 60.0
 CANDIDATE_VMS = 4
@@ -33,25 +33,28 @@ log = get_logger("claims")
 
 # A GPU is free when nvidia-smi says it is healthy and idle, rlfleet has not given it to a
 # job, its VM answers and is not draining, and no process left over from a lost VM may
-# still hold it.
+# still hold it (`blocked`, usually empty: computed once, then hash anti-joined).
+_BLOCKED = """
+    blocked AS MATERIALIZED (
+        SELECT s.vm_id, i AS index FROM stale_processes s, unnest(s.gpu_indices) i
+        WHERE s.killed_at IS NULL
+    )
+"""
 _FREE_GPU = """
     g.job_id IS NULL AND g.healthy AND NOT g.foreign_busy
-    AND NOT EXISTS (
-        SELECT 1 FROM stale_processes s
-        WHERE s.vm_id = g.vm_id AND s.killed_at IS NULL AND g.index = ANY(s.gpu_indices)
-    )
+    AND NOT EXISTS (SELECT 1 FROM blocked b WHERE b.vm_id = g.vm_id AND b.index = g.index)
 """
 
 CLAIM_SQL = text(
     f"""
-WITH cand AS (
+WITH {_BLOCKED}, cand AS (
     SELECT g.vm_id, count(*) AS free
     FROM gpus g JOIN vms v ON v.id = g.vm_id
     WHERE v.status = 'healthy' AND NOT v.draining AND {_FREE_GPU}
     GROUP BY g.vm_id
 ), fit AS (
     -- Best fit: the fullest VM that still fits. Ties are broken per job, so that
-    -- concurrent claimers spread over equally full VMs instead of queueing on one row.
+    -- concurrent claimers spread over equally full VMs instead of queueing on one.
     SELECT vm_id, free FROM cand WHERE free >= :need
     ORDER BY free, (vm_id * 2654435761 + :job_id) % 4294967296 LIMIT :candidates
 ), locked AS MATERIALIZED (
@@ -74,17 +77,52 @@ WITH cand AS (
     UPDATE gpus SET job_id = :job_id, allocated_at = now(), updated_at = now()
     FROM chosen WHERE gpus.id = chosen.id
     RETURNING gpus.index
-), vm_update AS (
-    UPDATE vms SET available_gpus = GREATEST(available_gpus - :need, 0)
-    WHERE id = (SELECT vm_id FROM chosen_vm)
-    RETURNING id
+), moved AS (
+    -- `transition(queued → starting)` fused into the claim: the same guarded UPDATE and
+    -- event row, in the same statement as the GPU rows, so a claim is one round trip.
+    UPDATE jobs SET
+        status = 'starting', starting_at = now(), updated_at = now(),
+        attempt = attempt + 1,
+        vm_id = (SELECT vm_id FROM chosen_vm),
+        gpu_indices = (SELECT array_agg(index ORDER BY index) FROM chosen),
+        output_dir = coalesce(output_dir, :default_output_dir),
+        lease_expires_at = now() + make_interval(secs => CAST(:lease_s AS double precision)),
+        status_reason = NULL, failure_reason = NULL, exit_code = NULL, remote_pid = NULL
+    WHERE id = :job_id AND status = 'queued' AND EXISTS (SELECT 1 FROM chosen_vm)
+    RETURNING attempt, vm_id, gpu_indices, output_dir
+), event AS (
+    INSERT INTO job_events (job_id, from_status, to_status, reason, actor, attempt)
+    SELECT :job_id, 'queued', 'starting',
+           'claimed GPUs ' || array_to_string(gpu_indices, ','), :actor, attempt
+    FROM moved
 )
-SELECT
-    (SELECT id FROM vm_update) AS vm_id,
-    (SELECT array_agg(index ORDER BY index) FROM taken) AS gpu_indices,
-    (SELECT coalesce(max(free), 0) FROM cand) AS largest_free
+SELECT m.vm_id, m.gpu_indices, m.attempt, m.output_dir,
+       (SELECT coalesce(max(free), 0) FROM cand) AS largest_free
+FROM (SELECT 1) one LEFT JOIN moved m ON true
 """
 )
+check_move(JobStatus.QUEUED, JobStatus.STARTING)  # the state machine still has the last word
+
+JOB_FOR_CLAIM_SQL = text(
+    "SELECT status, gpus_requested, model, dataset, reward_function, extra_args "
+    "FROM jobs WHERE id = :job_id FOR UPDATE"
+)
+
+MARK_RUNNING_SQL = text(
+    """
+WITH moved AS (
+    UPDATE jobs SET status = 'running', running_at = now(), updated_at = now(),
+                    remote_pid = :pid, lease_expires_at = NULL
+    WHERE id = :job_id AND status = 'starting' AND attempt = :attempt
+    RETURNING attempt, queued_at, starting_at, submitted_at, running_at
+), event AS (
+    INSERT INTO job_events (job_id, from_status, to_status, reason, actor, attempt)
+    SELECT :job_id, 'starting', 'running', :reason, :actor, attempt FROM moved
+)
+SELECT * FROM moved
+"""
+)
+check_move(JobStatus.STARTING, JobStatus.RUNNING)
 
 
 @dataclass(frozen=True)
@@ -134,31 +172,26 @@ async def claim_in_session(
     fits, `queued → pending` with the reason when none does, and leaves any job that is not
     `queued` untouched.
     """
-    row = (
-        await session.execute(
-            select(
-                Job.status,
-                Job.gpus_requested,
-                Job.attempt,
-                Job.output_dir,
-                Job.model,
-                Job.dataset,
-                Job.reward_function,
-                Job.extra_args,
-            )
-            .where(Job.id == job_id)
-            .with_for_update()
-        )
-    ).first()
+    row = (await session.execute(JOB_FOR_CLAIM_SQL, {"job_id": job_id})).first()
     if row is None:
         return NoClaim(job_id, None, "no such job")
     if row.status != JobStatus.QUEUED:
         return NoClaim(job_id, row.status, f"job is {row.status}")
     need = row.gpus_requested
     result = (
-        await session.execute(CLAIM_SQL, {"job_id": job_id, "need": need, "candidates": candidates})
+        await session.execute(
+            CLAIM_SQL,
+            {
+                "job_id": job_id,
+                "need": need,
+                "candidates": candidates,
+                "default_output_dir": default_output_dir(job_id),
+                "lease_s": lease_s,
+                "actor": actor,
+            },
+        )
     ).one()
-    if result.vm_id is None or not result.gpu_indices:
+    if result.vm_id is None:
         if result.largest_free >= need:
             # Free GPUs exist but other claimers hold them: not a reason to wait.
             return NoClaim(job_id, row.status, "contended", contended=True)
@@ -173,35 +206,12 @@ async def claim_in_session(
             values={"status_reason": reason},
         )
         return NoClaim(job_id, JobStatus.PENDING.value, reason, moved_to_pending=moved)
-    attempt = row.attempt + 1
-    output_dir = row.output_dir or default_output_dir(job_id)
-    moved = await transition(
-        session,
-        job_id,
-        expected=JobStatus.QUEUED,
-        to=JobStatus.STARTING,
-        reason=f"claimed GPUs {','.join(map(str, result.gpu_indices))}",
-        actor=actor,
-        values={
-            "attempt": attempt,
-            "vm_id": result.vm_id,
-            "gpu_indices": list(result.gpu_indices),
-            "output_dir": output_dir,
-            "lease_expires_at": func.now() + timedelta(seconds=lease_s),
-            "status_reason": None,
-            "failure_reason": None,
-            "exit_code": None,
-            "remote_pid": None,
-        },
-    )
-    if not moved:  # cannot happen while we hold the row lock; be safe anyway
-        raise RuntimeError(f"job {job_id} changed state under its row lock")
     return Claim(
         job_id,
-        attempt,
+        result.attempt,
         result.vm_id,
         list(result.gpu_indices),
-        output_dir,
+        result.output_dir,
         model=row.model,
         dataset=row.dataset,
         reward_functions=tuple(r for r in row.reward_function.split(",") if r),
@@ -217,6 +227,34 @@ async def claim_gpus(
         return await claim_in_session(session, job_id, actor=actor, lease_s=lease_s)
 
 
+@dataclass(frozen=True)
+class Running:
+    """A job just moved `starting → running`, with the timestamps metrics want."""
+
+    attempt: int
+    queued_at: datetime | None
+    starting_at: datetime | None
+    submitted_at: datetime | None
+    running_at: datetime | None
+
+
+async def mark_running(
+    session: AsyncSession, job_id: int, attempt: int, pid: int, *, actor: str, reason: str
+) -> Running | None:
+    """`transition(starting → running)` for this attempt, in one statement with its event.
+
+    None when the job is no longer `starting` at that attempt (cancelled, or its lease
+    expired and it was claimed again): the caller must not let the attempt run.
+    """
+    row = (
+        await session.execute(
+            MARK_RUNNING_SQL,
+            {"job_id": job_id, "attempt": attempt, "pid": pid, "actor": actor, "reason": reason},
+        )
+    ).first()
+    return None if row is None else Running(*row)
+
+
 async def release_in_session(session: AsyncSession, job_id: int) -> list[int]:
     """Free every GPU allocated to `job_id` (caller's transaction); returns their indices."""
     rows = (
@@ -228,17 +266,36 @@ async def release_in_session(session: AsyncSession, job_id: int) -> list[int]:
             {"job_id": job_id},
         )
     ).all()
-    per_vm: dict[int, int] = {}
-    for vm_id, _index in rows:
-        per_vm[vm_id] = per_vm.get(vm_id, 0) + 1
-    for vm_id, count in per_vm.items():
-        await session.execute(
-            update(VM)
-            .where(VM.id == vm_id)
-            .values(available_gpus=VM.available_gpus + count)
-            .execution_options(synchronize_session=False)
-        )
+    await refresh_available_in_session(session, {vm_id for vm_id, _index in rows})
     return sorted(index for _vm, index in rows)
+
+
+AVAILABLE_SQL = text(
+    f"""
+WITH {_BLOCKED}
+UPDATE vms v SET available_gpus = (
+    SELECT count(*) FROM gpus g WHERE g.vm_id = v.id AND {_FREE_GPU}
+)
+WHERE v.id = ANY(:ids)
+"""
+)
+
+
+async def refresh_available_in_session(session: AsyncSession, vm_ids: set[int]) -> None:
+    """Recount `vms.available_gpus` of these VMs from their GPU rows (caller's transaction).
+
+    Claims do not touch the `vms` row: every claim on a VM would queue on that one row lock
+    until the previous commit. The count is refreshed after the fact instead (dispatcher,
+    release, and every poll), so it is informational and never decides a claim.
+    """
+    if vm_ids:
+        await session.execute(AVAILABLE_SQL, {"ids": sorted(vm_ids)})
+
+
+async def refresh_available(db: Database, vm_ids: set[int]) -> None:
+    """`refresh_available_in_session` in a short transaction of its own."""
+    async with db.transaction() as session:
+        await refresh_available_in_session(session, vm_ids)
 
 
 async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:

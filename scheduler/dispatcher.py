@@ -31,7 +31,15 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from scheduler import bus, metrics
-from scheduler.claims import DEFAULT_LEASE_S, Claim, NoClaim, claim_gpus, release_in_session
+from scheduler.claims import (
+    DEFAULT_LEASE_S,
+    Claim,
+    NoClaim,
+    claim_gpus,
+    mark_running,
+    refresh_available,
+    release_in_session,
+)
 from scheduler.daemon import serve
 from scheduler.db import Database
 from scheduler.jobs import transition
@@ -126,6 +134,7 @@ class GlobalJobDispatcher:
         self.stats = DispatchStats()
         self._vms: dict[int, tuple[VMTarget, float]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._touched_vms: set[int] = set()
 
     # ---------------------------------------------------------------- the loop
 
@@ -140,6 +149,7 @@ class GlobalJobDispatcher:
         if ready is not None:
             ready.set()
         log.info("dispatcher_ready", actor=self.actor, max_in_flight=self.max_in_flight)
+        counter = asyncio.create_task(self._refresh_counts(stop))
         backoff = 0.5
         while not stop.is_set():
             room = self.max_in_flight - len(self._tasks)
@@ -162,8 +172,27 @@ class GlobalJobDispatcher:
                 task.add_done_callback(self._tasks.discard)
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=self.launch_timeout_s + 5)
+        counter.cancel()
+        with contextlib.suppress(BaseException):
+            await counter
+        await self._flush_counts()
         with contextlib.suppress(Exception):  # closing anyway
             await sub.unsubscribe()
+
+    async def _refresh_counts(self, stop: asyncio.Event) -> None:
+        """Recount `vms.available_gpus` of the VMs claimed on, at most twice a second."""
+        while not stop.is_set():
+            await _sleep_or_stop(stop, 0.5)
+            await self._flush_counts()
+
+    async def _flush_counts(self) -> None:
+        if not self._touched_vms:
+            return
+        vm_ids, self._touched_vms = self._touched_vms, set()
+        try:
+            await refresh_available(self.db, vm_ids)
+        except Exception as exc:  # noqa: BLE001 - a count for display; the poller redoes it
+            log.warning("count_refresh_failed", error=str(exc) or type(exc).__name__)
 
     async def _subscribe(self, stop: asyncio.Event) -> JetStreamContext.PullSubscription | None:
         backoff = 0.5
@@ -220,6 +249,7 @@ class GlobalJobDispatcher:
             self.stats.skipped += 1
             log.info("job_skipped", job_id=job_id, status=claim.status, reason=claim.reason)
             return "skipped"
+        self._touched_vms.add(claim.vm_id)
         target = await self._target(claim.vm_id)
         bound = log.bind(job_id=job_id, vm=target.name, attempt=claim.attempt)
         bound.info("job_claimed", gpus=claim.gpu_indices)
@@ -273,23 +303,23 @@ class GlobalJobDispatcher:
         bound = log.bind(job_id=claim.job_id, vm=target.name, attempt=claim.attempt)
         try:
             async with self.db.transaction() as session:
-                moved = await transition(
+                moved = await mark_running(
                     session,
                     claim.job_id,
-                    expected=JobStatus.STARTING,
-                    to=JobStatus.RUNNING,
-                    reason=f"pid {pid} on {target.name}",
+                    claim.attempt,
+                    pid,
                     actor=self.actor,
-                    values={"remote_pid": pid, "lease_expires_at": None},
+                    reason=f"pid {pid} on {target.name}",
                 )
-                if moved:
-                    await metrics.observe_job_running(session, claim.job_id)
+            if moved is not None:
+                metrics.observe_queue_wait(moved.queued_at, moved.starting_at)
+                metrics.observe_running(moved.submitted_at, moved.running_at)
         except Exception as exc:
             if _is_transient_db_error(exc):
                 # The process runs; the lease will bring the claim back if we never can.
                 raise TransientError(f"database: {_first_line(str(exc))}") from exc
             raise
-        if not moved:
+        if moved is None:
             # Cancelled, or the lease expired, while we launched: this attempt must not run.
             bound.warning("launch_superseded", pid=pid)
             await self._kill_quietly(claim, target)

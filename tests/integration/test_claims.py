@@ -9,7 +9,14 @@ from collections import Counter
 
 from sqlalchemy import func, select, text, update
 
-from scheduler.claims import Claim, NoClaim, claim_gpus, expire_leases, release_in_session
+from scheduler.claims import (
+    Claim,
+    NoClaim,
+    claim_gpus,
+    expire_leases,
+    refresh_available,
+    release_in_session,
+)
 from scheduler.db import Database
 from scheduler.jobs import JobSpec, get_job, insert_job
 from scheduler.models import GPU, VM, Job, StaleProcess
@@ -53,6 +60,7 @@ async def test_best_fit_keeps_big_holes_for_big_jobs(db: Database) -> None:
 
     c2 = await claim_gpus(db, two, actor="test")
     c4 = await claim_gpus(db, four, actor="test")
+    await refresh_available(db, {big, small, mid})
 
     assert isinstance(c2, Claim) and (c2.vm_id, c2.gpu_indices) == (small, [0, 1])
     assert isinstance(c4, Claim) and (c4.vm_id, c4.gpu_indices) == (mid, [0, 1, 2, 3])
@@ -144,6 +152,7 @@ async def test_racing_claimers_never_share_a_gpu(db: Database) -> None:
     assert len(held) == len(set(held))
     table = await allocations(db)
     assert {j: (c.vm_id, c.gpu_indices) for c in claims for j in [c.job_id]} == table
+    await refresh_available(db, set(range(1, 11)))
     async with db.transaction() as session:
         free = (
             await session.execute(
