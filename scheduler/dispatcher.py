@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import random
 import socket
@@ -55,6 +56,9 @@ log = get_logger("dispatcher")
 CONTENDED_RETRIES = 20
 VM_CACHE_TTL_S = 15.0
 DB_NAK_DELAY_S = 2.0
+
+
+_TARGET_FIELDS = tuple(f.name for f in dataclasses.fields(VMTarget))
 
 
 class TransientError(Exception):
@@ -135,6 +139,7 @@ class GlobalJobDispatcher:
         self._vms: dict[int, tuple[VMTarget, float]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._touched_vms: set[int] = set()
+        self._vms_lock = asyncio.Lock()
 
     # ---------------------------------------------------------------- the loop
 
@@ -376,22 +381,32 @@ class GlobalJobDispatcher:
             )
 
     async def _target(self, vm_id: int) -> VMTarget:
+        """The VM's connection fields, from a cache of every VM refreshed in one query."""
         cached = self._vms.get(vm_id)
-        now = time.monotonic()
-        if cached is not None and now - cached[1] < VM_CACHE_TTL_S:
+        if cached is not None and time.monotonic() - cached[1] < VM_CACHE_TTL_S:
             return cached[0]
+        async with self._vms_lock:  # one reload for all the claims that missed at once
+            cached = self._vms.get(vm_id)
+            if cached is None or time.monotonic() - cached[1] >= VM_CACHE_TTL_S:
+                await self._load_targets()
+        cached = self._vms.get(vm_id)
+        if cached is None:
+            raise RuntimeError(f"VM {vm_id} vanished under a claim")
+        return cached[0]
+
+    async def _load_targets(self) -> None:
+        columns = [getattr(VM, name) for name in _TARGET_FIELDS]
         try:
             async with self.db.transaction() as session:
-                vm = await session.scalar(select(VM).where(VM.id == vm_id))
+                rows = (await session.execute(select(*columns))).all()
         except Exception as exc:
             if _is_transient_db_error(exc):
                 raise TransientError(f"database: {_first_line(str(exc))}") from exc
             raise
-        if vm is None:
-            raise RuntimeError(f"VM {vm_id} vanished under a claim")
-        target = VMTarget.from_vm(vm)
-        self._vms[vm_id] = (target, now)
-        return target
+        now = time.monotonic()
+        self._vms = {
+            row.id: (VMTarget(**dict(zip(_TARGET_FIELDS, row, strict=True))), now) for row in rows
+        }
 
 
 def _stale_insert(claim: Claim, vm_id: int, reason: str) -> Any:
