@@ -15,7 +15,7 @@ from datetime import datetime
 
 from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from scheduler.db import Database
 from scheduler.jobs import transition
@@ -159,7 +159,7 @@ def pending_reason(need: int, largest_free: int) -> str:
 
 
 async def claim_in_session(
-    session: AsyncSession,
+    session: AsyncSession | AsyncConnection,
     job_id: int,
     *,
     actor: str,
@@ -196,6 +196,9 @@ async def claim_in_session(
             # Free GPUs exist but other claimers hold them: not a reason to wait.
             return NoClaim(job_id, row.status, "contended", contended=True)
         reason = pending_reason(need, result.largest_free)
+        if isinstance(session, AsyncConnection):
+            # A session over the same connection joins its transaction.
+            session = AsyncSession(bind=session)
         moved = await transition(
             session,
             job_id,
@@ -222,9 +225,11 @@ async def claim_in_session(
 async def claim_gpus(
     db: Database, job_id: int, *, actor: str, lease_s: float = DEFAULT_LEASE_S
 ) -> Claim | NoClaim:
-    """Claim GPUs for a queued job in one short transaction (see `claim_in_session`)."""
-    async with db.transaction() as session:
-        return await claim_in_session(session, job_id, actor=actor, lease_s=lease_s)
+    """Claim GPUs for a queued job in one short transaction (see `claim_in_session`).
+
+    It runs on a bare connection, not an ORM session: this is the hot path."""
+    async with db.engine.begin() as conn:
+        return await claim_in_session(conn, job_id, actor=actor, lease_s=lease_s)
 
 
 @dataclass(frozen=True)
@@ -239,7 +244,13 @@ class Running:
 
 
 async def mark_running(
-    session: AsyncSession, job_id: int, attempt: int, pid: int, *, actor: str, reason: str
+    session: AsyncSession | AsyncConnection,
+    job_id: int,
+    attempt: int,
+    pid: int,
+    *,
+    actor: str,
+    reason: str,
 ) -> Running | None:
     """`transition(starting → running)` for this attempt, in one statement with its event.
 

@@ -307,9 +307,9 @@ class GlobalJobDispatcher:
     async def _record_running(self, claim: Claim, target: VMTarget, pid: int) -> str:
         bound = log.bind(job_id=claim.job_id, vm=target.name, attempt=claim.attempt)
         try:
-            async with self.db.transaction() as session:
+            async with self.db.engine.begin() as conn:  # hot path: no ORM session
                 moved = await mark_running(
-                    session,
+                    conn,
                     claim.job_id,
                     claim.attempt,
                     pid,
