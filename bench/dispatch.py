@@ -11,6 +11,10 @@ Latency per job is `running_at − publish time`.
 
     .venv/bin/python bench/dispatch.py [--jobs 2000] [--vms 250] [--launch-ms 10]
 
+Environment knobs for experiments: BENCH_POOL (database connections per dispatcher,
+default 10), BENCH_IN_FLIGHT (messages in flight per dispatcher, default 64),
+BENCH_PROFILE=<prefix> (a CPU profile of each dispatcher process).
+
 Runs with 1 dispatcher (the baseline), then 2; the last line is
 `dispatch: jobs=2000 dispatchers=2 jobs_per_s=… p50_ms=… p99_ms=… double_booked=0`.
 """
@@ -70,10 +74,14 @@ async def worker(database_url: str, nats_url: str, launch_ms: float, ready_file:
     from scheduler.logging import configure
 
     configure("WARNING", json=True)
-    db = Database(database_url, pool_size=10)
+    db = Database(database_url, pool_size=int(os.environ.get("BENCH_POOL", "10")))
     nc = await nats.connect(nats_url)
     dispatcher = GlobalJobDispatcher(
-        db, nc.jetstream(), AckingTransport(launch_ms / 1000), fetch_timeout_s=0.5
+        db,
+        nc.jetstream(),
+        AckingTransport(launch_ms / 1000),
+        fetch_timeout_s=0.5,
+        max_in_flight=int(os.environ.get("BENCH_IN_FLIGHT", "64")),
     )
     stop, ready = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
