@@ -16,7 +16,7 @@ from sqlalchemy import func, select, update
 from scheduler import bus
 from scheduler.claims import expire_leases
 from scheduler.db import Database
-from scheduler.embedded import EmbeddedNats
+from scheduler.embedded import EmbeddedNats, free_port
 from scheduler.models import GPU, Job, JobEvent, StaleProcess
 from scheduler.remote import job_dir
 from scheduler.transport import CommandResult, Transport, VMTarget, make_transport
@@ -289,3 +289,28 @@ async def test_cancelled_during_launch_is_killed_not_run(
     await transport.close()
     assert code.strip() == "143"
     assert d.stats.launched == 0
+
+
+async def test_an_unreachable_database_naks_and_the_job_is_not_lost(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
+) -> None:
+    """Given a dispatcher whose database cannot be reached, the message is nak'ed (not
+    acked, not lost); once the database answers again the redelivery runs the job."""
+    await fleet_with_rows(sim_fleet, db, 1, 1)
+    job_id = await new_job(db)
+    dead = Database(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/nothing")
+    async with running_dispatcher(db, nats.url) as dispatcher:
+        healthy, dispatcher.db = dispatcher.db, dead
+        nc = await nats_client.connect(nats.url)
+        await publish(nc, job_id)
+        await nc.close()
+        for _ in range(200):
+            if dispatcher.stats.nak:
+                break
+            await asyncio.sleep(0.05)
+        assert dispatcher.stats.nak >= 1
+        assert (await job_row(db, job_id)).status == "queued"
+        dispatcher.db = healthy
+        job = await wait_status(db, job_id, "running")
+    await dead.dispose()
+    assert job.attempt == 1
