@@ -1,10 +1,14 @@
-"""GPU claims: take free GPUs for a job atomically, give them back, expire dead claims.
+"""GPU claims: take free GPUs for jobs atomically, give them back, expire dead claims.
 
-A claim is one short transaction (invariant 4: no network I/O inside): the job row is
-locked, one statement picks the best-fitting VM and takes its GPU rows with
-`FOR UPDATE SKIP LOCKED`, and the job moves `queued → starting` with a lease. Two
-dispatchers racing for the same GPUs can never both win a row (invariant 1); the same job
-delivered twice is claimed once, because the second delivery finds it no longer queued.
+A batch of jobs is claimed in one short transaction (invariant 4: no network I/O inside):
+its job rows are locked (rows another transaction holds are skipped and retried), then for
+each job in turn one statement picks the best-fitting VM, takes its GPU rows with
+`FOR UPDATE SKIP LOCKED` and moves the job `queued → starting` with a lease; a job that
+fits nowhere moves `queued → pending` in the same transaction. Two dispatchers racing for
+the same GPUs can never both win a row (invariant 1); the same job delivered twice is
+claimed once, because the second delivery finds it no longer queued. The launched jobs of
+a batch are then recorded `running` by one statement (`mark_running_batch`), again with
+their event rows.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import func, select, text
 from sqlalchemy.dialects.postgresql import insert
@@ -103,23 +108,37 @@ FROM (SELECT 1) one LEFT JOIN moved m ON true
 )
 check_move(JobStatus.QUEUED, JobStatus.STARTING)  # the state machine still has the last word
 
-JOB_FOR_CLAIM_SQL = text(
-    "SELECT status, gpus_requested, model, dataset, reward_function, extra_args "
-    "FROM jobs WHERE id = :job_id FOR UPDATE"
+JOBS_FOR_CLAIM_SQL = text(
+    # SKIP LOCKED: a batch never waits for a job row, so it can never be one side of a
+    # deadlock with another transaction that moves several jobs (requeue, poller).
+    "SELECT id, status, gpus_requested, model, dataset, reward_function, extra_args "
+    "FROM jobs WHERE id = ANY(:ids) ORDER BY id FOR UPDATE SKIP LOCKED"
 )
+JOBS_EXISTING_SQL = text("SELECT id FROM jobs WHERE id = ANY(:ids)")
 
-MARK_RUNNING_SQL = text(
+MARK_RUNNING_BATCH_SQL = text(
     """
-WITH moved AS (
+WITH launched AS (
+    SELECT * FROM unnest(CAST(:job_ids AS bigint[]), CAST(:attempts AS integer[]),
+                         CAST(:pids AS integer[]), CAST(:reasons AS text[]))
+                  AS l(job_id, attempt, pid, reason)
+), locked AS MATERIALIZED (
+    -- Job rows locked in id order, as every transaction that moves several jobs should.
+    SELECT j.id FROM jobs j WHERE j.id IN (SELECT job_id FROM launched)
+    ORDER BY j.id FOR UPDATE
+), moved AS (
     UPDATE jobs SET status = 'running', running_at = now(), updated_at = now(),
-                    remote_pid = :pid, lease_expires_at = NULL
-    WHERE id = :job_id AND status = 'starting' AND attempt = :attempt
-    RETURNING attempt, queued_at, starting_at, submitted_at, running_at
+                    remote_pid = l.pid, lease_expires_at = NULL
+    FROM launched l
+    WHERE jobs.id = l.job_id AND jobs.id IN (SELECT id FROM locked)
+      AND jobs.status = 'starting' AND jobs.attempt = l.attempt
+    RETURNING jobs.id, jobs.attempt, jobs.queued_at, jobs.starting_at, jobs.submitted_at,
+              jobs.running_at, l.reason
 ), event AS (
     INSERT INTO job_events (job_id, from_status, to_status, reason, actor, attempt)
-    SELECT :job_id, 'starting', 'running', :reason, :actor, attempt FROM moved
+    SELECT id, 'starting', 'running', reason, :actor, attempt FROM moved
 )
-SELECT * FROM moved
+SELECT id, attempt, queued_at, starting_at, submitted_at, running_at FROM moved
 """
 )
 check_move(JobStatus.STARTING, JobStatus.RUNNING)
@@ -142,8 +161,9 @@ class Claim:
 
 @dataclass(frozen=True)
 class NoClaim:
-    """Nothing was claimed. `status` is the job's state now (None: no such job);
-    `contended` means GPUs would fit but other claimers hold them locked: try again soon."""
+    """Nothing was claimed. `status` is the job's state now (None: no such job, or not
+    known yet); `contended` means GPUs would fit but other claimers hold them locked, or
+    another transaction holds the job's row: try again soon."""
 
     job_id: int
     status: str | None
@@ -158,78 +178,106 @@ def pending_reason(need: int, largest_free: int) -> str:
     return f"needs {need} {unit}, largest free block is {largest_free}"
 
 
-async def claim_in_session(
-    session: AsyncSession | AsyncConnection,
-    job_id: int,
+async def claim_batch_in_session(
+    conn: AsyncConnection,
+    job_ids: Sequence[int],
     *,
     actor: str,
     lease_s: float = DEFAULT_LEASE_S,
     candidates: int = CANDIDATE_VMS,
-) -> Claim | NoClaim:
-    """Claim GPUs for queued job `job_id` inside the caller's (short) transaction.
+) -> list[Claim | NoClaim]:
+    """Claim GPUs for each job of `job_ids`, in order, inside the caller's transaction.
 
-    Moves the job `queued → starting` (lease, attempt + 1, VM, GPUs, output dir) when a VM
-    fits, `queued → pending` with the reason when none does, and leaves any job that is not
-    `queued` untouched.
+    Each queued job moves `queued → starting` (lease, attempt + 1, VM, GPUs, output dir)
+    when a VM fits, `queued → pending` with the reason when none does; a job that is not
+    `queued`, unknown, or already seen earlier in the batch is left untouched. Returns one
+    result per entry of `job_ids`, in the same order.
     """
-    row = (await session.execute(JOB_FOR_CLAIM_SQL, {"job_id": job_id})).first()
-    if row is None:
-        return NoClaim(job_id, None, "no such job")
-    if row.status != JobStatus.QUEUED:
-        return NoClaim(job_id, row.status, f"job is {row.status}")
-    need = row.gpus_requested
-    result = (
-        await session.execute(
-            CLAIM_SQL,
-            {
-                "job_id": job_id,
-                "need": need,
-                "candidates": candidates,
-                "default_output_dir": default_output_dir(job_id),
-                "lease_s": lease_s,
-                "actor": actor,
-            },
-        )
-    ).one()
-    if result.vm_id is None:
-        if result.largest_free >= need:
-            # Free GPUs exist but other claimers hold them: not a reason to wait.
-            return NoClaim(job_id, row.status, "contended", contended=True)
-        reason = pending_reason(need, result.largest_free)
-        if isinstance(session, AsyncConnection):
-            # A session over the same connection joins its transaction.
-            session = AsyncSession(bind=session)
-        moved = await transition(
-            session,
+    ids = sorted(set(job_ids))
+    jobs = {row.id: row for row in await conn.execute(JOBS_FOR_CLAIM_SQL, {"ids": ids})}
+    busy: set[int] = set()
+    if len(jobs) < len(ids):  # unknown ids, or rows another transaction holds right now
+        missing = [i for i in ids if i not in jobs]
+        busy = set((await conn.execute(JOBS_EXISTING_SQL, {"ids": missing})).scalars())
+    results: list[Claim | NoClaim] = []
+    seen: set[int] = set()
+    for job_id in job_ids:
+        row = jobs.get(job_id)
+        if job_id in busy:
+            # Its commit is a moment away: try again, as with contended GPUs.
+            results.append(NoClaim(job_id, None, "job row locked", contended=True))
+        elif row is None:
+            results.append(NoClaim(job_id, None, "no such job"))
+        elif job_id in seen:
+            results.append(NoClaim(job_id, row.status, "delivered twice in one batch"))
+        elif row.status != JobStatus.QUEUED:
+            results.append(NoClaim(job_id, row.status, f"job is {row.status}"))
+        else:
+            results.append(await _claim_one(conn, row, actor, lease_s, candidates))
+        seen.add(job_id)
+    return results
+
+
+async def _claim_one(
+    conn: AsyncConnection, row: Any, actor: str, lease_s: float, candidates: int
+) -> Claim | NoClaim:
+    """Claim (or park as pending) one queued, locked job: the CLAIM statement, then maybe
+    the pending move."""
+    job_id, need = row.id, row.gpus_requested
+    params = {
+        "job_id": job_id,
+        "need": need,
+        "candidates": candidates,
+        "default_output_dir": default_output_dir(job_id),
+        "lease_s": lease_s,
+        "actor": actor,
+    }
+    result = (await conn.execute(CLAIM_SQL, params)).one()
+    if result.vm_id is not None:
+        return Claim(
             job_id,
-            expected=JobStatus.QUEUED,
-            to=JobStatus.PENDING,
-            reason=reason,
-            actor=actor,
-            values={"status_reason": reason},
+            result.attempt,
+            result.vm_id,
+            list(result.gpu_indices),
+            result.output_dir,
+            model=row.model,
+            dataset=row.dataset,
+            reward_functions=tuple(r for r in row.reward_function.split(",") if r),
+            extra_args=tuple(str(a) for a in row.extra_args or ()),
         )
-        return NoClaim(job_id, JobStatus.PENDING.value, reason, moved_to_pending=moved)
-    return Claim(
+    if result.largest_free >= need:
+        # Free GPUs exist but other claimers hold them: not a reason to wait.
+        return NoClaim(job_id, row.status, "contended", contended=True)
+    reason = pending_reason(need, result.largest_free)
+    moved = await transition(
+        AsyncSession(bind=conn),  # a session over the connection joins its transaction
         job_id,
-        result.attempt,
-        result.vm_id,
-        list(result.gpu_indices),
-        result.output_dir,
-        model=row.model,
-        dataset=row.dataset,
-        reward_functions=tuple(r for r in row.reward_function.split(",") if r),
-        extra_args=tuple(str(a) for a in row.extra_args or ()),
+        expected=JobStatus.QUEUED,
+        to=JobStatus.PENDING,
+        reason=reason,
+        actor=actor,
+        values={"status_reason": reason},
     )
+    return NoClaim(job_id, JobStatus.PENDING.value, reason, moved_to_pending=moved)
+
+
+async def claim_batch(
+    db: Database, job_ids: Sequence[int], *, actor: str, lease_s: float = DEFAULT_LEASE_S
+) -> list[Claim | NoClaim]:
+    """`claim_batch_in_session` in one short transaction of its own.
+
+    It runs on a bare connection, not an ORM session: this is the hot path."""
+    if not job_ids:
+        return []
+    async with db.engine.begin() as conn:
+        return await claim_batch_in_session(conn, job_ids, actor=actor, lease_s=lease_s)
 
 
 async def claim_gpus(
     db: Database, job_id: int, *, actor: str, lease_s: float = DEFAULT_LEASE_S
 ) -> Claim | NoClaim:
-    """Claim GPUs for a queued job in one short transaction (see `claim_in_session`).
-
-    It runs on a bare connection, not an ORM session: this is the hot path."""
-    async with db.engine.begin() as conn:
-        return await claim_in_session(conn, job_id, actor=actor, lease_s=lease_s)
+    """Claim GPUs for one queued job in a short transaction (a batch of one)."""
+    return (await claim_batch(db, [job_id], actor=actor, lease_s=lease_s))[0]
 
 
 @dataclass(frozen=True)
@@ -243,27 +291,38 @@ class Running:
     running_at: datetime | None
 
 
-async def mark_running(
-    session: AsyncSession | AsyncConnection,
-    job_id: int,
-    attempt: int,
-    pid: int,
-    *,
-    actor: str,
-    reason: str,
-) -> Running | None:
-    """`transition(starting → running)` for this attempt, in one statement with its event.
+@dataclass(frozen=True)
+class Launched:
+    """An attempt the VM says it started: the pid of its process-group leader."""
 
-    None when the job is no longer `starting` at that attempt (cancelled, or its lease
-    expired and it was claimed again): the caller must not let the attempt run.
+    job_id: int
+    attempt: int
+    pid: int
+    reason: str
+
+
+async def mark_running_batch(
+    conn: AsyncConnection, launched: Sequence[Launched], *, actor: str
+) -> dict[int, Running]:
+    """`transition(starting → running)` for each launched attempt, in ONE statement with
+    their event rows (caller's transaction); returns the moved jobs by id.
+
+    A job missing from the result is no longer `starting` at that attempt (cancelled, or
+    its lease expired and it was claimed again): the caller must not let that attempt run.
     """
-    row = (
-        await session.execute(
-            MARK_RUNNING_SQL,
-            {"job_id": job_id, "attempt": attempt, "pid": pid, "actor": actor, "reason": reason},
-        )
-    ).first()
-    return None if row is None else Running(*row)
+    if not launched:
+        return {}
+    rows = await conn.execute(
+        MARK_RUNNING_BATCH_SQL,
+        {
+            "job_ids": [x.job_id for x in launched],
+            "attempts": [x.attempt for x in launched],
+            "pids": [x.pid for x in launched],
+            "reasons": [x.reason for x in launched],
+            "actor": actor,
+        },
+    )
+    return {row.id: Running(*row[1:]) for row in rows}
 
 
 async def release_in_session(session: AsyncSession, job_id: int) -> list[int]:

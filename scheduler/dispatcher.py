@@ -1,11 +1,14 @@
 """The dispatcher daemon: pull job ids from `jobs.new`, claim GPUs, launch over SSH.
 
 Every dispatcher binds to the one durable pull consumer, so a message goes to one of them
-at a time; Postgres decides the rest. Per message: claim (one short transaction) → launch
-(SSH, no transaction) → record the pid (one short guarded transaction) → ack. A message
-is acked only once the database says `running`, `pending` or `failed` (or the job needs
-nothing from us); transient trouble with the database is a nak with a delay, and a claim
-whose launch never got recorded is taken back by its lease (`claims.expire_leases`).
+at a time; Postgres decides the rest. Messages are fetched in batches, and each batch is
+handled while the next one is fetched: claim all its jobs (one short transaction:
+`claims.claim_batch`; jobs that fit nowhere go `pending` in it) → launch the claimed ones
+concurrently (SSH, no transaction) → record all the pids (one guarded statement:
+`claims.mark_running_batch`) → ack. A message is acked only once the database says
+`running`, `pending` or `failed` (or the job needs nothing from us); transient trouble with
+the database is a nak with a delay, and a claim whose launch never got recorded is taken
+back by its lease (`claims.expire_leases`).
 
 Run it as `rlfleet dispatcher` or `python -m scheduler.dispatcher`.
 """
@@ -15,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import random
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,9 +39,10 @@ from scheduler import bus, metrics
 from scheduler.claims import (
     DEFAULT_LEASE_S,
     Claim,
+    Launched,
     NoClaim,
-    claim_gpus,
-    mark_running,
+    claim_batch,
+    mark_running_batch,
     refresh_available,
     release_in_session,
 )
@@ -106,6 +111,36 @@ class DispatchStats:
     nak: int = 0
 
 
+class _Replies:
+    """The messages of one batch that were answered (acked, nak'ed), and its start."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self._answered: set[int] = set()
+
+    def answer(self, msg: Msg) -> None:
+        """Note that `msg` got its answer."""
+        self._answered.add(id(msg))
+
+    def open(self, msg: Msg) -> bool:
+        """Whether `msg` still waits for its answer."""
+        return id(msg) not in self._answered
+
+    def elapsed(self) -> float:
+        """Seconds since the batch was fetched."""
+        return time.monotonic() - self.started
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """A claimed attempt its VM started, and the message that asked for it."""
+
+    msg: Msg
+    claim: Claim
+    target: VMTarget
+    pid: int
+
+
 class GlobalJobDispatcher:
     """Consumes `jobs.new` and turns queued jobs into running ones."""
 
@@ -138,6 +173,7 @@ class GlobalJobDispatcher:
         self.stats = DispatchStats()
         self._vms: dict[int, tuple[VMTarget, float]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._in_flight = 0  # messages fetched and not yet answered
         self._touched_vms: set[int] = set()
         self._vms_lock = asyncio.Lock()
 
@@ -157,7 +193,7 @@ class GlobalJobDispatcher:
         counter = asyncio.create_task(self._refresh_counts(stop))
         backoff = 0.5
         while not stop.is_set():
-            room = self.max_in_flight - len(self._tasks)
+            room = self.max_in_flight - self._in_flight
             if room <= 0:
                 await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
                 continue
@@ -171,10 +207,11 @@ class GlobalJobDispatcher:
                 backoff = min(backoff * 2, 10.0)
                 continue
             backoff = 0.5
-            for msg in msgs:
-                task = asyncio.create_task(self.handle(msg))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            # The batch is handled in a task of its own, so the next fetch overlaps it.
+            task = asyncio.create_task(self.handle_batch(msgs))
+            self._in_flight += len(msgs)
+            self._tasks.add(task)
+            task.add_done_callback(functools.partial(self._batch_done, len(msgs)))
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=self.launch_timeout_s + 5)
         counter.cancel()
@@ -183,6 +220,10 @@ class GlobalJobDispatcher:
         await self._flush_counts()
         with contextlib.suppress(Exception):  # closing anyway
             await sub.unsubscribe()
+
+    def _batch_done(self, size: int, task: asyncio.Task[None]) -> None:
+        self._in_flight -= size
+        self._tasks.discard(task)
 
     async def _refresh_counts(self, stop: asyncio.Event) -> None:
         """Recount `vms.available_gpus` of the VMs claimed on, at most twice a second."""
@@ -210,56 +251,120 @@ class GlobalJobDispatcher:
                 backoff = min(backoff * 2, 10.0)
         return None
 
-    async def handle(self, msg: Msg) -> None:
-        """Handle one `jobs.new` message: ack, nak (transient trouble) or term (malformed)."""
+    # ---------------------------------------------------------------- one batch
+
+    async def handle_batch(self, msgs: Sequence[Msg]) -> None:
+        """Handle one fetched batch of `jobs.new` messages, answering each exactly once:
+        ack (the database says what became of the job), nak (transient trouble) or term
+        (malformed). A bug naks what is still unanswered, for a later redelivery."""
+        replies = _Replies(time.monotonic())
+        jobs: list[tuple[Msg, int]] = []
+        for msg in msgs:
+            try:
+                jobs.append((msg, parse_job_id(msg.data)))
+            except ValueError as exc:
+                self.stats.terminated += 1
+                log.warning("message_terminated", reason=str(exc), subject=msg.subject)
+                await _quietly(msg.term())
         try:
-            job_id = parse_job_id(msg.data)
-        except ValueError as exc:
-            self.stats.terminated += 1
-            log.warning("message_terminated", reason=str(exc), subject=msg.subject)
-            await _quietly(msg.term())
-            return
-        started = time.monotonic()
-        try:
-            outcome = await self.dispatch(job_id)
-        except TransientError as exc:
-            metrics.observe_dispatch(time.monotonic() - started, "deferred")
-            self.stats.nak += 1
-            delay = DB_NAK_DELAY_S * (0.5 + random.random())
-            log.warning("dispatch_deferred", job_id=job_id, error=str(exc), retry_in_s=delay)
-            await _quietly(msg.nak(delay=delay))
-            return
+            await self.dispatch_batch(jobs, replies)
         except Exception:
-            # A bug, not weather: leave the message for redelivery after ack_wait.
-            log.exception("dispatch_crashed", job_id=job_id)
-            metrics.observe_dispatch(time.monotonic() - started, "crashed")
-            await _quietly(msg.nak(delay=DB_NAK_DELAY_S * 5))
+            # A bug, not weather: leave the messages for redelivery later.
+            log.exception("dispatch_crashed", job_ids=[job_id for _, job_id in jobs])
+            for msg, _job_id in jobs:
+                if replies.open(msg):
+                    replies.answer(msg)
+                    metrics.observe_dispatch(replies.elapsed(), "crashed")
+                    await _quietly(msg.nak(delay=DB_NAK_DELAY_S * 5))
+
+    async def dispatch_batch(self, jobs: Sequence[tuple[Msg, int]], replies: _Replies) -> None:
+        """Claim every job in one transaction → launch the claimed ones concurrently (no
+        transaction) → record the launched ones `running` in one statement."""
+        results = await self._claim_all([job_id for _msg, job_id in jobs])
+        claimed: list[tuple[Msg, Claim]] = []
+        for (msg, job_id), result in zip(jobs, results, strict=True):
+            if isinstance(result, Claim):
+                self._touched_vms.add(result.vm_id)
+                claimed.append((msg, result))
+            elif isinstance(result, TransientError):
+                await self._defer(replies, msg, job_id, result)
+            else:
+                await self._reply(replies, msg, self._not_claimed(result))
+        if claimed:
+            await self._launch_all(claimed, replies)
+
+    async def _claim_all(self, job_ids: list[int]) -> list[Claim | NoClaim | TransientError]:
+        """One result per job id: the batch claim, retried for the jobs whose free GPUs
+        other claimers held locked (their commit is a few milliseconds away)."""
+        results: list[Claim | NoClaim | TransientError | None] = [None] * len(job_ids)
+        todo = list(range(len(job_ids)))
+        for attempt in range(CONTENDED_RETRIES):
+            if attempt:
+                await asyncio.sleep(0.005 + random.random() * 0.02)
+            try:
+                batch = await claim_batch(
+                    self.db, [job_ids[i] for i in todo], actor=self.actor, lease_s=self.lease_s
+                )
+            except Exception as exc:
+                if not _is_transient_db_error(exc):
+                    raise
+                # Nothing of this round was committed; earlier rounds' claims stand.
+                for i in todo:
+                    results[i] = TransientError(f"database: {_first_line(str(exc))}")
+                todo = []
+                break
+            retry: list[int] = []
+            for i, result in zip(todo, batch, strict=True):
+                if isinstance(result, NoClaim) and result.contended:
+                    retry.append(i)
+                else:
+                    results[i] = result
+            todo = retry
+            if not todo:
+                break
+        for i in todo:
+            results[i] = TransientError("free GPUs stayed locked by other claimers")
+        return [r for r in results if r is not None]
+
+    def _not_claimed(self, result: NoClaim) -> str:
+        """Count and log a job that claimed nothing; returns the outcome for metrics."""
+        if result.status == JobStatus.PENDING and result.moved_to_pending:
+            self.stats.pending += 1
+            log.info("job_pending", job_id=result.job_id, reason=result.reason)
+            return "pending"
+        self.stats.skipped += 1
+        log.info("job_skipped", job_id=result.job_id, status=result.status, reason=result.reason)
+        return "skipped"
+
+    async def _launch_all(self, claimed: list[tuple[Msg, Claim]], replies: _Replies) -> None:
+        """Launch every claim concurrently, then settle failures and record the rest."""
+        try:
+            targets = [await self._target(claim.vm_id) for _msg, claim in claimed]
+        except TransientError as exc:
+            for msg, claim in claimed:  # the leases bring the claims back
+                await self._defer(replies, msg, claim.job_id, exc)
             return
-        metrics.observe_dispatch(time.monotonic() - started, outcome)
-        await _quietly(msg.ack())
+        outcomes = await asyncio.gather(
+            *(
+                self._launch(claim, target)
+                for (_msg, claim), target in zip(claimed, targets, strict=True)
+            )
+        )
+        launched: list[_Launch] = []
+        failed = []
+        for (msg, claim), target, outcome in zip(claimed, targets, outcomes, strict=True):
+            if isinstance(outcome, int):
+                launched.append(_Launch(msg, claim, target, outcome))
+            else:
+                failed.append(self._fail(replies, msg, claim, target, outcome))
+        await asyncio.gather(*failed)
+        if launched:
+            await self._record_running(launched, replies)
 
-    # ---------------------------------------------------------------- one job
-
-    async def dispatch(self, job_id: int) -> str:
-        """Claim, launch and record one job; returns what happened (for tests and logs).
-
-        Raises `TransientError` when the message should be delivered again later.
-        """
-        claim = await self._claim(job_id)
-        if isinstance(claim, NoClaim):
-            if claim.status == JobStatus.PENDING and claim.moved_to_pending:
-                self.stats.pending += 1
-                log.info("job_pending", job_id=job_id, reason=claim.reason)
-                return "pending"
-            self.stats.skipped += 1
-            log.info("job_skipped", job_id=job_id, status=claim.status, reason=claim.reason)
-            return "skipped"
-        self._touched_vms.add(claim.vm_id)
-        target = await self._target(claim.vm_id)
-        bound = log.bind(job_id=job_id, vm=target.name, attempt=claim.attempt)
-        bound.info("job_claimed", gpus=claim.gpu_indices)
+    async def _launch(self, claim: Claim, target: VMTarget) -> int | str:
+        """Start the claimed attempt on its VM: the pid, or why it did not start."""
         spec = LaunchSpec(
-            job_id=job_id,
+            job_id=claim.job_id,
             attempt=claim.attempt,
             python=target.python,
             entrypoint=target.entrypoint,
@@ -270,71 +375,90 @@ class GlobalJobDispatcher:
             output_dir=claim.output_dir,
             extra_args=claim.extra_args,
         )
-        error: str | None = None
-        pid: int | None = None
         try:
             result = await self.transport.run(
                 target, launch_script(spec), timeout=self.launch_timeout_s
             )
         except TransportError as exc:
-            error = str(exc) or type(exc).__name__
-        else:
-            launched = parse_launch(result.stdout)
-            if launched is None:
-                error = _first_line(result.stderr) or f"launch exited {result.exit_status}"
-            else:
-                pid = launched.pid
-        if pid is None:
-            await self._launch_failed(claim, target, error or "launch failed")
-            return "failed"
-        return await self._record_running(claim, target, pid)
+            return str(exc) or type(exc).__name__
+        launched = parse_launch(result.stdout)
+        if launched is None:
+            return _first_line(result.stderr) or f"launch exited {result.exit_status}"
+        return launched.pid
 
-    async def _claim(self, job_id: int) -> Claim | NoClaim:
-        for _ in range(CONTENDED_RETRIES):
-            try:
-                claim = await claim_gpus(self.db, job_id, actor=self.actor, lease_s=self.lease_s)
-            except Exception as exc:
-                if _is_transient_db_error(exc):
-                    raise TransientError(f"database: {_first_line(str(exc))}") from exc
-                raise
-            if isinstance(claim, Claim) or not claim.contended:
-                return claim
-            # Other claimers hold the free GPUs locked right now: their commit is a few
-            # milliseconds away, and may leave room.
-            await asyncio.sleep(0.005 + random.random() * 0.02)
-        raise TransientError("free GPUs stayed locked by other claimers")
-
-    async def _record_running(self, claim: Claim, target: VMTarget, pid: int) -> str:
-        bound = log.bind(job_id=claim.job_id, vm=target.name, attempt=claim.attempt)
+    async def _record_running(self, launched: list[_Launch], replies: _Replies) -> None:
+        """Move every launched attempt `starting → running` in one statement, then ack;
+        an attempt whose job moved on meanwhile is killed."""
+        batch = [
+            Launched(x.claim.job_id, x.claim.attempt, x.pid, f"pid {x.pid} on {x.target.name}")
+            for x in launched
+        ]
         try:
             async with self.db.engine.begin() as conn:  # hot path: no ORM session
-                moved = await mark_running(
-                    conn,
-                    claim.job_id,
-                    claim.attempt,
-                    pid,
-                    actor=self.actor,
-                    reason=f"pid {pid} on {target.name}",
-                )
-            if moved is not None:
-                metrics.observe_queue_wait(moved.queued_at, moved.starting_at)
-                metrics.observe_running(moved.submitted_at, moved.running_at)
+                moved = await mark_running_batch(conn, batch, actor=self.actor)
         except Exception as exc:
-            if _is_transient_db_error(exc):
-                # The process runs; the lease will bring the claim back if we never can.
-                raise TransientError(f"database: {_first_line(str(exc))}") from exc
-            raise
-        if moved is None:
-            # Cancelled, or the lease expired, while we launched: this attempt must not run.
-            bound.warning("launch_superseded", pid=pid)
-            await self._kill_quietly(claim, target)
-            self.stats.skipped += 1
-            return "superseded"
-        self.stats.launched += 1
-        bound.info("job_running", pid=pid, gpus=claim.gpu_indices)
-        if self.on_running is not None:
-            self.on_running(claim.job_id)
-        return "running"
+            if not _is_transient_db_error(exc):
+                raise
+            # The processes run; the leases will bring the claims back if we never can.
+            error = TransientError(f"database: {_first_line(str(exc))}")
+            for x in launched:
+                await self._defer(replies, x.msg, x.claim.job_id, error)
+            return
+        superseded = []
+        for x in launched:
+            running = moved.get(x.claim.job_id)
+            if running is None:
+                superseded.append(self._supersede(replies, x))
+                continue
+            metrics.observe_queue_wait(running.queued_at, running.starting_at)
+            metrics.observe_running(running.submitted_at, running.running_at)
+            self.stats.launched += 1
+            log.info(
+                "job_running",
+                job_id=x.claim.job_id,
+                vm=x.target.name,
+                attempt=x.claim.attempt,
+                pid=x.pid,
+                gpus=x.claim.gpu_indices,
+            )
+            if self.on_running is not None:
+                self.on_running(x.claim.job_id)
+            await self._reply(replies, x.msg, "running")
+        await asyncio.gather(*superseded)
+
+    async def _supersede(self, replies: _Replies, x: _Launch) -> None:
+        """Cancelled, or the lease expired, while we launched: this attempt must not run."""
+        bound = log.bind(job_id=x.claim.job_id, vm=x.target.name, attempt=x.claim.attempt)
+        bound.warning("launch_superseded", pid=x.pid)
+        await self._kill_quietly(x.claim, x.target)
+        self.stats.skipped += 1
+        await self._reply(replies, x.msg, "superseded")
+
+    async def _fail(
+        self, replies: _Replies, msg: Msg, claim: Claim, target: VMTarget, error: str
+    ) -> None:
+        """Record a launch that did not start, then ack (or nak when the DB is away)."""
+        try:
+            await self._launch_failed(claim, target, error)
+        except TransientError as exc:
+            await self._defer(replies, msg, claim.job_id, exc)
+            return
+        await self._reply(replies, msg, "failed")
+
+    async def _reply(self, replies: _Replies, msg: Msg, outcome: str) -> None:
+        """Ack: the database now says what became of the job."""
+        replies.answer(msg)
+        metrics.observe_dispatch(replies.elapsed(), outcome)
+        await _quietly(msg.ack())
+
+    async def _defer(self, replies: _Replies, msg: Msg, job_id: int, error: TransientError) -> None:
+        """Nak with a jittered delay: the redelivery tries again."""
+        replies.answer(msg)
+        metrics.observe_dispatch(replies.elapsed(), "deferred")
+        self.stats.nak += 1
+        delay = DB_NAK_DELAY_S * (0.5 + random.random())
+        log.warning("dispatch_deferred", job_id=job_id, error=str(error), retry_in_s=delay)
+        await _quietly(msg.nak(delay=delay))
 
     async def _launch_failed(self, claim: Claim, target: VMTarget, error: str) -> None:
         bound = log.bind(job_id=claim.job_id, vm=target.name, attempt=claim.attempt)
