@@ -11,9 +11,12 @@ from sqlalchemy import func, select, text, update
 
 from scheduler.claims import (
     Claim,
+    Launched,
     NoClaim,
+    claim_batch,
     claim_gpus,
     expire_leases,
+    mark_running_batch,
     refresh_available,
     release_in_session,
 )
@@ -222,3 +225,92 @@ async def test_release_frees_and_counts(db: Database) -> None:
     async with db.transaction() as session:
         assert await session.scalar(select(VM.available_gpus).where(VM.id == vm_id)) == 4
     assert await allocations(db) == {}
+
+
+async def test_a_batch_claims_what_fits_and_parks_the_rest_in_one_transaction(
+    db: Database,
+) -> None:
+    """Given one VM with 3 free GPUs and a batch of a 2-GPU job, a 4-GPU job, a 1-GPU job,
+    a repeat of the first and an unknown id, then the batch claims the 2- and 1-GPU jobs,
+    the 4-GPU job is pending with its reason and event, and the rest is left alone."""
+    vm_id = await add_vm(db, "a", 3)
+    two, four, one = await new_job(db, 2), await new_job(db, 4), await new_job(db, 1)
+
+    results = await claim_batch(db, [two, four, one, two, 10**9], actor="test")
+
+    c2, p4, c1, again, unknown = results
+    assert isinstance(c2, Claim) and (c2.vm_id, c2.gpu_indices) == (vm_id, [0, 1])
+    assert isinstance(c1, Claim) and (c1.vm_id, c1.gpu_indices) == (vm_id, [2])
+    assert isinstance(p4, NoClaim) and p4.moved_to_pending
+    # In order: the 2-GPU claim before it already left only one GPU free.
+    assert p4.reason == "needs 4 GPUs, largest free block is 1"
+    assert isinstance(again, NoClaim) and not again.contended and not again.moved_to_pending
+    assert isinstance(unknown, NoClaim) and unknown.status is None and not unknown.contended
+    assert await allocations(db) == {two: (vm_id, [0, 1]), one: (vm_id, [2])}
+    async with db.transaction() as session:
+        job = await get_job(session, four, with_events=True)
+    assert job.status == "pending" and job.status_reason == p4.reason
+    assert [(e.from_status, e.to_status) for e in job.events][-1] == ("queued", "pending")
+
+
+async def test_running_batch_moves_only_the_attempts_still_starting(db: Database) -> None:
+    """Given two claimed jobs of which one is cancelled during its launch, recording both
+    launches moves only the other one to running, with its pid and event row."""
+    await add_vm(db, "a", 2)
+    kept, cancelled = await new_job(db), await new_job(db)
+    claims = await claim_batch(db, [kept, cancelled], actor="test")
+    assert all(isinstance(c, Claim) for c in claims)
+    async with db.transaction() as session:
+        await session.execute(update(Job).where(Job.id == cancelled).values(status="cancelled"))
+
+    async with db.engine.begin() as conn:
+        moved = await mark_running_batch(
+            conn,
+            [Launched(kept, 1, 4242, "pid 4242"), Launched(cancelled, 1, 4343, "pid 4343")],
+            actor="test",
+        )
+
+    assert list(moved) == [kept] and moved[kept].attempt == 1
+    async with db.transaction() as session:
+        job = await get_job(session, kept, with_events=True)
+        assert (await get_job(session, cancelled)).status == "cancelled"
+    assert (job.status, job.remote_pid, job.lease_expires_at) == ("running", 4242, None)
+    assert [(e.from_status, e.to_status, e.reason) for e in job.events][-1] == (
+        "starting",
+        "running",
+        "pid 4242",
+    )
+
+
+async def test_concurrent_batch_claimers_never_share_a_gpu(db: Database) -> None:
+    """Given 6 VMs with 24 GPUs in all and 40 jobs of 1-3 GPUs, when two claimers each
+    take the whole list in batches of 8 at the same time (every job twice), retrying what
+    was contended, then no GPU is held twice and no job is claimed twice."""
+    rng = random.Random(7)
+    for i in range(6):
+        await add_vm(db, f"vm{i}", 4)
+    job_ids = [await new_job(db, rng.randint(1, 3)) for _ in range(40)]
+    claims: list[Claim] = []
+
+    async def claimer(order: list[int]) -> None:
+        todo = order
+        while todo:
+            batch, todo = todo[:8], todo[8:]
+            for result in await claim_batch(db, batch, actor="test"):
+                if isinstance(result, Claim):
+                    claims.append(result)
+                elif result.contended:
+                    todo.append(result.job_id)
+
+    await asyncio.gather(claimer(list(job_ids)), claimer(list(reversed(job_ids))))
+
+    assert claims and Counter(c.job_id for c in claims).most_common(1)[0][1] == 1
+    held = [(c.vm_id, i) for c in claims for i in c.gpu_indices]
+    assert len(held) == len(set(held)) == 24 - await free_gpus(db)
+    assert {c.job_id: (c.vm_id, c.gpu_indices) for c in claims} == await allocations(db)
+
+
+async def free_gpus(db: Database) -> int:
+    """How many GPU rows no job holds."""
+    async with db.transaction() as session:
+        return await session.scalar(select(func.count()).where(GPU.job_id.is_(None))) or 0
