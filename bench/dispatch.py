@@ -2,18 +2,20 @@
 
 Embedded Postgres (durable: fsync and synchronous commit on, as in production) and
 nats-server; 250 VMs × 8 GPUs inserted directly as polled and healthy. Each dispatcher is
-a separate process running the real `GlobalJobDispatcher` (claim transaction, launch,
-running transaction, ack) with one stand-in: its transport answers every launch with a
-pid after a simulated round trip (`--launch-ms`, default 10 ms, the cost of an exec on a
-pooled SSH connection) without starting anything — this measures the scheduler, not SSH.
+a separate process running the real `GlobalJobDispatcher` (per fetched batch: one claim
+transaction, concurrent launches, one running statement, acks) with one stand-in: its
+transport answers every launch with a pid after a simulated round trip (`--launch-ms`,
+default 10 ms, the cost of an exec on a pooled SSH connection) without starting anything —
+this measures the scheduler, not SSH.
 The jobs are inserted first, then published with plain `nc.publish("jobs.new", id)`.
 Latency per job is `running_at − publish time`.
 
     .venv/bin/python bench/dispatch.py [--jobs 2000] [--vms 250] [--launch-ms 10]
 
 Environment knobs for experiments: BENCH_POOL (database connections per dispatcher,
-default 10), BENCH_IN_FLIGHT (messages in flight per dispatcher, default 64),
-BENCH_PROFILE=<prefix> (a CPU profile of each dispatcher process).
+default 10), BENCH_IN_FLIGHT (messages in flight per dispatcher, default 64), BENCH_BATCH
+(messages per fetch, i.e. per claim transaction, default 32), BENCH_PROFILE=<prefix> (a CPU
+profile of each dispatcher process).
 
 Runs with 1 dispatcher (the baseline), then 2; the last line is
 `dispatch: jobs=2000 dispatchers=2 jobs_per_s=… p50_ms=… p99_ms=… double_booked=0`.
@@ -82,6 +84,7 @@ async def worker(database_url: str, nats_url: str, launch_ms: float, ready_file:
         AckingTransport(launch_ms / 1000),
         fetch_timeout_s=0.5,
         max_in_flight=int(os.environ.get("BENCH_IN_FLIGHT", "64")),
+        batch=int(os.environ.get("BENCH_BATCH", "32")),
     )
     stop, ready = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -95,6 +98,7 @@ async def worker(database_url: str, nats_url: str, launch_ms: float, ready_file:
     cpu_ms = (usage.ru_utime + usage.ru_stime) * 1000
     print(
         f"worker {os.getpid()}: launched={s.launched} pending={s.pending} nak={s.nak} "
+        f"contended={s.contended} "
         f"cpu_ms_per_job={cpu_ms / max(1, s.launched):.1f}",
         flush=True,
     )

@@ -109,6 +109,7 @@ class DispatchStats:
     launch_failed: int = 0
     terminated: int = 0
     nak: int = 0
+    contended: int = 0  # claims tried again because other claimers held the rows
 
 
 class _Replies:
@@ -176,6 +177,7 @@ class GlobalJobDispatcher:
         self._in_flight = 0  # messages fetched and not yet answered
         self._touched_vms: set[int] = set()
         self._vms_lock = asyncio.Lock()
+        self._claim_lock = asyncio.Lock()
 
     # ---------------------------------------------------------------- the loop
 
@@ -302,9 +304,12 @@ class GlobalJobDispatcher:
             if attempt:
                 await asyncio.sleep(0.005 + random.random() * 0.02)
             try:
-                batch = await claim_batch(
-                    self.db, [job_ids[i] for i in todo], actor=self.actor, lease_s=self.lease_s
-                )
+                # One claim transaction at a time per process: this dispatcher's batches
+                # would otherwise mostly contend for the same best-fit GPU rows.
+                async with self._claim_lock:
+                    batch = await claim_batch(
+                        self.db, [job_ids[i] for i in todo], actor=self.actor, lease_s=self.lease_s
+                    )
             except Exception as exc:
                 if not _is_transient_db_error(exc):
                     raise
@@ -320,6 +325,7 @@ class GlobalJobDispatcher:
                 else:
                     results[i] = result
             todo = retry
+            self.stats.contended += len(retry)
             if not todo:
                 break
         for i in todo:
