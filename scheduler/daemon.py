@@ -7,8 +7,13 @@ import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable
+from typing import Any
 
-from scheduler.logging import get_logger
+import click
+
+from scheduler import metrics
+from scheduler.logging import configure, get_logger
+from scheduler.settings import Settings
 
 log = get_logger("daemon")
 
@@ -115,3 +120,51 @@ async def serve(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     log.info("daemon_stopped", daemon=name)
+
+
+def daemon_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The connection, metrics and logging flags every daemon command takes.
+
+    They repeat the global `rlfleet` options so `python -m scheduler.<daemon>` (with no
+    `rlfleet` group around it) accepts them too; `daemon_settings` resolves them.
+    """
+    decorators = [
+        click.option(
+            "--database-url",
+            envvar="RLFLEET_DATABASE_URL",
+            metavar="URL",
+            help="Overrides the global --database-url (env RLFLEET_DATABASE_URL).",
+        ),
+        click.option(
+            "--nats-url",
+            envvar="RLFLEET_NATS_URL",
+            metavar="URL[,URL…]",
+            help="Overrides the global --nats-url (env RLFLEET_NATS_URL).",
+        ),
+        metrics.metrics_option,
+        click.option(
+            "--log-level",
+            default=None,
+            type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+            help="Log verbosity (default: the rlfleet --log-level, else INFO).",
+        ),
+    ]
+    for decorate in reversed(decorators):
+        fn = decorate(fn)
+    return fn
+
+
+def daemon_settings(
+    ctx: click.Context, database_url: str | None, nats_url: str | None, log_level: str | None
+) -> Settings:
+    """Settings for a daemon command: its own flags, else the `rlfleet` group's, else the
+    environment; configures logging on the way."""
+    from scheduler.cli._common import CliContext  # here: the CLI package imports daemons
+
+    parent = ctx.find_object(CliContext)  # set when run as `rlfleet <daemon>`
+    settings = Settings.load(
+        database_url or (parent.settings.database_url if parent else None),
+        nats_url or (parent.settings.nats_url if parent else None),
+    )
+    configure((log_level or (parent.log_level if parent else None) or "INFO").upper())
+    return settings

@@ -30,10 +30,10 @@ from sqlalchemy import select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
-from scheduler.daemon import serve
+from scheduler.daemon import daemon_options, daemon_settings, serve
 from scheduler.db import Database
 from scheduler.jobs import transition
-from scheduler.logging import configure, get_logger
+from scheduler.logging import get_logger
 from scheduler.models import GPU, VM, Job
 from scheduler.nvidia_smi import PollResult, parse_poll, poll_command
 from scheduler.remote import RemoteJobState
@@ -585,25 +585,7 @@ async def run_in_process(
     show_default=True,
     help="Consecutive failed polls after which a VM is marked unreachable.",
 )
-@click.option(
-    "--database-url",
-    envvar="RLFLEET_DATABASE_URL",
-    metavar="URL",
-    help="Overrides the global --database-url (env RLFLEET_DATABASE_URL).",
-)
-@click.option(
-    "--nats-url",
-    envvar="RLFLEET_NATS_URL",
-    metavar="URL[,URL…]",
-    help="Overrides the global --nats-url (env RLFLEET_NATS_URL).",
-)
-@metrics.metrics_option
-@click.option(
-    "--log-level",
-    default=None,
-    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-    help="Log verbosity (default: the rlfleet --log-level, else INFO).",
-)
+@daemon_options
 @click.pass_context
 def command(
     ctx: click.Context,
@@ -615,14 +597,7 @@ def command(
     log_level: str | None,
 ) -> None:
     """Poll every VM's GPUs and launched jobs over SSH (the GPU poller daemon)."""
-    from scheduler.cli._common import CliContext  # here: the CLI package imports this module
-
-    parent = ctx.find_object(CliContext)  # set when run as `rlfleet poller`
-    settings = Settings.load(
-        database_url or (parent.settings.database_url if parent else None),
-        nats_url or (parent.settings.nats_url if parent else None),
-    )
-    configure((log_level or (parent.log_level if parent else None) or "INFO").upper())
+    settings = daemon_settings(ctx, database_url, nats_url, log_level)
 
     async def main(stop: asyncio.Event) -> None:
         db = Database(settings.database_url, pool_size=2)

@@ -60,9 +60,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import bus, metrics
 from scheduler.claims import expire_leases, release_in_session
+from scheduler.daemon import daemon_options, daemon_settings, serve
 from scheduler.db import Database
 from scheduler.jobs import transition
-from scheduler.logging import configure, get_logger
+from scheduler.logging import get_logger
 from scheduler.models import GPU, VM, Job, JobEvent, StaleProcess
 from scheduler.remote import kill_script, parse_kill
 from scheduler.retry import (
@@ -743,8 +744,6 @@ async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio
 
 
 @click.command("requeue")
-@click.option("--database-url", metavar="URL", help="Postgres URL (else RLFLEET_DATABASE_URL).")
-@click.option("--nats-url", metavar="URL[,URL…]", help="NATS server(s) (else RLFLEET_NATS_URL).")
 @click.option(
     "--interval",
     default=2.0,
@@ -801,13 +800,7 @@ async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio
     type=click.FloatRange(min=0),
     help="Seconds between TERM and KILL for a leftover process.",
 )
-@metrics.metrics_option
-@click.option(
-    "--log-level",
-    default=None,
-    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-    help="Log verbosity (default: the rlfleet --log-level, else INFO).",
-)
+@daemon_options
 @click.pass_context
 def requeue_command(
     ctx: click.Context,
@@ -825,14 +818,7 @@ def requeue_command(
     log_level: str | None,
 ) -> None:
     """Run the requeue manager: retries, stuck jobs, lost VMs, unannounced jobs."""
-    from scheduler.cli._common import CliContext
-
-    parent = ctx.find_object(CliContext)  # set when run as `rlfleet requeue`
-    settings = Settings.load(
-        database_url or (parent.settings.database_url if parent else None),
-        nats_url or (parent.settings.nats_url if parent else None),
-    )
-    configure((log_level or (parent.log_level if parent else None) or "INFO").upper())
+    settings = daemon_settings(ctx, database_url, nats_url, log_level)
     config = RequeueConfig(
         interval_s=interval,
         pending_timeout_s=pending_timeout,
@@ -843,7 +829,6 @@ def requeue_command(
         kill_grace_s=kill_grace,
         policy=RetryPolicy(base_delay_s=retry_base_delay, max_delay_s=retry_max_delay),
     )
-    from scheduler.daemon import serve
 
     ready = asyncio.Event()
 

@@ -1,4 +1,4 @@
-"""The daemon commands (`rlfleet poller`, `dispatcher`, `requeue`, `up`).
+"""The daemon commands (`rlfleet up`, `poller`, `dispatcher`, `requeue`).
 
 Each daemon module defines its click command; this module collects them for the CLI.
 """
@@ -7,42 +7,13 @@ from __future__ import annotations
 
 import click
 
-COMMANDS: list[click.Command] = []
+
+def _collect() -> list[click.Command]:
+    # Imported here, not at the top: the daemon modules import the CLI's helpers, and
+    # importing them from the package's own initialisation would form a cycle.
+    from scheduler import dispatcher, gpu_poller, requeue, up
+
+    return [up.command, gpu_poller.command, dispatcher.command, requeue.command]
 
 
-def _add_up() -> None:
-    # Imported here, not at the top, so that a daemon module's own import of this list
-    # cannot form a cycle with scheduler.up.
-    from scheduler.up import command as up_command
-
-    COMMANDS.append(up_command)
-
-
-_add_up()
-
-
-def _add_poller() -> None:
-    from scheduler.gpu_poller import command as poller_command
-
-    COMMANDS.append(poller_command)
-
-
-_add_poller()
-
-
-def _add_dispatcher() -> None:
-    from scheduler.dispatcher import command as dispatcher_command
-
-    COMMANDS.append(dispatcher_command)
-
-
-_add_dispatcher()
-
-
-def _add_requeue() -> None:
-    from scheduler.requeue import command as requeue_command
-
-    COMMANDS.append(requeue_command)
-
-
-_add_requeue()
+COMMANDS: list[click.Command] = _collect()
