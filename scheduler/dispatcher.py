@@ -5,10 +5,13 @@ at a time; Postgres decides the rest. Messages are fetched in batches, and each 
 handled while the next one is fetched: claim all its jobs (one short transaction:
 `claims.claim_batch`; jobs that fit nowhere go `pending` in it) → launch the claimed ones
 concurrently (SSH, no transaction) → record all the pids (one guarded statement:
-`claims.mark_running_batch`) → ack. A message is acked only once the database says
-`running`, `pending` or `failed` (or the job needs nothing from us); transient trouble with
-the database is a nak with a delay, and a claim whose launch never got recorded is taken
-back by its lease (`claims.expire_leases`).
+`claims.mark_running_batch`) → ack. A process runs one claim transaction at a time (its
+batches would only contend for the same best-fit GPUs); launches and records overlap.
+
+A message is acked only once the database says `running`, `pending` or `failed` (or the
+job needs nothing from us); transient trouble with the database is a nak with a delay, and
+a claim whose launch never got recorded is taken back by its lease
+(`claims.expire_leases`).
 
 Run it as `rlfleet dispatcher` or `python -m scheduler.dispatcher`.
 """
