@@ -13,6 +13,7 @@ their event rows.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -50,12 +51,12 @@ _FREE_GPU = """
     AND NOT EXISTS (SELECT 1 FROM blocked b WHERE b.vm_id = g.vm_id AND b.index = g.index)
 """
 
-CLAIM_SQL = text(
-    f"""
+_USABLE_VM = "v.status = 'healthy' AND NOT v.draining"
+_CLAIM_TEMPLATE = f"""
 WITH {_BLOCKED}, cand AS (
     SELECT g.vm_id, count(*) AS free
     FROM gpus g JOIN vms v ON v.id = g.vm_id
-    WHERE v.status = 'healthy' AND NOT v.draining AND {_FREE_GPU}
+    WHERE {_USABLE_VM} AND {_FREE_GPU} {{only_vms}}
     GROUP BY g.vm_id
 ), fit AS (
     -- Best fit: the fullest VM that still fits. Ties are broken per job, so that
@@ -79,19 +80,23 @@ WITH {_BLOCKED}, cand AS (
     SELECT l.id, l.index FROM locked l WHERE l.vm_id = (SELECT vm_id FROM chosen_vm)
     ORDER BY l.index LIMIT :need
 ), taken AS (
-    UPDATE gpus SET job_id = :job_id, allocated_at = now(), updated_at = now()
+    -- clock_timestamp(), not now(): in a batch, now() is when the transaction began, which
+    -- can be before the GPU's previous job was released and finished.
+    UPDATE gpus SET job_id = :job_id, allocated_at = clock_timestamp(),
+                    updated_at = clock_timestamp()
     FROM chosen WHERE gpus.id = chosen.id
     RETURNING gpus.index
 ), moved AS (
     -- `transition(queued → starting)` fused into the claim: the same guarded UPDATE and
     -- event row, in the same statement as the GPU rows, so a claim is one round trip.
     UPDATE jobs SET
-        status = 'starting', starting_at = now(), updated_at = now(),
+        status = 'starting', starting_at = clock_timestamp(), updated_at = clock_timestamp(),
         attempt = attempt + 1,
         vm_id = (SELECT vm_id FROM chosen_vm),
         gpu_indices = (SELECT array_agg(index ORDER BY index) FROM chosen),
         output_dir = coalesce(output_dir, :default_output_dir),
-        lease_expires_at = now() + make_interval(secs => CAST(:lease_s AS double precision)),
+        lease_expires_at = clock_timestamp()
+            + make_interval(secs => CAST(:lease_s AS double precision)),
         status_reason = NULL, failure_reason = NULL, exit_code = NULL, remote_pid = NULL
     WHERE id = :job_id AND status = 'queued' AND EXISTS (SELECT 1 FROM chosen_vm)
     RETURNING attempt, vm_id, gpu_indices, output_dir
@@ -104,6 +109,16 @@ WITH {_BLOCKED}, cand AS (
 SELECT m.vm_id, m.gpu_indices, m.attempt, m.output_dir,
        (SELECT coalesce(max(free), 0) FROM cand) AS largest_free
 FROM (SELECT 1) one LEFT JOIN moved m ON true
+"""
+CLAIM_SQL = text(_CLAIM_TEMPLATE.format(only_vms=""))
+CLAIM_SHORTLIST_SQL = text(_CLAIM_TEMPLATE.format(only_vms="AND g.vm_id = ANY(:vm_ids)"))
+"""CLAIM_SQL among the VMs a batch's plan named: an index scan of a few VMs' GPU rows
+instead of counting every free GPU of the fleet again for every job."""
+FREE_BY_VM_SQL = text(
+    f"""
+WITH {_BLOCKED}
+SELECT g.vm_id, count(*) AS free FROM gpus g JOIN vms v ON v.id = g.vm_id
+WHERE {_USABLE_VM} AND {_FREE_GPU} GROUP BY g.vm_id
 """
 )
 check_move(JobStatus.QUEUED, JobStatus.STARTING)  # the state machine still has the last word
@@ -199,6 +214,8 @@ async def claim_batch_in_session(
     if len(jobs) < len(ids):  # unknown ids, or rows another transaction holds right now
         missing = [i for i in ids if i not in jobs]
         busy = set((await conn.execute(JOBS_EXISTING_SQL, {"ids": missing})).scalars())
+    queued = [row for row in jobs.values() if row.status == JobStatus.QUEUED]
+    shortlist = await _shortlist(conn, queued, candidates) if len(queued) > 1 else None
     results: list[Claim | NoClaim] = []
     seen: set[int] = set()
     for job_id in job_ids:
@@ -213,16 +230,49 @@ async def claim_batch_in_session(
         elif row.status != JobStatus.QUEUED:
             results.append(NoClaim(job_id, row.status, f"job is {row.status}"))
         else:
-            results.append(await _claim_one(conn, row, actor, lease_s, candidates))
+            results.append(await _claim_one(conn, row, actor, lease_s, candidates, shortlist))
         seen.add(job_id)
     return results
 
 
+async def _shortlist(conn: AsyncConnection, rows: Sequence[Any], candidates: int) -> list[int]:
+    """The VMs a batch's claims look at first: best fit played out on one count of the free
+    GPUs, keeping for each job (in id order) `candidates` of the fullest VMs that fit it.
+
+    Only a hint: each claim still locks and checks its GPU rows itself, and a claim that
+    finds nothing on the shortlist searches the whole fleet."""
+    by_free: dict[int, list[int]] = defaultdict(list)
+    for vm_id, free in sorted((await conn.execute(FREE_BY_VM_SQL)).all()):
+        by_free[free].append(vm_id)
+    named: set[int] = set()
+    for row in rows:
+        need = row.gpus_requested
+        picked: list[tuple[int, int]] = []
+        for free in sorted(n for n, vms in by_free.items() if n >= need and vms):
+            vms = by_free[free]
+            start = row.id * 2654435761 % len(vms)  # spread jobs over equally full VMs
+            take = min(candidates - len(picked), len(vms))
+            picked += [(free, vms[(start + k) % len(vms)]) for k in range(take)]
+            if len(picked) >= candidates:
+                break
+        named.update(vm_id for _free, vm_id in picked)
+        if picked:
+            free, vm_id = picked[0]
+            by_free[free].remove(vm_id)
+            by_free[free - need].append(vm_id)
+    return sorted(named)
+
+
 async def _claim_one(
-    conn: AsyncConnection, row: Any, actor: str, lease_s: float, candidates: int
+    conn: AsyncConnection,
+    row: Any,
+    actor: str,
+    lease_s: float,
+    candidates: int,
+    shortlist: list[int] | None,
 ) -> Claim | NoClaim:
-    """Claim (or park as pending) one queued, locked job: the CLAIM statement, then maybe
-    the pending move."""
+    """Claim (or park as pending) one queued, locked job: the CLAIM statement (on the
+    shortlist first, when there is one), then maybe the pending move."""
     job_id, need = row.id, row.gpus_requested
     params = {
         "job_id": job_id,
@@ -232,7 +282,12 @@ async def _claim_one(
         "lease_s": lease_s,
         "actor": actor,
     }
-    result = (await conn.execute(CLAIM_SQL, params)).one()
+    result = None
+    if shortlist:
+        result = (await conn.execute(CLAIM_SHORTLIST_SQL, {**params, "vm_ids": shortlist})).one()
+    if result is None or result.vm_id is None:
+        # Pending and contended are only ever decided on the whole fleet.
+        result = (await conn.execute(CLAIM_SQL, params)).one()
     if result.vm_id is not None:
         return Claim(
             job_id,
@@ -342,11 +397,14 @@ async def release_in_session(session: AsyncSession, job_id: int) -> list[int]:
 
 AVAILABLE_SQL = text(
     f"""
-WITH {_BLOCKED}
+WITH {_BLOCKED}, ordered AS MATERIALIZED (
+    -- Rows locked in id order: concurrent recounts of overlapping VMs cannot deadlock.
+    SELECT id FROM vms WHERE id = ANY(:ids) ORDER BY id FOR UPDATE
+)
 UPDATE vms v SET available_gpus = (
     SELECT count(*) FROM gpus g WHERE g.vm_id = v.id AND {_FREE_GPU}
 )
-WHERE v.id = ANY(:ids)
+FROM ordered o WHERE v.id = o.id
 """
 )
 
