@@ -9,6 +9,10 @@ the same GPUs can never both win a row (invariant 1); the same job delivered twi
 claimed once, because the second delivery finds it no longer queued. The launched jobs of
 a batch are then recorded `running` by one statement (`mark_running_batch`), again with
 their event rows.
+
+A batch counts the free GPUs once and plans a shortlist of VMs (`_shortlist`), so that each
+claim looks at a few VMs' rows instead of counting the whole fleet again; a claim that
+misses there falls back to the whole fleet, which alone decides pending and contended.
 """
 
 from __future__ import annotations
