@@ -49,10 +49,10 @@ from scheduler.claims import (
     refresh_available,
     release_in_session,
 )
-from scheduler.daemon import serve
+from scheduler.daemon import daemon_options, daemon_settings, serve
 from scheduler.db import Database
 from scheduler.jobs import transition
-from scheduler.logging import configure, get_logger
+from scheduler.logging import get_logger
 from scheduler.models import VM, StaleProcess
 from scheduler.remote import LaunchSpec, kill_script, launch_script, parse_launch
 from scheduler.settings import Settings
@@ -615,21 +615,48 @@ async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio
 
 
 @click.command("dispatcher")
-@click.option("--max-in-flight", default=64, show_default=True, type=click.IntRange(min=1))
-@click.option("--lease", "lease_s", default=DEFAULT_LEASE_S, show_default=True, type=float)
-@click.option("--launch-timeout", "launch_timeout_s", default=30.0, show_default=True, type=float)
-@metrics.metrics_option
-@click.pass_obj
+@click.option(
+    "--max-in-flight",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Messages handled at once by this dispatcher.",
+)
+@click.option(
+    "--lease",
+    "lease_s",
+    default=DEFAULT_LEASE_S,
+    show_default=True,
+    type=click.FloatRange(min=1),
+    help="Seconds a claim may stay unconfirmed before the requeue manager takes it back.",
+)
+@click.option(
+    "--launch-timeout",
+    "launch_timeout_s",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(min=1),
+    help="Seconds a launch over SSH may take.",
+)
+@daemon_options
+@click.pass_context
 def command(
-    obj: Any, max_in_flight: int, lease_s: float, launch_timeout_s: float, metrics_port: int
+    ctx: click.Context,
+    max_in_flight: int,
+    lease_s: float,
+    launch_timeout_s: float,
+    database_url: str | None,
+    nats_url: str | None,
+    metrics_port: int,
+    log_level: str | None,
 ) -> None:
     """Run the dispatcher: claim GPUs for new jobs and launch them over SSH."""
-    configure(obj.log_level)
+    settings = daemon_settings(ctx, database_url, nats_url, log_level)
     ready = asyncio.Event()
 
     async def main(stop: asyncio.Event) -> None:
         await run_dispatcher(
-            obj.settings,
+            settings,
             stop,
             ready=ready,
             max_in_flight=max_in_flight,
@@ -643,30 +670,16 @@ def command(
             main,
             ready=ready,
             metrics_port=metrics_port or None,
-            database_url=obj.settings.database_url,
+            database_url=settings.database_url,
         )
     )
 
 
-def main() -> None:
-    """`python -m scheduler.dispatcher`: the same as `rlfleet dispatcher`."""
-    from scheduler.cli import cli
+def main(argv: list[str] | None = None) -> None:
+    """`python -m scheduler.dispatcher [flags]`, the same as `rlfleet dispatcher`."""
     from scheduler.cli._common import run_guarded
 
-    # The connection options belong to the `rlfleet` group: put them before the command.
-    group_args: list[str] = []
-    own_args: list[str] = []
-    argv = sys.argv[1:]
-    while argv:
-        arg = argv.pop(0)
-        name = arg.split("=", 1)[0]
-        if name in ("--database-url", "--nats-url", "--log-level"):
-            group_args.append(arg)
-            if "=" not in arg and argv:
-                group_args.append(argv.pop(0))
-        else:
-            own_args.append(arg)
-    raise SystemExit(run_guarded(cli, [*group_args, "dispatcher", *own_args]))
+    sys.exit(run_guarded(command, argv))
 
 
 if __name__ == "__main__":
