@@ -168,3 +168,29 @@ def daemon_settings(
     )
     configure((log_level or (parent.log_level if parent else None) or "INFO").upper())
     return settings
+
+
+def run_service(
+    name: str,
+    settings: Settings,
+    metrics_port: int,
+    entry: Callable[[asyncio.Event, asyncio.Event], Awaitable[None]],
+) -> None:
+    """Run a daemon command: `entry(stop, ready)` under `serve` on a new event loop.
+
+    The entry sets `ready` once connected (systemd then hears READY=1) and returns when
+    `stop` is set (SIGTERM/SIGINT)."""
+    ready = asyncio.Event()
+
+    async def main(stop: asyncio.Event) -> None:
+        await entry(stop, ready)
+
+    asyncio.run(
+        serve(
+            name,
+            main,
+            ready=ready,
+            metrics_port=metrics_port or None,
+            database_url=settings.database_url,
+        )
+    )

@@ -49,7 +49,7 @@ from scheduler.claims import (
     refresh_available,
     release_in_session,
 )
-from scheduler.daemon import daemon_options, daemon_settings, serve
+from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
 from scheduler.jobs import transition
 from scheduler.logging import get_logger
@@ -652,9 +652,8 @@ def command(
 ) -> None:
     """Run the dispatcher: claim GPUs for new jobs and launch them over SSH."""
     settings = daemon_settings(ctx, database_url, nats_url, log_level)
-    ready = asyncio.Event()
 
-    async def main(stop: asyncio.Event) -> None:
+    async def entry(stop: asyncio.Event, ready: asyncio.Event) -> None:
         await run_dispatcher(
             settings,
             stop,
@@ -664,15 +663,7 @@ def command(
             launch_timeout_s=launch_timeout_s,
         )
 
-    asyncio.run(
-        serve(
-            "dispatcher",
-            main,
-            ready=ready,
-            metrics_port=metrics_port or None,
-            database_url=settings.database_url,
-        )
-    )
+    run_service("dispatcher", settings, metrics_port, entry)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,7 +30,7 @@ from sqlalchemy import select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
-from scheduler.daemon import daemon_options, daemon_settings, serve
+from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
 from scheduler.jobs import transition
 from scheduler.logging import get_logger
@@ -599,32 +599,12 @@ def command(
     """Poll every VM's GPUs and launched jobs over SSH (the GPU poller daemon)."""
     settings = daemon_settings(ctx, database_url, nats_url, log_level)
 
-    async def main(stop: asyncio.Event) -> None:
-        db = Database(settings.database_url, pool_size=2)
-        transport = make_transport()
-        try:
-            await run_poller(
-                db,
-                transport,
-                stop,
-                interval=interval,
-                unreachable_after=unreachable_after,
-                ready=ready,
-            )
-        finally:
-            await transport.close()
-            await db.dispose()
-
-    ready = asyncio.Event()
-    asyncio.run(
-        serve(
-            "poller",
-            main,
-            ready=ready,
-            metrics_port=metrics_port or None,
-            database_url=settings.database_url,
+    async def entry(stop: asyncio.Event, ready: asyncio.Event) -> None:
+        await run_in_process(
+            settings, stop, ready, interval=interval, unreachable_after=unreachable_after
         )
-    )
+
+    run_service("poller", settings, metrics_port, entry)
 
 
 def main(argv: list[str] | None = None) -> None:

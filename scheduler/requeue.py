@@ -60,7 +60,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import bus, metrics
 from scheduler.claims import expire_leases, release_in_session
-from scheduler.daemon import daemon_options, daemon_settings, serve
+from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
 from scheduler.jobs import transition
 from scheduler.logging import get_logger
@@ -830,20 +830,10 @@ def requeue_command(
         policy=RetryPolicy(base_delay_s=retry_base_delay, max_delay_s=retry_max_delay),
     )
 
-    ready = asyncio.Event()
-
-    async def main(stop: asyncio.Event) -> None:
+    async def entry(stop: asyncio.Event, ready: asyncio.Event) -> None:
         await run_daemon(settings, config, stop, ready)
 
-    asyncio.run(
-        serve(
-            "requeue",
-            main,
-            ready=ready,
-            metrics_port=metrics_port or None,
-            database_url=settings.database_url,
-        )
-    )
+    run_service("requeue", settings, metrics_port, entry)
 
 
 command = requeue_command
