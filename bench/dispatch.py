@@ -10,14 +10,15 @@ this measures the scheduler, not SSH.
 The jobs are inserted first, then published with plain `nc.publish("jobs.new", id)`.
 Latency per job is `running_at − publish time`.
 
-    .venv/bin/python bench/dispatch.py [--jobs 2000] [--vms 250] [--launch-ms 10]
+    .venv/bin/python bench/dispatch.py [--jobs 2000] [--vms 250] [--launch-ms 10] [--rate 300]
 
 Environment knobs for experiments: BENCH_POOL (database connections per dispatcher,
 default 10), BENCH_IN_FLIGHT (messages in flight per dispatcher, default 64), BENCH_BATCH
 (messages per fetch, i.e. per claim transaction, default 32), BENCH_PROFILE=<prefix> (a CPU
 profile of each dispatcher process).
 
-Runs with 1 dispatcher (the baseline), then 2; the last line is
+Runs with 1 dispatcher (the baseline), then 2 fed at a steady `--rate` (default 300/s:
+latency without the queueing of a burst), then 2 with the burst; the last line is
 `dispatch: jobs=2000 dispatchers=2 jobs_per_s=… p50_ms=… p99_ms=… double_booked=0`.
 """
 
@@ -150,9 +151,15 @@ async def prepare(db: Database, n_vms: int, n_jobs: int) -> list[int]:
 
 
 async def measure(
-    pg: EmbeddedPostgres, nats_url: str, args: argparse.Namespace, dispatchers: int, run: int
+    pg: EmbeddedPostgres,
+    nats_url: str,
+    args: argparse.Namespace,
+    dispatchers: int,
+    run: int,
+    rate: float | None = None,
 ) -> dict[str, float]:
-    """One burst with `dispatchers` worker processes on a fresh database."""
+    """One burst (or, with `rate`, a stream of that many publishes per second) with
+    `dispatchers` worker processes on a fresh database."""
     url = pg.create_database(f"bench_dispatch_{run}")
     upgrade(url)
     db = Database(url)
@@ -187,7 +194,9 @@ async def measure(
         pg_cpu_before = postgres_cpu_s(pg)
         published: dict[int, float] = {}
         start = time.time()
-        for job_id in job_ids:
+        for i, job_id in enumerate(job_ids):
+            if rate:  # paced: publish job i at start + i / rate
+                await asyncio.sleep(max(0.0, start + i / rate - time.time()))
             published[job_id] = time.time()
             await nc.publish("jobs.new", str(job_id).encode())
         await nc.flush()
@@ -272,6 +281,9 @@ async def main() -> None:
     parser.add_argument("--vms", type=int, default=250)
     parser.add_argument("--launch-ms", type=float, default=10.0)
     parser.add_argument("--no-durable", action="store_true", help="fsync off in Postgres")
+    parser.add_argument(
+        "--rate", type=float, default=300.0, help="publishes per second of the paced run"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-") as tmp:
         pg = EmbeddedPostgres(Path(tmp) / "pg", durable=not args.no_durable)
@@ -280,6 +292,9 @@ async def main() -> None:
         try:
             one = await measure(pg, nats_server.url, args, 1, 1)
             print(line(args.jobs, 1, one), flush=True)
+            # Latency without queueing: the same jobs offered at a steady --rate.
+            paced = await measure(pg, nats_server.url, args, 2, 3, rate=args.rate)
+            print(f"paced at {args.rate:g}/s: " + line(args.jobs, 2, paced), flush=True)
             two = await measure(pg, nats_server.url, args, 2, 2)
             print(f"ratio: 2 dispatchers / 1 = {two['jobs_per_s'] / one['jobs_per_s']:.2f}x")
             print(line(args.jobs, 2, two), flush=True)

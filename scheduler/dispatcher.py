@@ -6,7 +6,10 @@ handled while the next one is fetched: claim all its jobs (one short transaction
 `claims.claim_batch`; jobs that fit nowhere go `pending` in it) → launch the claimed ones
 concurrently (SSH, no transaction) → record all the pids (one guarded statement:
 `claims.mark_running_batch`) → ack. A process runs one claim transaction at a time (its
-batches would only contend for the same best-fit GPUs); launches and records overlap.
+batches would only contend for the same best-fit GPUs) and one running record at a time;
+the batches that arrive meanwhile are claimed, or recorded, together in the next one (a
+group commit), so transactions stay large even when messages trickle in one by one.
+Launches overlap freely.
 
 A message is acked only once the database says `running`, `pending` or `failed` (or the
 job needs nothing from us); transient trouble with the database is a nak with a delay, and
@@ -27,9 +30,9 @@ import random
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import click
 from nats.aio.msg import Msg
@@ -44,6 +47,7 @@ from scheduler.claims import (
     Claim,
     Launched,
     NoClaim,
+    Running,
     claim_batch,
     mark_running_batch,
     refresh_available,
@@ -145,6 +149,50 @@ class _Launch:
     pid: int
 
 
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+class _GroupCommit(Generic[In, Out]):
+    """Runs a batch operation one call at a time, and the items that arrive while a call
+    runs together in the next one (a group commit). Under a steady trickle of messages
+    each fetch brings only one or two jobs; this keeps the transactions large anyway."""
+
+    def __init__(self, run: Callable[[list[In]], Awaitable[list[Out]]], *, most: int) -> None:
+        self._run = run
+        self._most = most
+        self._waiting: list[tuple[list[In], asyncio.Future[list[Out]]]] = []
+        self._worker: asyncio.Task[None] | None = None
+
+    async def submit(self, items: list[In]) -> list[Out]:
+        """One result per item, in order; raises what the batch operation raised."""
+        future: asyncio.Future[list[Out]] = asyncio.get_running_loop().create_future()
+        self._waiting.append((items, future))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._waiting:
+            group = [self._waiting.pop(0)]
+            size = len(group[0][0])
+            while self._waiting and size + len(self._waiting[0][0]) <= self._most:
+                group.append(self._waiting.pop(0))
+                size += len(group[-1][0])
+            try:
+                results = await self._run([item for items, _ in group for item in items])
+            except Exception as exc:  # noqa: BLE001 - handed to every caller of this round
+                for _items, future in group:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            start = 0
+            for items, future in group:
+                if not future.done():
+                    future.set_result(results[start : start + len(items)])
+                start += len(items)
+
+
 class GlobalJobDispatcher:
     """Consumes `jobs.new` and turns queued jobs into running ones."""
 
@@ -180,7 +228,8 @@ class GlobalJobDispatcher:
         self._in_flight = 0  # messages fetched and not yet answered
         self._touched_vms: set[int] = set()
         self._vms_lock = asyncio.Lock()
-        self._claim_lock = asyncio.Lock()
+        self._claims = _GroupCommit(self._claim_batch, most=4 * batch)
+        self._runs = _GroupCommit(self._mark_running, most=4 * batch)
 
     # ---------------------------------------------------------------- the loop
 
@@ -307,12 +356,10 @@ class GlobalJobDispatcher:
             if attempt:
                 await asyncio.sleep(0.005 + random.random() * 0.02)
             try:
-                # One claim transaction at a time per process: this dispatcher's batches
-                # would otherwise mostly contend for the same best-fit GPU rows.
-                async with self._claim_lock:
-                    batch = await claim_batch(
-                        self.db, [job_ids[i] for i in todo], actor=self.actor, lease_s=self.lease_s
-                    )
+                # One claim transaction at a time per process (this dispatcher's batches
+                # would otherwise contend for the same best-fit GPU rows), and the batches
+                # that wait meanwhile are claimed together in the next one.
+                batch = await self._claims.submit([job_ids[i] for i in todo])
             except Exception as exc:
                 if not _is_transient_db_error(exc):
                     raise
@@ -334,6 +381,14 @@ class GlobalJobDispatcher:
         for i in todo:
             results[i] = TransientError("free GPUs stayed locked by other claimers")
         return [r for r in results if r is not None]
+
+    async def _claim_batch(self, job_ids: list[int]) -> list[Claim | NoClaim]:
+        return await claim_batch(self.db, job_ids, actor=self.actor, lease_s=self.lease_s)
+
+    async def _mark_running(self, batch: list[Launched]) -> list[Running | None]:
+        async with self.db.engine.begin() as conn:  # hot path: no ORM session
+            moved = await mark_running_batch(conn, batch, actor=self.actor)
+        return [moved.get(x.job_id) for x in batch]
 
     def _not_claimed(self, result: NoClaim) -> str:
         """Count and log a job that claimed nothing; returns the outcome for metrics."""
@@ -403,8 +458,11 @@ class GlobalJobDispatcher:
             for x in launched
         ]
         try:
-            async with self.db.engine.begin() as conn:  # hot path: no ORM session
-                moved = await mark_running_batch(conn, batch, actor=self.actor)
+            moved = {
+                x.job_id: running
+                for x, running in zip(batch, await self._runs.submit(batch), strict=True)
+                if running is not None
+            }
         except Exception as exc:
             if not _is_transient_db_error(exc):
                 raise
