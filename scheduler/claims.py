@@ -402,8 +402,11 @@ async def release_in_session(session: AsyncSession, job_id: int) -> list[int]:
 AVAILABLE_SQL = text(
     f"""
 WITH {_BLOCKED}, ordered AS MATERIALIZED (
-    -- Rows locked in id order: concurrent recounts of overlapping VMs cannot deadlock.
-    SELECT id FROM vms WHERE id = ANY(:ids) ORDER BY id FOR UPDATE
+    -- A recount never waits for a VM row another transaction holds: it skips it. Waiting
+    -- could deadlock with a transaction that releases several jobs' GPUs (each release
+    -- recounts its VMs, in job order); the skipped count is redone within the second by
+    -- the dispatcher's and the poller's own recounts.
+    SELECT id FROM vms WHERE id = ANY(:ids) ORDER BY id FOR UPDATE SKIP LOCKED
 )
 UPDATE vms v SET available_gpus = (
     SELECT count(*) FROM gpus g WHERE g.vm_id = v.id AND {_FREE_GPU}
