@@ -40,8 +40,7 @@ lint: venv
 	$(VENV)/bin/mypy
 
 demo: venv
-	@if [ -f scripts/demo.py ]; then $(PY) scripts/demo.py; \
-	else echo "The demo is not there yet (see issue: one-machine mode)."; fi
+	$(PY) scripts/demo.py
 
 bench: venv
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
