@@ -29,7 +29,7 @@ from typing import IO, Any
 
 import click
 
-from scheduler import migrate
+from scheduler import migrate, sim_gpu
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServiceError, free_port
 from scheduler.errors import BadInput, RlfleetError, ServiceUnavailable
@@ -42,7 +42,6 @@ log = get_logger("up")
 
 STATE_FILE = "up.json"
 LOCK_FILE = "up.lock"
-SIM_VM_ENV = "RLFLEET_SIM_VM"
 
 
 class AlreadyRunning(RlfleetError):
@@ -160,119 +159,10 @@ def kill_leftover_servers(state: StateDir) -> None:
             time.sleep(0.1)
 
 
-SIM_NVIDIA_SMI = '''#!{python}
-"""A simulated nvidia-smi written by `rlfleet up --gpus {gpus}` (no real GPU here).
-
-It reports {gpus} GPU(s) and shows one as used while a live process of this VM
-(environment {sim_env}={vm}) has CUDA_VISIBLE_DEVICES naming it. Jobs run on the CPU.
-"""
-import os
-import sys
-import uuid
-
-GPUS = {gpus}
-VM = {vm!r}
-NAME = "Simulated GPU (CPU)"
-TOTAL_MB = 16384
-PER_PROCESS_MB = 1024
-
-
-def holders():
-    found = {{}}
-    me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{{entry}}/environ", "rb") as handle:
-                env = dict(
-                    item.split(b"=", 1) for item in handle.read().split(b"\\0") if b"=" in item
-                )
-        except OSError:
-            continue
-        if env.get({sim_env!r}.encode()) != VM.encode() or b"CUDA_VISIBLE_DEVICES" not in env:
-            continue
-        for part in env[b"CUDA_VISIBLE_DEVICES"].decode().split(","):
-            if part.strip().isdigit() and int(part) < GPUS:
-                found.setdefault(int(part), []).append(int(entry))
-    return found
-
-
-def gpu_uuid(index):
-    return "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_DNS, f"rlfleet-sim-{{VM}}-{{index}}"))
-
-
-def field_value(name, index, used, units):
-    mem_used = PER_PROCESS_MB * len(used.get(index, []))
-    values = {{
-        "index": str(index),
-        "uuid": gpu_uuid(index),
-        "gpu_uuid": gpu_uuid(index),
-        "name": NAME,
-        "gpu_name": NAME,
-        "memory.total": f"{{TOTAL_MB}}" + (" MiB" if units else ""),
-        "memory.used": f"{{mem_used}}" + (" MiB" if units else ""),
-        "memory.free": f"{{TOTAL_MB - mem_used}}" + (" MiB" if units else ""),
-        "utilization.gpu": ("100" if index in used else "0") + (" %" if units else ""),
-        "pci.bus_id": f"00000000:{{index + 1:02X}}:00.0",
-        "temperature.gpu": "40",
-    }}
-    return values.get(name, "[N/A]")
-
-
-def main(argv):
-    used = holders()
-    options = dict(a.split("=", 1) if "=" in a else (a, "") for a in argv)
-    fmt = options.get("--format", "")
-    units = "nounits" not in fmt
-    header = "noheader" not in fmt
-    if "-L" in options or "--list-gpus" in options:
-        for i in range(GPUS):
-            print(f"GPU {{i}}: {{NAME}} (UUID: {{gpu_uuid(i)}})")
-        return 0
-    if "--query-gpu" in options:
-        fields = [f.strip() for f in options["--query-gpu"].split(",")]
-        if header:
-            print(", ".join(fields))
-        for i in range(GPUS):
-            print(", ".join(field_value(f, i, used, units) for f in fields))
-        return 0
-    if "--query-compute-apps" in options:
-        fields = [f.strip() for f in options["--query-compute-apps"].split(",")]
-        if header:
-            print(", ".join(fields))
-        for index, pids in sorted(used.items()):
-            for pid in pids:
-                row = {{
-                    "gpu_uuid": gpu_uuid(index),
-                    "pid": str(pid),
-                    "used_memory": str(PER_PROCESS_MB) + (" MiB" if units else ""),
-                    "used_gpu_memory": str(PER_PROCESS_MB) + (" MiB" if units else ""),
-                    "process_name": "python",
-                    "name": "python",
-                }}
-                print(", ".join(row.get(f, "[N/A]") for f in fields))
-        return 0
-    print(f"Simulated nvidia-smi: {{GPUS}} GPU(s) on {{VM}}, {{len(used)}} in use")
-    for i in range(GPUS):
-        state = "in use by " + ",".join(map(str, used[i])) if i in used else "free"
-        print(f"  GPU {{i}}  {{NAME}}  {{gpu_uuid(i)}}  {{state}}")
-    return 0
-
-
-sys.exit(main(sys.argv[1:]))
-'''
-
-
 def write_sim_nvidia_smi(bin_dir: Path, *, gpus: int, vm: str) -> Path:
-    """Write the simulated nvidia-smi into `bin_dir` and return its path."""
-    bin_dir.mkdir(parents=True, exist_ok=True)
-    path = bin_dir / "nvidia-smi"
-    path.write_text(
-        SIM_NVIDIA_SMI.format(python=sys.executable, gpus=gpus, vm=vm, sim_env=SIM_VM_ENV)
-    )
-    path.chmod(0o755)
-    return path
+    """Write the simulated nvidia-smi of the local VM into `bin_dir`; returns its path."""
+    config = sim_gpu.make_config(vm, gpus, gpu_name="Simulated GPU (CPU)", memory_mb=16384)
+    return sim_gpu.install(bin_dir, bin_dir / "sim-gpus.json", config)
 
 
 def prepare_local_gpus(options: UpOptions) -> str:
@@ -293,7 +183,7 @@ def prepare_local_gpus(options: UpOptions) -> str:
     # The local transport's shells, the jobs they launch and the simulated nvidia-smi all
     # inherit this environment: that is how a job's CUDA_VISIBLE_DEVICES shows as used.
     os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
-    os.environ[SIM_VM_ENV] = identity
+    os.environ[sim_gpu.VM_ENV] = identity
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     return f"simulated nvidia-smi, {options.gpus} GPU(s), jobs run on the CPU"
 

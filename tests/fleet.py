@@ -19,10 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import getpass
-import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 import uuid
@@ -31,85 +29,16 @@ from pathlib import Path
 
 import asyncssh
 
+from scheduler import sim_gpu
 from scheduler.db import Database
 from scheduler.fleet import VMSpec, add_vm
+from scheduler.sim_gpu import FAIL_MODES
 from scheduler.transport import VMTarget
 
-FAIL_MODES = ("driver", "no_devices", "fallen_off_bus", "garbage")
 DEFAULT_GPU_NAME = "NVIDIA A100-SXM4-80GB"
 DEFAULT_GPU_MEMORY_MB = 81920
 PROCESS_MEMORY_MB = 1024
 FAKE_TRAIN = Path(__file__).resolve().parent / "workloads" / "fake_train.py"
-
-# The simulated nvidia-smi. It must stay cheap: it runs on every poll of every VM.
-NVIDIA_SMI = r'''#!__PYTHON__ -S
-"""Simulated nvidia-smi for the rlfleet test fleet (see tests/fleet.py)."""
-import json, os, sys
-from pathlib import Path
-
-cfg = json.loads((Path(__file__).resolve().parent.parent / "sim.json").read_text())
-mode = cfg.get("fail")
-if mode == "driver":
-    print("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
-          "Make sure that the latest NVIDIA driver is installed and running.\n")
-    sys.exit(9)
-if mode == "no_devices":
-    print("No devices were found")
-    sys.exit(6)
-
-def users():
-    """(pid, gpu indices) of every live process of this VM that names GPUs."""
-    me = os.getpid()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
-        except OSError:
-            continue
-        if env.get(b"RLFLEET_SIM_VM", b"").decode() != cfg["name"]:
-            continue
-        if env.get(b"RLFLEET_SIM_FLEET", b"").decode() != cfg["fleet"]:
-            continue
-        cvd = env.get(b"CUDA_VISIBLE_DEVICES")
-        if not cvd:
-            continue
-        idx = {int(x) for x in cvd.decode().split(",") if x.strip().isdigit()}
-        if idx:
-            found.append((int(entry), idx))
-    return found
-
-query = next((a for a in sys.argv[1:] if a.startswith("--query-")), "")
-procs = users()
-lost = ("Unable to determine the device handle for GPU0000:3B:00.0: GPU is lost.  "
-        "Reboot the system to recover this GPU")
-if mode == "fallen_off_bus":
-    print(lost)
-if mode == "garbage":
-    print("0, GPU-3f1c2a9e-77, NVIDIA A1")
-    print("\x00\x7f#### ??")
-    sys.exit(0)
-for gpu in cfg["gpus"]:
-    i = gpu["index"]
-    if mode == "fallen_off_bus" and i == 0:
-        continue
-    holders = [pid for pid, idx in procs if i in idx]
-    if query.startswith("--query-gpu="):
-        used = len(holders) * __MEM__
-        util = 100 if holders else 0
-        print(f"{i}, {gpu['uuid']}, {gpu['name']}, {gpu['memory']}, {used}, {util}")
-    elif query.startswith("--query-compute-apps="):
-        for pid in holders:
-            print(f"{gpu['uuid']}, {pid}, __MEM__")
-sys.exit(15 if mode == "fallen_off_bus" else 0)
-'''
-
-
-def gpu_uuid(vm_name: str, index: int) -> str:
-    """The stable UUID the simulated nvidia-smi reports for GPU `index` of `vm_name`."""
-    return f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'rlfleet-sim/{vm_name}/{index}')}"
 
 
 def sim_processes(vm_name: str, fleet_token: str) -> list[int]:
@@ -197,28 +126,15 @@ class SimVM:
         self.host_key = asyncssh.generate_private_key("ssh-ed25519")
         self.host_key_path = root / "ssh_host_ed25519_key"
         self.host_key.write_private_key(str(self.host_key_path))
-        self._config: dict[str, object] = {
-            "name": name,
-            "fleet": fleet_token,
-            "fail": None,
-            "gpus": [
-                {"index": i, "uuid": gpu_uuid(name, i), "name": gpu_name, "memory": memory_mb}
-                for i in range(gpus)
-            ],
-        }
-        self._write_config()
-        smi = self.bin_dir / "nvidia-smi"
-        smi.write_text(
-            NVIDIA_SMI.replace("__PYTHON__", sys.executable).replace(
-                "__MEM__", str(PROCESS_MEMORY_MB)
-            )
+        self._config = sim_gpu.make_config(
+            name,
+            gpus,
+            gpu_name=gpu_name,
+            memory_mb=memory_mb,
+            fleet=fleet_token,
+            process_mb=PROCESS_MEMORY_MB,
         )
-        smi.chmod(smi.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-
-    def _write_config(self) -> None:
-        tmp = self.root / "sim.json.tmp"
-        tmp.write_text(json.dumps(self._config))
-        tmp.replace(self.root / "sim.json")  # atomic: a poll never reads half a file
+        sim_gpu.install(self.bin_dir, self.root / "sim.json", self._config)
 
     @property
     def running(self) -> bool:
@@ -228,7 +144,7 @@ class SimVM:
     @property
     def gpu_uuids(self) -> list[str]:
         """The UUIDs nvidia-smi reports, by index."""
-        return [g["uuid"] for g in self._config["gpus"]]  # type: ignore[attr-defined, index]
+        return [g["uuid"] for g in self._config["gpus"]]
 
     async def start(self) -> None:
         """Listen (again) on the VM's port, with the same host key."""
@@ -283,7 +199,7 @@ class SimVM:
         if mode is not None and mode not in FAIL_MODES:
             raise ValueError(f"unknown nvidia-smi failure mode {mode!r}; use one of {FAIL_MODES}")
         self._config["fail"] = mode
-        self._write_config()
+        sim_gpu.write_config(self.root / "sim.json", self._config)
 
     def add_foreign_process(self, gpu_index: int) -> ForeignProcess:
         """Start a process rlfleet did not launch that holds GPU `gpu_index`."""

@@ -9,12 +9,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import getpass
-import json
 import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,13 +21,15 @@ from pathlib import Path
 import asyncssh
 import pytest
 
+from scheduler import sim_gpu
 from scheduler.db import Database
 from scheduler.embedded import free_port
 from scheduler.fleet import VMSpec, add_vm
 from scheduler.gpu_poller import GpuPoller
 from scheduler.models import GPU, VM
+from scheduler.sim_gpu import gpu_uuid
 from scheduler.transport import HostKeyMismatch, SSHTransport, VMTarget
-from tests.fleet import NVIDIA_SMI, PROCESS_MEMORY_MB, gpu_uuid
+from tests.fleet import PROCESS_MEMORY_MB
 
 SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
 pytestmark = pytest.mark.skipif(
@@ -63,21 +63,10 @@ def sshd(tmp_path: Path) -> Iterator[RealSshd]:
     client_key = _write_key(root / "client_key")
     (root / "authorized_keys").write_text(client_key.export_public_key("openssh").decode())
     fleet = uuid.uuid4().hex[:12]
-    config = {
-        "name": "real",
-        "fleet": fleet,
-        "fail": None,
-        "gpus": [
-            {"index": i, "uuid": gpu_uuid("real", i), "name": "NVIDIA L4", "memory": 23034}
-            for i in range(2)
-        ],
-    }
-    (root / "sim.json").write_text(json.dumps(config))
-    smi = root / "bin" / "nvidia-smi"
-    smi.write_text(
-        NVIDIA_SMI.replace("__PYTHON__", sys.executable).replace("__MEM__", str(PROCESS_MEMORY_MB))
+    config = sim_gpu.make_config(
+        "real", 2, gpu_name="NVIDIA L4", memory_mb=23034, fleet=fleet, process_mb=PROCESS_MEMORY_MB
     )
-    smi.chmod(0o755)
+    sim_gpu.install(root / "bin", root / "sim.json", config)
     port = free_port()
     (root / "sshd_config").write_text(
         "\n".join(

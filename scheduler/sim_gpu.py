@@ -1,0 +1,164 @@
+"""A simulated `nvidia-smi`, for machines without a GPU: `rlfleet up --gpus N` (CPU-only
+trials) and the test fleet. The GPU is the one thing rlfleet ever simulates.
+
+`install(bin_dir, config_path, config)` writes the JSON config and an `nvidia-smi` in
+`bin_dir` that runs this file as a script (`python -S sim_gpu.py CONFIG ARGS…`); it imports
+nothing outside the standard library, because it runs on every poll of every VM.
+
+The config: `name` and optional `fleet` (a GPU shows as used while a live process whose
+environment has `RLFLEET_SIM_VM=<name>`, and `RLFLEET_SIM_FLEET=<fleet>` when set, names
+it in `CUDA_VISIBLE_DEVICES`), `fail` (None or one of FAIL_MODES: fail as a broken real
+one does), `process_mb`, and `gpus`: a list of `{index, uuid, name, memory}`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+VM_ENV = "RLFLEET_SIM_VM"
+FLEET_ENV = "RLFLEET_SIM_FLEET"
+FAIL_MODES = ("driver", "no_devices", "fallen_off_bus", "garbage")
+DRIVER_FAILURE = (
+    "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+    "Make sure that the latest NVIDIA driver is installed and running.\n"
+)
+GPU_LOST = (
+    "Unable to determine the device handle for GPU0000:3B:00.0: GPU is lost.  "
+    "Reboot the system to recover this GPU"
+)
+
+
+def gpu_uuid(vm_name: str, index: int) -> str:
+    """The stable UUID reported for GPU `index` of the simulated VM `vm_name`."""
+    return f"GPU-{uuid.uuid5(uuid.NAMESPACE_URL, f'rlfleet-sim/{vm_name}/{index}')}"
+
+
+def make_config(
+    name: str,
+    gpus: int,
+    *,
+    gpu_name: str,
+    memory_mb: int,
+    fleet: str | None = None,
+    process_mb: int = 1024,
+) -> dict[str, Any]:
+    """The config of a VM with `gpus` identical GPUs, none failing."""
+    return {
+        "name": name,
+        "fleet": fleet,
+        "fail": None,
+        "process_mb": process_mb,
+        "gpus": [
+            {"index": i, "uuid": gpu_uuid(name, i), "name": gpu_name, "memory": memory_mb}
+            for i in range(gpus)
+        ],
+    }
+
+
+def write_config(config_path: Path, config: dict[str, Any]) -> None:
+    """Replace the config atomically (a poll may read it at any moment)."""
+    tmp = config_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(config))
+    os.replace(tmp, config_path)
+
+
+def install(bin_dir: Path, config_path: Path, config: dict[str, Any]) -> Path:
+    """Write the config and `bin_dir/nvidia-smi`; returns the executable's path."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    write_config(config_path, config)
+    smi = bin_dir / "nvidia-smi"
+    argv = [sys.executable, "-S", str(Path(__file__).resolve()), str(config_path.resolve())]
+    smi.write_text(f'#!/bin/sh\nexec {" ".join(shlex.quote(a) for a in argv)} "$@"\n')
+    smi.chmod(0o755)
+    return smi
+
+
+def _holders(cfg: dict[str, Any]) -> dict[int, list[int]]:
+    """GPU index → pids of the live processes of this VM that name it."""
+    found: dict[int, list[int]] = {}
+    me = os.getpid()
+    name, fleet = cfg["name"].encode(), (cfg.get("fleet") or "").encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        if env.get(VM_ENV.encode()) != name or (fleet and env.get(FLEET_ENV.encode()) != fleet):
+            continue
+        for part in env.get(b"CUDA_VISIBLE_DEVICES", b"").decode().split(","):
+            if part.strip().isdigit():
+                found.setdefault(int(part), []).append(int(entry))
+    return found
+
+
+def _gpu_field(field: str, gpu: dict[str, Any], pids: list[int], mb: int, units: bool) -> str:
+    used = mb * len(pids)
+    values = {
+        "index": str(gpu["index"]),
+        "uuid": gpu["uuid"],
+        "gpu_uuid": gpu["uuid"],
+        "name": gpu["name"],
+        "gpu_name": gpu["name"],
+        "memory.total": f"{gpu['memory']}" + (" MiB" if units else ""),
+        "memory.used": f"{used}" + (" MiB" if units else ""),
+        "memory.free": f"{gpu['memory'] - used}" + (" MiB" if units else ""),
+        "utilization.gpu": ("100" if pids else "0") + (" %" if units else ""),
+    }
+    return values.get(field, "[N/A]")
+
+
+def main(argv: list[str]) -> int:
+    """Answer like nvidia-smi, for the config file `argv[0]` and nvidia-smi's `argv[1:]`."""
+    cfg = json.loads(Path(argv[0]).read_text())
+    mode = cfg.get("fail")
+    if mode == "driver":
+        print(DRIVER_FAILURE)
+        return 9
+    if mode == "no_devices":
+        print("No devices were found")
+        return 6
+    if mode == "garbage":
+        print("0, GPU-3f1c2a9e-77, NVIDIA A1")
+        print("\x00\x7f#### ??")
+        return 0
+    options = dict(a.partition("=")[::2] for a in argv[1:])
+    fmt = options.get("--format", "")
+    units, header = "nounits" not in fmt, "noheader" not in fmt
+    gpus = [g for g in cfg["gpus"] if not (mode == "fallen_off_bus" and g["index"] == 0)]
+    if mode == "fallen_off_bus":
+        print(GPU_LOST)
+    holders = _holders(cfg)
+    mb = int(cfg.get("process_mb", 1024))
+    for key in ("--query-gpu", "--query-compute-apps"):
+        if key not in options:
+            continue
+        fields = [f.strip() for f in options[key].split(",")]
+        if header:
+            print(", ".join(fields))
+        for gpu in gpus:
+            pids = holders.get(gpu["index"], [])
+            if key == "--query-gpu":
+                print(", ".join(_gpu_field(f, gpu, pids, mb, units) for f in fields))
+                continue
+            for pid in pids:
+                row = {"pid": str(pid), "used_memory": f"{mb}" + (" MiB" if units else "")}
+                print(", ".join(row.get(f) or _gpu_field(f, gpu, [pid], mb, units) for f in fields))
+    if not any(k in options for k in ("--query-gpu", "--query-compute-apps")):
+        for gpu in gpus:
+            pids = holders.get(gpu["index"], [])
+            state = f"in use by {','.join(map(str, pids))}" if pids else "free"
+            print(f"GPU {gpu['index']}: {gpu['name']} (UUID: {gpu['uuid']}) {state}")
+    return 15 if mode == "fallen_off_bus" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
