@@ -365,7 +365,7 @@ class GlobalJobDispatcher:
                     raise
                 # Nothing of this round was committed; earlier rounds' claims stand.
                 for i in todo:
-                    results[i] = TransientError(f"database: {_first_line(str(exc))}")
+                    results[i] = TransientError(_db_error(exc))
                 todo = []
                 break
             retry: list[int] = []
@@ -447,7 +447,7 @@ class GlobalJobDispatcher:
             return str(exc) or type(exc).__name__
         launched = parse_launch(result.stdout)
         if launched is None:
-            return _first_line(result.stderr) or f"launch exited {result.exit_status}"
+            return _last_line(result.stderr) or f"launch exited {result.exit_status}"
         return launched.pid
 
     async def _record_running(self, launched: list[_Launch], replies: _Replies) -> None:
@@ -467,7 +467,7 @@ class GlobalJobDispatcher:
             if not _is_transient_db_error(exc):
                 raise
             # The processes run; the leases will bring the claims back if we never can.
-            error = TransientError(f"database: {_first_line(str(exc))}")
+            error = TransientError(_db_error(exc))
             for x in launched:
                 await self._defer(replies, x.msg, x.claim.job_id, error)
             return
@@ -554,7 +554,7 @@ class GlobalJobDispatcher:
                     )
         except Exception as exc:
             if _is_transient_db_error(exc):
-                raise TransientError(f"database: {_first_line(str(exc))}") from exc
+                raise TransientError(_db_error(exc)) from exc
             raise
         if moved:
             self.stats.launch_failed += 1
@@ -592,7 +592,7 @@ class GlobalJobDispatcher:
                 rows = (await session.execute(select(*columns))).all()
         except Exception as exc:
             if _is_transient_db_error(exc):
-                raise TransientError(f"database: {_first_line(str(exc))}") from exc
+                raise TransientError(_db_error(exc)) from exc
             raise
         now = time.monotonic()
         self._vms = {
@@ -617,7 +617,18 @@ def _stale_insert(claim: Claim, vm_id: int, reason: str) -> Any:
 
 def _first_line(text: str) -> str:
     text = text.strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def _last_line(text: str) -> str:
+    """The launch's stderr says what went wrong last."""
+    text = text.strip()
     return text.splitlines()[-1][:300] if text else ""
+
+
+def _db_error(exc: BaseException) -> str:
+    """The database's own message (SQLAlchemy's text ends with a link to its docs)."""
+    return "database: " + _first_line(str(getattr(exc, "orig", None) or exc))
 
 
 async def _quietly(coro: Any) -> None:

@@ -190,6 +190,8 @@ def kill_script(job_id: int, attempt: int, grace_s: float = 10.0) -> str:
         [
             f"d={d}",
             f'if [ ! -s "$d/pid" ]; then echo "{KILL_MARK} nopid"; exit 0; fi',
+            # The attempt ended: its pid may belong to someone else by now.
+            f'if [ -s "$d/exit_code" ]; then echo "{KILL_MARK} gone"; exit 0; fi',
             'pid=$(cat "$d/pid")',
             f'kill -TERM -"$pid" 2>/dev/null || {{ echo "{KILL_MARK} gone"; exit 0; }}',
             "n=0",

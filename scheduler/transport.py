@@ -132,8 +132,10 @@ class LocalTransport:
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
             raise TransportError(f"{target.name}: command timed out after {timeout:.0f}s") from exc
+        # The shell's convention, as over SSH: 128 + N for a death by signal N.
+        rc = proc.returncode if proc.returncode is not None else 255
         return CommandResult(
-            proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")
+            128 - rc if rc < 0 else rc, out.decode(errors="replace"), err.decode(errors="replace")
         )
 
     async def close(self) -> None:
@@ -354,7 +356,9 @@ class SSHTransport:
             session = self._sessions.get(key)
             if session is None or session.conn is not conn or session.closed:
                 try:
-                    session = _Session(conn, await conn.create_process("sh", encoding="utf-8"))
+                    session = _Session(
+                        conn, await conn.create_process("sh", encoding="utf-8", errors="replace")
+                    )
                 except (asyncssh.ChannelOpenError, asyncssh.ConnectionLost) as exc:
                     if attempt == 1:
                         continue  # the pooled connection died: reconnect once
@@ -440,7 +444,9 @@ class _Session:
 async def _run_once(
     conn: asyncssh.SSHClientConnection, command: str, input: str | None
 ) -> asyncssh.SSHCompletedProcess:
-    process = await conn.create_process(command, input=input)
+    # A log tail cut inside a multi-byte character must not be a protocol error that
+    # closes the VM's whole connection: undecodable bytes become U+FFFD.
+    process = await conn.create_process(command, input=input, errors="replace")
     try:
         return await process.wait(check=False)
     finally:

@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -188,3 +189,19 @@ async def test_read_file_from_offset(home: Path) -> None:
     (d / "train.log").write_text("hello world\n")
     assert (await sh(remote.read_file_script(9, 2, "train.log", offset=6)))[1] == "world\n"
     assert (await sh(remote.read_file_script(9, 3, "train.log")))[0] == remote.NO_FILE_EXIT
+
+
+async def test_kill_of_an_ended_attempt_signals_nobody(home: Path) -> None:
+    """Once the attempt wrote its exit code, its pid may be someone else's: left alone."""
+    d = home / remote.job_dir(10, 1)
+    d.mkdir(parents=True)
+    stranger = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        (d / "pid").write_text(f"{stranger.pid}\n")
+        (d / "exit_code").write_text("0\n")
+        code, out, _ = await sh(remote.kill_script(10, 1, grace_s=0.3))
+        assert code == 0 and remote.parse_kill(out) == "gone"
+        assert stranger.poll() is None, "an unrelated process group was signalled"
+    finally:
+        stranger.kill()
+        stranger.wait()
