@@ -68,6 +68,7 @@ log = get_logger("dispatcher")
 CONTENDED_RETRIES = 20
 VM_CACHE_TTL_S = 15.0
 DB_NAK_DELAY_S = 2.0
+LEASE_MARGIN_S = 2.0
 
 
 _TARGET_FIELDS = tuple(f.name for f in dataclasses.fields(VMTarget))
@@ -530,6 +531,7 @@ class GlobalJobDispatcher:
     async def _launch_failed(self, claim: Claim, target: VMTarget, error: str) -> None:
         bound = log.bind(job_id=claim.job_id, vm=target.name, attempt=claim.attempt)
         bound.warning("launch_failed", error=error)
+        reason = f"launch failed: {error}"[:500]
         try:
             async with self.db.transaction() as session:
                 moved = await transition(
@@ -537,13 +539,14 @@ class GlobalJobDispatcher:
                     claim.job_id,
                     expected=JobStatus.STARTING,
                     to=JobStatus.FAILED,
-                    reason=f"launch failed: {error}"[:500],
+                    reason=reason,
                     actor=self.actor,
                     values={
                         "failure_reason": FailureReason.LAUNCH_FAILED.value,
-                        "status_reason": f"launch failed: {error}"[:500],
+                        "status_reason": reason,
                         "lease_expires_at": None,
                     },
+                    attempt=claim.attempt,  # not the next attempt, if the lease ran out
                 )
                 if moved:
                     await release_in_session(session, claim.job_id)
@@ -720,6 +723,14 @@ def command(
     log_level: str | None,
 ) -> None:
     """Run the dispatcher: claim GPUs for new jobs and launch them over SSH."""
+    if lease_s < launch_timeout_s + LEASE_MARGIN_S:
+        # A lease that can run out during a launch hands the job to a second claim while
+        # the first may still start.
+        raise click.BadParameter(
+            f"must be at least --launch-timeout + {LEASE_MARGIN_S:g} s "
+            f"({launch_timeout_s + LEASE_MARGIN_S:g})",
+            param_hint="--lease",
+        )
     settings = daemon_settings(ctx, database_url, nats_url, log_level)
 
     async def entry(stop: asyncio.Event, ready: asyncio.Event) -> None:

@@ -24,12 +24,15 @@ async def transition(
     reason: str | None,
     actor: str,
     values: Mapping[str, Any] | None = None,
+    attempt: int | None = None,
 ) -> bool:
     """Move job `job_id` from one of `expected` to `to`, inside the caller's transaction.
 
     The UPDATE is guarded with `status IN (:expected)`, so when two movers race exactly one
-    wins; the loser gets False and must do nothing further. `values` sets more columns in
-    the same statement. A move the state machine forbids raises `IllegalMove`.
+    wins; the loser gets False and must do nothing further. With `attempt`, it is guarded
+    by the attempt too: news about an old attempt cannot move the job's next one. `values`
+    sets more columns in the same statement. A move the state machine forbids raises
+    `IllegalMove`.
     """
     sources = [JobStatus(expected)] if isinstance(expected, str) else list(expected)
     for source in sources:
@@ -50,10 +53,13 @@ async def transition(
         src = await session.scalar(select(Job.status).where(Job.id == job_id).with_for_update())
         if src not in {source.value for source in sources}:
             return False
+    guard = [Job.id == job_id, Job.status == src]
+    if attempt is not None:
+        guard.append(Job.attempt == attempt)
     row = (
         await session.execute(
             update(Job)
-            .where(Job.id == job_id, Job.status == src)
+            .where(*guard)
             .values(**changes)
             .returning(Job.attempt)
             .execution_options(synchronize_session=False)

@@ -121,3 +121,40 @@ async def test_two_concurrent_movers_exactly_one_wins(db: Database) -> None:
             await session.scalars(select(JobEvent).where(JobEvent.to_status == "starting"))
         ).all()
     assert sorted(e.job_id for e in events) == sorted(job_ids)
+
+
+async def test_news_about_an_old_attempt_cannot_move_the_next_one(db: Database) -> None:
+    """Given a job on its second attempt, a failure reported for attempt 1 changes nothing."""
+    job_id = await _new_job(db)
+    async with db.transaction() as session:
+        assert await transition(
+            session,
+            job_id,
+            expected=JobStatus.QUEUED,
+            to=JobStatus.STARTING,
+            reason="claimed",
+            actor="t",
+            values={"attempt": 2},
+        )
+    async with db.transaction() as session:
+        stale = await transition(
+            session,
+            job_id,
+            expected=JobStatus.STARTING,
+            to=JobStatus.FAILED,
+            reason="launch failed",
+            actor="t",
+            attempt=1,
+        )
+        current = await transition(
+            session,
+            job_id,
+            expected=JobStatus.STARTING,
+            to=JobStatus.RUNNING,
+            reason="pid 42",
+            actor="t",
+            attempt=2,
+        )
+    assert (stale, current) == (False, True)
+    async with db.transaction() as session:
+        assert (await get_job(session, job_id)).status == "running"
