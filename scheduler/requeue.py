@@ -59,12 +59,12 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import bus, metrics
-from scheduler.claims import expire_leases, release_in_session
+from scheduler.claims import FREE_BY_VM_SQL, expire_leases, release_in_session
 from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
 from scheduler.jobs import transition
 from scheduler.logging import get_logger
-from scheduler.models import GPU, VM, Job, JobEvent, StaleProcess
+from scheduler.models import VM, Job, JobEvent, StaleProcess
 from scheduler.remote import kill_script, parse_kill
 from scheduler.retry import (
     DEFAULT_POLICY,
@@ -221,7 +221,8 @@ class RequeueManager:
                 report.retried = await self._requeue_due(session)
                 report.unpended = await self._wake_pending(session)
                 announce = await self._to_announce(session)
-        await self._kill_stale(report)
+        if not report.skipped:  # the manager that holds the lock this tick does the kills
+            await self._kill_stale(report)
         if announce:
             await self._announce(announce, report)
         return report
@@ -442,7 +443,9 @@ class RequeueManager:
         ).all()
         if not rows:
             return []
-        free = {vm_id: int(n) for vm_id, n in (await session.execute(_FREE_BY_VM)).all()}
+        # Free GPUs counted exactly as the claim query counts them.
+        counts = (await session.execute(FREE_BY_VM_SQL)).all()
+        free = {vm_id: int(n) for vm_id, n in counts}
         plan = plan_pending(
             [
                 PendingJob(
@@ -650,27 +653,6 @@ class RequeueManager:
 # A failed job has no decision yet while it has no retry time (`transition` clears it
 # whenever a job leaves `failed`, so a time never outlives the failure it was made for).
 _UNDECIDED = Job.next_attempt_at.is_(None)
-
-# A GPU counts as free for waking pending jobs exactly as the claim query counts it.
-_FREE_BY_VM = (
-    select(GPU.vm_id, func.count())
-    .join(VM, VM.id == GPU.vm_id)
-    .where(
-        VM.status == VMStatus.HEALTHY.value,
-        VM.draining.is_(False),
-        GPU.job_id.is_(None),
-        GPU.healthy.is_(True),
-        GPU.foreign_busy.is_(False),
-        ~select(StaleProcess.id)
-        .where(
-            StaleProcess.vm_id == GPU.vm_id,
-            StaleProcess.killed_at.is_(None),
-            GPU.index == func.any(StaleProcess.gpu_indices),
-        )
-        .exists(),
-    )
-    .group_by(GPU.vm_id)
-)
 
 
 def _retry_note(
