@@ -237,7 +237,9 @@ def parse_apps(lines: Sequence[str], rc: int | None) -> tuple[list[ComputeApp], 
 def parse_poll(stdout: str) -> PollResult:
     """Read the output of `poll_command`. Never raises: problems become `error`."""
     sections, rcs = _sections(stdout)
-    jobs = parse_status("\n".join(sections.get(JOBS, [])))
+    # Job news is acted on only from a complete answer (the end marker came): the job
+    # lines of a cut-off one may be cut short. A broken nvidia-smi does not void it.
+    jobs = parse_status("\n".join(sections.get(JOBS, []))) if END in sections else {}
     if GPUS not in sections:
         return PollResult(error="poll output has no GPU section (truncated?)", jobs=jobs)
     gpus, error = parse_gpus(sections[GPUS], rcs.get(GPUS_RC))
@@ -249,7 +251,4 @@ def parse_poll(stdout: str) -> PollResult:
         apps = []
     if error is not None:
         return PollResult(gpus=tuple(gpus), error=error, jobs=jobs)
-    if END not in sections:
-        # The job lines may be cut short; GPUs are fine, but do not act on partial job news.
-        return PollResult(gpus=tuple(gpus), apps=tuple(apps), error=None, jobs={})
     return PollResult(gpus=tuple(gpus), apps=tuple(apps), error=None, jobs=jobs)

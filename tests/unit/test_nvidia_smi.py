@@ -131,6 +131,13 @@ def test_job_lines_are_read_only_from_a_complete_output() -> None:
     assert complete.jobs[(7, 1)] == RemoteJobState("exited", 75, "CUDA out of memory")
     cut = poll_output([A100], [], jobs=jobs).replace(END, "")
     assert parse_poll(cut).jobs == {}
+    # Cut short and with nvidia-smi failing too: still no job news from it.
+    broken = poll_output(["NVIDIA-SMI has failed"], [], jobs=jobs, gpus_rc=9).replace(END, "")
+    result = parse_poll(broken)
+    assert result.error is not None and result.jobs == {}
+    # Complete, with nvidia-smi failing: the job news stands.
+    whole = parse_poll(poll_output(["NVIDIA-SMI has failed"], [], jobs=jobs, gpus_rc=9))
+    assert whole.error is not None and (7, 1) in whole.jobs
 
 
 @pytest.mark.parametrize(
