@@ -215,12 +215,16 @@ async def _submit_with_cli(spec: JobSpec, env: dict[str, str]) -> int:
 
 
 async def vms_running(db: Database, kind_of: dict[int, Kind], name: str) -> list[int]:
-    """Ids of VMs where a job of kind `name` runs now."""
+    """Ids of VMs where a job of kind `name` runs now. A job can run before its
+    submitter has noted its kind (a CLI submission is known only once the CLI has
+    printed its id); such a job is not counted yet."""
     async with db.transaction() as session:
         rows = (
             await session.execute(select(Job.id, Job.vm_id).where(Job.status == "running"))
         ).all()
-    return sorted({vm for job_id, vm in rows if kind_of[job_id].name == name and vm})
+    return sorted(
+        {vm for job_id, vm in rows if vm and (k := kind_of.get(job_id)) and k.name == name}
+    )
 
 
 def settled(job: Job) -> bool:
