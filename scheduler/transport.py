@@ -208,6 +208,7 @@ class SSHTransport:
         self._keepalive_count_max = keepalive_count_max
         self._remote_timeout = remote_timeout
         self._sessions: dict[_ConnKey, _Session] = {}
+        self._session_locks: dict[_ConnKey, asyncio.Lock] = {}
         self._files: dict[tuple[str, Callable[[str], Any]], tuple[tuple[int, int], Any]] = {}
         self._kex = _prefer(_PREFERRED_KEX, asyncssh.kex.get_default_kex_algs())
         self._ciphers = _prefer(
@@ -353,19 +354,25 @@ class SSHTransport:
         key = self._key(target)
         for attempt in (1, 2):
             conn = await self._connection(target, fresh=attempt == 2)
-            session = self._sessions.get(key)
-            if session is None or session.conn is not conn or session.closed:
-                try:
-                    session = _Session(
-                        conn, await conn.create_process("sh", encoding="utf-8", errors="replace")
-                    )
-                except (asyncssh.ChannelOpenError, asyncssh.ConnectionLost) as exc:
-                    if attempt == 1:
-                        continue  # the pooled connection died: reconnect once
-                    raise TransportError(f"{target.name}: {_describe(exc)}") from exc
-                except (OSError, asyncssh.Error) as exc:
-                    raise TransportError(f"{target.name}: {_describe(exc)}") from exc
-                self._sessions[key] = session
+            # One shell per VM: two commands that both find none must not both open one
+            # (the loser's would be dropped from the pool, open on the VM for good).
+            async with self._session_locks.setdefault(key, asyncio.Lock()):
+                session = self._sessions.get(key)
+                if session is None or session.conn is not conn or session.closed:
+                    if session is not None:
+                        session.close()
+                    try:
+                        session = _Session(
+                            conn,
+                            await conn.create_process("sh", encoding="utf-8", errors="replace"),
+                        )
+                    except (asyncssh.ChannelOpenError, asyncssh.ConnectionLost) as exc:
+                        if attempt == 1:
+                            continue  # the pooled connection died: reconnect once
+                        raise TransportError(f"{target.name}: {_describe(exc)}") from exc
+                    except (OSError, asyncssh.Error) as exc:
+                        raise TransportError(f"{target.name}: {_describe(exc)}") from exc
+                    self._sessions[key] = session
             try:
                 return await session.run(command, timeout)
             except TimeoutError as exc:

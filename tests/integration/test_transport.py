@@ -181,6 +181,24 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+async def test_concurrent_commands_share_one_persistent_shell(sim_fleet) -> None:
+    """Given ten commands sent at once to a VM with no shell open yet, they all run in
+    the same remote shell: no second shell is opened and left behind on the VM."""
+    fleet = await sim_fleet(1)
+    # Without the VM-side timeout wrapper, `$$` in the command is the session shell's pid.
+    transport = SSHTransport(remote_timeout=False)
+    try:
+        results = await asyncio.gather(
+            *(
+                transport.run(fleet[0].target(), "echo $$", timeout=10, persistent=True)
+                for _ in range(10)
+            )
+        )
+        assert len({r.stdout for r in results}) == 1, [r.stdout for r in results]
+    finally:
+        await transport.close()
+
+
 async def test_persistent_session_runs_commands_framed_and_isolated(sim_fleet) -> None:
     # Given a VM and a transport keeping a shell open on it
     fleet = await sim_fleet(1)
