@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sqlalchemy import func, update
 from sqlalchemy.dialects.postgresql import insert
 
 from scheduler import bus
@@ -19,9 +20,10 @@ from scheduler.claims import release_in_session
 from scheduler.db import Database
 from scheduler.errors import BadInput, ServiceUnavailable
 from scheduler.jobs import get_job, mark_published, transition
+from scheduler.kill import kill_attempt
 from scheduler.logging import get_logger
 from scheduler.models import StaleProcess
-from scheduler.remote import NO_FILE_EXIT, kill_script, parse_kill, read_file_script
+from scheduler.remote import NO_FILE_EXIT, read_file_script
 from scheduler.settings import Settings
 from scheduler.states import FINAL_STATES, LIVE_STATES, JobStatus
 from scheduler.transport import Transport, TransportError, VMTarget
@@ -58,7 +60,10 @@ class CancelResult:
     job_id: int
     previous: str
     kill: str | None = None
-    """`terminated`, `killed`, `gone`, `nopid`, `unreachable: …`, or None (nothing ran)."""
+    """`terminated`, `killed`, `gone`, `fenced`, `nopid`, `unreachable: …`, or None
+    (nothing ran)."""
+    dead: bool = False
+    """The attempt surely runs no process: its GPUs are free again."""
 
 
 async def cancel_job(
@@ -70,12 +75,21 @@ async def cancel_job(
     grace_s: float = DEFAULT_GRACE_S,
 ) -> CancelResult:
     """Cancel any job that is not final; a live one has its process group killed on its VM
-    (TERM, then KILL after `grace_s`) before its GPUs are freed. `BadInput` if final."""
+    (TERM, then KILL after `grace_s`). `BadInput` if final.
+
+    One transaction moves the job to `cancelled`, frees its GPUs and, for a live attempt,
+    writes a `stale_processes` row that keeps those GPUs out of every claim until the
+    attempt is known to be dead. The kill runs after it (no transaction open); if it proves
+    the attempt dead, a second transaction closes the row. If the kill cannot tell (VM
+    unreachable) or this process dies in between, the requeue manager kills the attempt
+    later and closes the row: nothing is left holding GPUs with nobody to free them.
+    """
     for _ in range(5):
         place = await load_place(db, job_id)
         status = JobStatus(place.status)
         if status in FINAL_STATES:
             raise BadInput(f"job {job_id} is already {status}; there is nothing to cancel")
+        live = status in LIVE_STATES and place.target is not None
         async with db.transaction() as session:
             moved = await transition(
                 session,
@@ -86,29 +100,40 @@ async def cancel_job(
                 actor=actor,
                 values={"status_reason": "cancelled by the user", "lease_expires_at": None},
             )
-            if moved and status not in LIVE_STATES:
-                await release_in_session(session, job_id)  # a failed job holds none; be sure
+            if moved:
+                await release_in_session(session, job_id)  # none unless live; be sure
+                if live:
+                    assert place.target is not None
+                    await session.execute(
+                        insert(StaleProcess)
+                        .values(
+                            vm_id=place.target.id,
+                            job_id=job_id,
+                            attempt=place.attempt,
+                            gpu_indices=place.gpu_indices,
+                            reason="cancelled",
+                        )
+                        .on_conflict_do_nothing()
+                    )
         if not moved:
             continue  # it moved under us: look again
-        if status not in LIVE_STATES or place.target is None:
+        if not live:
             log.info("job_cancelled", job_id=job_id, previous=status.value)
             return CancelResult(job_id, status.value)
-        kill = await _kill(transport, place, grace_s)
-        async with db.transaction() as session:
-            await release_in_session(session, job_id)
-            if kill not in ("terminated", "killed", "gone") or status == JobStatus.STARTING:
-                # The process may still hold the GPUs (VM unreachable), or a launch in
-                # flight may start it yet: keep them blocked until it is known dead.
+        assert place.target is not None
+        kill = await kill_attempt(transport, place.target, job_id, place.attempt, grace_s=grace_s)
+        if kill.dead:
+            async with db.transaction() as session:
                 await session.execute(
-                    insert(StaleProcess)
-                    .values(
-                        vm_id=place.target.id,
-                        job_id=job_id,
-                        attempt=place.attempt,
-                        gpu_indices=place.gpu_indices,
-                        reason="cancelled",
+                    update(StaleProcess)
+                    .where(
+                        StaleProcess.vm_id == place.target.id,
+                        StaleProcess.job_id == job_id,
+                        StaleProcess.attempt == place.attempt,
+                        StaleProcess.killed_at.is_(None),
                     )
-                    .on_conflict_do_nothing()
+                    .values(killed_at=func.now(), attempts=StaleProcess.attempts + 1)
+                    .execution_options(synchronize_session=False)
                 )
         log.info(
             "job_cancelled",
@@ -116,23 +141,11 @@ async def cancel_job(
             vm=place.target.name,
             attempt=place.attempt,
             previous=status.value,
-            kill=kill,
+            kill=kill.describe(),
+            gpus_blocked=not kill.dead,
         )
-        return CancelResult(job_id, status.value, kill)
+        return CancelResult(job_id, status.value, kill.describe(), kill.dead)
     raise ServiceUnavailable(f"job {job_id} kept changing state; try again")
-
-
-async def _kill(transport: Transport, place: JobPlace, grace_s: float) -> str:
-    assert place.target is not None
-    try:
-        result = await transport.run(
-            place.target,
-            kill_script(place.job_id, place.attempt, grace_s),
-            timeout=grace_s + 15,
-        )
-    except TransportError as exc:
-        return f"unreachable: {exc}"
-    return parse_kill(result.stdout) or f"kill script exited {result.exit_status}"
 
 
 async def retry_job(db: Database, settings: Settings, job_id: int, *, actor: str = "cli") -> bool:

@@ -56,9 +56,10 @@ from scheduler.claims import (
 from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
 from scheduler.jobs import transition
+from scheduler.kill import kill_attempt
 from scheduler.logging import get_logger
 from scheduler.models import VM, StaleProcess
-from scheduler.remote import LaunchSpec, kill_script, launch_script, parse_launch
+from scheduler.remote import LaunchSpec, launch_script, parse_launch
 from scheduler.settings import Settings
 from scheduler.states import FailureReason, JobStatus
 from scheduler.transport import Transport, TransportError, VMTarget, make_transport
@@ -561,18 +562,22 @@ class GlobalJobDispatcher:
             raise
         if moved:
             self.stats.launch_failed += 1
+        else:
+            # Cancelled, or its lease ran out, while the launch was on the wire: a launch
+            # that a kill fenced off fails this way, and nothing of it runs.
+            self.stats.skipped += 1
+            bound.info("launch_superseded", error=error)
 
     async def _kill_quietly(self, claim: Claim, target: VMTarget) -> None:
-        try:
-            await self.transport.run(
-                target,
-                kill_script(claim.job_id, claim.attempt, self.kill_grace_s),
-                timeout=self.kill_grace_s + 10,
-            )
-        except TransportError as exc:
-            log.warning(
-                "kill_failed", job_id=claim.job_id, vm=target.name, error=str(exc) or "unknown"
-            )
+        """Kill a superseded attempt. Its job has moved on without it, and whoever moved it
+        (cancel, an expired lease) left a `stale_processes` row that keeps its GPUs blocked
+        until the attempt is known dead: a failed kill here is retried by the requeue
+        manager."""
+        kill = await kill_attempt(
+            self.transport, target, claim.job_id, claim.attempt, grace_s=self.kill_grace_s
+        )
+        if not kill.dead:
+            log.warning("kill_failed", job_id=claim.job_id, vm=target.name, outcome=kill.describe())
 
     async def _target(self, vm_id: int) -> VMTarget:
         """The VM's connection fields, from a cache of every VM refreshed in one query."""

@@ -18,6 +18,10 @@ EXITED_MARK = "rlfleet-exited"
 KILL_MARK = "rlfleet-kill"
 NO_FILE_EXIT = 3
 """Exit status of the read snippets when the file does not exist (yet)."""
+FENCED_EXIT = 96
+"""Exit status of the launch script when a kill fenced the attempt off before it started."""
+DEAD_KILL_OUTCOMES = frozenset({"fenced", "gone", "terminated", "killed"})
+"""Kill outcomes after which the attempt surely runs no process and never will."""
 
 
 def job_dir(job_id: int, attempt: int) -> str:
@@ -131,6 +135,8 @@ def launch_script(spec: LaunchSpec, *, pid_wait_s: float = 10.0) -> str:
     Idempotent per attempt directory: `mkdir` of a lock directory is atomic, so only the
     first launch starts a process; a repeated launch waits for that one's pid file and
     reports the same pid. Prints `rlfleet-exited <code>` too when the attempt already ended.
+    A kill that came first took the lock and left a `fenced` mark (see `kill_script`):
+    then nothing starts and the script exits `FENCED_EXIT`.
     """
     d = _dir_word(spec.job_id, spec.attempt)
     polls = max(1, int(pid_wait_s / 0.05))
@@ -144,6 +150,9 @@ def launch_script(spec: LaunchSpec, *, pid_wait_s: float = 10.0) -> str:
             "fi",
             "n=0",
             'while [ ! -s "$d/pid" ]; do',
+            '  if [ -e "$d/fenced" ]; then',
+            f'    echo "rlfleet: attempt was killed before it started" >&2; exit {FENCED_EXIT}',
+            "  fi",
             "  n=$((n + 1))",
             f'  if [ "$n" -gt {polls} ]; then echo "rlfleet: no pid file after launch" >&2;'
             " exit 98; fi",
@@ -177,19 +186,38 @@ def parse_launch(stdout: str) -> LaunchResult | None:
     return None if pid is None else LaunchResult(pid, exit_code)
 
 
-def kill_script(job_id: int, attempt: int, grace_s: float = 10.0) -> str:
+def kill_script(
+    job_id: int, attempt: int, grace_s: float = 10.0, *, pid_wait_s: float = 10.0
+) -> str:
     """TERM the attempt's process group, KILL it after `grace_s`; idempotent.
 
-    Prints `rlfleet-kill <outcome>`: `nopid` (never started), `gone` (nothing left to
-    signal), `terminated` (ended within the grace period) or `killed`. After a KILL the
-    wrapper cannot record an exit code, so the script writes 137 (128 + SIGKILL) for it.
+    Prints `rlfleet-kill <outcome>`: `fenced` (never started, and now never will: the kill
+    took the launch lock first, so a launch still on its way finds it and starts nothing),
+    `gone` (nothing left to signal), `terminated` (ended within the grace period),
+    `killed`, or `nopid` (a launch holds the lock but wrote no pid within `pid_wait_s`:
+    its fate is unknown). After a KILL the wrapper cannot record an exit code, so the
+    script writes 137 (128 + SIGKILL) for it.
     """
     d = _dir_word(job_id, attempt)
     polls = max(1, int(grace_s / 0.1))
+    pid_polls = max(1, int(pid_wait_s / 0.05))
     return "\n".join(
         [
             f"d={d}",
-            f'if [ ! -s "$d/pid" ]; then echo "{KILL_MARK} nopid"; exit 0; fi',
+            'if [ ! -s "$d/pid" ]; then',
+            f'  if [ -e "$d/fenced" ]; then echo "{KILL_MARK} fenced"; exit 0; fi',
+            '  mkdir -p "$d" 2>/dev/null',
+            '  if mkdir "$d/.launch.lock" 2>/dev/null; then',
+            f'    : > "$d/fenced"; echo "{KILL_MARK} fenced"; exit 0',
+            "  fi",
+            # A launch holds the lock: its wrapper writes the pid first thing.
+            "  n=0",
+            '  while [ ! -s "$d/pid" ]; do',
+            "    n=$((n + 1))",
+            f'    if [ "$n" -gt {pid_polls} ]; then echo "{KILL_MARK} nopid"; exit 0; fi',
+            "    sleep 0.05",
+            "  done",
+            "fi",
             # The attempt ended: its pid may belong to someone else by now.
             f'if [ -s "$d/exit_code" ]; then echo "{KILL_MARK} gone"; exit 0; fi',
             'pid=$(cat "$d/pid")',

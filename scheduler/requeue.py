@@ -63,9 +63,9 @@ from scheduler.claims import FREE_BY_VM_SQL, expire_leases, release_in_session
 from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
 from scheduler.jobs import transition
+from scheduler.kill import kill_attempt
 from scheduler.logging import get_logger
 from scheduler.models import VM, Job, JobEvent, StaleProcess
-from scheduler.remote import kill_script, parse_kill
 from scheduler.retry import (
     DEFAULT_POLICY,
     GIVE_UP_PREFIX,
@@ -79,7 +79,7 @@ from scheduler.retry import (
 )
 from scheduler.settings import Settings, redact_url
 from scheduler.states import FailureReason, JobStatus, VMStatus
-from scheduler.transport import Transport, TransportError, VMTarget
+from scheduler.transport import Transport, VMTarget
 
 log = get_logger("requeue")
 
@@ -104,7 +104,6 @@ class RequeueConfig:
     """A pending job is not re-announced within this long of a dispatcher's last look."""
     starvation_after_s: float = 300.0
     kill_grace_s: float = 10.0
-    ssh_timeout_s: float = 20.0
     policy: RetryPolicy = DEFAULT_POLICY
 
 
@@ -568,7 +567,8 @@ class RequeueManager:
                         # Any VM that answers SSH (healthy, or GPUs in trouble).
                         VM.status != VMStatus.UNREACHABLE.value,
                     )
-                    .order_by(StaleProcess.id)
+                    # Fewest tries first: rows that keep failing cannot starve the rest.
+                    .order_by(StaleProcess.attempts, StaleProcess.id)
                     .limit(BATCH)
                 )
             ).all()
@@ -596,23 +596,16 @@ class RequeueManager:
                 )
 
     async def _kill_one(self, job_id: int, attempt: int, target: VMTarget) -> str | None:
-        """Kill one leftover attempt; None on success, else why it failed."""
+        """Kill one leftover attempt; None once it is surely dead, else why not yet."""
         assert self.transport is not None
         bound = log.bind(job_id=job_id, attempt=attempt, vm=target.name)
-        script = kill_script(job_id, attempt, self.config.kill_grace_s)
-        try:
-            result = await self.transport.run(
-                target, script, timeout=self.config.kill_grace_s + self.config.ssh_timeout_s
-            )
-        except TransportError as exc:
-            bound.warning("stale_kill_unreachable", error=str(exc)[:200])
-            return str(exc) or "unreachable"
-        outcome = parse_kill(result.stdout)
-        if not result.ok or outcome is None:
-            error = (result.stderr or result.stdout).strip()[:200] or f"exit {result.exit_status}"
-            bound.warning("stale_kill_failed", exit_status=result.exit_status, error=error)
-            return error
-        bound.info("stale_process_killed", outcome=outcome)
+        kill = await kill_attempt(
+            self.transport, target, job_id, attempt, grace_s=self.config.kill_grace_s
+        )
+        if not kill.dead:
+            bound.warning("stale_kill_failed", outcome=kill.describe()[:200])
+            return kill.describe()
+        bound.info("stale_process_killed", outcome=kill.outcome)
         return None
 
     # -- the loop -------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from scheduler.cli._common import (
 )
 from scheduler.control import (
     DEFAULT_GRACE_S,
+    CancelResult,
     JobPlace,
     cancel_job,
     read_progress,
@@ -231,14 +232,25 @@ def cancel(ctx: CliContext, job_id: int, grace: float) -> None:
             await transport.close()
 
     result = ctx.run(go)
-    kill = getattr(result, "kill", None)
-    if kill and kill.startswith("unreachable"):
+    assert isinstance(result, CancelResult)
+    if result.kill is None:
         click.echo(f"job {job_id} cancelled")
-        warn(f"could not kill it on its VM ({kill}); it will be killed when the VM answers")
-    elif kill:
-        click.echo(f"job {job_id} cancelled (process {kill})")
+    elif result.dead:
+        click.echo(f"job {job_id} cancelled ({_KILL_WORDS.get(result.kill, result.kill)})")
     else:
         click.echo(f"job {job_id} cancelled")
+        warn(
+            f"could not make sure it stopped on its VM ({result.kill}); its GPUs stay blocked "
+            "until the requeue manager has killed it"
+        )
+
+
+_KILL_WORDS = {
+    "terminated": "process terminated",
+    "killed": "process killed",
+    "gone": "process had already ended",
+    "fenced": "stopped before it started",
+}
 
 
 @group.command("retry")

@@ -15,6 +15,7 @@ from sqlalchemy import func, select, update
 
 from scheduler import bus
 from scheduler.claims import expire_leases
+from scheduler.control import CancelResult, cancel_job
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats, free_port
 from scheduler.models import GPU, Job, JobEvent, StaleProcess
@@ -289,6 +290,56 @@ async def test_cancelled_during_launch_is_killed_not_run(
     await transport.close()
     assert code.strip() == "143"
     assert d.stats.launched == 0
+
+
+async def test_a_cancel_that_beats_the_launch_fences_it_off(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
+) -> None:
+    """Given a job cancelled after its claim but before its launch reached the VM, the
+    cancel's kill fences the attempt off, so the late launch starts nothing; the GPUs are
+    free at once (the stale-process row is closed) and the dispatcher records no run."""
+    fleet, _ = await fleet_with_rows(sim_fleet, db, 1, 1)
+    job_id = await new_job(db, 1, ("--fake_seconds", "30"))
+    plain = make_transport()
+    cancelled: list[CancelResult] = []
+
+    class CancelBeforeLaunch:
+        def __init__(self, inner: Transport) -> None:
+            self.inner = inner
+
+        async def run(
+            self, target: VMTarget, command: str, *, timeout: float, input: str | None = None
+        ) -> CommandResult:
+            if ".launch.lock" in command and not cancelled:
+                cancelled.append(await cancel_job(db, plain, job_id, actor="test"))
+            return await self.inner.run(target, command, timeout=timeout, input=input)
+
+        async def close(self) -> None:
+            await self.inner.close()
+
+    transport = CancelBeforeLaunch(make_transport())
+    async with running_dispatcher(db, nats.url, transport=transport) as d:
+        nc = await nats_client.connect(nats.url)
+        await publish(nc, job_id)
+        await nc.close()
+        for _ in range(400):
+            if d.stats.skipped or d.stats.launch_failed or d.stats.launched:
+                break
+            await asyncio.sleep(0.05)
+    await transport.close()
+    await plain.close()
+    assert [(c.kill, c.dead) for c in cancelled] == [("fenced", True)]
+    assert (d.stats.skipped, d.stats.launched, d.stats.launch_failed) == (1, 0, 0)
+    attempt_dir = fleet[0].home / job_dir(job_id, 1)
+    assert (attempt_dir / "fenced").exists()
+    assert not (attempt_dir / "pid").exists() and not (attempt_dir / "train.log").exists()
+    job = await job_row(db, job_id)
+    assert job.status == "cancelled"
+    async with db.transaction() as session:
+        assert await session.scalar(select(func.count()).where(GPU.job_id.is_not(None))) == 0
+        stale = (await session.execute(select(StaleProcess))).scalars().one()
+        assert (stale.job_id, stale.reason) == (job_id, "cancelled")
+        assert stale.killed_at is not None
 
 
 async def test_an_unreachable_database_naks_and_the_job_is_not_lost(

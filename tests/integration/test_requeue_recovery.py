@@ -22,10 +22,10 @@ from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
 from scheduler.jobs import transition
 from scheduler.models import GPU, VM, JobEvent, StaleProcess
-from scheduler.remote import job_dir
+from scheduler.remote import FENCED_EXIT, LaunchSpec, job_dir, launch_script
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.states import JobStatus
-from scheduler.transport import Transport, make_transport
+from scheduler.transport import Transport, VMTarget, make_transport
 from tests.fleet import SimFleet
 from tests.workloads.support import (
     FAKE_TRAIN,
@@ -215,3 +215,55 @@ async def _wait_text(path: Path, needle: str = "fake_train: args=", timeout: flo
             return text
         await asyncio.sleep(0.05)
     raise AssertionError(f"{path} never said {needle!r}")
+
+
+async def test_a_launch_that_outlives_its_lease_is_fenced_off(
+    sim_fleet: FleetFactory,
+    db: Database,
+    nats: EmbeddedNats,
+    transport: Transport,
+    tmp_path: Path,
+) -> None:
+    """Given a claim whose lease runs out while its launch is still on its way (a slow
+    link, a stalled dispatcher), the requeue manager takes the claim back and kills the
+    attempt before anything ran: the kill fences the attempt off, so when the late launch
+    arrives it starts nothing, and the job can never run twice."""
+    fleet, _ = await fleet_of(sim_fleet, db, tmp_path, 1)
+    poller = GpuPoller(db, transport, unreachable_after=1)
+    await poller.sweep()
+    job_id = await new_job(db, 1, ("--fake_seconds", "30"))
+    claim = await claim_gpus(db, job_id, actor="stalled-dispatcher", lease_s=0.1)
+    assert isinstance(claim, Claim)
+    await asyncio.sleep(0.3)
+    nc = await nats_client.connect(nats.url)
+    try:
+        report = await RequeueManager(db, NatsPublisher(nc), transport, CONFIG).tick()
+    finally:
+        await nc.close()
+    assert report.expired == [job_id] and report.killed == [job_id]
+
+    async with db.transaction() as session:
+        vm = (await session.execute(select(VM).where(VM.id == claim.vm_id))).scalar_one()
+        target = VMTarget.from_vm(vm)
+        stale = (await session.execute(select(StaleProcess))).scalars().one()
+    assert (stale.reason, stale.attempt, stale.killed_at is not None) == (
+        "lease_expired",
+        claim.attempt,
+        True,
+    )
+    late = LaunchSpec(
+        job_id=job_id,
+        attempt=claim.attempt,
+        python=target.python,
+        entrypoint=target.entrypoint,
+        gpu_indices=claim.gpu_indices,
+        model="m",
+        dataset="d",
+        reward_functions=("format",),
+        output_dir=claim.output_dir,
+        extra_args=("--fake_seconds", "30"),
+    )
+    result = await transport.run(target, launch_script(late), timeout=20)
+    assert result.exit_status == FENCED_EXIT, result.stderr
+    attempt_dir = fleet[0].home / job_dir(job_id, claim.attempt)
+    assert not (attempt_dir / "pid").exists() and not (attempt_dir / "train.log").exists()

@@ -167,7 +167,54 @@ async def test_kill_terminates_the_group_and_records_the_signal(home: Path) -> N
         os.killpg(result.pid, 0)
     assert (await wait_for(home / remote.job_dir(7, 1) / "exit_code")).strip() == "143"
     assert remote.parse_kill((await sh(remote.kill_script(7, 1)))[1]) == "gone"
-    assert remote.parse_kill((await sh(remote.kill_script(7, 9)))[1]) == "nopid"
+
+
+async def test_a_kill_before_the_launch_fences_it_off(home: Path) -> None:
+    """Given an attempt killed before its launch arrived, the kill says `fenced`, the late
+    launch starts nothing and exits FENCED_EXIT at once, and killing again still says
+    `fenced` (it never ran)."""
+    code, out, _ = await sh(remote.kill_script(7, 1))
+    assert (code, remote.parse_kill(out)) == (0, "fenced")
+    started = time.monotonic()
+    code, out, err = await sh(remote.launch_script(spec(extra_args=["--fake_seconds", "30"])))
+    assert code == remote.FENCED_EXIT, err
+    assert remote.parse_launch(out) is None
+    assert "killed before it started" in err
+    assert time.monotonic() - started < 5, "the launch waited out its pid timeout"
+    d = home / remote.job_dir(7, 1)
+    assert not (d / "pid").exists() and not (d / "train.log").exists()
+    assert remote.parse_kill((await sh(remote.kill_script(7, 1)))[1]) == "fenced"
+
+
+async def test_a_kill_during_the_launch_waits_for_the_pid(home: Path) -> None:
+    """Given a launch that holds the lock but has not written its pid yet, the kill waits
+    for the pid and then kills the group: it never reports a launch as not started while
+    the launch may still start it."""
+    d = home / remote.job_dir(8, 1)
+    (d / ".launch.lock").mkdir(parents=True)
+    script = (
+        "sleep 0.5; echo $$ > "
+        + shlex.quote(str(d / "pid.tmp"))
+        + " && mv "
+        + shlex.quote(str(d / "pid.tmp"))
+        + " "
+        + shlex.quote(str(d / "pid"))
+        + "; exec sleep 30"
+    )
+    await sh(f"setsid sh -c {shlex.quote(script)} </dev/null >/dev/null 2>&1 &")
+    code, out, _ = await sh(remote.kill_script(8, 1, grace_s=2))
+    assert remote.parse_kill(out) == "terminated"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(int((d / "pid").read_text()), 0)
+
+
+async def test_a_launch_that_never_writes_its_pid_is_nopid(home: Path) -> None:
+    """Given a lock held with no pid ever written, the kill gives up after its wait and
+    says `nopid`, an outcome that does not count as dead."""
+    (home / remote.job_dir(9, 1) / ".launch.lock").mkdir(parents=True)
+    code, out, _ = await sh(remote.kill_script(9, 1, pid_wait_s=0.3))
+    assert (code, remote.parse_kill(out)) == (0, "nopid")
+    assert "nopid" not in remote.DEAD_KILL_OUTCOMES
 
 
 async def test_kill_escalates_to_kill_after_grace(home: Path) -> None:

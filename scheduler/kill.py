@@ -1,0 +1,62 @@
+"""Kill one attempt on its VM over SSH: the one way cancel, the dispatcher and the requeue
+manager all do it, so they read the answer the same way.
+
+`KillResult.dead` is the only thing that may free an attempt's GPUs: it is true when the
+kill script reports that the attempt runs no process and never will (see
+`remote.kill_script`). Anything else (VM unreachable, script failed, a launch that holds
+its lock but wrote no pid) leaves the attempt's fate unknown, and its GPUs stay blocked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.remote import DEAD_KILL_OUTCOMES, kill_script, parse_kill
+from scheduler.transport import Transport, TransportError, VMTarget
+
+SSH_MARGIN_S = 15.0
+"""Time allowed beyond the grace period (and the wait for a starting launch's pid)."""
+
+
+@dataclass(frozen=True)
+class KillResult:
+    """What killing one attempt came to."""
+
+    outcome: str | None
+    """The kill script's word (`fenced`, `gone`, `terminated`, `killed`, `nopid`), or None
+    when it gave none."""
+    error: str | None = None
+    """Why there is no outcome: the VM did not answer, or the script failed."""
+
+    @property
+    def dead(self) -> bool:
+        """The attempt runs no process and never will: its GPUs may be used again."""
+        return self.outcome in DEAD_KILL_OUTCOMES
+
+    def describe(self) -> str:
+        """One word or phrase for logs and the CLI."""
+        return self.outcome or self.error or "unknown"
+
+
+async def kill_attempt(
+    transport: Transport,
+    target: VMTarget,
+    job_id: int,
+    attempt: int,
+    *,
+    grace_s: float,
+    pid_wait_s: float = 10.0,
+) -> KillResult:
+    """TERM, then KILL after `grace_s`, attempt `attempt` of `job_id` on `target`.
+
+    Never raises for the VM's sake: an SSH failure is a result with `error` set."""
+    script = kill_script(job_id, attempt, grace_s, pid_wait_s=pid_wait_s)
+    try:
+        result = await transport.run(target, script, timeout=grace_s + pid_wait_s + SSH_MARGIN_S)
+    except TransportError as exc:
+        return KillResult(None, f"unreachable: {str(exc) or type(exc).__name__}")
+    outcome = parse_kill(result.stdout)
+    if outcome is None or not result.ok:
+        error = (result.stderr or result.stdout).strip()[:200]
+        return KillResult(None, error or f"kill script exited {result.exit_status}")
+    return KillResult(outcome)
