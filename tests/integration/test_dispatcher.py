@@ -255,6 +255,37 @@ def test_malformed_payloads_are_refused(payload: bytes) -> None:
     assert parse_job_id(b" 42\n") == 42
 
 
+class AroundLaunch:
+    """A transport that runs `before` / `after` around the first launch command it sends:
+    a user acting while that launch is on the wire."""
+
+    def __init__(
+        self,
+        inner: Transport,
+        *,
+        before: Callable[[], Awaitable[None]] | None = None,
+        after: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self.inner = inner
+        self.before, self.after = before, after
+        self.done = False
+
+    async def run(
+        self, target: VMTarget, command: str, *, timeout: float, input: str | None = None
+    ) -> CommandResult:
+        hooked = ".launch.lock" in command and not self.done
+        self.done = self.done or hooked
+        if hooked and self.before is not None:
+            await self.before()
+        result = await self.inner.run(target, command, timeout=timeout, input=input)
+        if hooked and self.after is not None:
+            await self.after()
+        return result
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
 async def test_cancelled_during_launch_is_killed_not_run(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, tmp_path: Path
 ) -> None:
@@ -263,25 +294,11 @@ async def test_cancelled_during_launch_is_killed_not_run(
     fleet, _ = await fleet_with_rows(sim_fleet, db, 1, 1)
     job_id = await new_job(db, 1, ("--fake_seconds", "30"))
 
-    class CancelDuringLaunch:
-        def __init__(self, inner: Transport) -> None:
-            self.inner = inner
+    async def cancel_behind_its_back() -> None:
+        async with db.transaction() as session:
+            await session.execute(update(Job).where(Job.id == job_id).values(status="cancelled"))
 
-        async def run(
-            self, target: VMTarget, command: str, *, timeout: float, input: str | None = None
-        ) -> CommandResult:
-            result = await self.inner.run(target, command, timeout=timeout, input=input)
-            if ".launch.lock" in command:
-                async with db.transaction() as session:
-                    await session.execute(
-                        update(Job).where(Job.id == job_id).values(status="cancelled")
-                    )
-            return result
-
-        async def close(self) -> None:
-            await self.inner.close()
-
-    transport = CancelDuringLaunch(make_transport())
+    transport = AroundLaunch(make_transport(), after=cancel_behind_its_back)
     async with running_dispatcher(db, nats.url, transport=transport, kill_grace_s=2) as d:
         nc = await nats_client.connect(nats.url)
         await publish(nc, job_id)
@@ -303,21 +320,10 @@ async def test_a_cancel_that_beats_the_launch_fences_it_off(
     plain = make_transport()
     cancelled: list[CancelResult] = []
 
-    class CancelBeforeLaunch:
-        def __init__(self, inner: Transport) -> None:
-            self.inner = inner
+    async def cancel() -> None:
+        cancelled.append(await cancel_job(db, plain, job_id, actor="test"))
 
-        async def run(
-            self, target: VMTarget, command: str, *, timeout: float, input: str | None = None
-        ) -> CommandResult:
-            if ".launch.lock" in command and not cancelled:
-                cancelled.append(await cancel_job(db, plain, job_id, actor="test"))
-            return await self.inner.run(target, command, timeout=timeout, input=input)
-
-        async def close(self) -> None:
-            await self.inner.close()
-
-    transport = CancelBeforeLaunch(make_transport())
+    transport = AroundLaunch(make_transport(), before=cancel)
     async with running_dispatcher(db, nats.url, transport=transport) as d:
         nc = await nats_client.connect(nats.url)
         await publish(nc, job_id)
