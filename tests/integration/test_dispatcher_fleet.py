@@ -1,5 +1,7 @@
 """Three dispatchers, one fleet, every message twice: no GPU is ever shared, no job
-launched twice (invariant 1 and 2, with the dispatcher's part of invariant 3)."""
+launched twice (invariant 1 and 2, with the dispatcher's part of invariant 3). The real
+poller and requeue manager run beside them: finished jobs free their GPUs and pending jobs
+are woken the way they are in production."""
 
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ from sqlalchemy import func, select
 
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
+from scheduler.gpu_poller import GpuPoller, run_poller
 from scheduler.models import GPU, Job
+from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
+from scheduler.transport import make_transport
 from tests.fleet import SimFleet
 from tests.workloads.support import (
     FAKE_TRAIN,
-    complete_finished,
-    mark_polled,
     new_job,
     publish,
     read_records,
@@ -60,7 +63,8 @@ async def test_three_dispatchers_never_share_a_gpu_or_launch_twice(
     monkeypatch.setenv("RLFLEET_FAKE_RECORD", str(records))  # inherited by the VMs' shells
     fleet = await sim_fleet(VMS, gpus_per_vm=GPUS_PER_VM)
     ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN), python=write_fake_python(tmp_path))
-    await mark_polled(db, {vm_id: GPUS_PER_VM for vm_id in ids.values()})
+    transport = make_transport()
+    await GpuPoller(db, transport).sweep()  # GPU rows exist before the first claim
     homes = {ids[vm.name]: vm.home for vm in fleet}
     rng = random.Random(300)
     sizes: dict[int, int] = {}
@@ -69,9 +73,13 @@ async def test_three_dispatchers_never_share_a_gpu_or_launch_twice(
         seconds = f"{rng.uniform(0.2, 0.6):.2f}"
         sizes[await new_job(db, gpus, ("--fake_seconds", seconds))] = gpus
     nc = await nats_client.connect(nats.url)
-
-    async def republish(job_ids: list[int]) -> None:
-        await publish(nc, *job_ids)
+    stop = asyncio.Event()
+    requeue = RequeueManager(
+        db,
+        NatsPublisher(nc),
+        transport,
+        RequeueConfig(interval_s=0.2, recheck_after_s=0.3, republish_after_s=30),
+    )
 
     started = time.monotonic()
     async with AsyncExitStack() as stack:
@@ -79,19 +87,27 @@ async def test_three_dispatchers_never_share_a_gpu_or_launch_twice(
             await stack.enter_async_context(running_dispatcher(db, nats.url))
             for _ in range(DISPATCHERS)
         ]
-        ids_twice = list(sizes) * 2
-        rng.shuffle(ids_twice)
-        await publish(nc, *ids_twice)
-        while time.monotonic() - started < 120:
-            await complete_finished(db, homes, requeue=republish)
-            async with db.transaction() as session:
-                left = await session.scalar(
-                    select(func.count()).where(Job.status.not_in(["completed", "failed"]))
-                )
-            if left == 0:
-                break
-            await asyncio.sleep(0.1)
+        helpers = [
+            asyncio.create_task(run_poller(db, transport, stop, interval=0.2)),
+            asyncio.create_task(requeue.run(stop)),
+        ]
+        try:
+            ids_twice = list(sizes) * 2
+            rng.shuffle(ids_twice)
+            await publish(nc, *ids_twice)
+            while time.monotonic() - started < 180:
+                async with db.transaction() as session:
+                    left = await session.scalar(
+                        select(func.count()).where(Job.status.not_in(["completed", "failed"]))
+                    )
+                if left == 0:
+                    break
+                await asyncio.sleep(0.2)
+        finally:
+            stop.set()
+            await asyncio.gather(*helpers)
     await nc.close()
+    await transport.close()
     elapsed = time.monotonic() - started
 
     async with db.transaction() as session:

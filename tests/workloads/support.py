@@ -8,23 +8,20 @@ import json
 import stat
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import nats as nats_client
 from nats.aio.client import Client as NATS
-from sqlalchemy import func, select, update
+from sqlalchemy import select, update
 
 from scheduler import bus
-from scheduler.claims import release_in_session
 from scheduler.db import Database
 from scheduler.dispatcher import GlobalJobDispatcher
-from scheduler.jobs import JobSpec, insert_job, transition
+from scheduler.jobs import JobSpec, insert_job
 from scheduler.models import GPU, VM, Job
-from scheduler.remote import job_dir
-from scheduler.states import JobStatus
 from scheduler.transport import Transport, make_transport
 
 FAKE_TRAIN = Path(__file__).resolve().parent / "fake_train.py"
@@ -146,84 +143,6 @@ async def running_dispatcher(
         await own_db.dispose()
         if own:
             await transport.close()
-
-
-async def complete_finished(
-    db: Database, homes: dict[int, Path], *, requeue: Callable[[list[int]], Any] | None = None
-) -> int:
-    """Play the poller: every running job whose attempt wrote `exit_code` becomes completed
-    (or failed) and frees its GPUs. Then play the requeue manager: pending jobs go back to
-    queued and `requeue(ids)` is called to publish them. Returns how many jobs finished."""
-    async with db.transaction() as session:
-        running = (
-            await session.execute(
-                select(Job.id, Job.vm_id, Job.attempt).where(Job.status == "running")
-            )
-        ).all()
-    finished: list[tuple[int, int]] = []
-    for job_id, vm_id, attempt in running:
-        code_file = homes[vm_id] / job_dir(job_id, attempt) / "exit_code"
-        if code_file.exists() and code_file.read_text().strip():
-            finished.append((job_id, int(code_file.read_text())))
-    requeued: list[int] = []
-    async with db.transaction() as session:
-        for job_id, code in finished:
-            to = JobStatus.COMPLETED if code == 0 else JobStatus.FAILED
-            if await transition(
-                session,
-                job_id,
-                expected=JobStatus.RUNNING,
-                to=to,
-                reason=f"exit {code}",
-                actor="test-poller",
-                values={"exit_code": code},
-            ):
-                await release_in_session(session, job_id)
-        if finished and requeue is not None:
-            pending = await _pending_that_fit(session)
-            for job_id in pending:
-                if await transition(
-                    session,
-                    job_id,
-                    expected=JobStatus.PENDING,
-                    to=JobStatus.QUEUED,
-                    reason="GPUs freed",
-                    actor="test-requeue",
-                ):
-                    requeued.append(job_id)
-    if requeued and requeue is not None:
-        await requeue(requeued)
-    return len(finished)
-
-
-async def _pending_that_fit(session: Any) -> list[int]:
-    """Pending jobs that the free GPUs could take now, packed greedily by best fit, so a
-    freed GPU wakes one job rather than every waiting job."""
-    free = dict(
-        (
-            await session.execute(
-                select(GPU.vm_id, func.count())
-                .join(VM, VM.id == GPU.vm_id)
-                .where(VM.status == "healthy", GPU.job_id.is_(None))
-                .group_by(GPU.vm_id)
-            )
-        ).all()
-    )
-    rows = (
-        await session.execute(
-            select(Job.id, Job.gpus_requested)
-            .where(Job.status == "pending")
-            .order_by(Job.priority.desc(), Job.id)
-        )
-    ).all()
-    wake = []
-    for job_id, need in rows:
-        fits = [vm for vm, n in free.items() if n >= need]
-        if fits:
-            vm = min(fits, key=lambda v: free[v])
-            free[vm] -= need
-            wake.append(job_id)
-    return wake
 
 
 def read_records(folder: Path) -> list[dict[str, Any]]:
