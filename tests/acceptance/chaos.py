@@ -10,7 +10,6 @@ the last time the sampler saw it (or one sampling period, if it never did).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -194,14 +193,6 @@ class Run:
     pid: int
     start: float
     end: float
-
-
-def read_records(folder: Path) -> list[dict[str, Any]]:
-    """Every line fake_train wrote to its run record."""
-    lines: list[dict[str, Any]] = []
-    for path in sorted(folder.glob("*.jsonl")):
-        lines += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return lines
 
 
 def runs_from(records: Iterable[dict[str, Any]], sampler: LiveSampler) -> list[Run]:

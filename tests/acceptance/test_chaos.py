@@ -37,11 +37,10 @@ from tests.acceptance.chaos import (
     LiveSampler,
     double_booked,
     duplicate_runs,
-    read_records,
     runs_from,
 )
 from tests.fleet import SimFleet
-from tests.workloads.support import FAKE_TRAIN, write_fake_python
+from tests.workloads.support import FAKE_TRAIN, read_records, write_fake_python
 
 FleetFactory = Callable[..., Awaitable[SimFleet]]
 N_JOBS = 200

@@ -21,8 +21,9 @@ from scheduler.claims import (
     release_in_session,
 )
 from scheduler.db import Database
-from scheduler.jobs import JobSpec, get_job, insert_job
+from scheduler.jobs import get_job
 from scheduler.models import GPU, VM, Job, StaleProcess
+from tests.workloads.support import new_job
 
 
 async def add_vm(db: Database, name: str, gpus: int, **fields: object) -> int:
@@ -33,13 +34,6 @@ async def add_vm(db: Database, name: str, gpus: int, **fields: object) -> int:
         await session.flush()
         session.add_all(GPU(vm_id=vm.id, index=i, uuid=f"GPU-{name}-{i}") for i in range(gpus))
         return vm.id
-
-
-async def new_job(db: Database, gpus: int = 1) -> int:
-    """A queued job asking for `gpus` GPUs."""
-    async with db.transaction() as session:
-        spec = JobSpec(model="m", dataset="d", reward_functions=("format",), gpus=gpus)
-        return (await insert_job(session, spec, actor="test")).id
 
 
 async def allocations(db: Database) -> dict[int, tuple[int, list[int]]]:

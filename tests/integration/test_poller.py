@@ -18,10 +18,11 @@ from scheduler import remote
 from scheduler.db import Database
 from scheduler.gpu_poller import GpuPoller
 from scheduler.jobs import JobSpec, insert_job, transition
-from scheduler.models import GPU, VM, Job, JobEvent
+from scheduler.models import GPU, VM, JobEvent
 from scheduler.states import JobStatus
 from scheduler.transport import SSHTransport
 from tests.fleet import FAKE_TRAIN, SimFleet, SimVM
+from tests.workloads.support import job_row
 
 
 @pytest.fixture
@@ -42,11 +43,6 @@ async def gpus_of(db: Database, vm_id: int) -> list[GPU]:
 async def vm_row(db: Database, vm_id: int) -> VM:
     async with db.transaction() as session:
         return (await session.scalars(select(VM).where(VM.id == vm_id))).one()
-
-
-async def job_row(db: Database, job_id: int) -> Job:
-    async with db.transaction() as session:
-        return (await session.scalars(select(Job).where(Job.id == job_id))).one()
 
 
 async def launch_job(

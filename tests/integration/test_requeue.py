@@ -21,11 +21,12 @@ from sqlalchemy import func, select, update
 from scheduler import bus
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
-from scheduler.jobs import JobSpec, get_job, insert_job, transition
+from scheduler.jobs import get_job, transition
 from scheduler.models import GPU, VM, Job, StaleProcess
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.retry import RetryPolicy
 from scheduler.states import JobStatus
+from tests.workloads.support import new_job
 
 FAST = RequeueConfig(
     interval_s=0.1,
@@ -91,20 +92,6 @@ async def add_vm(db: Database, name: str, gpus: int, **fields: object) -> int:
         await session.flush()
         session.add_all(GPU(vm_id=vm.id, index=i) for i in range(gpus))
         return vm.id
-
-
-async def new_job(db: Database, *, gpus: int = 1, priority: int = 0, max_retries: int = 3) -> int:
-    """A queued job inserted straight into the database: never published."""
-    spec = JobSpec(
-        model="m",
-        dataset="d",
-        reward_functions=("format",),
-        gpus=gpus,
-        priority=priority,
-        max_retries=max_retries,
-    )
-    async with db.transaction() as session:
-        return (await insert_job(session, spec, actor="test")).id
 
 
 async def run_on(db: Database, job_id: int, vm_id: int, gpu_indices: list[int]) -> None:

@@ -8,23 +8,14 @@ import pytest
 from sqlalchemy import select
 
 from scheduler.db import Database
-from scheduler.jobs import JobSpec, get_job, insert_job, transition
+from scheduler.jobs import get_job, transition
 from scheduler.models import JobEvent
 from scheduler.states import IllegalMove, JobStatus
-
-
-async def _new_job(db: Database) -> int:
-    async with db.transaction() as session:
-        job = await insert_job(
-            session,
-            JobSpec(model="m", dataset="d", reward_functions=("correctness",)),
-            actor="test",
-        )
-        return job.id
+from tests.workloads.support import new_job
 
 
 async def test_a_move_updates_the_job_and_appends_an_event(db: Database) -> None:
-    job_id = await _new_job(db)
+    job_id = await new_job(db)
     async with db.transaction() as session:
         moved = await transition(
             session,
@@ -48,7 +39,7 @@ async def test_a_move_updates_the_job_and_appends_an_event(db: Database) -> None
 
 
 async def test_a_move_from_the_wrong_state_changes_nothing(db: Database) -> None:
-    job_id = await _new_job(db)
+    job_id = await new_job(db)
     async with db.transaction() as session:
         moved = await transition(
             session,
@@ -66,7 +57,7 @@ async def test_a_move_from_the_wrong_state_changes_nothing(db: Database) -> None
 
 
 async def test_a_forbidden_move_raises_before_touching_the_database(db: Database) -> None:
-    job_id = await _new_job(db)
+    job_id = await new_job(db)
     with pytest.raises(IllegalMove):
         async with db.transaction() as session:
             await transition(
@@ -80,7 +71,7 @@ async def test_a_forbidden_move_raises_before_touching_the_database(db: Database
 
 
 async def test_with_several_possible_sources_the_event_records_the_real_one(db: Database) -> None:
-    job_id = await _new_job(db)
+    job_id = await new_job(db)
     async with db.transaction() as session:
         assert await transition(
             session,
@@ -98,7 +89,7 @@ async def test_with_several_possible_sources_the_event_records_the_real_one(db: 
 
 async def test_two_concurrent_movers_exactly_one_wins(db: Database) -> None:
     """Given a queued job, when two dispatchers race to start it, then one wins, once."""
-    job_ids = [await _new_job(db) for _ in range(20)]
+    job_ids = [await new_job(db) for _ in range(20)]
 
     async def mover(job_id: int, name: str, gate: asyncio.Barrier) -> bool:
         async with db.transaction() as session:
@@ -125,7 +116,7 @@ async def test_two_concurrent_movers_exactly_one_wins(db: Database) -> None:
 
 async def test_news_about_an_old_attempt_cannot_move_the_next_one(db: Database) -> None:
     """Given a job on its second attempt, a failure reported for attempt 1 changes nothing."""
-    job_id = await _new_job(db)
+    job_id = await new_job(db)
     async with db.transaction() as session:
         assert await transition(
             session,
