@@ -8,10 +8,10 @@ at this job".
 
 from __future__ import annotations
 
+import random
 import ssl
 from typing import Any
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -73,36 +73,80 @@ def _connect_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
-async def connect(settings: Settings, *, name: str, forever: bool = False) -> NATS:
-    """Connect to NATS. Daemons pass `forever=True` to reconnect with backoff for ever;
-    the CLI fails fast so that an unreachable server is one clear error."""
+class ReconnectBackoff:
+    """The wait before the next reconnect attempt: `base_s` doubled for each attempt that
+    failed in a row, capped at `max_s`, with ±25 % jitter so that a fleet of daemons does
+    not knock on a restarted server all at once. Back to `base_s` once connected."""
+
+    def __init__(self, base_s: float = 0.5, max_s: float = 10.0) -> None:
+        self.base_s = base_s
+        self.max_s = max_s
+        self.failures = 0
+
+    def failed(self) -> float:
+        """Count one failed attempt; the wait before the next one."""
+        self.failures += 1
+        wait = min(self.max_s, self.base_s * 2 ** min(self.failures, 30))
+        return wait * random.uniform(0.75, 1.25)
+
+    def reset(self) -> float:
+        """Connected again: the wait for the next outage's first retry."""
+        self.failures = 0
+        return self.base_s
+
+
+async def connect(
+    settings: Settings,
+    *,
+    name: str,
+    forever: bool = False,
+    backoff: ReconnectBackoff | None = None,
+) -> NATS:
+    """Connect to NATS. Daemons pass `forever=True` to reconnect for ever, waiting longer
+    after each failed attempt (`ReconnectBackoff`); the CLI fails fast so that an
+    unreachable server is one clear error."""
     bound = log.bind(client=name, servers=redact_url(settings.nats_url))
+    backoff = backoff or ReconnectBackoff()
+    nc = NATS()
 
     async def on_error(exc: Exception) -> None:
         # A fail-fast client reports its one error itself; a daemon logs each one.
-        if forever:
-            bound.warning("nats_error", error=str(exc) or type(exc).__name__)
+        if not forever:
+            return
+        error = str(exc) or type(exc).__name__
+        if nc.is_connected:
+            bound.warning("nats_error", error=error)
+            return
+        # A (re)connect attempt failed. nats-py reads this option before each wait.
+        wait = backoff.failed()
+        nc.options["reconnect_time_wait"] = wait
+        bound.warning("nats_connect_failed", error=error, retry_in_s=round(wait, 2))
 
     async def on_disconnect() -> None:
         bound.warning("nats_disconnected")
 
     async def on_reconnect() -> None:
+        nc.options["reconnect_time_wait"] = backoff.reset()
         bound.info("nats_reconnected")
 
     # nats-py loops for ever on the first connect with max_reconnect_attempts=0, so a
     # fail-fast client makes one more attempt at most.
-    return await nats.connect(
+    await nc.connect(
         servers=settings.nats_servers,
         name=name,
         connect_timeout=2,
         allow_reconnect=forever,
         max_reconnect_attempts=-1 if forever else 1,
-        reconnect_time_wait=1 if forever else 0.1,
+        # Annotated `int` in nats-py, but it is seconds passed to asyncio.sleep.
+        reconnect_time_wait=backoff.base_s if forever else 0.1,  # type: ignore[arg-type]
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         **_connect_options(settings),
     )
+    if forever:
+        nc.options["reconnect_time_wait"] = backoff.reset()
+    return nc
 
 
 async def ensure_stream(js: JetStreamContext) -> None:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+from pathlib import Path
+
 import nats as nats_client
 from nats.js.api import RetentionPolicy
 
 from scheduler import bus
 from scheduler.embedded import EmbeddedNats
+from scheduler.settings import Settings
 
 
 async def test_stream_and_consumer_are_created_and_brought_up_to_date(
@@ -48,3 +53,38 @@ async def test_stream_and_consumer_are_created_and_brought_up_to_date(
         await m.ack_sync()
     assert (await js.stream_info(bus.STREAM)).state.messages == 0
     await nc.close()
+
+
+async def test_a_daemon_connection_backs_off_while_nats_is_down_and_resets_after(
+    tmp_path: Path,
+) -> None:
+    """Given a daemon's connection, when nats-server goes away, then each failed reconnect
+    makes the next wait longer (up to the cap) instead of knocking at a fixed rate; when
+    the server is back on its port the connection works again and the wait is reset."""
+    server = EmbeddedNats(tmp_path / "nats")
+    server.start()
+    settings = Settings(database_url="postgresql+psycopg://unused/x", nats_url=server.url)
+    backoff = bus.ReconnectBackoff(base_s=0.05, max_s=0.4)
+    nc = await bus.connect(settings, name="test-daemon", forever=True, backoff=backoff)
+    try:
+        server.stop()
+        started = time.monotonic()
+        while backoff.failures < 5 and time.monotonic() - started < 20:
+            await asyncio.sleep(0.02)
+        assert backoff.failures >= 5
+        assert 0.3 <= nc.options["reconnect_time_wait"] <= 0.5  # the cap, ± jitter
+        # At a fixed 0.05 s there would be some 30 attempts in 1.5 s; backing off, ~5.
+        await asyncio.sleep(max(0.0, 1.5 - (time.monotonic() - started)))
+        assert backoff.failures <= 10, backoff.failures
+
+        server.start()
+        while not nc.is_connected and time.monotonic() - started < 30:
+            await asyncio.sleep(0.05)
+        assert nc.is_connected
+        assert (backoff.failures, nc.options["reconnect_time_wait"]) == (0, 0.05)
+        got = await nc.subscribe("ping")
+        await nc.publish("ping", b"pong")
+        assert (await got.next_msg(timeout=5)).data == b"pong"
+    finally:
+        await nc.close()
+        server.stop()
