@@ -86,7 +86,7 @@ class ReconnectBackoff:
     def failed(self) -> float:
         """Count one failed attempt; the wait before the next one."""
         self.failures += 1
-        wait = min(self.max_s, self.base_s * 2 ** min(self.failures, 30))
+        wait = min(self.max_s, self.base_s * 2 ** min(self.failures - 1, 30))
         return wait * random.uniform(0.75, 1.25)
 
     def reset(self) -> float:
