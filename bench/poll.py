@@ -70,14 +70,14 @@ def raise_fd_limit() -> None:
 
 def poll_answer(vm: int, rng: random.Random) -> bytes:
     """A healthy 4-GPU poll as a VM would print it, with varying load."""
-    lines = [GPUS]
+    lines = [JOBS, GPUS]
     for i in range(GPUS_PER_VM):
         used = rng.randrange(0, 80000)
         lines.append(
             f"{i}, GPU-{vm:08x}-0000-4000-8000-{i:012x}, NVIDIA H100 80GB HBM3, 81559, "
             f"{used}, {rng.randrange(0, 101)}"
         )
-    lines += [f"{GPUS_RC} 0", APPS, f"{APPS_RC} 0", JOBS, END, ""]
+    lines += [f"{GPUS_RC} 0", APPS, f"{APPS_RC} 0", END, ""]
     return "\n".join(lines).encode()
 
 

@@ -21,7 +21,7 @@ import dataclasses
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +149,8 @@ class Outcome:
     vm: VMState
     result: PollResult | None = None
     error: str | None = None
+    finished: set[int] = field(default_factory=set)
+    """Jobs on this VM that the sweep moved to an end state (their GPUs freed)."""
 
 
 @dataclass
@@ -349,6 +351,7 @@ class GpuPoller:
             for job in outcome.vm.jobs:
                 verdict = job_verdict(job, outcome.result.jobs.get((job.id, job.attempt)))
                 if verdict is not None and await self._finish(outcome.vm, verdict):
+                    outcome.finished.add(job.id)
                     finished += 1
         return finished
 
@@ -392,7 +395,7 @@ class GpuPoller:
             ok.append({"vm_id": vm.target.id, "status": VMStatus.HEALTHY.value, "error": None})
             if vm.status != VMStatus.HEALTHY:
                 log.info("vm_healthy", vm=vm.target.name, was=vm.status)
-            upserts += _gpu_changes(vm, result)
+            upserts += _gpu_changes(vm, result, outcome.finished)
             seen = {g.index for g in result.gpus}
             lost_gpus += [
                 {"vm_id": vm.target.id, "index": i}
@@ -452,14 +455,20 @@ def _columns(rows: Sequence[dict[str, Any]], **names: str) -> dict[str, list[Any
     return {param: [row[key] for row in rows] for param, key in names.items()}
 
 
-def _gpu_changes(vm: VMState, result: PollResult) -> list[dict[str, Any]]:
-    """Upsert parameters for the GPUs whose reported values differ from their rows."""
+def _gpu_changes(
+    vm: VMState, result: PollResult, finished: Collection[int] = ()
+) -> list[dict[str, Any]]:
+    """Upsert parameters for the GPUs whose reported values differ from their rows.
+
+    `finished`: jobs this sweep found ended (and freed). Their attempts had ended before
+    nvidia-smi ran, so a process still on their GPUs is foreign."""
     busy = result.busy_indices()
     rows = []
     for gpu in result.gpus:
         loaded = vm.gpus.get(gpu.index)
-        # Processes on a GPU allocated to a job are that job's.
-        foreign = gpu.index in busy and (loaded is None or loaded.job_id is None)
+        # Processes on a GPU allocated to a live job are that job's.
+        owned = loaded is not None and loaded.job_id is not None and loaded.job_id not in finished
+        foreign = gpu.index in busy and not owned
         values = (
             gpu.uuid,
             gpu.name,

@@ -94,18 +94,20 @@ def poll_command(jobs: Sequence[tuple[int, int]]) -> str:
     """The shell text of one poll: GPUs, compute apps and the status of `jobs` (id, attempt).
 
     nvidia-smi's stderr is folded into its section because its errors (driver, lost GPU)
-    are what the parser needs to see.
+    are what the parser needs to see. The jobs are probed first: a process still on the
+    GPU of an attempt that had already ended is then surely not that attempt's (a child it
+    left behind, or someone else's), and the poller can keep that GPU out of use.
     """
     return "\n".join(
         [
+            f"echo {JOBS}",
+            status_probe(jobs),
             f"echo {GPUS}",
             f"nvidia-smi --query-gpu={GPU_QUERY} {_FORMAT} 2>&1",
             f'echo "{GPUS_RC} $?"',
             f"echo {APPS}",
             f"nvidia-smi --query-compute-apps={APPS_QUERY} {_FORMAT} 2>&1",
             f'echo "{APPS_RC} $?"',
-            f"echo {JOBS}",
-            status_probe(jobs),
             f"echo {END}",
         ]
     )

@@ -141,6 +141,42 @@ async def test_free_allocated_and_foreign_busy_gpus_are_recorded(
     assert (await vm_row(db, vm_id)).available_gpus == 2
 
 
+async def test_a_process_left_on_a_finished_jobs_gpu_keeps_it_out_of_use(
+    db: Database, sim_fleet, transport: SSHTransport
+) -> None:
+    """Given a job whose GPU also holds another process (a child it left behind, or
+    someone else's), when the job ends, then the sweep that frees its GPU marks it
+    foreign-busy instead of offering it; once that process ends, the GPU is offered."""
+    fleet: SimFleet = await sim_fleet(1, gpus_per_vm=2)
+    vm_id = (await fleet.register(db))["vm0"]
+    poller = GpuPoller(db, transport)
+    await poller.sweep()
+    job_id = await launch_job(db, transport, fleet[0], vm_id, 0, "--fake_seconds", "1")
+    leftover = fleet[0].add_foreign_process(0)
+    try:
+        await poller.sweep()
+        assert [(g.job_id, g.foreign_busy) for g in await gpus_of(db, vm_id)] == [
+            (job_id, False),
+            (None, False),
+        ]
+        await wait_for_exit_code(fleet[0], job_id)
+        assert (await poller.sweep()).jobs_finished == 1
+        assert (await job_row(db, job_id)).status == "completed"
+        assert [(g.job_id, g.foreign_busy) for g in await gpus_of(db, vm_id)] == [
+            (None, True),
+            (None, False),
+        ]
+        assert (await vm_row(db, vm_id)).available_gpus == 1
+    finally:
+        leftover.stop()
+    await poller.sweep()
+    assert [(g.job_id, g.foreign_busy) for g in await gpus_of(db, vm_id)] == [
+        (None, False),
+        (None, False),
+    ]
+    assert (await vm_row(db, vm_id)).available_gpus == 2
+
+
 async def test_a_vm_killed_mid_run_goes_unreachable_and_comes_back_healthy(
     db: Database, sim_fleet, transport: SSHTransport
 ) -> None:
