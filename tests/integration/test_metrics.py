@@ -13,6 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client import REGISTRY
 from sqlalchemy import insert
 
 from scheduler import metrics
@@ -80,6 +81,9 @@ async def test_gauges_follow_the_database_and_helpers_feed_the_histograms(db: Da
     assert before is None  # nothing serves there yet
     dispatches = metrics.DISPATCH_DURATION._sum.get()  # noqa: SLF001 - the running total
     oom_retries = metrics.RETRIES.labels(reason="oom")._value.get()  # noqa: SLF001
+    # Counters are process-wide and earlier tests may have raised them: compare with now.
+    node_lost = REGISTRY.get_sample_value("rlfleet_recoveries_total", {"reason": "node_lost"})
+    sweeps = REGISTRY.get_sample_value("rlfleet_poll_sweep_duration_seconds_count")
     server = metrics.start_metrics_server(port, addr="127.0.0.1")
     assert server is not None
     try:
@@ -108,8 +112,8 @@ async def test_gauges_follow_the_database_and_helpers_feed_the_histograms(db: Da
     # …and what the helpers recorded
     assert sample(page, "rlfleet_dispatch_duration_seconds_sum") == dispatches + 0.25
     assert sample(page, "rlfleet_job_retries_total", reason="oom") == oom_retries + 1
-    assert (sample(page, "rlfleet_recoveries_total", reason="node_lost") or 0) >= 1
-    assert (sample(page, "rlfleet_poll_sweep_duration_seconds_count") or 0) >= 1
+    assert sample(page, "rlfleet_recoveries_total", reason="node_lost") == (node_lost or 0) + 1
+    assert sample(page, "rlfleet_poll_sweep_duration_seconds_count") == (sweeps or 0) + 1
     assert "rlfleet_job_queue_wait_seconds_bucket" in page
     assert "rlfleet_job_submit_to_running_seconds_bucket" in page
 
