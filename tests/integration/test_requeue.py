@@ -279,10 +279,11 @@ async def test_pending_jobs_are_looked_at_again_after_the_pending_timeout(
     the pending timeout (a stale capacity report must not strand it)."""
     job_id = await new_job(db, gpus=8)
     await _set_pending(db, job_id)
-    config = RequeueConfig(**{**FAST.__dict__, "pending_timeout_s": 0.5})
+    config = RequeueConfig(**{**FAST.__dict__, "pending_timeout_s": 60})
     m = manager(db, nc, config)
+    await _pending_for(db, job_id, 50)
     assert (await m.tick()).unpended == []
-    await asyncio.sleep(0.6)
+    await _pending_for(db, job_id, 61)
     assert (await m.tick()).unpended == [job_id]
     assert [j for j, _ in await stream.drain()] == [job_id]
 
@@ -393,6 +394,8 @@ async def test_a_publish_lost_while_nats_is_down_is_made_once_it_is_back(
         if client.is_connected:
             break
         await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the manager's NATS client never reconnected")
     try:
         await tick_until(m, lambda: _published(db, job_id))
         sub = await client.jetstream().pull_subscribe(bus.SUBJECT_NEW, durable=bus.CONSUMER)
@@ -419,6 +422,16 @@ async def _set_pending(db: Database, job_id: int) -> None:
             reason="no fit",
             actor="test",
             values={"published_at": func.now()},
+        )
+
+
+async def _pending_for(db: Database, job_id: int, seconds: float) -> None:
+    """Make the job look pending for `seconds` already, instead of waiting that long."""
+    async with db.transaction() as session:
+        await session.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(pending_at=func.now() - timedelta(seconds=seconds))
         )
 
 
