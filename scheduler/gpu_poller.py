@@ -336,12 +336,12 @@ class GpuPoller:
             result = await self.transport.run(
                 vm.target, command, timeout=self.command_timeout, persistent=True
             )
+            return Outcome(vm, result=parse_poll(result.stdout))
         except TransportError as exc:
             return Outcome(vm, error=str(exc))
-        except Exception as exc:  # a bug or an odd library error must not stop the sweep
+        except Exception as exc:  # a bug or an odd answer must not stop the sweep
             log.exception("poll_probe_crashed", vm=vm.target.name)
             return Outcome(vm, error=f"poll failed: {type(exc).__name__}: {exc}")
-        return Outcome(vm, result=parse_poll(result.stdout))
 
     async def _finish_jobs(self, outcomes: Sequence[Outcome]) -> int:
         finished = 0

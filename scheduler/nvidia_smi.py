@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scheduler.remote import RemoteJobState, parse_status, status_probe
+from scheduler.remote import RemoteJobState, as_int, output_lines, parse_status, status_probe
 
 GPU_QUERY = "index,uuid,name,memory.total,memory.used,utilization.gpu"
 APPS_QUERY = "gpu_uuid,pid,used_memory"
@@ -117,7 +117,7 @@ def _sections(stdout: str) -> tuple[dict[str, list[str]], dict[str, int | None]]
     sections: dict[str, list[str]] = {}
     rcs: dict[str, int | None] = {}
     current: str | None = None
-    for line in stdout.splitlines():
+    for line in output_lines(stdout):
         head = line.strip()
         if head in (GPUS, APPS, JOBS, END):
             current = head
@@ -125,7 +125,7 @@ def _sections(stdout: str) -> tuple[dict[str, list[str]], dict[str, int | None]]
             continue
         if head.startswith((GPUS_RC + " ", APPS_RC + " ")):
             name, _, value = head.partition(" ")
-            rcs[name] = int(value) if value.isdigit() else None
+            rcs[name] = as_int(value)
             current = None
             continue
         if current is not None:
@@ -177,7 +177,7 @@ def parse_gpu_line(line: str) -> GpuInfo:
     # A name with a comma in it would split into more fields: rejoin the middle.
     index, uuid, rest = fields[0], fields[1], fields[2:]
     name = ", ".join(rest[:-3])
-    if not index.isdigit():
+    if as_int(index) is None or index.startswith("-"):
         raise ValueError(f"bad index {index!r}")
     if not uuid.startswith(("GPU-", "MIG-")) or len(uuid) < 12:
         raise ValueError(f"bad uuid {uuid!r}")

@@ -9,6 +9,7 @@ Layout on the VM (contract 1): `~/.rlfleet/jobs/<job_id>/<attempt>/` holds `trai
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,22 @@ from dataclasses import dataclass
 PID_MARK = "rlfleet-pid"
 EXITED_MARK = "rlfleet-exited"
 KILL_MARK = "rlfleet-kill"
+_INTEGER = re.compile(r"-?[0-9]+")
+
+
+def output_lines(stdout: str) -> list[str]:
+    """What a VM printed, split at newlines only. `str.splitlines` also splits at `\\r`
+    and other breaks a job's log may hold (progress bars), which would let a log line
+    pass for one of our marker lines."""
+    return stdout.split("\n")
+
+
+def as_int(text: str) -> int | None:
+    """`text` as an integer when it is plain ASCII digits (an optional minus); else None.
+    (`str.isdigit` accepts `²` and other digits `int` refuses.)"""
+    return int(text) if _INTEGER.fullmatch(text) else None
+
+
 NO_FILE_EXIT = 3
 """Exit status of the read snippets when the file does not exist (yet)."""
 FENCED_EXIT = 96
@@ -177,12 +194,12 @@ def parse_launch(stdout: str) -> LaunchResult | None:
     """Read the launch script's output; None when it printed no pid."""
     pid: int | None = None
     exit_code: int | None = None
-    for line in stdout.splitlines():
+    for line in output_lines(stdout):
         parts = line.split()
-        if len(parts) == 2 and parts[0] == PID_MARK and parts[1].isdigit():
-            pid = int(parts[1])
-        elif len(parts) == 2 and parts[0] == EXITED_MARK and parts[1].lstrip("-").isdigit():
-            exit_code = int(parts[1])
+        if len(parts) == 2 and parts[0] == PID_MARK and as_int(parts[1]) is not None:
+            pid = as_int(parts[1])
+        elif len(parts) == 2 and parts[0] == EXITED_MARK and as_int(parts[1]) is not None:
+            exit_code = as_int(parts[1])
     return None if pid is None else LaunchResult(pid, exit_code)
 
 
@@ -240,7 +257,7 @@ def kill_script(
 
 def parse_kill(stdout: str) -> str | None:
     """The kill script's outcome word, or None if it printed none."""
-    for line in stdout.splitlines():
+    for line in output_lines(stdout):
         parts = line.split()
         if len(parts) == 2 and parts[0] == KILL_MARK:
             return parts[1]
@@ -312,27 +329,24 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
     """Read `status_probe` output; an unreadable line for an attempt makes it `unknown`."""
     states: dict[tuple[int, int], tuple[str, int | None]] = {}
     logs: dict[tuple[int, int], list[str]] = {}
-    for line in stdout.splitlines():
+    for line in output_lines(stdout):
         if line.startswith(LOG_MARK + " "):
             parts = line.split(" ", 3)
-            if len(parts) >= 3 and parts[1].isdigit() and parts[2].isdigit():
-                key = (int(parts[1]), int(parts[2]))
-                logs.setdefault(key, []).append(parts[3] if len(parts) == 4 else "")
+            job_id, attempt = (as_int(p) for p in parts[1:3]) if len(parts) >= 3 else (None, None)
+            if job_id is not None and attempt is not None:
+                logs.setdefault((job_id, attempt), []).append(parts[3] if len(parts) == 4 else "")
             continue
         parts = line.split()
-        if len(parts) < 4 or parts[0] != STATUS_MARK:
+        if len(parts) < 4 or parts[0] != STATUS_MARK or parts[3] not in JOB_STATES:
             continue
-        if not (parts[1].isdigit() and parts[2].isdigit()) or parts[3] not in JOB_STATES:
+        job_id, attempt = as_int(parts[1]), as_int(parts[2])
+        if job_id is None or attempt is None:
             continue
-        key = (int(parts[1]), int(parts[2]))
         if parts[3] == "exited":
-            code = parts[4] if len(parts) == 5 else ""
-            if code.lstrip("-").isdigit():
-                states[key] = ("exited", int(code))
-            else:
-                states[key] = ("unknown", None)
+            code = as_int(parts[4]) if len(parts) == 5 else None
+            states[(job_id, attempt)] = ("exited", code) if code is not None else ("unknown", None)
         else:
-            states[key] = (parts[3], None)
+            states[(job_id, attempt)] = (parts[3], None)
     return {
         key: RemoteJobState(state, code, "\n".join(logs.get(key, [])))
         for key, (state, code) in states.items()

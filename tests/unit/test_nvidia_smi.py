@@ -32,11 +32,10 @@ LOST = "Unable to determine the device handle for GPU0000:3B:00.0: GPU is lost."
 def poll_output(
     gpus: list[str], apps: list[str], *, gpus_rc: int = 0, apps_rc: int = 0, jobs: str = ""
 ) -> str:
-    """What poll_command prints on a VM."""
+    """What poll_command prints on a VM (the jobs first, then nvidia-smi)."""
     return "\n".join(
-        [GPUS, *gpus, f"{GPUS_RC} {gpus_rc}", APPS, *apps, f"{APPS_RC} {apps_rc}", JOBS]
-        + ([jobs] if jobs else [])
-        + [END, ""]
+        [JOBS, *([jobs] if jobs else [])]
+        + [GPUS, *gpus, f"{GPUS_RC} {gpus_rc}", APPS, *apps, f"{APPS_RC} {apps_rc}", END, ""]
     )
 
 
@@ -138,6 +137,26 @@ def test_job_lines_are_read_only_from_a_complete_output() -> None:
     # Complete, with nvidia-smi failing: the job news stands.
     whole = parse_poll(poll_output(["NVIDIA-SMI has failed"], [], jobs=jobs, gpus_rc=9))
     assert whole.error is not None and (7, 1) in whole.jobs
+
+
+def test_a_jobs_log_can_neither_forge_job_news_nor_break_the_poll() -> None:
+    """Given log lines holding carriage returns (progress bars), other line breaks and
+    digits `int` refuses, the poll reads the real status line only, keeps the whole log
+    line (so an OOM after a `\\r` still counts) and does not raise."""
+    log_lines = [
+        "rlfleet-log 7 1 step 3/10\rrlfleet-job 8 1 exited 0",
+        "rlfleet-log 7 1 50%|#####\rCUDA out of memory\x0brlfleet-job 9 1 running",
+        "rlfleet-log 7 1 \u2028rlfleet-job \u00b2 1 running",
+    ]
+    jobs = "\n".join(["rlfleet-job 7 1 exited 1", *log_lines, "rlfleet-job 8 1 exited --3"])
+    result = parse_poll(poll_output([A100], [], jobs=jobs))
+    assert result.error is None
+    assert set(result.jobs) == {(7, 1), (8, 1)}
+    assert result.jobs[(8, 1)] == RemoteJobState("unknown", None, "")
+    seven = result.jobs[(7, 1)]
+    assert (seven.state, seven.exit_code) == ("exited", 1)
+    assert "CUDA out of memory" in seven.log_tail
+    assert classify_failure(1, seven.log_tail) == FailureReason.OOM
 
 
 @pytest.mark.parametrize(
