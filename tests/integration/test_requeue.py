@@ -390,13 +390,13 @@ async def test_a_publish_lost_while_nats_is_down_is_made_once_it_is_back(
         assert (await job(db, job_id)).published_at is None
     finally:
         nats.start()
-    for _ in range(100):
-        if client.is_connected:
-            break
-        await asyncio.sleep(0.1)
-    else:
-        raise AssertionError("the manager's NATS client never reconnected")
     try:
+        for _ in range(100):
+            if client.is_connected:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the manager's NATS client never reconnected")
         await tick_until(m, lambda: _published(db, job_id))
         sub = await client.jetstream().pull_subscribe(bus.SUBJECT_NEW, durable=bus.CONSUMER)
         assert [j for j, _ in await Stream(sub).drain()] == [job_id]
