@@ -58,8 +58,10 @@ async def test_a_move_from_the_wrong_state_changes_nothing(db: Database) -> None
 
 async def test_a_forbidden_move_raises_before_touching_the_database(db: Database) -> None:
     job_id = await new_job(db)
-    with pytest.raises(IllegalMove):
-        async with db.transaction() as session:
+    # The raise is caught inside the transaction, so it commits: anything written before
+    # the raise would be kept and seen below.
+    async with db.transaction() as session:
+        with pytest.raises(IllegalMove):
             await transition(
                 session,
                 job_id,
@@ -68,6 +70,10 @@ async def test_a_forbidden_move_raises_before_touching_the_database(db: Database
                 reason="x",
                 actor="t",
             )
+    async with db.transaction() as session:
+        job = await get_job(session, job_id, with_events=True)
+    assert job.status == "queued"
+    assert [(e.from_status, e.to_status) for e in job.events] == [(None, "queued")]
 
 
 async def test_with_several_possible_sources_the_event_records_the_real_one(db: Database) -> None:
