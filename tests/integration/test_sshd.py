@@ -28,7 +28,7 @@ from scheduler.fleet import VMSpec, add_vm
 from scheduler.gpu_poller import GpuPoller
 from scheduler.models import GPU, VM
 from scheduler.sim_gpu import gpu_uuid
-from scheduler.transport import HostKeyMismatch, SSHTransport, VMTarget
+from scheduler.transport import HostKeyMismatch, SSHTransport, TransportError, VMTarget
 from tests.fleet import PROCESS_MEMORY_MB
 
 SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
@@ -140,13 +140,34 @@ async def test_commands_over_real_sshd(sshd: RealSshd) -> None:
         # And a command past its timeout fails fast and is ended by the VM's own `timeout`
         marker = sshd.root / "late"
         started = time.monotonic()
-        with pytest.raises(Exception, match="timed out"):
+        with pytest.raises(TransportError, match="timed out"):
             await transport.run(sshd.target, f"sleep 3; touch {marker}", timeout=0.5)
         assert time.monotonic() - started < 3
-        await asyncio.sleep(3.5)
+        # (the VM's `timeout` ends it after 2 s, before the `touch`: wait for it to be seen,
+        # then gone; left alone it would end after 3 s, having made the marker)
+        deadline = time.monotonic() + 10
+        while not _running(marker):
+            assert time.monotonic() < deadline, "the remote command never ran"
+            await asyncio.sleep(0.05)
+        while _running(marker):
+            assert time.monotonic() < deadline, "the remote command outlived its timeout"
+            await asyncio.sleep(0.1)
         assert not marker.exists(), "the remote command outlived its timeout"
     finally:
         await transport.close()
+
+
+def _running(text: Path) -> bool:
+    """Whether some process on this host has `text` in its command line."""
+    needle = str(text).encode()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if needle in (proc / "cmdline").read_bytes():
+                    return True
+            except OSError:
+                pass  # it ended while we looked
+    return False
 
 
 async def test_real_sshd_with_an_unknown_host_key_is_refused(sshd: RealSshd) -> None:
