@@ -99,6 +99,9 @@ async def cancel_job(
                 reason="cancelled by the user",
                 actor=actor,
                 values={"status_reason": "cancelled by the user", "lease_expires_at": None},
+                # The attempt read above: if the job went on to another one meanwhile,
+                # this move loses and the loop looks again.
+                attempt=place.attempt,
             )
             if moved:
                 await release_in_session(session, job_id)  # none unless live; be sure

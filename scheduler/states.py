@@ -57,8 +57,9 @@ ALLOWED_MOVES: dict[JobStatus, frozenset[JobStatus]] = {
         }
     ),
     JobStatus.RUNNING: frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED}),
-    # failed -> queued is a retry (automatic or `rlfleet job retry`).
-    JobStatus.FAILED: frozenset({JobStatus.QUEUED}),
+    # failed -> queued is a retry (automatic or `rlfleet job retry`); failed -> cancelled
+    # is the user saying "no more retries".
+    JobStatus.FAILED: frozenset({JobStatus.QUEUED, JobStatus.CANCELLED}),
     JobStatus.COMPLETED: frozenset(),
     JobStatus.CANCELLED: frozenset(),
 }

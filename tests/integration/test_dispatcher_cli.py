@@ -98,6 +98,36 @@ async def test_cancel_a_queued_job_and_an_unknown_one(db: Database, nats: Embedd
     assert code == 2 and err.strip() == "Error: no job with id 424242"
 
 
+async def test_cancel_a_failed_job_stops_its_retries(db: Database, nats: EmbeddedNats) -> None:
+    """A failed job waiting for its retry is cancelled (exit 0, one line, no traceback),
+    and the requeue manager's later retry loses the guarded move."""
+    job_id = await new_job(db)
+    async with db.transaction() as session:
+        assert await transition(
+            session,
+            job_id,
+            expected=JobStatus.QUEUED,
+            to=JobStatus.FAILED,
+            reason="exit 1",
+            actor="test",
+            values={"failure_reason": "exit_nonzero", "exit_code": 1},
+        )
+    code, out, err = await rlfleet(db, nats, "job", "cancel", str(job_id))
+    assert (code, out.strip()) == (0, f"job {job_id} cancelled"), err
+    assert "Traceback" not in err
+    async with db.transaction() as session:
+        assert not await transition(
+            session,
+            job_id,
+            expected=JobStatus.FAILED,
+            to=JobStatus.QUEUED,
+            reason="retry",
+            actor="requeue",
+        )
+    job = await job_row(db, job_id)
+    assert (job.status, job.next_attempt_at) == ("cancelled", None)
+
+
 async def test_retry_logs_of_every_attempt_and_show(
     sim_fleet: Callable[..., Awaitable[SimFleet]], db: Database, nats: EmbeddedNats
 ) -> None:

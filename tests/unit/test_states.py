@@ -34,6 +34,7 @@ EXPECTED_MOVES = {
     ("running", "failed"),
     ("running", "cancelled"),
     ("failed", "queued"),
+    ("failed", "cancelled"),
 }
 ALL_PAIRS = list(itertools.product([s.value for s in JobStatus], repeat=2))
 
