@@ -220,6 +220,22 @@ def parse_args(argv: list[str] | None = None) -> ScriptArguments:
     return args
 
 
+# Integer flags and the least value each accepts; anything smaller is refused before any
+# loading, rather than failing later inside TRL with a traceback.
+_INTEGER_MINIMUMS: tuple[tuple[str, int], ...] = (
+    ("max_steps", 1),
+    ("num_generations", 2),
+    ("per_device_train_batch_size", 1),
+    ("gradient_accumulation_steps", 1),
+    ("max_completion_length", 1),
+    ("lora_r", 0),
+    ("lora_alpha", 0),
+    ("logging_steps", 1),
+    ("save_steps", 1),
+    ("save_total_limit", 0),
+)
+
+
 def check_args(args: ScriptArguments) -> str | None:
     """Return what is wrong with a combination of arguments, or None when they make sense."""
     if not args.reward_function:
@@ -229,14 +245,7 @@ def check_args(args: ScriptArguments) -> str | None:
             f"--reward_weights has {len(args.reward_weights)} values for "
             f"{len(args.reward_function)} reward functions"
         )
-    for name, minimum in (
-        ("max_steps", 1),
-        ("num_generations", 2),
-        ("lora_r", 0),
-        ("save_steps", 1),
-    ):
+    for name, minimum in _INTEGER_MINIMUMS:
         if getattr(args, name) < minimum:
             return f"--{name} must be at least {minimum}"
-    if args.max_completion_length < 1 or args.logging_steps < 1:
-        return "--max_completion_length and --logging_steps must be positive"
     return None

@@ -45,6 +45,20 @@ def test_boolean_flags_work_bare_or_with_a_value():
         (["--reward_function", "a", "--reward_weights", "heavy"], "expected numbers"),
         (["--reward_function", "a", "--num_generations", "1"], "--num_generations must be"),
         (["--reward_function", "a", "--max_steps", "0"], "--max_steps must be at least 1"),
+        (
+            ["--reward_function", "a", "--per_device_train_batch_size", "0"],
+            "--per_device_train_batch_size must be at least 1",
+        ),
+        (
+            ["--reward_function", "a", "--gradient_accumulation_steps", "0"],
+            "--gradient_accumulation_steps must be at least 1",
+        ),
+        (
+            ["--reward_function", "a", "--max_completion_length", "0"],
+            "--max_completion_length must be at least 1",
+        ),
+        (["--reward_function", "a", "--logging_steps", "0"], "--logging_steps must be at least 1"),
+        (["--reward_function", "a", "--lora_r", "-1"], "--lora_r must be at least 0"),
         (["--reward_function", "a", "--preprocess", "fancy"], "invalid choice"),
         (["--reward_function", "a", "--max_steps", "ten"], "invalid int value"),
         ([], "--reward_function"),
