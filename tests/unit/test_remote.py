@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -16,6 +17,7 @@ import pytest
 from scheduler import remote
 from scheduler.remote import LaunchSpec
 from scheduler.transport import LocalTransport, VMTarget
+from tests.workloads.support import wait_file
 
 FAKE_TRAIN = str(Path(__file__).parents[1] / "workloads" / "fake_train.py")
 LOCAL = VMTarget(id=1, name="local", host="localhost", transport="local")
@@ -50,16 +52,6 @@ async def sh(command: str, timeout: float = 20) -> tuple[int, str, str]:
     """Run a snippet in /bin/sh the way a VM would."""
     result = await LocalTransport().run(LOCAL, command, timeout=timeout)
     return result.exit_status, result.stdout, result.stderr
-
-
-async def wait_for(path: Path, timeout: float = 10) -> str:
-    """The contents of `path` once it exists."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text()
-        time.sleep(0.05)
-    raise AssertionError(f"{path} never appeared")
 
 
 def test_entry_words_follow_contract_5() -> None:
@@ -111,7 +103,7 @@ async def test_hostile_arguments_reach_the_program_verbatim(home: Path) -> None:
     code, out, err = await sh(remote.launch_script(launch))
     assert code == 0, err
     log = home / remote.job_dir(7, 1) / "train.log"
-    await wait_for(home / remote.job_dir(7, 1) / "exit_code")
+    await wait_file(home / remote.job_dir(7, 1) / "exit_code")
     args_line = next(line for line in log.read_text().splitlines() if "args=" in line)
     # fake_train prints repr(sys.argv[1:]); every hostile string is there intact.
     for piece in evil:
@@ -128,7 +120,7 @@ async def test_launch_runs_detached_with_contract_files(home: Path) -> None:
     assert result is not None
     d = home / remote.job_dir(7, 1)
     assert int((d / "pid").read_text()) == result.pid
-    assert (await wait_for(d / "exit_code")).strip() == "0"
+    assert (await wait_file(d / "exit_code")).strip() == "0"
     assert "CUDA_VISIBLE_DEVICES=1,3" in (d / "train.log").read_text()
     assert json.loads((d / "progress.json").read_text())["status"] == "finished"
     assert (d / "launch.sh").exists()
@@ -138,20 +130,24 @@ async def test_launch_runs_detached_with_contract_files(home: Path) -> None:
 async def test_launch_is_idempotent_per_attempt(home: Path) -> None:
     """Given a running attempt, when the launch is repeated, then the same pid is reported
     and only one process ever started."""
-    launch = spec(extra_args=["--fake_seconds", "2"])
+    launch = spec(extra_args=["--fake_seconds", "30"])
     first = remote.parse_launch((await sh(remote.launch_script(launch)))[1])
-    second = remote.parse_launch((await sh(remote.launch_script(launch)))[1])
-    assert first is not None and second is not None
-    assert first.pid == second.pid
-    log = (home / remote.job_dir(7, 1) / "train.log").read_text()
-    assert log.count("attempt started") == 1
-    os.killpg(first.pid, signal.SIGKILL)
+    assert first is not None
+    try:
+        second = remote.parse_launch((await sh(remote.launch_script(launch)))[1])
+        assert second is not None
+        assert first.pid == second.pid
+        log = (home / remote.job_dir(7, 1) / "train.log").read_text()
+        assert log.count("attempt started") == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
 
 
 async def test_exit_code_is_recorded(home: Path) -> None:
     """The wrapper records the training process's exit status."""
     await sh(remote.launch_script(spec(extra_args=["--fake_exit", "3"])))
-    assert (await wait_for(home / remote.job_dir(7, 1) / "exit_code")).strip() == "3"
+    assert (await wait_file(home / remote.job_dir(7, 1) / "exit_code")).strip() == "3"
 
 
 async def test_kill_terminates_the_group_and_records_the_signal(home: Path) -> None:
@@ -165,7 +161,7 @@ async def test_kill_terminates_the_group_and_records_the_signal(home: Path) -> N
     assert remote.parse_kill(out) == "terminated"
     with pytest.raises(ProcessLookupError):
         os.killpg(result.pid, 0)
-    assert (await wait_for(home / remote.job_dir(7, 1) / "exit_code")).strip() == "143"
+    assert (await wait_file(home / remote.job_dir(7, 1) / "exit_code")).strip() == "143"
     assert remote.parse_kill((await sh(remote.kill_script(7, 1)))[1]) == "gone"
 
 
@@ -223,7 +219,7 @@ async def test_kill_escalates_to_kill_after_grace(home: Path) -> None:
     d.mkdir(parents=True)
     script = "trap '' TERM; echo $$ > " + shlex.quote(str(d / "pid")) + "; sleep 30"
     await sh(f"setsid sh -c {shlex.quote(script)} </dev/null >/dev/null 2>&1 &")
-    await wait_for(d / "pid")
+    await wait_file(d / "pid")
     code, out, _ = await sh(remote.kill_script(8, 1, grace_s=0.3))
     assert remote.parse_kill(out) == "killed"
     assert (d / "exit_code").read_text().strip() == "137"

@@ -108,13 +108,16 @@ async def wait_status(
         await asyncio.sleep(0.05)
 
 
-async def wait_file(path: Path, timeout: float = 15) -> str:
-    """The text of `path` once it exists and is not empty."""
+async def wait_file(path: Path, timeout: float = 15, needle: str | None = None) -> str:
+    """The text of `path` once it exists and is not empty (and holds `needle`, if given)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text()
+        text = path.read_text() if path.exists() else ""
+        if text.strip() and (needle is None or needle in text):
+            return text
         await asyncio.sleep(0.05)
+    if needle is not None:
+        raise AssertionError(f"{path} never said {needle!r}")
     raise AssertionError(f"{path} never appeared")
 
 
@@ -151,3 +154,12 @@ def read_records(folder: Path) -> list[dict[str, Any]]:
     for path in sorted(folder.glob("*.jsonl")):
         lines += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return lines
+
+
+def alive(pid: int) -> bool:
+    """Whether a process (not a zombie) has this pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
