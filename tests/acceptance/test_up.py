@@ -20,6 +20,7 @@ import pytest
 
 from scheduler.embedded import free_port
 from scheduler.up import write_sim_nvidia_smi
+from tests.workloads.support import alive
 
 REPO = Path(__file__).resolve().parents[2]
 RLFLEET = Path(sys.executable).parent / "rlfleet"
@@ -104,15 +105,6 @@ def ups(tmp_path: Path) -> Iterator[list[Up]]:
                 if pid:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(pid, signal.SIGKILL)
-
-
-def alive(pid: int) -> bool:
-    """Whether a process (not a zombie) has this pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def wait_for(fn, timeout: float, what: str):  # type: ignore[no-untyped-def]

@@ -29,8 +29,10 @@ from scheduler.transport import Transport, VMTarget, make_transport
 from tests.fleet import SimFleet
 from tests.workloads.support import (
     FAKE_TRAIN,
+    alive,
     new_job,
     running_dispatcher,
+    wait_file,
     wait_status,
     write_fake_python,
 )
@@ -65,15 +67,6 @@ async def sweep_until(poller: GpuPoller, db: Database, vm_id: int, status: str) 
                 return
         await asyncio.sleep(0.05)
     raise AssertionError(f"VM {vm_id} never became {status}")
-
-
-async def alive(pid: int) -> bool:
-    """Whether a process with this pid exists (and is not a zombie)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
-    except (FileNotFoundError, IndexError):
-        return False
-    return state != "Z"
 
 
 async def test_a_job_on_a_lost_vm_resumes_elsewhere_and_its_leftover_is_killed(
@@ -111,9 +104,12 @@ async def test_a_job_on_a_lost_vm_resumes_elsewhere_and_its_leftover_is_killed(
             second = await wait_status(db, job_id, "running")
             assert second.vm_id != first.vm_id and second.attempt == first.attempt + 1
             assert (second.retry_count, second.max_retries) == (0, 0)
-            assert await alive(lost_pid), "the partitioned VM's process lives on meanwhile"
+            assert alive(lost_pid), "the partitioned VM's process lives on meanwhile"
             new_vm = by_id[second.vm_id]
-            log = await _wait_text(new_vm.home / job_dir(job_id, second.attempt) / "train.log")
+            log = await wait_file(
+                new_vm.home / job_dir(job_id, second.attempt) / "train.log",
+                needle="fake_train: args=",
+            )
             assert "'--resume', 'auto'" in log
             first_log = (lost_vm.home / job_dir(job_id, first.attempt) / "train.log").read_text()
             assert "--resume" not in first_log
@@ -126,7 +122,7 @@ async def test_a_job_on_a_lost_vm_resumes_elsewhere_and_its_leftover_is_killed(
             assert isinstance(refused, NoClaim)
             report = await requeue.tick()
             assert report.killed == [job_id]
-            assert not await alive(lost_pid)
+            assert not alive(lost_pid)
             await poller.sweep()
             async with db.transaction() as session:
                 assert await transition(
@@ -207,14 +203,6 @@ async def test_a_short_ssh_blip_never_restarts_a_healthy_job(
     async with db.transaction() as session:
         gpus = (await session.execute(select(GPU.job_id))).scalars().all()
     assert gpus == [job_id]
-
-
-async def _wait_text(path: Path, needle: str = "fake_train: args=", timeout: float = 15) -> str:
-    for _ in range(int(timeout / 0.05)):
-        if path.exists() and needle in (text := path.read_text()):
-            return text
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"{path} never said {needle!r}")
 
 
 async def test_a_launch_that_outlives_its_lease_is_fenced_off(
