@@ -23,6 +23,15 @@ LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv
 PROMPT_COLUMNS = ("prompt", "question")
 
 
+def _reason(exc: BaseException) -> str:
+    # "An error occurred while generating the dataset" names no cause; the one it wraps does,
+    # and with datasets' own log line silenced it would otherwise be lost.
+    text = one_line(exc)
+    if type(exc).__name__ == "DatasetGenerationError" and exc.__cause__ is not None:
+        text = f"{text}: {one_line(exc.__cause__)}"
+    return text
+
+
 def load_raw_dataset(name: str, split: str, config: str | None = None) -> Dataset:
     """Load a local file (by suffix) or a hub dataset; unusable input raises UsageError."""
     from datasets import load_dataset
@@ -38,7 +47,7 @@ def load_raw_dataset(name: str, split: str, config: str | None = None) -> Datase
     except Exception as exc:  # noqa: BLE001 - datasets raises many types; sort them by cause
         if is_network_timeout(exc):
             raise TransientError(f"downloading dataset {name} failed: {one_line(exc)}") from exc
-        raise UsageError(f"cannot read dataset {name}: {one_line(exc)}") from exc
+        raise UsageError(f"cannot read dataset {name}: {_reason(exc)}") from exc
 
 
 def prompt_column(columns: list[str]) -> str:

@@ -10,6 +10,8 @@ Exit codes: 0 done, 64 bad arguments or input, 75 transient failure; see trainin
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,34 @@ class TrainResult:
         return self.rewards[-1] if self.rewards else None
 
 
+@contextmanager
+def _quiet_until_training() -> Iterator[None]:
+    """Hide the progress bars of datasets, transformers and the hub, and datasets' log lines,
+    while inputs are loaded and checked.
+
+    An exit-64 or exit-75 error must be the only line on stderr, yet loading draws "Generating
+    train split", "Building prompts" and "Loading weights" bars, and datasets logs a parse error
+    before raising it. Only imported after Unsloth, like everything that pulls in transformers.
+    """
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    datasets_bars_were_off = datasets.are_progress_bars_disabled()
+    transformers_bars_were_on = transformers_logging.is_progress_bar_enabled()
+    datasets_verbosity = datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    transformers_logging.disable_progress_bar()  # Also the hub's download bars.
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(datasets_verbosity)
+        if transformers_bars_were_on:
+            transformers_logging.enable_progress_bar()
+        if not datasets_bars_were_off:
+            datasets.enable_progress_bars()
+
+
 def run(args: ScriptArguments) -> TrainResult:
     """Check the cheap things first (rewards, resume), then load data and model, train, save."""
     if args.use_unsloth:
@@ -49,23 +79,25 @@ def run(args: ScriptArguments) -> TrainResult:
     from training import model as loading
     from training.data import check_columns, load_raw_dataset, preprocess
 
-    raw = load_raw_dataset(args.dataset, args.dataset_split, args.dataset_config)
-    if args.use_unsloth:
-        model, tokenizer = loading.load_unsloth_model(args)
-        peft_config = None
-    else:
-        tokenizer = loading.load_tokenizer(args.model)
-        model, peft_config = None, loading.lora_config(args)
-    dataset = preprocess(raw, args.preprocess, conversational=tokenizer.chat_template is not None)
-    check_columns(dataset, required_columns)
-    if model is None:
-        model = loading.load_model(args.model)
+    with _quiet_until_training():
+        raw = load_raw_dataset(args.dataset, args.dataset_split, args.dataset_config)
+        if args.use_unsloth:
+            model, tokenizer = loading.load_unsloth_model(args)
+            peft_config = None
+        else:
+            tokenizer = loading.load_tokenizer(args.model)
+            model, peft_config = None, loading.lora_config(args)
+        conversational = tokenizer.chat_template is not None
+        dataset = preprocess(raw, args.preprocess, conversational=conversational)
+        check_columns(dataset, required_columns)
+        if model is None:
+            model = loading.load_model(args.model)
 
-    from training.progress import ProgressCallback, progress_path
-    from training.trainer import build_trainer, logged_rewards, save_final
+        from training.progress import ProgressCallback, progress_path
+        from training.trainer import build_trainer, logged_rewards, save_final
 
-    progress = ProgressCallback(progress_path(args.output_dir), reward_names(rewards))
-    trainer = build_trainer(args, model, tokenizer, dataset, rewards, [progress], peft_config)
+        progress = ProgressCallback(progress_path(args.output_dir), reward_names(rewards))
+        trainer = build_trainer(args, model, tokenizer, dataset, rewards, [progress], peft_config)
     trainer.train(resume_from_checkpoint=checkpoint)
     save_final(trainer, tokenizer, args.output_dir)
     return TrainResult(args.output_dir, trainer.state.global_step, logged_rewards(trainer))
