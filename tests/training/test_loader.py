@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -10,15 +13,19 @@ from rewards import BUILTIN_REWARDS, RewardError, load_reward
 
 
 @pytest.fixture
-def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """./my_rewards_mod.py in a fresh working directory that is not on sys.path, as under
+    `python -m` or a console script: only the loader's own cwd handling can find it."""
     (tmp_path / "my_rewards_mod.py").write_text(
         "def length_reward(prompts, completions, **kwargs):\n"
         "    return [float(len(c)) for c in completions]\n"
         "NOT_CALLABLE = 3\n"
     )
     monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return tmp_path
+    cwd_entries = {"", ".", str(tmp_path), os.getcwd()}
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in cwd_entries])
+    yield tmp_path
+    sys.modules.pop("my_rewards_mod", None)
 
 
 def test_builtin_name_resolves_to_the_builtin():
