@@ -23,16 +23,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import Exists, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from scheduler.db import Database
 from scheduler.jobs import transition
 from scheduler.logging import get_logger
-from scheduler.models import Job, StaleProcess
+from scheduler.models import VM, Job, StaleProcess
 from scheduler.remote import default_output_dir
-from scheduler.states import JobStatus, check_move
+from scheduler.states import JobStatus, VMStatus, check_move
 
 DEFAULT_LEASE_S = 60.0
 CANDIDATE_VMS = 4
@@ -127,13 +127,31 @@ WHERE {_USABLE_VM} AND {_FREE_GPU} GROUP BY g.vm_id
 )
 check_move(JobStatus.QUEUED, JobStatus.STARTING)  # the state machine still has the last word
 
-JOBS_FOR_CLAIM_SQL = text(
-    # SKIP LOCKED: a batch never waits for a job row, so it can never be one side of a
-    # deadlock with another transaction that moves several jobs (requeue, poller).
-    "SELECT id, status, gpus_requested, model, dataset, reward_function, extra_args "
-    "FROM jobs WHERE id = ANY(:ids) ORDER BY id FOR UPDATE SKIP LOCKED"
-)
 JOBS_EXISTING_SQL = text("SELECT id FROM jobs WHERE id = ANY(:ids)")
+
+MAX_KILL_WAITS = 5
+"""Failed kills of a job's leftover attempt after which its next attempt may start anyway
+(the leftover's GPUs stay blocked): a VM that answers SSH but cannot kill must not hold a
+job back for ever."""
+
+
+def leftover_may_run(job_id: Any) -> Exists:
+    """Whether an earlier attempt of the job may still run on a VM that answers, and is
+    still being killed. Such a job is neither claimed nor announced until the kill is done,
+    so that two attempts never run side by side (invariant 2). One on a VM that does not
+    answer cannot be waited for (`node_lost` retries it elsewhere)."""
+    return (
+        select(StaleProcess.id)
+        .join(VM, VM.id == StaleProcess.vm_id)
+        .where(
+            StaleProcess.job_id == job_id,
+            StaleProcess.killed_at.is_(None),
+            StaleProcess.attempts < MAX_KILL_WAITS,
+            VM.status != VMStatus.UNREACHABLE.value,
+        )
+        .exists()
+    )
+
 
 MARK_RUNNING_BATCH_SQL = text(
     """
@@ -189,6 +207,9 @@ class NoClaim:
     reason: str | None = None
     contended: bool = False
     moved_to_pending: bool = False
+    waiting: bool = False
+    """An earlier attempt of the job may still run (`leftover_may_run`): ask again once
+    the requeue manager has killed it."""
 
 
 def pending_reason(need: int, largest_free: int) -> str:
@@ -213,7 +234,24 @@ async def claim_batch_in_session(
     result per entry of `job_ids`, in the same order.
     """
     ids = sorted(set(job_ids))
-    jobs = {row.id: row for row in await conn.execute(JOBS_FOR_CLAIM_SQL, {"ids": ids})}
+    # SKIP LOCKED: a batch never waits for a job row, so it can never be one side of a
+    # deadlock with another transaction that moves several jobs (requeue, poller).
+    locked = (
+        select(
+            Job.id,
+            Job.status,
+            Job.gpus_requested,
+            Job.model,
+            Job.dataset,
+            Job.reward_function,
+            Job.extra_args,
+            leftover_may_run(Job.id).label("leftover"),
+        )
+        .where(Job.id.in_(ids))
+        .order_by(Job.id)
+        .with_for_update(skip_locked=True, of=Job)
+    )
+    jobs = {row.id: row for row in await conn.execute(locked)}
     busy: set[int] = set()
     if len(jobs) < len(ids):  # unknown ids, or rows another transaction holds right now
         missing = [i for i in ids if i not in jobs]
@@ -233,6 +271,9 @@ async def claim_batch_in_session(
             results.append(NoClaim(job_id, row.status, "delivered twice in one batch"))
         elif row.status != JobStatus.QUEUED:
             results.append(NoClaim(job_id, row.status, f"job is {row.status}"))
+        elif row.leftover:
+            reason = "an earlier attempt may still run; it is being killed"
+            results.append(NoClaim(job_id, row.status, reason, waiting=True))
         else:
             results.append(await _claim_one(conn, row, actor, lease_s, candidates, shortlist))
         seen.add(job_id)
@@ -469,25 +510,63 @@ async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:
                 continue
             await release_in_session(session, job_id)
             if vm_id is not None:
-                await _record_possible_leftover(session, job_id, vm_id, attempt, gpu_indices)
+                await record_leftover(
+                    session,
+                    vm_id=vm_id,
+                    job_id=job_id,
+                    attempt=attempt,
+                    gpu_indices=gpu_indices,
+                    reason="lease_expired",
+                )
             expired.append(job_id)
     for job_id in expired:
         log.warning("lease_expired", job_id=job_id)
     return expired
 
 
-async def _record_possible_leftover(
-    session: AsyncSession, job_id: int, vm_id: int, attempt: int, gpu_indices: Sequence[int] | None
+async def record_leftover(
+    session: AsyncSession,
+    *,
+    vm_id: int,
+    job_id: int,
+    attempt: int,
+    gpu_indices: Sequence[int] | None,
+    reason: str,
+    pid: int | None = None,
 ) -> None:
+    """Note an attempt that may still run on its VM (caller's transaction): its GPUs are
+    kept out of every claim, and its job is not claimed again, until a kill proves it
+    dead (`close_leftover`). Once per (VM, job, attempt)."""
     await session.execute(
         insert(StaleProcess)
         .values(
             vm_id=vm_id,
             job_id=job_id,
             attempt=attempt,
-            pid=None,
+            pid=pid,
             gpu_indices=list(gpu_indices) if gpu_indices else None,
-            reason="lease_expired",
+            reason=reason,
         )
         .on_conflict_do_nothing()
+    )
+
+
+async def close_leftover(
+    session: AsyncSession, *, vm_id: int, job_id: int, attempt: int, error: str | None = None
+) -> None:
+    """Count one kill of a leftover attempt: with no `error` it is dead, and its GPUs and
+    job are free again; otherwise remember why not (the requeue manager tries again)."""
+    values: dict[str, Any] = {"attempts": StaleProcess.attempts + 1, "last_error": error}
+    if error is None:
+        values["killed_at"] = func.now()
+    await session.execute(
+        update(StaleProcess)
+        .where(
+            StaleProcess.vm_id == vm_id,
+            StaleProcess.job_id == job_id,
+            StaleProcess.attempt == attempt,
+            StaleProcess.killed_at.is_(None),
+        )
+        .values(**values)
+        .execution_options(synchronize_session=False)
     )

@@ -12,20 +12,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, update
-from sqlalchemy.dialects.postgresql import insert
-
 from scheduler import bus
-from scheduler.claims import release_in_session
+from scheduler.claims import close_leftover, record_leftover, release_in_session
 from scheduler.db import Database
 from scheduler.errors import BadInput, ServiceUnavailable
-from scheduler.jobs import get_job, mark_published, transition
+from scheduler.jobs import get_job, transition
 from scheduler.kill import kill_attempt
 from scheduler.logging import get_logger
-from scheduler.models import StaleProcess
 from scheduler.remote import NO_FILE_EXIT, read_file_script
 from scheduler.settings import Settings
 from scheduler.states import FINAL_STATES, LIVE_STATES, JobStatus
+from scheduler.submit import announce
 from scheduler.transport import Transport, TransportError, VMTarget
 
 log = get_logger("control")
@@ -107,16 +104,13 @@ async def cancel_job(
                 await release_in_session(session, job_id)  # none unless live; be sure
                 if live:
                     assert place.target is not None
-                    await session.execute(
-                        insert(StaleProcess)
-                        .values(
-                            vm_id=place.target.id,
-                            job_id=job_id,
-                            attempt=place.attempt,
-                            gpu_indices=place.gpu_indices,
-                            reason="cancelled",
-                        )
-                        .on_conflict_do_nothing()
+                    await record_leftover(
+                        session,
+                        vm_id=place.target.id,
+                        job_id=job_id,
+                        attempt=place.attempt,
+                        gpu_indices=place.gpu_indices,
+                        reason="cancelled",
                     )
         if not moved:
             continue  # it moved under us: look again
@@ -127,16 +121,8 @@ async def cancel_job(
         kill = await kill_attempt(transport, place.target, job_id, place.attempt, grace_s=grace_s)
         if kill.dead:
             async with db.transaction() as session:
-                await session.execute(
-                    update(StaleProcess)
-                    .where(
-                        StaleProcess.vm_id == place.target.id,
-                        StaleProcess.job_id == job_id,
-                        StaleProcess.attempt == place.attempt,
-                        StaleProcess.killed_at.is_(None),
-                    )
-                    .values(killed_at=func.now(), attempts=StaleProcess.attempts + 1)
-                    .execution_options(synchronize_session=False)
+                await close_leftover(
+                    session, vm_id=place.target.id, job_id=job_id, attempt=place.attempt
                 )
         log.info(
             "job_cancelled",
@@ -171,23 +157,10 @@ async def retry_job(db: Database, settings: Settings, job_id: int, *, actor: str
         )
     if not moved:
         raise BadInput(f"job {job_id} is no longer failed; nothing was changed")
-    try:
-        nc = await bus.connect(settings, name="rlfleet-cli")
-    except Exception as exc:  # noqa: BLE001 - any connect failure means "not published"
-        log.warning("retry_not_published", job_id=job_id, error=str(exc))
-        return False
-    try:
-        js = nc.jetstream()
-        await bus.ensure_stream(js)
-        await bus.publish_job(js, job_id)
-    except Exception as exc:  # noqa: BLE001
-        log.warning("retry_not_published", job_id=job_id, error=str(exc))
-        return False
-    finally:
-        await nc.close()
-    async with db.transaction() as session:
-        await mark_published(session, job_id)
-    return True
+    error = await announce(db, settings, job_id, bus.msg_id(job_id, place.attempt))
+    if error is not None:
+        log.warning("retry_not_published", job_id=job_id, error=error)
+    return error is None
 
 
 def _pick_attempt(place: JobPlace, attempt: int | None) -> int:

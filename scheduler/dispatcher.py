@@ -38,7 +38,6 @@ import click
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from sqlalchemy import select
-from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from scheduler import bus, metrics
@@ -50,6 +49,7 @@ from scheduler.claims import (
     Running,
     claim_batch,
     mark_running_batch,
+    record_leftover,
     refresh_available,
     release_in_session,
 )
@@ -58,7 +58,7 @@ from scheduler.db import Database
 from scheduler.jobs import transition
 from scheduler.kill import kill_attempt
 from scheduler.logging import get_logger
-from scheduler.models import VM, StaleProcess
+from scheduler.models import VM
 from scheduler.remote import LaunchSpec, launch_script, parse_launch
 from scheduler.settings import Settings
 from scheduler.states import FailureReason, JobStatus
@@ -374,6 +374,9 @@ class GlobalJobDispatcher:
             for i, result in zip(todo, batch, strict=True):
                 if isinstance(result, NoClaim) and result.contended:
                     retry.append(i)
+                elif isinstance(result, NoClaim) and result.waiting:
+                    # Redelivered a little later (nak with delay): the kill takes a tick.
+                    results[i] = TransientError(result.reason or "waiting")
                 else:
                     results[i] = result
             todo = retry
@@ -553,8 +556,13 @@ class GlobalJobDispatcher:
                     await release_in_session(session, claim.job_id)
                     # The launch may have started after all (a timeout, a dropped link):
                     # keep its GPUs out of use until that attempt is known to be dead.
-                    await session.execute(
-                        _stale_insert(claim, target.id, "launch_failed"),
+                    await record_leftover(
+                        session,
+                        vm_id=target.id,
+                        job_id=claim.job_id,
+                        attempt=claim.attempt,
+                        gpu_indices=claim.gpu_indices,
+                        reason="launch_failed",
                     )
         except Exception as exc:
             if _is_transient_db_error(exc):
@@ -606,21 +614,6 @@ class GlobalJobDispatcher:
         self._vms = {
             row.id: (VMTarget(**dict(zip(_TARGET_FIELDS, row, strict=True))), now) for row in rows
         }
-
-
-def _stale_insert(claim: Claim, vm_id: int, reason: str) -> Any:
-    return (
-        insert(StaleProcess)
-        .values(
-            vm_id=vm_id,
-            job_id=claim.job_id,
-            attempt=claim.attempt,
-            pid=None,
-            gpu_indices=list(claim.gpu_indices),
-            reason=reason,
-        )
-        .on_conflict_do_nothing()
-    )
 
 
 def _first_line(text: str) -> str:

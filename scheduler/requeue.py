@@ -55,11 +55,17 @@ from typing import Any, Protocol
 
 import click
 from sqlalchemy import and_, func, or_, select, update
-from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import bus, metrics
-from scheduler.claims import FREE_BY_VM_SQL, expire_leases, release_in_session
+from scheduler.claims import (
+    FREE_BY_VM_SQL,
+    close_leftover,
+    expire_leases,
+    leftover_may_run,
+    record_leftover,
+    release_in_session,
+)
 from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
 from scheduler.jobs import transition
@@ -86,8 +92,6 @@ log = get_logger("requeue")
 ADVISORY_LOCK_KEY = 0x726C666C_7271  # "rlfl" "rq": one requeue tick at a time per database
 NODE_LOST = FailureReason.NODE_LOST.value
 BATCH = 500
-MAX_KILL_WAITS = 5
-"""Failed kills of a job's leftover after which its next attempt is announced anyway."""
 """Most jobs handled per step per tick; the rest wait for the next tick."""
 
 
@@ -275,17 +279,14 @@ class RequeueManager:
                 continue
             # The process may live on when the VM comes back: remember to kill it, and keep
             # its GPUs out of every claim until then (the claim query skips open rows).
-            await session.execute(
-                insert(StaleProcess)
-                .values(
-                    vm_id=row.vm_id,
-                    job_id=row.id,
-                    attempt=row.attempt,
-                    pid=row.remote_pid,
-                    gpu_indices=list(row.gpu_indices) if row.gpu_indices else None,
-                    reason=NODE_LOST,
-                )
-                .on_conflict_do_nothing()
+            await record_leftover(
+                session,
+                vm_id=row.vm_id,
+                job_id=row.id,
+                attempt=row.attempt,
+                gpu_indices=row.gpu_indices,
+                reason=NODE_LOST,
+                pid=row.remote_pid,
             )
             await release_in_session(session, row.id)
             lost.append(row.id)
@@ -483,20 +484,8 @@ class RequeueManager:
     async def _to_announce(self, session: AsyncSession) -> list[_Announce]:
         """Queued jobs whose current queued spell was never announced, or long ago."""
         stale_before = func.now() - timedelta(seconds=self.config.republish_after_s)
-        # A leftover attempt on a VM that answers is killed first (this very tick), so
-        # that the next attempt never runs beside it; one on a lost VM cannot be waited
-        # for. After a few failed kills the job goes ahead anyway (its GPUs stay blocked).
-        leftover_reachable = (
-            select(StaleProcess.id)
-            .join(VM, VM.id == StaleProcess.vm_id)
-            .where(
-                StaleProcess.job_id == Job.id,
-                StaleProcess.killed_at.is_(None),
-                StaleProcess.attempts < MAX_KILL_WAITS,
-                VM.status != VMStatus.UNREACHABLE.value,
-            )
-            .exists()
-        )
+        # A leftover attempt on a VM that answers is killed first (this very tick); the
+        # claim would refuse the job meanwhile anyway.
         rows = (
             await session.execute(
                 select(Job.id, Job.attempt, Job.queued_at, Job.published_at)
@@ -507,7 +496,7 @@ class RequeueManager:
                         Job.published_at < Job.queued_at,
                         Job.published_at < stale_before,
                     ),
-                    ~leftover_reachable,
+                    ~leftover_may_run(Job.id),
                 )
                 .order_by(Job.priority.desc(), Job.id)
                 .limit(BATCH)
@@ -572,28 +561,23 @@ class RequeueManager:
                     .limit(BATCH)
                 )
             ).all()
-            work = [
-                (stale.id, stale.job_id, stale.attempt, VMTarget.from_vm(vm)) for stale, vm in rows
-            ]
+            work = [(stale.job_id, stale.attempt, VMTarget.from_vm(vm)) for stale, vm in rows]
         if not work:
             return
-        results = await asyncio.gather(*(self._kill_one(j, a, t) for _s, j, a, t in work))
+        results = await asyncio.gather(*(self._kill_one(j, a, t) for j, a, t in work))
         async with self.db.transaction() as session:
-            for (stale_id, job_id, _attempt, _target), error in zip(work, results, strict=True):
-                values: dict[str, Any] = {"attempts": StaleProcess.attempts + 1}
+            for (job_id, attempt, target), error in zip(work, results, strict=True):
+                await close_leftover(
+                    session,
+                    vm_id=target.id,
+                    job_id=job_id,
+                    attempt=attempt,
+                    error=error[:500] if error is not None else None,
+                )
                 if error is None:
-                    values["killed_at"] = func.now()
-                    values["last_error"] = None
                     report.killed.append(job_id)
                 else:
-                    values["last_error"] = error[:500]
                     report.kill_failed += 1
-                await session.execute(
-                    update(StaleProcess)
-                    .where(StaleProcess.id == stale_id, StaleProcess.killed_at.is_(None))
-                    .values(**values)
-                    .execution_options(synchronize_session=False)
-                )
 
     async def _kill_one(self, job_id: int, attempt: int, target: VMTarget) -> str | None:
         """Kill one leftover attempt; None once it is surely dead, else why not yet."""

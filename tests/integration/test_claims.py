@@ -15,8 +15,10 @@ from scheduler.claims import (
     NoClaim,
     claim_batch,
     claim_gpus,
+    close_leftover,
     expire_leases,
     mark_running_batch,
+    record_leftover,
     refresh_available,
     release_in_session,
 )
@@ -104,6 +106,46 @@ async def test_unusable_gpus_and_vms_are_never_claimed(db: Database) -> None:
     c2 = await claim_gpus(db, second, actor="test")
     assert isinstance(c1, Claim) and (c1.vm_id, c1.gpu_indices) == (ok, [3])
     assert isinstance(c2, NoClaim) and c2.reason == "needs 1 GPU, largest free block is 0"
+
+
+async def test_a_job_whose_earlier_attempt_may_still_run_is_not_claimed(db: Database) -> None:
+    """Given a queued job whose attempt 1 may still run on a VM that answers (a failed
+    launch, a lost VM come back), however its id arrives (a `job retry`, a user's own
+    publish), the claim refuses it and asks to be tried again, until the kill has closed
+    the leftover; a leftover on a VM that does not answer cannot be waited for."""
+    old_vm = await add_vm(db, "old", 1)
+    await add_vm(db, "new", 1)
+    await add_vm(db, "spare", 1)
+    job_id = await new_job(db)
+    async with db.transaction() as session:
+        await record_leftover(
+            session, vm_id=old_vm, job_id=job_id, attempt=1, gpu_indices=[0], reason="t"
+        )
+    refused = await claim_gpus(db, job_id, actor="test")
+    assert isinstance(refused, NoClaim) and refused.waiting and not refused.contended
+    assert (await get_job_status(db, job_id)) == "queued"
+
+    async with db.transaction() as session:
+        await session.execute(update(VM).where(VM.id == old_vm).values(status="unreachable"))
+    assert isinstance(await claim_gpus(db, job_id, actor="test"), Claim)
+
+    # Once the leftover is killed, a job held back by it is claimed.
+    other = await new_job(db)
+    async with db.transaction() as session:
+        await session.execute(update(VM).where(VM.id == old_vm).values(status="healthy"))
+        await record_leftover(
+            session, vm_id=old_vm, job_id=other, attempt=1, gpu_indices=None, reason="t"
+        )
+    assert isinstance(await claim_gpus(db, other, actor="test"), NoClaim)
+    async with db.transaction() as session:
+        await close_leftover(session, vm_id=old_vm, job_id=other, attempt=1)
+    assert isinstance(await claim_gpus(db, other, actor="test"), Claim)
+
+
+async def get_job_status(db: Database, job_id: int) -> str:
+    """The job's status now."""
+    async with db.transaction() as session:
+        return (await get_job(session, job_id)).status
 
 
 async def test_a_job_not_queued_is_left_alone(db: Database) -> None:

@@ -20,6 +20,7 @@ from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats, free_port
 from scheduler.models import GPU, Job, JobEvent, StaleProcess
 from scheduler.remote import job_dir
+from scheduler.requeue import RequeueManager
 from scheduler.transport import CommandResult, Transport, VMTarget, make_transport
 from tests.fleet import SimFleet
 from tests.workloads.support import (
@@ -209,9 +210,9 @@ async def test_a_dispatcher_dying_between_claim_and_launch_blocks_nothing_for_ev
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
 ) -> None:
     """Given a dispatcher that claims a job and dies before launching, then the job holds
-    a lease that expires; `expire_leases` frees the claim and requeues the job, and a
-    healthy dispatcher runs it as attempt 2 on the other GPU (the first one stays blocked
-    until the attempt that may have started there is known dead)."""
+    a lease that expires; `expire_leases` frees the claim and requeues the job. A healthy
+    dispatcher does not run it while attempt 1 may still start; once the requeue manager's
+    kill has fenced attempt 1 off, it runs as attempt 2."""
     fleet, _ = await fleet_with_rows(sim_fleet, db, 1, 2)
     job_id = await new_job(db)
     stalling = StallingTransport(make_transport())
@@ -237,12 +238,24 @@ async def test_a_dispatcher_dying_between_claim_and_launch_blocks_nothing_for_ev
     assert await expire_leases(db) == [job_id]
     assert (await job_row(db, job_id)).status == "queued"
 
-    async with running_dispatcher(db, nats.url):
+    transport = make_transport()
+    async with running_dispatcher(db, nats.url, transport=transport) as healthy:
         await publish(nc, job_id)
+        for _ in range(200):
+            if healthy.stats.nak:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the dispatcher never deferred the job")
+        assert (await job_row(db, job_id)).status == "queued"
+        report = await RequeueManager(db, None, transport).tick()
+        assert report.killed == [job_id]
         job = await wait_status(db, job_id, "running")
+    await transport.close()
     await nc.close()
-    assert (job.attempt, job.gpu_indices) == (2, [1])
-    assert not (fleet[0].home / job_dir(job_id, 1) / "pid").exists()
+    assert job.attempt == 2
+    attempt_1 = fleet[0].home / job_dir(job_id, 1)
+    assert (attempt_1 / "fenced").exists() and not (attempt_1 / "pid").exists()
 
 
 @pytest.mark.parametrize("payload", [b"\xff", b"-3", b"1e9", b"99999999999999999999999"])
