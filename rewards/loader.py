@@ -48,7 +48,9 @@ def _import(module_name: str, spec: str) -> Any:
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):
+        # The module itself (or a package on its dotted path) is missing, as opposed to a
+        # dependency it imports: `mathlib_rewards` failing on `import mathlib` is the latter.
+        if exc.name and (exc.name == module_name or module_name.startswith(exc.name + ".")):
             raise RewardError(f"reward function {spec!r}: no module named {module_name!r}") from exc
         raise RewardError(
             f"reward function {spec!r}: importing {module_name!r} failed: {exc}"

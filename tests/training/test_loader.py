@@ -49,3 +49,19 @@ def test_module_function_is_imported_from_the_working_directory(user_module: Pat
 def test_bad_specs_raise_a_clear_error(user_module: Path, spec: str, message: str):
     with pytest.raises(RewardError, match=message):
         load_reward(spec, BUILTIN_REWARDS)
+
+
+def test_a_missing_dependency_is_named_not_mistaken_for_the_module(user_module: Path):
+    # `mathlib` is a prefix of the module's own name; it must still be reported as what failed.
+    (user_module / "mathlib_rewards.py").write_text("import mathlib\n")
+    try:
+        with pytest.raises(RewardError) as info:
+            load_reward("mathlib_rewards:f", BUILTIN_REWARDS)
+    finally:
+        sys.modules.pop("mathlib_rewards", None)
+    assert "importing 'mathlib_rewards' failed: No module named 'mathlib'" in str(info.value)
+
+
+def test_a_missing_package_on_the_dotted_path_is_the_module_missing(user_module: Path):
+    with pytest.raises(RewardError, match="no module named 'no_such_pkg_xyz.rewards'"):
+        load_reward("no_such_pkg_xyz.rewards:f", BUILTIN_REWARDS)
