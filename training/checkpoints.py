@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -13,8 +14,9 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 def newest_checkpoint(output_dir: str | Path) -> Path | None:
     """The highest-numbered complete `checkpoint-N` in output_dir, or None.
 
-    A checkpoint counts as complete once `trainer_state.json` is in it: the trainer writes that
-    file last, so a save cut short by a crash is skipped rather than resumed from.
+    A checkpoint counts as complete once its `trainer_state.json` parses: the trainer writes that
+    file last, so a save cut short by a crash (no file, or a truncated one) is skipped rather
+    than resumed from, which would fail the same way on every retry.
     """
     root = Path(output_dir)
     if not root.is_dir():
@@ -22,9 +24,17 @@ def newest_checkpoint(output_dir: str | Path) -> Path | None:
     complete = [
         (int(match.group(1)), path)
         for path in root.iterdir()
-        if (match := _CHECKPOINT.match(path.name)) and (path / "trainer_state.json").is_file()
+        if (match := _CHECKPOINT.match(path.name)) and _is_complete(path)
     ]
     return max(complete)[1] if complete else None
+
+
+def _is_complete(checkpoint: Path) -> bool:
+    try:
+        json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return True
 
 
 def resolve_resume(resume: str | None, output_dir: str) -> str | None:
@@ -34,6 +44,8 @@ def resolve_resume(resume: str | None, output_dir: str) -> str | None:
     if resume == "auto":
         found = newest_checkpoint(output_dir)
         return str(found) if found else None
-    if not (Path(resume) / "trainer_state.json").is_file():
-        raise UsageError(f"--resume {resume}: not a checkpoint directory (no trainer_state.json)")
+    if not _is_complete(Path(resume)):
+        raise UsageError(
+            f"--resume {resume}: not a checkpoint directory (no readable trainer_state.json)"
+        )
     return resume

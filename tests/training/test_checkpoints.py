@@ -30,6 +30,16 @@ def test_a_checkpoint_cut_short_is_skipped(tmp_path: Path):
     assert newest_checkpoint(tmp_path) == two
 
 
+def test_a_checkpoint_with_a_truncated_trainer_state_is_skipped(tmp_path: Path):
+    two = _checkpoint(tmp_path, 2)
+    three = _checkpoint(tmp_path, 3)
+    (three / "trainer_state.json").write_text('{"global_step": 3, "log_hist')
+    assert newest_checkpoint(tmp_path) == two
+    assert resolve_resume("auto", str(tmp_path)) == str(two)
+    with pytest.raises(UsageError, match="not a checkpoint directory"):
+        resolve_resume(str(three), str(tmp_path))
+
+
 def test_auto_without_checkpoints_starts_fresh(tmp_path: Path):
     assert resolve_resume("auto", str(tmp_path / "missing")) is None
     assert resolve_resume(None, str(tmp_path)) is None
