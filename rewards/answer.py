@@ -6,7 +6,14 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from rewards._text import Completion, as_list, completion_text, extract_answer, normalize_number
+from rewards._text import (
+    _ANSWER_TAG,
+    Completion,
+    as_list,
+    completion_text,
+    extract_answer,
+    normalize_number,
+)
 
 _INTEGER = re.compile(r"[-+]?\d+")
 
@@ -80,7 +87,7 @@ def _math_equal(text: str, truth: Any) -> float:
 
     if truth is None:
         return 0.0
-    tagged = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
+    tagged = _ANSWER_TAG.findall(text)
     candidate = tagged[-1] if tagged else text
     try:
         gold = parse(str(truth))
