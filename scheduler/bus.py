@@ -8,6 +8,8 @@ at this job".
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 import ssl
 from typing import Any
@@ -95,18 +97,11 @@ class ReconnectBackoff:
         return self.base_s
 
 
-async def connect(
-    settings: Settings,
-    *,
-    name: str,
-    forever: bool = False,
-    backoff: ReconnectBackoff | None = None,
-) -> NATS:
-    """Connect to NATS. Daemons pass `forever=True` to reconnect for ever, waiting longer
-    after each failed attempt (`ReconnectBackoff`); the CLI fails fast so that an
-    unreachable server is one clear error."""
+def _client(
+    settings: Settings, name: str, forever: bool, backoff: ReconnectBackoff
+) -> tuple[NATS, dict[str, Any]]:
+    """A NATS client and the options to connect it with, its callbacks wired to log."""
     bound = log.bind(client=name, servers=redact_url(settings.nats_url))
-    backoff = backoff or ReconnectBackoff()
     nc = NATS()
 
     async def on_error(exc: Exception) -> None:
@@ -131,22 +126,55 @@ async def connect(
 
     # nats-py loops for ever on the first connect with max_reconnect_attempts=0, so a
     # fail-fast client makes one more attempt at most.
-    await nc.connect(
-        servers=settings.nats_servers,
-        name=name,
-        connect_timeout=2,
-        allow_reconnect=forever,
-        max_reconnect_attempts=-1 if forever else 1,
-        # Annotated `int` in nats-py, but it is seconds passed to asyncio.sleep.
-        reconnect_time_wait=backoff.base_s if forever else 0.1,  # type: ignore[arg-type]
-        error_cb=on_error,
-        disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect,
+    options: dict[str, Any] = {
+        "servers": settings.nats_servers,
+        "name": name,
+        "connect_timeout": 2,
+        "allow_reconnect": forever,
+        "max_reconnect_attempts": -1 if forever else 1,
+        "reconnect_time_wait": backoff.base_s if forever else 0.1,
+        "error_cb": on_error,
+        "disconnected_cb": on_disconnect,
+        "reconnected_cb": on_reconnect,
         **_connect_options(settings),
-    )
-    if forever:
-        nc.options["reconnect_time_wait"] = backoff.reset()
+    }
+    return nc, options
+
+
+async def connect(settings: Settings, *, name: str) -> NATS:
+    """Connect to NATS, failing fast: for the CLI, where an unreachable server is one
+    clear error."""
+    nc, options = _client(settings, name, False, ReconnectBackoff())
+    await nc.connect(**options)
     return nc
+
+
+async def connect_until(
+    settings: Settings,
+    *,
+    name: str,
+    stop: asyncio.Event,
+    backoff: ReconnectBackoff | None = None,
+) -> NATS | None:
+    """Connect a daemon to NATS: try for ever, waiting longer after each failed attempt
+    (`ReconnectBackoff`), and reconnect for ever once connected. Gives up, returning None,
+    only when `stop` is set first (a daemon told to stop while NATS is away)."""
+    backoff = backoff or ReconnectBackoff()
+    nc, options = _client(settings, name, True, backoff)
+    connecting = asyncio.ensure_future(nc.connect(**options))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if connecting.done():
+        connecting.result()  # re-raises what nats-py gives up with (bad credentials)
+        nc.options["reconnect_time_wait"] = backoff.reset()
+        return nc
+    connecting.cancel()
+    with contextlib.suppress(BaseException):
+        await connecting
+    with contextlib.suppress(Exception):
+        await nc.close()
+    return None
 
 
 async def ensure_stream(js: JetStreamContext) -> None:

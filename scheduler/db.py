@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -13,6 +14,21 @@ from sqlalchemy.ext.asyncio import (
 )
 
 from scheduler.settings import normalize_database_url
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether `exc` says the database cannot be used right now (down, restarting, a
+    dropped connection, a serialization failure or deadlock): worth trying again later,
+    not a bug."""
+    if isinstance(exc, OperationalError):
+        return True
+    if isinstance(exc, DBAPIError):
+        # 40001 serialization failure, 40P01 deadlock: simply try again.
+        return exc.connection_invalidated or getattr(exc.orig, "sqlstate", None) in {
+            "40001",
+            "40P01",
+        }
+    return isinstance(exc, OSError)
 
 
 def make_engine(url: str, *, pool_size: int = 5, echo: bool = False) -> AsyncEngine:

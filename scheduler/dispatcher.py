@@ -38,9 +38,9 @@ import click
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from sqlalchemy import select
-from sqlalchemy.exc import DBAPIError, OperationalError
 
 from scheduler import bus, metrics
+from scheduler.aio import sleep_or_stop
 from scheduler.claims import (
     DEFAULT_LEASE_S,
     Claim,
@@ -54,7 +54,8 @@ from scheduler.claims import (
     release_in_session,
 )
 from scheduler.daemon import daemon_options, daemon_settings, run_service
-from scheduler.db import Database
+from scheduler.db import Database, is_unavailable
+from scheduler.errors import error_line
 from scheduler.jobs import transition
 from scheduler.kill import kill_attempt
 from scheduler.logging import get_logger
@@ -96,16 +97,6 @@ def parse_job_id(payload: bytes) -> int:
     if not 0 < job_id < 2**63:
         raise ValueError(f"job id {job_id} is out of range")
     return job_id
-
-
-def _is_transient_db_error(exc: BaseException) -> bool:
-    if isinstance(exc, OperationalError):
-        return True
-    if isinstance(exc, DBAPIError):
-        code = getattr(exc.orig, "sqlstate", None)
-        # 40001 serialization failure, 40P01 deadlock: simply try again.
-        return exc.connection_invalidated or code in {"40001", "40P01"}
-    return isinstance(exc, OSError | TimeoutError)
 
 
 @dataclass
@@ -247,7 +238,7 @@ class GlobalJobDispatcher:
             ready.set()
         log.info("dispatcher_ready", actor=self.actor, max_in_flight=self.max_in_flight)
         counter = asyncio.create_task(self._refresh_counts(stop))
-        backoff = 0.5
+        backoff = bus.ReconnectBackoff()
         while not stop.is_set():
             room = self.max_in_flight - self._in_flight
             if room <= 0:
@@ -259,10 +250,9 @@ class GlobalJobDispatcher:
                 continue
             except Exception as exc:  # noqa: BLE001 - NATS down or reconnecting: wait
                 log.warning("fetch_failed", error=str(exc) or type(exc).__name__)
-                await _sleep_or_stop(stop, backoff)
-                backoff = min(backoff * 2, 10.0)
+                await sleep_or_stop(stop, backoff.failed())
                 continue
-            backoff = 0.5
+            backoff.reset()
             # The batch is handled in a task of its own, so the next fetch overlaps it.
             task = asyncio.create_task(self.handle_batch(msgs))
             self._in_flight += len(msgs)
@@ -284,7 +274,7 @@ class GlobalJobDispatcher:
     async def _refresh_counts(self, stop: asyncio.Event) -> None:
         """Recount `vms.available_gpus` of the VMs claimed on, at most twice a second."""
         while not stop.is_set():
-            await _sleep_or_stop(stop, 0.5)
+            await sleep_or_stop(stop, 0.5)
             await self._flush_counts()
 
     async def _flush_counts(self) -> None:
@@ -297,14 +287,13 @@ class GlobalJobDispatcher:
             log.warning("count_refresh_failed", error=str(exc) or type(exc).__name__)
 
     async def _subscribe(self, stop: asyncio.Event) -> JetStreamContext.PullSubscription | None:
-        backoff = 0.5
+        backoff = bus.ReconnectBackoff()
         while not stop.is_set():
             try:
                 return await bus.subscribe_dispatcher(self.js)
             except Exception as exc:  # noqa: BLE001 - JetStream not ready yet: retry
                 log.warning("subscribe_failed", error=str(exc) or type(exc).__name__)
-                await _sleep_or_stop(stop, backoff)
-                backoff = min(backoff * 2, 10.0)
+                await sleep_or_stop(stop, backoff.failed())
         return None
 
     # ---------------------------------------------------------------- one batch
@@ -363,7 +352,7 @@ class GlobalJobDispatcher:
                 # that wait meanwhile are claimed together in the next one.
                 batch = await self._claims.submit([job_ids[i] for i in todo])
             except Exception as exc:
-                if not _is_transient_db_error(exc):
+                if not is_unavailable(exc):
                     raise
                 # Nothing of this round was committed; earlier rounds' claims stand.
                 for i in todo:
@@ -469,7 +458,7 @@ class GlobalJobDispatcher:
                 if running is not None
             }
         except Exception as exc:
-            if not _is_transient_db_error(exc):
+            if not is_unavailable(exc):
                 raise
             # The processes run; the leases will bring the claims back if we never can.
             error = TransientError(_db_error(exc))
@@ -565,7 +554,7 @@ class GlobalJobDispatcher:
                         reason="launch_failed",
                     )
         except Exception as exc:
-            if _is_transient_db_error(exc):
+            if is_unavailable(exc):
                 raise TransientError(_db_error(exc)) from exc
             raise
         if moved:
@@ -607,18 +596,13 @@ class GlobalJobDispatcher:
             async with self.db.transaction() as session:
                 rows = (await session.execute(select(*columns))).all()
         except Exception as exc:
-            if _is_transient_db_error(exc):
+            if is_unavailable(exc):
                 raise TransientError(_db_error(exc)) from exc
             raise
         now = time.monotonic()
         self._vms = {
             row.id: (VMTarget(**dict(zip(_TARGET_FIELDS, row, strict=True))), now) for row in rows
         }
-
-
-def _first_line(text: str) -> str:
-    text = text.strip()
-    return text.splitlines()[0][:300] if text else ""
 
 
 def _last_line(text: str) -> str:
@@ -628,8 +612,7 @@ def _last_line(text: str) -> str:
 
 
 def _db_error(exc: BaseException) -> str:
-    """The database's own message (SQLAlchemy's text ends with a link to its docs)."""
-    return "database: " + _first_line(str(getattr(exc, "orig", None) or exc))
+    return "database: " + error_line(exc)
 
 
 async def _quietly(coro: Any) -> None:
@@ -639,11 +622,6 @@ async def _quietly(coro: Any) -> None:
         log.warning("ack_failed", error=str(exc) or type(exc).__name__)
 
 
-async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), seconds)
-
-
 async def run_dispatcher(
     settings: Settings,
     stop: asyncio.Event,
@@ -651,32 +629,21 @@ async def run_dispatcher(
     ready: asyncio.Event | None = None,
     transport: Transport | None = None,
     **options: Any,
-) -> GlobalJobDispatcher:
-    """Connect to Postgres and NATS and dispatch until `stop`; returns the dispatcher."""
+) -> None:
+    """Connect to Postgres and NATS and dispatch until `stop`."""
+    nc = await bus.connect_until(settings, name="rlfleet-dispatcher", stop=stop)
+    if nc is None:
+        return
     db = Database(settings.database_url, pool_size=10)
-    nc = None
-    backoff = 0.5
-    while nc is None and not stop.is_set():
-        try:
-            nc = await bus.connect(settings, name="rlfleet-dispatcher", forever=True)
-        except Exception as exc:  # noqa: BLE001 - keep trying: NATS may come up later
-            log.warning("nats_connect_failed", error=str(exc) or type(exc).__name__)
-            await _sleep_or_stop(stop, backoff)
-            backoff = min(backoff * 2, 30.0)
     own_transport = transport is None
     transport = transport or make_transport()
-    dispatcher = GlobalJobDispatcher(db, nc.jetstream(), transport, **options) if nc else None
     try:
-        if dispatcher is not None:
-            await dispatcher.run(stop, ready)
+        await GlobalJobDispatcher(db, nc.jetstream(), transport, **options).run(stop, ready)
     finally:
-        if nc is not None:
-            await nc.close()
+        await nc.close()
         if own_transport:
             await transport.close()
         await db.dispose()
-    assert dispatcher is not None or stop.is_set()
-    return dispatcher  # type: ignore[return-value]
 
 
 async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:

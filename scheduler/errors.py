@@ -22,4 +22,10 @@ class NotFound(BadInput):
 class ServiceUnavailable(RlfleetError):
     """Postgres, NATS or a VM could not be reached (exit 1)."""
 
-    exit_code = 1
+
+def error_line(exc: BaseException, limit: int = 300) -> str:
+    """One line saying what went wrong: the first line of the error's own message (for a
+    database error, the driver's: SQLAlchemy's text ends with a link to its docs), or the
+    error's type when it has no message."""
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:limit]

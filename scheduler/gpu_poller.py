@@ -16,7 +16,6 @@ Run it as `rlfleet poller` or `python -m scheduler.gpu_poller`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import re
 import sys
@@ -30,6 +29,7 @@ from sqlalchemy import select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
+from scheduler.aio import sleep_or_stop
 from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
 from scheduler.jobs import transition
@@ -549,9 +549,7 @@ async def run_poller(
             log.error("poll_sweep_failed", error=f"{type(exc).__name__}: {exc}")
         if ready is not None:
             ready.set()
-        delay = max(0.0, interval - (time.monotonic() - started))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
+        await sleep_or_stop(stop, max(0.0, interval - (time.monotonic() - started)))
 
 
 async def run_in_process(

@@ -10,7 +10,6 @@ whichever daemon moved the job.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any, TypeVar
@@ -21,8 +20,9 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from sqlalchemy import case, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from scheduler.aio import sleep_or_stop
 from scheduler.db import Database
-from scheduler.errors import ServiceUnavailable
+from scheduler.errors import ServiceUnavailable, error_line
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM, Job
 from scheduler.states import JobStatus, VMStatus
@@ -205,6 +205,5 @@ async def refresh_forever(
         try:
             await refresh_gauges(db)
         except Exception as exc:  # noqa: BLE001
-            log.warning("metrics_refresh_failed", error=str(exc).splitlines()[0][:200])
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval)
+            log.warning("metrics_refresh_failed", error=error_line(exc, 200))
+        await sleep_or_stop(stop, interval)

@@ -58,6 +58,7 @@ from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import bus, metrics
+from scheduler.aio import sleep_or_stop
 from scheduler.claims import (
     FREE_BY_VM_SQL,
     close_leftover,
@@ -623,8 +624,7 @@ class RequeueManager:
                         killed=len(report.killed),
                     )
             wait = self.config.interval_s * min(2 ** min(failures, 4), 8) if failures else 0
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), wait or self.config.interval_s)
+            await sleep_or_stop(stop, wait or self.config.interval_s)
 
 
 # A failed job has no decision yet while it has no retry time (`transition` clears it
@@ -648,20 +648,6 @@ def _retry_note(
 # -- the daemon ---------------------------------------------------------------------------
 
 
-async def _connect_nats(settings: Settings, stop: asyncio.Event) -> Any | None:
-    """Connect to NATS, retrying until it answers or `stop` is set."""
-    delay = 0.5
-    while not stop.is_set():
-        try:
-            return await bus.connect(settings, name="rlfleet-requeue", forever=True)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("nats_connect_failed", error=str(exc)[:200], retry_in=delay)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
-            delay = min(delay * 2, 10.0)
-    return None
-
-
 async def run_daemon(
     settings: Settings,
     config: RequeueConfig,
@@ -674,7 +660,7 @@ async def run_daemon(
 
     db = Database(settings.database_url, pool_size=3)
     transport = make_transport()
-    nc = await _connect_nats(settings, stop)
+    nc = await bus.connect_until(settings, name="rlfleet-requeue", stop=stop)
     try:
         if nc is not None:
             manager = RequeueManager(db, NatsPublisher(nc), transport, config)

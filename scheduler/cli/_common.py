@@ -11,10 +11,9 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import click
-from sqlalchemy.exc import DBAPIError, OperationalError
 
-from scheduler.db import Database
-from scheduler.errors import RlfleetError, ServiceUnavailable
+from scheduler.db import Database, is_unavailable
+from scheduler.errors import RlfleetError, ServiceUnavailable, error_line
 from scheduler.logging import configure
 from scheduler.settings import Settings, redact_url
 
@@ -36,17 +35,19 @@ class CliContext:
             db = Database(self.settings.database_url, pool_size=2)
             try:
                 return await fn(db)
-            except (OperationalError, DBAPIError) as exc:
-                if isinstance(exc, OperationalError) or exc.connection_invalidated:
-                    raise ServiceUnavailable(
-                        f"cannot reach the database at {redact_url(self.settings.database_url)}: "
-                        f"{_first_line(exc.orig or exc)}"
-                    ) from exc
+            except Exception as exc:
+                if is_unavailable(exc):
+                    raise self.database_unreachable(exc) from exc
                 raise
             finally:
                 await db.dispose()
 
         return asyncio.run(go())
+
+    def database_unreachable(self, exc: BaseException) -> ServiceUnavailable:
+        """The one-line error for a database that cannot be used (password redacted)."""
+        url = redact_url(self.settings.database_url)
+        return ServiceUnavailable(f"cannot reach the database at {url}: {error_line(exc)}")
 
     def run_coro(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine that needs no database handle."""
@@ -55,11 +56,6 @@ class CliContext:
 
 
 pass_cli = click.make_pass_decorator(CliContext)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]
 
 
 def run_guarded(command: click.Command, argv: Sequence[str] | None) -> int:

@@ -6,20 +6,12 @@ import click
 from sqlalchemy.exc import OperationalError
 
 from scheduler import migrate
-from scheduler.cli._common import CliContext, echo_json, pass_cli
-from scheduler.errors import ServiceUnavailable
-from scheduler.settings import redact_url
+from scheduler.cli._common import CliContext, echo_json, json_option, pass_cli
 
 
 @click.group("db")
 def group() -> None:
     """Create or upgrade the database schema (Alembic migrations)."""
-
-
-def _unreachable(ctx: CliContext, exc: Exception) -> ServiceUnavailable:
-    first = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
-    url = redact_url(ctx.settings.database_url)
-    return ServiceUnavailable(f"cannot reach the database at {url}: {first}")
 
 
 @group.command("upgrade")
@@ -31,19 +23,19 @@ def upgrade(ctx: CliContext, revision: str) -> None:
         migrate.upgrade(ctx.settings.database_url, revision)
         now = migrate.current_revision(ctx.settings.database_url)
     except OperationalError as exc:
-        raise _unreachable(ctx, exc) from exc
+        raise ctx.database_unreachable(exc) from exc
     click.echo(f"database at revision {now}")
 
 
 @group.command("current")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@json_option
 @pass_cli
 def current(ctx: CliContext, as_json: bool) -> None:
     """Show the database's revision and whether it is up to date."""
     try:
         now = migrate.current_revision(ctx.settings.database_url)
     except OperationalError as exc:
-        raise _unreachable(ctx, exc) from exc
+        raise ctx.database_unreachable(exc) from exc
     head = migrate.head_revision(ctx.settings.database_url)
     if as_json:
         echo_json({"current": now, "head": head, "up_to_date": now == head})

@@ -65,7 +65,10 @@ async def test_a_daemon_connection_backs_off_while_nats_is_down_and_resets_after
     server.start()
     settings = Settings(database_url="postgresql+psycopg://unused/x", nats_url=server.url)
     backoff = bus.ReconnectBackoff(base_s=0.05, max_s=0.4)
-    nc = await bus.connect(settings, name="test-daemon", forever=True, backoff=backoff)
+    nc = await bus.connect_until(
+        settings, name="test-daemon", stop=asyncio.Event(), backoff=backoff
+    )
+    assert nc is not None
     try:
         server.stop()
         started = time.monotonic()
@@ -87,4 +90,33 @@ async def test_a_daemon_connection_backs_off_while_nats_is_down_and_resets_after
         assert (await got.next_msg(timeout=5)).data == b"pong"
     finally:
         await nc.close()
+        server.stop()
+
+
+async def test_a_daemon_started_while_nats_is_down_stops_when_told(tmp_path: Path) -> None:
+    """Given no NATS server, a daemon's connect keeps trying (backing off) and does not
+    return; when the daemon is told to stop it returns None at once instead of hanging
+    until systemd kills it. Once the server runs, the connect succeeds."""
+    server = EmbeddedNats(tmp_path / "nats")  # its port is chosen, nothing listens yet
+    settings = Settings(database_url="postgresql+psycopg://unused/x", nats_url=server.url)
+    stop = asyncio.Event()
+    backoff = bus.ReconnectBackoff(base_s=0.05, max_s=0.2)
+    connecting = asyncio.create_task(
+        bus.connect_until(settings, name="test-daemon", stop=stop, backoff=backoff)
+    )
+    started = time.monotonic()
+    while backoff.failures < 3 and time.monotonic() - started < 20:
+        await asyncio.sleep(0.02)
+    assert backoff.failures >= 3 and not connecting.done()
+    stop.set()
+    assert await asyncio.wait_for(connecting, 5) is None
+
+    server.start()
+    try:
+        nc = await asyncio.wait_for(
+            bus.connect_until(settings, name="test-daemon", stop=asyncio.Event()), 20
+        )
+        assert nc is not None and nc.is_connected
+        await nc.close()
+    finally:
         server.stop()
