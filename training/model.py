@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,12 +36,18 @@ def _dtype() -> Any:
     return torch.bfloat16 if torch.cuda.is_available() else torch.float32
 
 
-def _loading(what: str, name: str, load: Any) -> Any:
-    """Run `load()`, turning hub and file errors into UsageError / TransientError."""
-    if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
+def _loading(what: str, name: str, load: Callable[[str], Any]) -> Any:
+    """Run `load(source)`, turning hub and file errors into UsageError / TransientError.
+
+    `source` is `name`, or for a local path the path with `~` expanded: from_pretrained would
+    take `~/model` for a hub name.
+    """
+    local = name.startswith(("/", "./", "../", "~"))
+    source = str(Path(name).expanduser()) if local else name
+    if local and not Path(source).is_dir():
         raise UsageError(f"cannot load {what}: no such directory {name}")
     try:
-        return load()
+        return load(source)
     except (OSError, ValueError) as exc:
         if is_network_timeout(exc):
             raise TransientError(f"downloading {what} {name} failed: {one_line(exc)}") from exc
@@ -48,13 +55,10 @@ def _loading(what: str, name: str, load: Any) -> Any:
 
 
 def load_tokenizer(name: str) -> Any:
-    """The model's tokenizer, with a pad token (GRPO pads batches of prompts on the left)."""
+    """The model's tokenizer; GRPOTrainer gives it the EOS token as pad token if it has none."""
     from transformers import AutoTokenizer
 
-    tokenizer = _loading("tokenizer", name, lambda: AutoTokenizer.from_pretrained(name))
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return _loading("tokenizer", name, AutoTokenizer.from_pretrained)
 
 
 def load_model(name: str) -> Any:
@@ -62,8 +66,13 @@ def load_model(name: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     return _loading(
-        "model", name, lambda: AutoModelForCausalLM.from_pretrained(name, dtype=_dtype())
+        "model", name, lambda source: AutoModelForCausalLM.from_pretrained(source, dtype=_dtype())
     )
+
+
+def lora_alpha(args: ScriptArguments) -> int:
+    """`--lora_alpha`, or twice `--lora_r` when it is 0."""
+    return args.lora_alpha or 2 * args.lora_r
 
 
 def lora_config(args: ScriptArguments) -> Any:
@@ -74,7 +83,7 @@ def lora_config(args: ScriptArguments) -> Any:
 
     return LoraConfig(
         r=args.lora_r,
-        lora_alpha=args.lora_alpha or 2 * args.lora_r,
+        lora_alpha=lora_alpha(args),
         target_modules="all-linear",
         task_type="CAUSAL_LM",
     )
@@ -87,8 +96,8 @@ def load_unsloth_model(args: ScriptArguments) -> tuple[Any, Any]:
     model, tokenizer = _loading(
         "model",
         args.model,
-        lambda: FastLanguageModel.from_pretrained(
-            model_name=args.model,
+        lambda source: FastLanguageModel.from_pretrained(
+            model_name=source,
             max_seq_length=args.max_completion_length + 1024,
             load_in_4bit=False,
             fast_inference=args.use_vllm,
@@ -100,11 +109,9 @@ def load_unsloth_model(args: ScriptArguments) -> tuple[Any, Any]:
         model = FastLanguageModel.get_peft_model(
             model,
             r=args.lora_r,
-            lora_alpha=args.lora_alpha or 2 * args.lora_r,
+            lora_alpha=lora_alpha(args),
             target_modules=LORA_TARGETS,
             use_gradient_checkpointing="unsloth",
             random_state=args.seed,
         )
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
