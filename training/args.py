@@ -12,6 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from rewards import BUILTIN_REWARDS
 from training.errors import EXIT_USAGE
 
 
@@ -33,9 +34,8 @@ class ScriptArguments:
     reward_function: list[str] = field(
         metadata={
             "help": "Reward function, repeatable (or comma-separated): a built-in name "
-            "(correctness, math_equivalence, int_answer, keyword_match, strict_format, "
-            "soft_format, "
-            "xml_count) or module:function importable from the working directory or PYTHONPATH.",
+            f"({', '.join(BUILTIN_REWARDS)}) or module:function importable from the working "
+            "directory or PYTHONPATH.",
             "metavar": "NAME",
         }
     )

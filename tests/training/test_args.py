@@ -85,11 +85,3 @@ def test_every_field_has_help_and_a_flag():
 def test_check_args_accepts_sensible_arguments():
     args = ScriptArguments(model="m", dataset="d", reward_function=["a"], reward_weights=[2.0])
     assert check_args(args) is None
-
-
-def test_help_names_every_builtin_reward():
-    from rewards import BUILTIN_REWARDS
-
-    help_text = " ".join(build_parser().format_help().split())
-    for name in BUILTIN_REWARDS:
-        assert name in help_text
