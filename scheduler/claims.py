@@ -457,6 +457,19 @@ FROM ordered o WHERE v.id = o.id
 )
 
 
+RECOUNT_SQL = text(
+    f"""
+WITH {_BLOCKED}
+UPDATE vms v SET available_gpus = (
+    SELECT count(*) FROM gpus g WHERE g.vm_id = v.id AND {_FREE_GPU}
+)
+WHERE v.id = ANY(:ids)
+"""
+)
+"""AVAILABLE_SQL that waits for the VM rows: for a transaction that holds them already (the
+poller's, which has just written them), and that must not skip any."""
+
+
 async def refresh_available_in_session(session: AsyncSession, vm_ids: set[int]) -> None:
     """Recount `vms.available_gpus` of these VMs from their GPU rows (caller's transaction).
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import os
 import random
@@ -59,7 +58,6 @@ from scheduler.errors import error_line
 from scheduler.jobs import transition
 from scheduler.kill import kill_attempt
 from scheduler.logging import get_logger
-from scheduler.models import VM
 from scheduler.remote import LaunchSpec, launch_script, parse_launch
 from scheduler.settings import Settings
 from scheduler.states import FailureReason, JobStatus
@@ -71,9 +69,6 @@ CONTENDED_RETRIES = 20
 VM_CACHE_TTL_S = 15.0
 DB_NAK_DELAY_S = 2.0
 LEASE_MARGIN_S = 2.0
-
-
-_TARGET_FIELDS = tuple(f.name for f in dataclasses.fields(VMTarget))
 
 
 class TransientError(Exception):
@@ -202,7 +197,6 @@ class GlobalJobDispatcher:
         launch_timeout_s: float = 30.0,
         kill_grace_s: float = 10.0,
         fetch_timeout_s: float = 1.0,
-        on_running: Callable[[int], None] | None = None,
     ) -> None:
         self.db = db
         self.js = js
@@ -214,7 +208,6 @@ class GlobalJobDispatcher:
         self.launch_timeout_s = launch_timeout_s
         self.kill_grace_s = kill_grace_s
         self.fetch_timeout_s = fetch_timeout_s
-        self.on_running = on_running
         self.stats = DispatchStats()
         self._vms: dict[int, tuple[VMTarget, float]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -482,8 +475,6 @@ class GlobalJobDispatcher:
                 pid=x.pid,
                 gpus=x.claim.gpu_indices,
             )
-            if self.on_running is not None:
-                self.on_running(x.claim.job_id)
             await self._reply(replies, x.msg, "running")
         await asyncio.gather(*superseded)
 
@@ -591,18 +582,15 @@ class GlobalJobDispatcher:
         return cached[0]
 
     async def _load_targets(self) -> None:
-        columns = [getattr(VM, name) for name in _TARGET_FIELDS]
         try:
             async with self.db.transaction() as session:
-                rows = (await session.execute(select(*columns))).all()
+                rows = (await session.execute(select(*VMTarget.columns()))).all()
         except Exception as exc:
             if is_unavailable(exc):
                 raise TransientError(_db_error(exc)) from exc
             raise
         now = time.monotonic()
-        self._vms = {
-            row.id: (VMTarget(**dict(zip(_TARGET_FIELDS, row, strict=True))), now) for row in rows
-        }
+        self._vms = {row.id: (VMTarget.from_row(row), now) for row in rows}
 
 
 def _last_line(text: str) -> str:

@@ -16,7 +16,6 @@ Run it as `rlfleet poller` or `python -m scheduler.gpu_poller`.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import re
 import sys
 import time
@@ -25,11 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import click
-from sqlalchemy import select, text, update
+from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
 from scheduler.aio import sleep_or_stop
+from scheduler.claims import RECOUNT_SQL, release_in_session
 from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
 from scheduler.jobs import transition
@@ -218,22 +218,6 @@ WHERE healthy AND vm_id = ANY(:ids)
   AND vm_id IN (SELECT id FROM vms WHERE status = 'unreachable')
 """
 )
-# The same notion of free as the dispatcher's claim (scheduler/claims.py).
-_AVAILABLE_SQL = text(
-    """
-UPDATE vms v SET available_gpus = (
-    SELECT count(*) FROM gpus g
-    WHERE g.vm_id = v.id AND g.job_id IS NULL AND g.healthy AND NOT g.foreign_busy
-      AND NOT EXISTS (
-        SELECT 1 FROM stale_processes s
-        WHERE s.vm_id = g.vm_id AND s.killed_at IS NULL AND g.index = ANY(s.gpu_indices))
-)
-WHERE v.id = ANY(:ids)
-"""
-)
-
-
-_TARGET_FIELDS = tuple(f.name for f in dataclasses.fields(VMTarget))
 
 
 class GpuPoller:
@@ -288,13 +272,11 @@ class GpuPoller:
         async with self.db.transaction() as session:
             # Plain columns, not ORM objects: this runs for every VM on every sweep.
             vm_rows = await session.execute(
-                select(
-                    *(getattr(VM, f) for f in _TARGET_FIELDS), VM.status, VM.consecutive_failures
-                )
+                select(*VMTarget.columns(), VM.status, VM.consecutive_failures)
             )
             vms = {
                 row.id: VMState(
-                    VMTarget(**{f: row[i] for i, f in enumerate(_TARGET_FIELDS)}),
+                    VMTarget.from_row(row),
                     row.status,
                     row.consecutive_failures,
                 )
@@ -440,7 +422,7 @@ class GpuPoller:
                     _GPU_UNHEALTHY_SQL, _columns(lost_gpus, vm_ids="vm_id", idxs="index")
                 )
             if ids:
-                await session.execute(_AVAILABLE_SQL, {"ids": ids})
+                await session.execute(RECOUNT_SQL, {"ids": ids})
 
     def _log_failure(self, vm: VMState, error: str) -> None:
         failures = vm.consecutive_failures + 1
@@ -496,20 +478,13 @@ def _gpu_changes(
 
 
 async def _finish_job(session: AsyncSession, verdict: JobVerdict) -> bool:
-    """Move the job to its end state and free its GPUs, if it is still that attempt."""
+    """Move the job to its end state and free its GPUs, if it is still that attempt
+    (someone else may have moved it, or it was requeued and relaunched since the probe)."""
     job = verdict.job
-    row = (
-        await session.execute(
-            select(Job.status, Job.attempt).where(Job.id == job.id).with_for_update()
-        )
-    ).first()
-    # Someone else moved it, or it was requeued and relaunched since the probe.
-    if row is None or row.attempt != job.attempt or JobStatus(row.status) not in LIVE_STATES:
-        return False
     moved = await transition(
         session,
         job.id,
-        expected=JobStatus(row.status),
+        expected=LIVE_STATES,
         to=verdict.to,
         reason=verdict.reason,
         actor=ACTOR,
@@ -518,11 +493,10 @@ async def _finish_job(session: AsyncSession, verdict: JobVerdict) -> bool:
             "failure_reason": verdict.failure_reason.value if verdict.failure_reason else None,
             "status_reason": verdict.reason,
         },
+        attempt=job.attempt,
     )
     if moved:
-        await session.execute(
-            update(GPU).where(GPU.job_id == job.id).values(job_id=None, allocated_at=None)
-        )
+        await release_in_session(session, job.id)
     return moved
 
 

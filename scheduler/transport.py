@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import secrets
 import shlex
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,21 +43,24 @@ class VMTarget:
     entrypoint: str = "training.train_grpo"
 
     @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        """The names of the fields, which are also the VM columns they come from."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def columns(cls) -> list[Any]:
+        """The VM columns to select for `from_row`: one query loads many targets."""
+        return [getattr(VM, name) for name in cls.fields()]
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> VMTarget:
+        """A target from a row that starts with `columns()`, in that order."""
+        return cls(**dict(zip(cls.fields(), row, strict=False)))
+
+    @classmethod
     def from_vm(cls, vm: VM) -> VMTarget:
         """Copy the connection fields out of a VM row."""
-        return cls(
-            id=vm.id,
-            name=vm.name,
-            host=vm.host,
-            port=vm.port,
-            user=vm.user,
-            ssh_key_path=vm.ssh_key_path,
-            known_hosts=vm.known_hosts,
-            verify_host_key=vm.verify_host_key,
-            transport=vm.transport,
-            python=vm.python,
-            entrypoint=vm.entrypoint,
-        )
+        return cls(**{name: getattr(vm, name) for name in cls.fields()})
 
 
 @dataclass(frozen=True)
