@@ -87,8 +87,6 @@ async def serve(
     at the end. With `metrics_port`, Prometheus metrics are served there, and with
     `database_url` too, the state gauges are refreshed from the database.
     """
-    from scheduler import metrics  # here: metrics imports the models, daemon.py stays light
-
     stop = asyncio.Event()
     install_stop_handlers(stop)
     log.info("daemon_starting", daemon=name, pid=os.getpid())

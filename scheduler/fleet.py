@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
@@ -104,8 +104,8 @@ async def remove_vm(session: AsyncSession, name: str, *, force: bool = False) ->
 async def set_draining(session: AsyncSession, name: str, draining: bool) -> VM:
     """Drain (no new jobs) or undrain a VM."""
     vm = await get_vm(session, name)
-    await session.execute(update(VM).where(VM.id == vm.id).values(draining=draining))
     vm.draining = draining
+    await session.flush()
     return vm
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.remote import DEAD_KILL_OUTCOMES, kill_script, parse_kill
+from scheduler.remote import DEAD_KILL_OUTCOMES, PID_WAIT_S, kill_script, parse_kill
 from scheduler.transport import Transport, TransportError, VMTarget
 
 SSH_MARGIN_S = 15.0
@@ -45,14 +45,13 @@ async def kill_attempt(
     attempt: int,
     *,
     grace_s: float,
-    pid_wait_s: float = 10.0,
 ) -> KillResult:
     """TERM, then KILL after `grace_s`, attempt `attempt` of `job_id` on `target`.
 
     Never raises for the VM's sake: an SSH failure is a result with `error` set."""
-    script = kill_script(job_id, attempt, grace_s, pid_wait_s=pid_wait_s)
+    script = kill_script(job_id, attempt, grace_s)
     try:
-        result = await transport.run(target, script, timeout=grace_s + pid_wait_s + SSH_MARGIN_S)
+        result = await transport.run(target, script, timeout=grace_s + PID_WAIT_S + SSH_MARGIN_S)
     except TransportError as exc:
         return KillResult(None, f"unreachable: {str(exc) or type(exc).__name__}")
     outcome = parse_kill(result.stdout)

@@ -18,7 +18,6 @@ from wsgiref.simple_server import WSGIServer
 import click
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from sqlalchemy import case, func, select
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler.aio import sleep_or_stop
 from scheduler.db import Database
@@ -134,21 +133,6 @@ def observe_running(submitted_at: datetime | None, running_at: datetime | None) 
     seconds = _seconds_since(submitted_at, running_at)
     if seconds is not None:
         SUBMIT_TO_RUNNING.observe(seconds)
-
-
-async def observe_job_running(session: AsyncSession, job_id: int) -> None:
-    """Record queue wait and submit→running for a job just moved to running, from its
-    timestamps (read in the caller's transaction, right after the move)."""
-    row = (
-        await session.execute(
-            select(Job.queued_at, Job.starting_at, Job.submitted_at, Job.running_at).where(
-                Job.id == job_id
-            )
-        )
-    ).first()
-    if row is not None:
-        observe_queue_wait(row.queued_at, row.starting_at)
-        observe_running(row.submitted_at, row.running_at)
 
 
 def count_retry(reason: str | None) -> None:

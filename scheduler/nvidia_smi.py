@@ -251,6 +251,4 @@ def parse_poll(stdout: str) -> PollResult:
         apps, error = parse_apps(sections[APPS], rcs.get(APPS_RC))
     else:
         apps = []
-    if error is not None:
-        return PollResult(gpus=tuple(gpus), error=error, jobs=jobs)
-    return PollResult(gpus=tuple(gpus), apps=tuple(apps), error=None, jobs=jobs)
+    return PollResult(gpus=tuple(gpus), apps=tuple(apps), error=error, jobs=jobs)

@@ -37,6 +37,8 @@ NO_FILE_EXIT = 3
 """Exit status of the read snippets when the file does not exist (yet)."""
 FENCED_EXIT = 96
 """Exit status of the launch script when a kill fenced the attempt off before it started."""
+PID_WAIT_S = 10.0
+"""How long a launch may take to write its pid, for the launch and the kill scripts."""
 DEAD_KILL_OUTCOMES = frozenset({"fenced", "gone", "terminated", "killed"})
 """Kill outcomes after which the attempt surely runs no process and never will."""
 
@@ -146,7 +148,7 @@ def wrapper_script(spec: LaunchSpec) -> str:
     )
 
 
-def launch_script(spec: LaunchSpec, *, pid_wait_s: float = 10.0) -> str:
+def launch_script(spec: LaunchSpec, *, pid_wait_s: float = PID_WAIT_S) -> str:
     """Start the attempt detached from the SSH session and print `rlfleet-pid <pid>`.
 
     Idempotent per attempt directory: `mkdir` of a lock directory is atomic, so only the
@@ -204,7 +206,7 @@ def parse_launch(stdout: str) -> LaunchResult | None:
 
 
 def kill_script(
-    job_id: int, attempt: int, grace_s: float = 10.0, *, pid_wait_s: float = 10.0
+    job_id: int, attempt: int, grace_s: float = 10.0, *, pid_wait_s: float = PID_WAIT_S
 ) -> str:
     """TERM the attempt's process group, KILL it after `grace_s`; idempotent.
 

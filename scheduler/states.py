@@ -33,9 +33,6 @@ class JobStatus(StrEnum):
 
 FINAL_STATES = frozenset({JobStatus.COMPLETED, JobStatus.CANCELLED})
 LIVE_STATES = frozenset({JobStatus.STARTING, JobStatus.RUNNING})
-ACTIVE_STATES = frozenset(
-    {JobStatus.QUEUED, JobStatus.PENDING, JobStatus.STARTING, JobStatus.RUNNING}
-)
 
 # Every allowed move. Anything not listed here is refused by `check_move`.
 ALLOWED_MOVES: dict[JobStatus, frozenset[JobStatus]] = {

@@ -77,7 +77,6 @@ class UpOptions:
     vm_name: str = "local"
     entrypoint: str = "training.train_grpo"
     metrics_port: int = 0
-    log_level: str = "INFO"
 
 
 @dataclass
@@ -174,8 +173,6 @@ def prepare_local_gpus(options: UpOptions) -> str:
         return f"real nvidia-smi ({real})"
     if options.gpus is None:
         raise BadInput("no nvidia-smi on this machine: pass --gpus N to simulate N GPUs")
-    if options.gpus < 1:
-        raise BadInput(f"--gpus must be at least 1, not {options.gpus}")
     bin_dir = options.state_dir / "bin"
     # The state dir in the identity: two `up`s on one machine never see each other's jobs.
     identity = f"{options.vm_name}@{options.state_dir}"
@@ -465,8 +462,7 @@ def command(
     """
     from scheduler.logging import configure
 
-    log_level = getattr(ctx.obj, "log_level", "INFO")
-    configure(log_level)
+    configure(getattr(ctx.obj, "log_level", "INFO"))
     if gpus is not None and not local_vm:
         raise BadInput("--gpus only makes sense with --local-vm")
     run_up(
@@ -477,6 +473,5 @@ def command(
             vm_name=vm_name,
             entrypoint=entrypoint,
             metrics_port=metrics_port,
-            log_level=log_level,
         )
     )

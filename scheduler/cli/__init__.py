@@ -47,14 +47,10 @@ def cli(ctx: click.Context, database_url: str | None, nats_url: str | None, log_
 
 
 def _register() -> None:
-    from scheduler.cli import db, job, vm
+    from scheduler.cli import daemons, db, job, vm
 
     for module in (db, vm, job):
         cli.add_command(module.group)
-    try:  # commands contributed by daemon modules register themselves here
-        from scheduler.cli import daemons
-    except ImportError:  # pragma: no cover - during partial checkouts
-        return
     for command in daemons.COMMANDS:
         cli.add_command(command)
 
