@@ -296,13 +296,17 @@ class SSHTransport:
         return conn
 
     async def _connection(
-        self, target: VMTarget, *, fresh: bool = False
+        self, target: VMTarget, *, stale: asyncssh.SSHClientConnection | None = None
     ) -> asyncssh.SSHClientConnection:
+        """The VM's pooled connection, opened if there is none or it is closed. `stale`:
+        a connection a command just failed on, replaced if it is still the pooled one (a
+        concurrent caller may have replaced it already: that new one is left alone, with
+        whatever runs on it)."""
         key = self._key(target)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             conn = self._conns.get(key)
-            if conn is not None and (fresh or conn.is_closed()):
+            if conn is not None and (conn is stale or conn.is_closed()):
                 conn.close()
                 conn = None
                 del self._conns[key]
@@ -331,14 +335,17 @@ class SSHTransport:
             async with self._sem:
                 return await self._run_in_session(target, wrapped, timeout)
         async with self._sem:
+            stale = None
             for attempt in (1, 2):
-                conn = await self._connection(target, fresh=attempt == 2)
+                conn = await self._connection(target, stale=stale)
                 try:
                     result = await asyncio.wait_for(_run_once(conn, wrapped, input), timeout)
                 except (asyncssh.ChannelOpenError, asyncssh.ConnectionLost) as exc:
                     # The pooled connection died under us (VM rebooted, network blip): the
                     # command never started, so reconnecting once and retrying is safe.
-                    if attempt == 1 and isinstance(exc, asyncssh.ChannelOpenError):
+                    opened = isinstance(exc, asyncssh.ChannelOpenError)
+                    if attempt == 1 and opened and _dead_connection(conn, exc):
+                        stale = conn
                         continue
                     raise TransportError(f"{target.name}: {_describe(exc)}") from exc
                 except TimeoutError as exc:
@@ -356,8 +363,9 @@ class SSHTransport:
         self, target: VMTarget, command: str, timeout: float
     ) -> CommandResult:
         key = self._key(target)
+        stale = None
         for attempt in (1, 2):
-            conn = await self._connection(target, fresh=attempt == 2)
+            conn = await self._connection(target, stale=stale)
             # One shell per VM: two commands that both find none must not both open one
             # (the loser's would be dropped from the pool, open on the VM for good).
             async with self._session_locks.setdefault(key, asyncio.Lock()):
@@ -371,7 +379,8 @@ class SSHTransport:
                             await conn.create_process("sh", encoding="utf-8", errors="replace"),
                         )
                     except (asyncssh.ChannelOpenError, asyncssh.ConnectionLost) as exc:
-                        if attempt == 1:
+                        if attempt == 1 and _dead_connection(conn, exc):
+                            stale = conn
                             continue  # the pooled connection died: reconnect once
                         raise TransportError(f"{target.name}: {_describe(exc)}") from exc
                     except (OSError, asyncssh.Error) as exc:
@@ -463,6 +472,15 @@ async def _run_once(
     finally:
         # On timeout or cancellation, close the channel rather than leave it half open.
         process.close()
+
+
+def _dead_connection(conn: asyncssh.SSHClientConnection, exc: BaseException) -> bool:
+    """Whether a failed channel open means the connection is gone. A live connection that
+    refuses a channel (OpenSSH's MaxSessions reached by commands running on it) is not:
+    closing it would kill those commands."""
+    if conn.is_closed() or isinstance(exc, asyncssh.ConnectionLost):
+        return True
+    return getattr(exc, "code", None) != asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED
 
 
 def _describe(exc: BaseException) -> str:

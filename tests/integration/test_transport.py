@@ -14,6 +14,7 @@ from scheduler.transport import (
     SSHTransport,
     TransportError,
     VMTarget,
+    _dead_connection,
     make_transport,
 )
 
@@ -224,5 +225,27 @@ async def test_persistent_session_runs_commands_framed_and_isolated(sim_fleet) -
         await vm.start()
         fourth = await run(vm.target(), "echo again", timeout=10, persistent=True)
         assert fourth.stdout == "again\n"
+    finally:
+        await transport.close()
+
+
+async def test_a_reconnect_replaces_only_the_connection_that_failed(sim_fleet) -> None:
+    """Given two commands that failed on the same pooled connection, the first one's
+    reconnect replaces it; the second one's finds it replaced already and reuses the new
+    connection instead of closing it under the first one's command. A connection that
+    only refused one more channel (MaxSessions) is not treated as dead."""
+    fleet = await sim_fleet(1)
+    transport = SSHTransport()
+    target = fleet[0].target()
+    try:
+        old = await transport._connection(target)
+        new = await transport._connection(target, stale=old)
+        assert new is not old and old.is_closed()
+        again = await transport._connection(target, stale=old)
+        assert again is new and not new.is_closed()
+        refused = asyncssh.ChannelOpenError(asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, "max")
+        assert not _dead_connection(new, refused)
+        assert _dead_connection(old, refused)
+        assert (await transport.run(target, "echo ok", timeout=10)).stdout == "ok\n"
     finally:
         await transport.close()
