@@ -166,7 +166,7 @@ def _add_argument(parser: argparse.ArgumentParser, f: dataclasses.Field[Any]) ->
         if key in f.metadata:
             kwargs[key] = f.metadata[key]
     kind = str(f.type)
-    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+    if f.default is dataclasses.MISSING:
         kwargs["required"] = True
     else:
         kwargs["default"] = f.default
@@ -183,10 +183,10 @@ def _add_argument(parser: argparse.ArgumentParser, f: dataclasses.Field[Any]) ->
     parser.add_argument(f"--{f.name}", **kwargs)
 
 
-def build_parser(prog: str = "train-grpo") -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     """An argparse parser with one `--flag` per ScriptArguments field."""
     parser = _Parser(
-        prog=prog,
+        prog="train-grpo",
         usage="%(prog)s --model MODEL --dataset DATASET --reward_function NAME [options]",
         description="Train a causal LM with GRPO (TRL) on a prompt dataset and reward functions.",
         epilog="Exit codes: 0 done, 64 bad arguments or input, 75 transient failure (retry).",
