@@ -40,6 +40,7 @@ from scheduler.remote import RemoteJobState
 from scheduler.settings import Settings
 from scheduler.states import LIVE_STATES, FailureReason, JobStatus, VMStatus
 from scheduler.transport import Transport, TransportError, VMTarget, make_transport
+from training.errors import EXIT_TRANSIENT, EXIT_USAGE
 
 log = get_logger("gpu_poller")
 
@@ -50,8 +51,6 @@ DEFAULT_COMMAND_TIMEOUT_S = 20.0
 UNHEALTHY = VMStatus.UNHEALTHY.value
 """`vms.status` of a VM that answers SSH but whose GPUs cannot be trusted (nvidia-smi failed)."""
 
-CONFIG_ERROR_EXIT = 64
-TRANSIENT_EXIT = 75
 _OOM = re.compile(r"CUDA out of memory|OutOfMemoryError", re.IGNORECASE)
 _SIGNAL = re.compile(r"\b(SIG(KILL|TERM|INT|HUP|SEGV|ABRT|BUS)|Killed|Terminated)\b")
 
@@ -70,9 +69,9 @@ def classify_failure(exit_code: int | None, log_tail: str = "") -> FailureReason
         return FailureReason.VANISHED
     if exit_code == 0:
         return None
-    if exit_code == CONFIG_ERROR_EXIT:
+    if exit_code == EXIT_USAGE:
         return FailureReason.CONFIG_ERROR
-    if exit_code == TRANSIENT_EXIT or _OOM.search(log_tail):
+    if exit_code == EXIT_TRANSIENT or _OOM.search(log_tail):
         return FailureReason.OOM
     if exit_code >= 128 or exit_code < 0 or _SIGNAL.search(log_tail[-400:]):
         return FailureReason.KILLED

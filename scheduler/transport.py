@@ -117,7 +117,8 @@ class LocalTransport:
         input: str | None = None,
         persistent: bool = False,
     ) -> CommandResult:
-        """Run `command` locally, killing its process group on timeout (`persistent` is moot)."""
+        """Run `command` locally; its process group is killed on timeout or cancellation
+        (`persistent` is moot)."""
         proc = await asyncio.create_subprocess_exec(
             "/bin/sh",
             "-c",
@@ -131,11 +132,16 @@ class LocalTransport:
             out, err = await asyncio.wait_for(
                 proc.communicate(input.encode() if input is not None else None), timeout
             )
-        except TimeoutError as exc:
+        except BaseException as exc:
+            # Timed out, or cancelled (a daemon stopping): never leave the group running.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
-            raise TransportError(f"{target.name}: command timed out after {timeout:.0f}s") from exc
+            if isinstance(exc, TimeoutError):
+                raise TransportError(
+                    f"{target.name}: command timed out after {timeout:.0f}s"
+                ) from exc
+            raise
         # The shell's convention, as over SSH: 128 + N for a death by signal N.
         rc = proc.returncode if proc.returncode is not None else 255
         return CommandResult(

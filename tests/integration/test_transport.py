@@ -11,12 +11,14 @@ import pytest
 
 from scheduler.transport import (
     HostKeyMismatch,
+    LocalTransport,
     SSHTransport,
     TransportError,
     VMTarget,
     _dead_connection,
     make_transport,
 )
+from tests.workloads.support import alive, wait_file
 
 
 async def test_runs_commands_in_the_vm_shell_over_one_reused_connection(sim_fleet) -> None:
@@ -249,3 +251,21 @@ async def test_a_reconnect_replaces_only_the_connection_that_failed(sim_fleet) -
         assert (await transport.run(target, "echo ok", timeout=10)).stdout == "ok\n"
     finally:
         await transport.close()
+
+
+async def test_a_cancelled_local_command_leaves_no_process(tmp_path) -> None:
+    """Given a command running through the local transport, when its caller is cancelled
+    (a daemon stopping), then its whole process group is killed, not left running."""
+    pids = tmp_path / "pids"
+    target = VMTarget(id=1, name="local", host="localhost", transport="local")
+    command = f"sleep 30 & echo $$ $! > {pids}; wait"
+    running = asyncio.create_task(LocalTransport().run(target, command, timeout=60))
+    group = [int(p) for p in (await wait_file(pids)).split()]
+    assert all(alive(pid) for pid in group)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in group) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not any(alive(pid) for pid in group)
