@@ -142,6 +142,7 @@ def daemon_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         metrics.metrics_option,
         click.option(
             "--log-level",
+            envvar="RLFLEET_LOG_LEVEL",
             default=None,
             type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
             help="Log verbosity (default: the rlfleet --log-level, else INFO).",

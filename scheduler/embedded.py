@@ -187,8 +187,8 @@ class EmbeddedPostgres:
             exists = conn.execute(
                 "SELECT 1 FROM pg_database WHERE datname = %s", (self.database,)
             ).fetchone()
-            if not exists:
-                conn.execute(f'CREATE DATABASE "{self.database}"')
+        if not exists:
+            self.create_database(self.database)
 
     def create_database(self, name: str, template: str | None = None) -> str:
         """Create database `name` (optionally from `template`) and return its URL."""

@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
 from scheduler.errors import BadInput, NotFound
-from scheduler.models import GPU, VM, Job
+from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM, Job
 from scheduler.states import LIVE_STATES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -31,7 +31,7 @@ class VMSpec:
     verify_host_key: bool = True
     transport: str = "ssh"
     python: str = "python3"
-    entrypoint: str = "training.train_grpo"
+    entrypoint: str = DEFAULT_ENTRYPOINT
 
     def validate(self) -> None:
         """Raise `BadInput` for a spec no VM row may hold."""

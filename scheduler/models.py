@@ -35,6 +35,10 @@ NAMING_CONVENTION = {
 }
 
 
+DEFAULT_ENTRYPOINT = "training.train_grpo"
+"""What a VM runs to train when it names nothing else: `python -m training.train_grpo`."""
+
+
 class Base(DeclarativeBase):
     """Declarative base with stable constraint names, so migrations diff cleanly."""
 
@@ -66,7 +70,7 @@ class VM(Base):
     python: Mapped[str] = mapped_column(Text, default="python3", server_default="python3")
     """Interpreter of the environment with the `train` extra installed on the VM."""
     entrypoint: Mapped[str] = mapped_column(
-        Text, default="training.train_grpo", server_default="training.train_grpo"
+        Text, default=DEFAULT_ENTRYPOINT, server_default=DEFAULT_ENTRYPOINT
     )
     """Module run with `python -m`, or a path to a `.py` script, that trains."""
     status: Mapped[str] = mapped_column(String(16), default="unknown", server_default="unknown")

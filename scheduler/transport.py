@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import asyncssh
 
 from scheduler.logging import get_logger
-from scheduler.models import VM
+from scheduler.models import DEFAULT_ENTRYPOINT, VM
 
 log = get_logger("transport")
 
@@ -40,7 +40,7 @@ class VMTarget:
     verify_host_key: bool = True
     transport: str = "ssh"
     python: str = "python3"
-    entrypoint: str = "training.train_grpo"
+    entrypoint: str = DEFAULT_ENTRYPOINT
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:

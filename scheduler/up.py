@@ -36,6 +36,7 @@ from scheduler.errors import BadInput, RlfleetError, ServiceUnavailable
 from scheduler.fleet import VMSpec, add_vm
 from scheduler.logging import get_logger
 from scheduler.metrics import metrics_option
+from scheduler.models import DEFAULT_ENTRYPOINT
 from scheduler.settings import Settings
 
 log = get_logger("up")
@@ -75,7 +76,7 @@ class UpOptions:
     local_vm: bool = False
     gpus: int | None = None
     vm_name: str = "local"
-    entrypoint: str = "training.train_grpo"
+    entrypoint: str = DEFAULT_ENTRYPOINT
     metrics_port: int = 0
 
 
@@ -185,9 +186,7 @@ def prepare_local_gpus(options: UpOptions) -> str:
     return f"simulated nvidia-smi, {options.gpus} GPU(s), jobs run on the CPU"
 
 
-async def register_local_vm(
-    db: Database, name: str, entrypoint: str = "training.train_grpo"
-) -> bool:
+async def register_local_vm(db: Database, name: str, entrypoint: str) -> bool:
     """Register this machine as VM `name` (local transport); False if it already is."""
     from sqlalchemy import select, update
 
@@ -440,7 +439,7 @@ async def _register(settings: Settings, name: str, entrypoint: str) -> None:
 )
 @click.option(
     "--entrypoint",
-    default="training.train_grpo",
+    default=DEFAULT_ENTRYPOINT,
     show_default=True,
     help="How the local VM trains: a module (run with -m) or a .py script.",
 )

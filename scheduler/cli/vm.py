@@ -17,6 +17,7 @@ from scheduler.cli._common import (
     warn,
 )
 from scheduler.db import Database
+from scheduler.models import DEFAULT_ENTRYPOINT
 
 
 @click.group("vm")
@@ -59,7 +60,7 @@ def group() -> None:
 )
 @click.option(
     "--entrypoint",
-    default="training.train_grpo",
+    default=DEFAULT_ENTRYPOINT,
     show_default=True,
     help="Module (run with -m) or .py script that trains.",
 )
