@@ -1,0 +1,53 @@
+"""`job logs --follow` over real SSH while the log is being written."""
+
+from __future__ import annotations
+
+import asyncio
+
+from sqlalchemy import update
+
+from scheduler.control import stream_log
+from scheduler.db import Database
+from scheduler.models import Job
+from scheduler.remote import job_dir
+from scheduler.transport import make_transport
+from tests.fleet import SimFleet
+from tests.workloads.support import new_job
+
+
+async def test_following_a_log_written_mid_line_and_mid_character_loses_nothing(
+    sim_fleet, db: Database
+) -> None:
+    """Given a running job whose train.log is written in pieces that end inside a line
+    and inside a UTF-8 character, `--follow` prints exactly the bytes written, once: no
+    replacement characters, nothing skipped or repeated; it ends when the job does."""
+    fleet: SimFleet = await sim_fleet(1)
+    vm_id = (await fleet.register(db))["vm0"]
+    job_id = await new_job(db)
+    async with db.transaction() as session:
+        await session.execute(
+            update(Job).where(Job.id == job_id).values(status="running", vm_id=vm_id, attempt=1)
+        )
+    log = fleet[0].home / job_dir(job_id, 1) / "train.log"
+    log.parent.mkdir(parents=True)
+    pieces = [b"step 1 caf", "é".encode()[:1], "é ok\n".encode()[1:], b"step 2\n"]
+
+    async def write_slowly() -> None:
+        for piece in pieces:
+            with log.open("ab") as f:
+                f.write(piece)
+            await asyncio.sleep(0.4)
+        async with db.transaction() as session:
+            await session.execute(update(Job).where(Job.id == job_id).values(status="completed"))
+
+    out: list[str] = []
+    transport = make_transport()
+    try:
+        writer = asyncio.create_task(write_slowly())
+        await asyncio.wait_for(
+            stream_log(db, transport, job_id, out.append, follow=True, poll_s=0.1), 30
+        )
+        await writer
+    finally:
+        await transport.close()
+    assert "".join(out) == "step 1 café ok\nstep 2\n"
