@@ -9,7 +9,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -19,10 +18,10 @@ import pytest
 
 from scheduler.embedded import EmbeddedNats, nats_server_binary
 from scheduler.transport import make_transport
+from tests.workloads.support import RLFLEET
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-RLFLEET = Path(sys.executable).parent / "rlfleet"
 SERVICES = ["rlfleet-poller.service", "rlfleet-requeue.service", "rlfleet-dispatcher@.service"]
 
 

@@ -20,11 +20,9 @@ import pytest
 
 from scheduler.embedded import free_port
 from scheduler.up import write_sim_nvidia_smi
-from tests.workloads.support import alive
+from tests.workloads.support import FAKE_TRAIN, RLFLEET, alive
 
 REPO = Path(__file__).resolve().parents[2]
-RLFLEET = Path(sys.executable).parent / "rlfleet"
-FAKE_TRAIN = REPO / "tests" / "workloads" / "fake_train.py"
 
 
 class Up:

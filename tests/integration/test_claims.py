@@ -25,17 +25,7 @@ from scheduler.claims import (
 from scheduler.db import Database
 from scheduler.jobs import get_job
 from scheduler.models import GPU, VM, Job, StaleProcess
-from tests.workloads.support import new_job
-
-
-async def add_vm(db: Database, name: str, gpus: int, **fields: object) -> int:
-    """A polled, healthy VM row with `gpus` idle GPUs."""
-    async with db.transaction() as session:
-        vm = VM(name=name, host="127.0.0.1", status="healthy", available_gpus=gpus, **fields)
-        session.add(vm)
-        await session.flush()
-        session.add_all(GPU(vm_id=vm.id, index=i, uuid=f"GPU-{name}-{i}") for i in range(gpus))
-        return vm.id
+from tests.workloads.support import add_vm_row, new_job
 
 
 async def allocations(db: Database) -> dict[int, tuple[int, list[int]]]:
@@ -52,9 +42,9 @@ async def allocations(db: Database) -> dict[int, tuple[int, list[int]]]:
 async def test_best_fit_keeps_big_holes_for_big_jobs(db: Database) -> None:
     """Given VMs with 8, 2 and 4 free GPUs, a 2-GPU job goes to the 2-GPU VM and a
     4-GPU job to the 4-GPU VM, so the 8-GPU VM stays whole."""
-    big = await add_vm(db, "big", 8)
-    small = await add_vm(db, "small", 2)
-    mid = await add_vm(db, "mid", 4)
+    big = await add_vm_row(db, "big", 8)
+    small = await add_vm_row(db, "small", 2)
+    mid = await add_vm_row(db, "mid", 4)
     two, four = await new_job(db, 2), await new_job(db, 4)
 
     c2 = await claim_gpus(db, two, actor="test")
@@ -75,7 +65,7 @@ async def test_best_fit_keeps_big_holes_for_big_jobs(db: Database) -> None:
 
 async def test_nothing_fits_means_pending_with_the_reason(db: Database) -> None:
     """Given only 2 free GPUs on any VM, a 4-GPU job is pending and says why."""
-    await add_vm(db, "a", 2)
+    await add_vm_row(db, "a", 2)
     job_id = await new_job(db, 4)
     result = await claim_gpus(db, job_id, actor="test")
     assert isinstance(result, NoClaim) and result.moved_to_pending
@@ -88,9 +78,9 @@ async def test_nothing_fits_means_pending_with_the_reason(db: Database) -> None:
 async def test_unusable_gpus_and_vms_are_never_claimed(db: Database) -> None:
     """Unhealthy, foreign-busy, stale-process GPUs and draining or unreachable VMs are
     skipped; only the one clean GPU is claimed."""
-    await add_vm(db, "draining", 1, draining=True)
-    await add_vm(db, "down", 1)
-    ok = await add_vm(db, "ok", 4)
+    await add_vm_row(db, "draining", 1, draining=True)
+    await add_vm_row(db, "down", 1)
+    ok = await add_vm_row(db, "ok", 4)
     async with db.transaction() as session:
         await session.execute(update(VM).where(VM.name == "down").values(status="unreachable"))
         await session.execute(
@@ -113,9 +103,9 @@ async def test_a_job_whose_earlier_attempt_may_still_run_is_not_claimed(db: Data
     launch, a lost VM come back), however its id arrives (a `job retry`, a user's own
     publish), the claim refuses it and asks to be tried again, until the kill has closed
     the leftover; a leftover on a VM that does not answer cannot be waited for."""
-    old_vm = await add_vm(db, "old", 1)
-    await add_vm(db, "new", 1)
-    await add_vm(db, "spare", 1)
+    old_vm = await add_vm_row(db, "old", 1)
+    await add_vm_row(db, "new", 1)
+    await add_vm_row(db, "spare", 1)
     job_id = await new_job(db)
     async with db.transaction() as session:
         await record_leftover(
@@ -150,7 +140,7 @@ async def get_job_status(db: Database, job_id: int) -> str:
 
 async def test_a_job_not_queued_is_left_alone(db: Database) -> None:
     """A second delivery of a claimed job, and an unknown id, claim nothing."""
-    await add_vm(db, "a", 2)
+    await add_vm_row(db, "a", 2)
     job_id = await new_job(db)
     assert isinstance(await claim_gpus(db, job_id, actor="test"), Claim)
     again = await claim_gpus(db, job_id, actor="test")
@@ -166,7 +156,7 @@ async def test_racing_claimers_never_share_a_gpu(db: Database) -> None:
     claimed twice, and jobs are only pending when their size really does not fit."""
     rng = random.Random(4)
     for i in range(10):
-        await add_vm(db, f"vm{i}", rng.choice([2, 4, 8]))
+        await add_vm_row(db, f"vm{i}", rng.choice([2, 4, 8]))
     sizes = {await new_job(db, rng.randint(1, 4)): 0 for _ in range(80)}
     ids = list(sizes) * 2
     rng.shuffle(ids)
@@ -217,7 +207,7 @@ async def test_an_expired_lease_frees_the_gpus_and_requeues(db: Database) -> Non
     """Given a dispatcher that claimed and died before launching, when its lease expires,
     then a query finds it, `expire_leases` frees the GPUs (blocked only until the possibly
     started attempt is known dead) and the job is queued again; a live lease is kept."""
-    vm_id = await add_vm(db, "a", 2)
+    vm_id = await add_vm_row(db, "a", 2)
     dead, alive = await new_job(db), await new_job(db)
     assert isinstance(await claim_gpus(db, dead, actor="test", lease_s=60), Claim)
     assert isinstance(await claim_gpus(db, alive, actor="test", lease_s=60), Claim)
@@ -253,7 +243,7 @@ async def test_an_expired_lease_frees_the_gpus_and_requeues(db: Database) -> Non
 
 async def test_release_frees_and_counts(db: Database) -> None:
     """Releasing a job's GPUs frees its rows and gives them back to the VM's count."""
-    vm_id = await add_vm(db, "a", 4)
+    vm_id = await add_vm_row(db, "a", 4)
     job_id = await new_job(db, 3)
     assert isinstance(await claim_gpus(db, job_id, actor="test"), Claim)
     async with db.transaction() as session:
@@ -269,7 +259,7 @@ async def test_a_batch_claims_what_fits_and_parks_the_rest_in_one_transaction(
     """Given one VM with 3 free GPUs and a batch of a 2-GPU job, a 4-GPU job, a 1-GPU job,
     a repeat of the first and an unknown id, then the batch claims the 2- and 1-GPU jobs,
     the 4-GPU job is pending with its reason and event, and the rest is left alone."""
-    vm_id = await add_vm(db, "a", 3)
+    vm_id = await add_vm_row(db, "a", 3)
     two, four, one = await new_job(db, 2), await new_job(db, 4), await new_job(db, 1)
 
     results = await claim_batch(db, [two, four, one, two, 10**9], actor="test")
@@ -292,7 +282,7 @@ async def test_a_batch_claims_what_fits_and_parks_the_rest_in_one_transaction(
 async def test_running_batch_moves_only_the_attempts_still_starting(db: Database) -> None:
     """Given two claimed jobs of which one is cancelled during its launch, recording both
     launches moves only the other one to running, with its pid and event row."""
-    await add_vm(db, "a", 2)
+    await add_vm_row(db, "a", 2)
     kept, cancelled = await new_job(db), await new_job(db)
     claims = await claim_batch(db, [kept, cancelled], actor="test")
     assert all(isinstance(c, Claim) for c in claims)
@@ -324,7 +314,7 @@ async def test_concurrent_batch_claimers_never_share_a_gpu(db: Database) -> None
     was contended, then no GPU is held twice and no job is claimed twice."""
     rng = random.Random(7)
     for i in range(6):
-        await add_vm(db, f"vm{i}", 4)
+        await add_vm_row(db, f"vm{i}", 4)
     job_ids = [await new_job(db, rng.randint(1, 3)) for _ in range(40)]
     claims: list[Claim] = []
 

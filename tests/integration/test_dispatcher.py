@@ -26,8 +26,8 @@ from tests.fleet import SimFleet
 from tests.workloads.support import (
     FAKE_TRAIN,
     job_row,
-    mark_polled,
     new_job,
+    polled_fleet,
     publish,
     running_dispatcher,
     wait_file,
@@ -37,16 +37,6 @@ from tests.workloads.support import (
 FleetFactory = Callable[..., Awaitable[SimFleet]]
 
 
-async def fleet_with_rows(
-    sim_fleet: FleetFactory, db: Database, n_vms: int, gpus: int
-) -> tuple[SimFleet, dict[str, int]]:
-    """A started test fleet, registered and marked as polled."""
-    fleet = await sim_fleet(n_vms, gpus_per_vm=gpus)
-    ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN))
-    await mark_polled(db, {vm_id: gpus for vm_id in ids.values()})
-    return fleet, ids
-
-
 async def test_a_published_job_runs_on_the_gpus_it_claimed(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
 ) -> None:
@@ -54,7 +44,7 @@ async def test_a_published_job_runs_on_the_gpus_it_claimed(
     plain `nc.publish`, then the job is running with the pid of its process-group leader,
     its attempt directory holds the contract's files, the process sees only its GPU,
     and the arguments arrived verbatim."""
-    fleet, ids = await fleet_with_rows(sim_fleet, db, 1, 2)
+    fleet, ids = await polled_fleet(sim_fleet, db, 1, 2)
     home = fleet[0].home
     extra = ("--max_steps", "3", "--note", "it's $(not) a `command`")
     job_id = await new_job(db, 1, extra, reward_functions=("format", "mod:fn"))
@@ -98,7 +88,7 @@ async def test_duplicates_unknown_and_malformed_messages(
     """Given a job published three times, an unknown id, a cancelled job, and payloads
     that are not job ids, then the job is launched once, nothing else happens, and every
     message is acked or terminated (the work queue ends empty)."""
-    fleet, _ = await fleet_with_rows(sim_fleet, db, 1, 2)
+    fleet, _ = await polled_fleet(sim_fleet, db, 1, 2)
     job_id = await new_job(db, 1, ("--fake_seconds", "1"))
     cancelled = await new_job(db)
     async with db.transaction() as session:
@@ -129,7 +119,7 @@ async def test_a_job_that_fits_nowhere_is_pending_with_the_reason(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
 ) -> None:
     """Given two VMs with two GPUs each, a 4-GPU job is pending and says why."""
-    await fleet_with_rows(sim_fleet, db, 2, 2)
+    await polled_fleet(sim_fleet, db, 2, 2)
     job_id = await new_job(db, 4)
     async with running_dispatcher(db, nats.url):
         nc = await nats_client.connect(nats.url)
@@ -144,7 +134,7 @@ async def test_a_multi_gpu_job_starts_through_accelerate(
 ) -> None:
     """Given a 2-GPU job, the VM runs it with `accelerate launch --num_processes 2` on the
     two claimed GPUs (the real accelerate launcher, contract 5)."""
-    fleet, _ = await fleet_with_rows(sim_fleet, db, 1, 3)
+    fleet, _ = await polled_fleet(sim_fleet, db, 1, 3)
     job_id = await new_job(db, 2)
     async with running_dispatcher(db, nats.url):
         nc = await nats_client.connect(nats.url)
@@ -166,7 +156,7 @@ async def test_an_unreachable_vm_fails_the_launch_and_frees_the_claim(
     """Given a VM that stops answering SSH after its last poll, the job fails with
     `launch_failed` (retryable), its GPUs leave the job, and they stay blocked (a stale
     process row) until that attempt is known not to run there."""
-    fleet, ids = await fleet_with_rows(sim_fleet, db, 1, 1)
+    fleet, ids = await polled_fleet(sim_fleet, db, 1, 1)
     await fleet[0].stop()
     job_id = await new_job(db)
     async with running_dispatcher(db, nats.url):
@@ -213,7 +203,7 @@ async def test_a_dispatcher_dying_between_claim_and_launch_blocks_nothing_for_ev
     a lease that expires; `expire_leases` frees the claim and requeues the job. A healthy
     dispatcher does not run it while attempt 1 may still start; once the requeue manager's
     kill has fenced attempt 1 off, it runs as attempt 2."""
-    fleet, _ = await fleet_with_rows(sim_fleet, db, 1, 2)
+    fleet, _ = await polled_fleet(sim_fleet, db, 1, 2)
     job_id = await new_job(db)
     stalling = StallingTransport(make_transport())
     nc = await nats_client.connect(nats.url)
@@ -304,7 +294,7 @@ async def test_cancelled_during_launch_is_killed_not_run(
 ) -> None:
     """Given a job cancelled while its launch is on the wire, the dispatcher loses the
     starting → running move and kills the process it just started."""
-    fleet, _ = await fleet_with_rows(sim_fleet, db, 1, 1)
+    fleet, _ = await polled_fleet(sim_fleet, db, 1, 1)
     job_id = await new_job(db, 1, ("--fake_seconds", "30"))
 
     async def cancel_behind_its_back() -> None:
@@ -328,7 +318,7 @@ async def test_a_cancel_that_beats_the_launch_fences_it_off(
     """Given a job cancelled after its claim but before its launch reached the VM, the
     cancel's kill fences the attempt off, so the late launch starts nothing; the GPUs are
     free at once (the stale-process row is closed) and the dispatcher records no run."""
-    fleet, _ = await fleet_with_rows(sim_fleet, db, 1, 1)
+    fleet, _ = await polled_fleet(sim_fleet, db, 1, 1)
     job_id = await new_job(db, 1, ("--fake_seconds", "30"))
     plain = make_transport()
     cancelled: list[CancelResult] = []
@@ -366,7 +356,7 @@ async def test_an_unreachable_database_naks_and_the_job_is_not_lost(
 ) -> None:
     """Given a dispatcher whose database cannot be reached, the message is nak'ed (not
     acked, not lost); once the database answers again the redelivery runs the job."""
-    await fleet_with_rows(sim_fleet, db, 1, 1)
+    await polled_fleet(sim_fleet, db, 1, 1)
     job_id = await new_job(db)
     dead = Database(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/nothing")
     async with running_dispatcher(db, nats.url) as dispatcher:

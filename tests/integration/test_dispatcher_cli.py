@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 import nats as nats_client
 from sqlalchemy import func, select
@@ -21,24 +19,22 @@ from scheduler.remote import job_dir
 from scheduler.states import JobStatus
 from tests.fleet import SimFleet
 from tests.workloads.support import (
-    FAKE_TRAIN,
+    RLFLEET,
     job_row,
-    mark_polled,
     new_job,
+    polled_fleet,
     publish,
     running_dispatcher,
     wait_file,
     wait_status,
 )
 
-RLFLEET = str(Path(sys.executable).parent / "rlfleet")
-
 
 async def rlfleet(db: Database, nats: EmbeddedNats, *args: str) -> tuple[int, str, str]:
     """Run the real CLI; the event loop keeps serving the simulated VMs meanwhile."""
     env = dict(os.environ, RLFLEET_DATABASE_URL=db.url, RLFLEET_NATS_URL=nats.url)
     proc = await asyncio.create_subprocess_exec(
-        RLFLEET,
+        str(RLFLEET),
         *args,
         env=env,
         stdout=asyncio.subprocess.PIPE,
@@ -48,22 +44,12 @@ async def rlfleet(db: Database, nats: EmbeddedNats, *args: str) -> tuple[int, st
     return proc.returncode or 0, out.decode(), err.decode()
 
 
-async def started_fleet(
-    sim_fleet: Callable[..., Awaitable[SimFleet]], db: Database, gpus: int = 2
-) -> SimFleet:
-    """One registered, polled VM."""
-    fleet = await sim_fleet(1, gpus_per_vm=gpus)
-    ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN))
-    await mark_polled(db, {vm_id: gpus for vm_id in ids.values()})
-    return fleet
-
-
 async def test_cancel_kills_a_running_job_and_frees_its_gpus(
     sim_fleet: Callable[..., Awaitable[SimFleet]], db: Database, nats: EmbeddedNats
 ) -> None:
     """Given a running job, `job cancel` kills its process group on the VM, frees its GPUs
     and makes it cancelled; cancelling it again is exit 2 with one line."""
-    fleet = await started_fleet(sim_fleet, db)
+    fleet = (await polled_fleet(sim_fleet, db, 1, 2))[0]
     job_id = await new_job(db, 2, ("--fake_seconds", "60"))
     async with running_dispatcher(db, nats.url):
         nc = await nats_client.connect(nats.url)
@@ -134,7 +120,7 @@ async def test_retry_logs_of_every_attempt_and_show(
     """Given a job whose first attempt fails (a CUDA OOM), `job retry` queues and publishes
     it, the second attempt runs with --resume auto, `job logs` prints each attempt's log,
     `--follow` ends when the job does, and `job show` reports progress from the VM."""
-    fleet = await started_fleet(sim_fleet, db, gpus=1)
+    fleet = (await polled_fleet(sim_fleet, db, 1, 1))[0]
     job_id = await new_job(db, 1, ("--fake_oom_once", "--fake_seconds", "1.5"))
     async with running_dispatcher(db, nats.url):
         nc = await nats_client.connect(nats.url)

@@ -8,10 +8,8 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 from prometheus_client import REGISTRY
 from sqlalchemy import insert
@@ -21,8 +19,7 @@ from scheduler.daemon import serve
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats, free_port
 from scheduler.models import GPU, VM, Job
-
-RLFLEET = Path(sys.executable).parent / "rlfleet"
+from tests.workloads.support import RLFLEET
 
 
 def scrape(port: int) -> str:

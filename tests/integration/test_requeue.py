@@ -26,7 +26,7 @@ from scheduler.models import GPU, VM, Job, StaleProcess
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.retry import RetryPolicy
 from scheduler.states import JobStatus
-from tests.workloads.support import new_job
+from tests.workloads.support import add_vm_row, new_job
 
 FAST = RequeueConfig(
     interval_s=0.1,
@@ -81,17 +81,6 @@ async def stream(nc: NATS) -> Stream:
 def manager(db: Database, nc: object, config: RequeueConfig = FAST) -> RequeueManager:
     """A requeue manager with no transport (no leftover needs killing in these tests)."""
     return RequeueManager(db, NatsPublisher(nc), None, config)
-
-
-async def add_vm(db: Database, name: str, gpus: int, **fields: object) -> int:
-    """A VM row, healthy unless said otherwise, with `gpus` idle GPUs."""
-    fields.setdefault("status", "healthy")
-    async with db.transaction() as session:
-        vm = VM(name=name, host="127.0.0.1", available_gpus=gpus, **fields)
-        session.add(vm)
-        await session.flush()
-        session.add_all(GPU(vm_id=vm.id, index=i) for i in range(gpus))
-        return vm.id
 
 
 async def run_on(db: Database, job_id: int, vm_id: int, gpu_indices: list[int]) -> None:
@@ -178,7 +167,7 @@ async def test_a_retryable_failure_comes_back_after_backoff_until_retries_run_ou
 ) -> None:
     """Given a job with max_retries=2 that exits 1 every time, then it is retried twice,
     each time announced, waiting out the backoff, and then it stays failed saying why."""
-    vm = await add_vm(db, "a", 1)
+    vm = await add_vm_row(db, "a", 1)
     job_id = await new_job(db, max_retries=2)
     m = manager(db, nc)
     await m.tick()
@@ -220,7 +209,7 @@ async def test_retried_attempts_get_distinct_message_ids(
 ) -> None:
     """Given a job that failed once, its retry is announced under a new Nats-Msg-Id, so
     JetStream does not drop it as a duplicate of the first announcement."""
-    vm = await add_vm(db, "a", 1)
+    vm = await add_vm_row(db, "a", 1)
     job_id = await new_job(db)
     m = manager(db, nc)
     await m.tick()
@@ -243,7 +232,7 @@ async def test_permanent_failures_are_never_retried(
     db: Database, nc: NATS, reason: str, exit_code: int | None, why: str
 ) -> None:
     """Given a job that failed with a permanent reason, it stays failed, saying why."""
-    vm = await add_vm(db, "a", 1)
+    vm = await add_vm_row(db, "a", 1)
     job_id = await new_job(db)
     await run_on(db, job_id, vm, [0])
     await fail(db, job_id, reason, exit_code)
@@ -260,7 +249,7 @@ async def test_pending_jobs_wake_when_gpus_that_fit_are_free_in_priority_order(
 ) -> None:
     """Given three pending jobs and a VM with 2 free GPUs, the two that fit best by
     priority then age are queued and announced; the third stays pending."""
-    await add_vm(db, "a", 2)
+    await add_vm_row(db, "a", 2)
     low, high, big = await new_job(db), await new_job(db, priority=5), await new_job(db, gpus=4)
     for job_id in (low, high, big):
         await _set_pending(db, job_id)
@@ -293,7 +282,7 @@ async def test_a_starving_big_job_holds_back_smaller_ones(
 ) -> None:
     """Given a 4-GPU job pending for longer than the starvation limit and a 1-GPU job
     behind it, a free GPU does not wake the small one: the GPUs are left for the big one."""
-    await add_vm(db, "a", 1)
+    await add_vm_row(db, "a", 1)
     big, small = await new_job(db, gpus=4), await new_job(db)
     for job_id in (big, small):
         await _set_pending(db, job_id)
@@ -309,7 +298,7 @@ async def test_a_short_blip_restarts_nothing_but_a_lost_node_fails_its_jobs(
     once the outage passes the timeout, the job fails as node_lost, its GPUs are freed
     in the books but blocked by a stale-process row, and it is requeued at once without
     using up a retry."""
-    vm = await add_vm(db, "a", 2)
+    vm = await add_vm_row(db, "a", 2)
     job_id = await new_job(db, max_retries=0)
     await run_on(db, job_id, vm, [1])
     m = manager(db, nc)
@@ -343,7 +332,7 @@ async def test_a_job_that_loses_every_node_still_ends(db: Database, nc: NATS) ->
     m = manager(db, nc)
     job_id = await new_job(db)
     for n in range(3):
-        vm = await add_vm(db, f"v{n}", 1)
+        vm = await add_vm_row(db, f"v{n}", 1)
         await _set_queued(db, job_id)
         await run_on(db, job_id, vm, [0])
         await _unreachable_for(db, vm, 6)
@@ -467,7 +456,7 @@ async def test_a_new_failure_after_a_manual_retry_gets_a_decision_of_its_own(
     """Given a failed job waiting for its retry that a user queued again by hand (the
     old retry time still on the row), when it fails again, then the manager decides
     anew for this failure instead of acting on the stale retry time."""
-    vm = await add_vm(db, "a", 1)
+    vm = await add_vm_row(db, "a", 1)
     job_id = await new_job(db, max_retries=1)
     slow = RequeueConfig(**{**FAST.__dict__, "policy": RetryPolicy(base_delay_s=60, jitter=0)})
     m = manager(db, nc, slow)

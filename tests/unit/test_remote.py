@@ -17,9 +17,8 @@ import pytest
 from scheduler import remote
 from scheduler.remote import LaunchSpec
 from scheduler.transport import LocalTransport, VMTarget
-from tests.workloads.support import wait_file
+from tests.workloads.support import FAKE_TRAIN, wait_file
 
-FAKE_TRAIN = str(Path(__file__).parents[1] / "workloads" / "fake_train.py")
 LOCAL = VMTarget(id=1, name="local", host="localhost", transport="local")
 
 
@@ -29,7 +28,7 @@ def spec(**over: object) -> LaunchSpec:
         "job_id": 7,
         "attempt": 1,
         "python": sys.executable,
-        "entrypoint": FAKE_TRAIN,
+        "entrypoint": str(FAKE_TRAIN),
         "gpu_indices": [2],
         "model": "m",
         "dataset": "d",

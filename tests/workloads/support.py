@@ -23,8 +23,10 @@ from scheduler.dispatcher import GlobalJobDispatcher
 from scheduler.jobs import JobSpec, insert_job
 from scheduler.models import GPU, VM, Job
 from scheduler.transport import Transport, make_transport
+from tests.fleet import FAKE_TRAIN, SimFleet
 
-FAKE_TRAIN = Path(__file__).resolve().parent / "fake_train.py"
+RLFLEET = Path(sys.executable).parent / "rlfleet"
+"""The installed `rlfleet` command, for tests that run the real CLI."""
 
 
 def write_fake_python(folder: Path) -> str:
@@ -163,3 +165,25 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def add_vm_row(db: Database, name: str, gpus: int, **fields: Any) -> int:
+    """A VM row with no SSH server behind it (for claim and requeue logic), healthy unless
+    `fields` say otherwise, with `gpus` idle GPUs."""
+    fields.setdefault("status", "healthy")
+    async with db.transaction() as session:
+        vm = VM(name=name, host="127.0.0.1", available_gpus=gpus, **fields)
+        session.add(vm)
+        await session.flush()
+        session.add_all(GPU(vm_id=vm.id, index=i, uuid=f"GPU-{name}-{i}") for i in range(gpus))
+        return vm.id
+
+
+async def polled_fleet(
+    sim_fleet: Any, db: Database, n_vms: int, gpus: int
+) -> tuple[SimFleet, dict[str, int]]:
+    """A started test fleet running fake_train, registered and marked as polled."""
+    fleet = await sim_fleet(n_vms, gpus_per_vm=gpus)
+    ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN))
+    await mark_polled(db, {vm_id: gpus for vm_id in ids.values()})
+    return fleet, ids
