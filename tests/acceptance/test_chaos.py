@@ -240,7 +240,10 @@ def settled(job: Job) -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_chaos(
-    sim_fleet: FleetFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    sim_fleet: FleetFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     """Given 200 jobs, when everything that can fail fails while they run, then every
     job ends as its script implies, none is lost, no GPU is double-booked and no job
@@ -251,8 +254,10 @@ async def test_chaos(
     # The SSH test VMs run in this process and pass its environment to what they start.
     monkeypatch.setenv("RLFLEET_FAKE_RECORD", str(records))
     pg = EmbeddedPostgres(tmp_path / "pg", durable=False)
+    request.addfinalizer(pg.stop)  # also when the test fails half-way (stop is idempotent)
     await asyncio.to_thread(pg.start)
     nats = EmbeddedNats(tmp_path / "nats")
+    request.addfinalizer(nats.stop)
     nats.start()
     url = pg.url()
     await asyncio.to_thread(upgrade, url)
