@@ -314,8 +314,8 @@ async def test_cancelled_during_launch_is_killed_not_run(
         await publish(nc, job_id)
         await nc.close()
         await wait_status(db, job_id, "cancelled")
-        d = await job_attempt_dir(db, job_id, fleet[0].home)
-        code = await wait_file(d / "exit_code")
+        attempt_1 = await job_attempt_dir(db, job_id, fleet[0].home)
+        code = await wait_file(attempt_1 / "exit_code")
     await transport.close()
     assert code.strip() == "143"
     assert d.stats.launched == 0
