@@ -30,8 +30,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from scheduler.db import Database
 from scheduler.jobs import transition
 from scheduler.logging import get_logger
-from scheduler.models import VM, Job, StaleProcess
-from scheduler.remote import default_output_dir
+from scheduler.models import VM, Installation, Job, StaleProcess
+from scheduler.remote import ROOT, Attempt, new_token
 from scheduler.states import JobStatus, VMStatus, check_move
 
 DEFAULT_LEASE_S = 60.0
@@ -98,19 +98,25 @@ WITH {_BLOCKED}, cand AS (
         attempt = attempt + 1,
         vm_id = (SELECT vm_id FROM chosen_vm),
         gpu_indices = (SELECT array_agg(index ORDER BY index) FROM chosen),
-        output_dir = coalesce(output_dir, :default_output_dir),
+        -- remote.default_output_dir(installation, job_id)
+        output_dir = coalesce(output_dir, '~/' || :root || '/'
+                              || (SELECT CAST(id AS text) FROM installation) || '/outputs/'
+                              || CAST(:job_id AS text)),
         lease_expires_at = clock_timestamp()
             + make_interval(secs => CAST(:lease_s AS double precision)),
+        launch_token = :token, attempt_dir = NULL, completed_attempt = NULL,
         status_reason = NULL, failure_reason = NULL, exit_code = NULL, remote_pid = NULL
     WHERE id = :job_id AND status = 'queued' AND EXISTS (SELECT 1 FROM chosen_vm)
-    RETURNING attempt, vm_id, gpu_indices, output_dir
+        AND EXISTS (SELECT 1 FROM installation)
+    RETURNING attempt, vm_id, gpu_indices, output_dir, launch_token
 ), event AS (
     INSERT INTO job_events (job_id, from_status, to_status, reason, actor, attempt)
     SELECT :job_id, 'queued', 'starting',
            'claimed GPUs ' || array_to_string(gpu_indices, ','), :actor, attempt
     FROM moved
 )
-SELECT m.vm_id, m.gpu_indices, m.attempt, m.output_dir,
+SELECT m.vm_id, m.gpu_indices, m.attempt, m.output_dir, m.launch_token,
+       (SELECT CAST(id AS text) FROM installation) AS installation,
        (SELECT coalesce(max(free), 0) FROM cand) AS largest_free
 FROM (SELECT 1) one LEFT JOIN moved m ON true
 """
@@ -157,15 +163,16 @@ MARK_RUNNING_BATCH_SQL = text(
     """
 WITH launched AS (
     SELECT * FROM unnest(CAST(:job_ids AS bigint[]), CAST(:attempts AS integer[]),
-                         CAST(:pids AS integer[]), CAST(:reasons AS text[]))
-                  AS l(job_id, attempt, pid, reason)
+                         CAST(:pids AS integer[]), CAST(:reasons AS text[]),
+                         CAST(:dirs AS text[]))
+                  AS l(job_id, attempt, pid, reason, dir)
 ), locked AS MATERIALIZED (
     -- Job rows locked in id order, as every transaction that moves several jobs should.
     SELECT j.id FROM jobs j WHERE j.id IN (SELECT job_id FROM launched)
     ORDER BY j.id FOR UPDATE
 ), moved AS (
     UPDATE jobs SET status = 'running', running_at = now(), updated_at = now(),
-                    remote_pid = l.pid, lease_expires_at = NULL
+                    remote_pid = l.pid, attempt_dir = l.dir, lease_expires_at = NULL
     FROM launched l
     WHERE jobs.id = l.job_id AND jobs.id IN (SELECT id FROM locked)
       AND jobs.status = 'starting' AND jobs.attempt = l.attempt
@@ -194,6 +201,13 @@ class Claim:
     dataset: str = ""
     reward_functions: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()
+    installation: str = ""
+    token: str = ""
+
+    @property
+    def run(self) -> Attempt:
+        """The claimed attempt and its directory name (invariant 6)."""
+        return Attempt(self.installation, self.job_id, self.attempt, self.token)
 
 
 @dataclass(frozen=True)
@@ -323,7 +337,8 @@ async def _claim_one(
         "job_id": job_id,
         "need": need,
         "candidates": candidates,
-        "default_output_dir": default_output_dir(job_id),
+        "root": ROOT,
+        "token": new_token(),
         "lease_s": lease_s,
         "actor": actor,
     }
@@ -344,6 +359,8 @@ async def _claim_one(
             dataset=row.dataset,
             reward_functions=tuple(r for r in row.reward_function.split(",") if r),
             extra_args=tuple(str(a) for a in row.extra_args or ()),
+            installation=result.installation,
+            token=result.launch_token,
         )
     if result.largest_free >= need:
         # Free GPUs exist but other claimers hold them: not a reason to wait.
@@ -393,12 +410,14 @@ class Running:
 
 @dataclass(frozen=True)
 class Launched:
-    """An attempt the VM says it started: the pid of its process-group leader."""
+    """An attempt the VM says it started: the pid of its process-group leader, and the
+    absolute directory the launch reported (None if it reported none)."""
 
     job_id: int
     attempt: int
     pid: int
     reason: str
+    attempt_dir: str | None = None
 
 
 async def mark_running_batch(
@@ -419,6 +438,7 @@ async def mark_running_batch(
             "attempts": [x.attempt for x in launched],
             "pids": [x.pid for x in launched],
             "reasons": [x.reason for x in launched],
+            "dirs": [x.attempt_dir for x in launched],
             "actor": actor,
         },
     )
@@ -500,7 +520,14 @@ async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:
     async with db.transaction() as session:
         rows = (
             await session.execute(
-                select(Job.id, Job.vm_id, Job.attempt, Job.gpu_indices)
+                select(
+                    Job.id,
+                    Job.vm_id,
+                    Job.attempt,
+                    Job.gpu_indices,
+                    Job.launch_token,
+                    Job.attempt_dir,
+                )
                 .where(
                     Job.status == JobStatus.STARTING.value,
                     Job.lease_expires_at < func.now(),
@@ -509,7 +536,7 @@ async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:
                 .with_for_update(skip_locked=True)
             )
         ).all()
-        for job_id, vm_id, attempt, gpu_indices in rows:
+        for job_id, vm_id, attempt, gpu_indices, token, attempt_dir in rows:
             moved = await transition(
                 session,
                 job_id,
@@ -530,6 +557,8 @@ async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:
                     attempt=attempt,
                     gpu_indices=gpu_indices,
                     reason="lease_expired",
+                    token=token,
+                    attempt_dir=attempt_dir,
                 )
             expired.append(job_id)
     for job_id in expired:
@@ -545,17 +574,22 @@ async def record_leftover(
     attempt: int,
     gpu_indices: Sequence[int] | None,
     reason: str,
+    token: str | None,
+    attempt_dir: str | None = None,
     pid: int | None = None,
 ) -> None:
     """Note an attempt that may still run on its VM (caller's transaction): its GPUs are
     kept out of every claim, and its job is not claimed again, until a kill proves it
-    dead (`close_leftover`). Once per (VM, job, attempt)."""
+    dead (`close_leftover`). Once per (VM, job, attempt). `token` and `attempt_dir` are the
+    job row's for that attempt: the kill finds its directory by them."""
     await session.execute(
         insert(StaleProcess)
         .values(
             vm_id=vm_id,
             job_id=job_id,
             attempt=attempt,
+            launch_token=token,
+            attempt_dir=attempt_dir,
             pid=pid,
             gpu_indices=list(gpu_indices) if gpu_indices else None,
             reason=reason,
@@ -583,3 +617,29 @@ async def close_leftover(
         .values(**values)
         .execution_options(synchronize_session=False)
     )
+
+
+async def installation_id(session: AsyncSession | AsyncConnection) -> str:
+    """This database's installation UUID (`models.Installation`), as text."""
+    value = await session.scalar(select(Installation.id))
+    if value is None:
+        raise RuntimeError("the database has no installation row: run `rlfleet db upgrade`")
+    return str(value)
+
+
+def stored_attempt(
+    installation: str,
+    job_id: int,
+    attempt: int,
+    token: str | None,
+    attempt_dir: str | None = None,
+) -> Attempt | None:
+    """The `Attempt` a job or leftover row names, or None when the row has no (valid)
+    token: such an attempt has no directory anyone may look at."""
+    if token is None or attempt < 1:
+        return None
+    try:
+        run = Attempt(installation, job_id, attempt, token)
+    except ValueError:
+        return None
+    return run.located(attempt_dir)

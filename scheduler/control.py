@@ -13,13 +13,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler import bus
-from scheduler.claims import close_leftover, record_leftover, release_in_session
+from scheduler.claims import (
+    close_leftover,
+    installation_id,
+    record_leftover,
+    release_in_session,
+    stored_attempt,
+)
 from scheduler.db import Database
 from scheduler.errors import BadInput, ServiceUnavailable
 from scheduler.jobs import get_job, transition
 from scheduler.kill import kill_attempt
 from scheduler.logging import get_logger
-from scheduler.remote import NO_FILE_EXIT, read_file_script
+from scheduler.remote import (
+    NO_FILE_EXIT,
+    READ_CHUNK_BYTES,
+    Attempt,
+    parse_tokens,
+    read_file_script,
+    tokens_script,
+)
 from scheduler.settings import Settings
 from scheduler.states import FINAL_STATES, LIVE_STATES, JobStatus
 from scheduler.submit import announce
@@ -40,14 +53,36 @@ class JobPlace:
     attempt: int
     target: VMTarget | None
     gpu_indices: list[int] | None
+    run: Attempt | None = None
+    """The attempt the row names (its directory); None before the first claim."""
+    remote_pid: int | None = None
+    """The pid recorded when the launch was confirmed; None: not confirmed."""
+    installation: str = ""
 
 
 async def load_place(db: Database, job_id: int) -> JobPlace:
     """The job's state and VM, detached from the session (`NotFound` if no such job)."""
     async with db.transaction() as session:
         job = await get_job(session, job_id)
-        target = VMTarget.from_vm(job.vm) if job.vm is not None else None
-        return JobPlace(job.id, job.status, job.attempt, target, job.gpu_indices)
+        return place_of(job, await installation_id(session))
+
+
+def place_of(job: Any, installation: str) -> JobPlace:
+    """A loaded job row as a `JobPlace`. A completed job names the attempt that completed
+    it (its VM and directory are the row's), which need not be the newest."""
+    target = VMTarget.from_vm(job.vm) if job.vm is not None else None
+    number = job.completed_attempt or job.attempt
+    run = stored_attempt(installation, job.id, number, job.launch_token, job.attempt_dir)
+    return JobPlace(
+        job.id,
+        job.status,
+        job.attempt,
+        target,
+        job.gpu_indices,
+        run,
+        job.remote_pid,
+        installation,
+    )
 
 
 @dataclass(frozen=True)
@@ -111,6 +146,9 @@ async def cancel_job(
                         attempt=place.attempt,
                         gpu_indices=place.gpu_indices,
                         reason="cancelled",
+                        token=place.run.token if place.run is not None else None,
+                        attempt_dir=place.run.path if place.run is not None else None,
+                        pid=place.remote_pid,
                     )
         if not moved:
             continue  # it moved under us: look again
@@ -118,7 +156,16 @@ async def cancel_job(
             log.info("job_cancelled", job_id=job_id, previous=status.value)
             return CancelResult(job_id, status.value)
         assert place.target is not None
-        kill = await kill_attempt(transport, place.target, job_id, place.attempt, grace_s=grace_s)
+        if place.run is None:  # a live job always has a token; a row without one has no dir
+            return CancelResult(job_id, status.value, "no launch token recorded")
+        kill = await kill_attempt(
+            transport,
+            place.target,
+            place.run,
+            grace_s=grace_s,
+            # A recorded pid: the attempt started, so it is never "stopped before it started".
+            launched=place.remote_pid is not None,
+        )
         if kill.dead:
             async with db.transaction() as session:
                 await close_leftover(
@@ -167,7 +214,8 @@ def _pick_attempt(place: JobPlace, attempt: int | None) -> int:
     if place.attempt == 0:
         raise BadInput(f"job {place.job_id} has not started yet ({place.status}): no log")
     if attempt is None:
-        return place.attempt
+        # The attempt the row names: the one that completed the job, else the newest.
+        return place.run.attempt if place.run is not None else place.attempt
     if not 1 <= attempt <= place.attempt:
         raise BadInput(
             f"job {place.job_id} has attempts 1 to {place.attempt}; there is no attempt {attempt}"
@@ -175,15 +223,38 @@ def _pick_attempt(place: JobPlace, attempt: int | None) -> int:
     return attempt
 
 
+async def _locate(transport: Transport, place: JobPlace, attempt: int) -> Attempt:
+    """The directory of attempt `attempt`: the row's for its own attempt; an earlier one's
+    is looked up on the VM among this installation's directories of that attempt."""
+    assert place.target is not None
+    if place.run is not None and place.run.attempt == attempt:
+        return place.run
+    try:
+        result = await transport.run(
+            place.target, tokens_script(place.installation, place.job_id, attempt), timeout=30
+        )
+    except TransportError as exc:
+        raise ServiceUnavailable(f"cannot list attempts of job {place.job_id}: {exc}") from exc
+    tokens = parse_tokens(result.stdout)
+    if len(tokens) != 1:
+        why = "no directory" if not tokens else f"{len(tokens)} directories"
+        raise BadInput(
+            f"job {place.job_id}: {why} of attempt {attempt} on {place.target.name}"
+            " (an attempt's log stays on the VM that ran it)"
+        )
+    return Attempt(place.installation, place.job_id, attempt, tokens[0])
+
+
 async def _read(
-    transport: Transport, place: JobPlace, attempt: int, name: str, offset: int, timeout: float
-) -> str | None:
-    """The file from `offset`, or None when it does not exist (yet)."""
+    transport: Transport, place: JobPlace, run: Attempt, name: str, offset: int, timeout: float
+) -> bytes | None:
+    """The file's bytes from `offset` (at most `READ_CHUNK_BYTES`), exactly as written, or
+    None when it does not exist (yet)."""
     assert place.target is not None
     try:
         result = await transport.run(
             place.target,
-            read_file_script(place.job_id, attempt, name, offset=offset),
+            read_file_script(run, name, offset=offset, hex=True, limit=READ_CHUNK_BYTES),
             timeout=timeout,
         )
     except TransportError as exc:
@@ -194,20 +265,40 @@ async def _read(
         raise ServiceUnavailable(
             f"reading {name} of job {place.job_id} failed: {result.stderr.strip()[:200]}"
         )
-    return result.stdout
+    try:
+        return bytes.fromhex(result.stdout)
+    except ValueError as exc:
+        raise ServiceUnavailable(f"reading {name} of job {place.job_id}: garbled answer") from exc
+
+
+async def _read_all(
+    transport: Transport, place: JobPlace, run: Attempt, offset: int, write: Callable[[bytes], Any]
+) -> tuple[int, bool]:
+    """Write train.log from `offset` to its current end; the new offset, and whether the
+    file exists."""
+    while True:
+        chunk = await _read(transport, place, run, "train.log", offset, timeout=30)
+        if chunk is None:
+            return offset, False
+        if chunk:
+            write(chunk)
+            offset += len(chunk)
+        if len(chunk) < READ_CHUNK_BYTES:
+            return offset, True
 
 
 async def stream_log(
     db: Database,
     transport: Transport,
     job_id: int,
-    write: Callable[[str], Any],
+    write: Callable[[bytes], Any],
     *,
     attempt: int | None = None,
     follow: bool = False,
     poll_s: float = 1.0,
 ) -> None:
-    """Write the attempt's `train.log` (default: the current attempt) with `write`.
+    """Write the attempt's `train.log` (default: the current attempt) with `write`, byte
+    for byte as the job wrote it (offsets count bytes; invalid UTF-8 is passed on as is).
 
     With `follow`, keep writing what is appended until the job is no longer live, like
     `tail -f` that knows when to stop.
@@ -216,23 +307,21 @@ async def stream_log(
     wanted = _pick_attempt(place, attempt)
     if place.target is None:
         raise BadInput(f"job {job_id} has no VM recorded; no log to read")
+    run = await _locate(transport, place, wanted)
     offset = 0
     while True:
-        chunk = await _read(transport, place, wanted, "train.log", offset, timeout=30)
-        if chunk:
-            write(chunk)
-            offset += len(chunk.encode())
+        offset, exists = await _read_all(transport, place, run, offset, write)
         if not follow:
             return
-        if chunk is None and offset == 0 and place.status not in LIVE_STATES:
+        if not exists and offset == 0 and place.status not in LIVE_STATES:
             return
         now = await load_place(db, job_id)
         if now.status not in LIVE_STATES or now.attempt != wanted:
             # One last read: what the process wrote just before it ended.
-            tail = await _read(transport, place, wanted, "train.log", offset, timeout=30)
-            if tail:
-                write(tail)
+            await _read_all(transport, place, run, offset, write)
             return
+        if run.path is None and now.run is not None and now.run.token == run.token:
+            run = now.run  # the launch has recorded its directory meanwhile
         await asyncio.sleep(poll_s)
 
 
@@ -240,10 +329,10 @@ async def read_progress(
     transport: Transport, place: JobPlace, *, timeout: float = PROGRESS_TIMEOUT_S
 ) -> tuple[dict[str, Any] | None, str | None]:
     """progress.json of the current attempt, or (None, why not) — never raises."""
-    if place.target is None or place.attempt == 0:
+    if place.target is None or place.run is None:
         return None, "not started"
     try:
-        text = await _read(transport, place, place.attempt, "progress.json", 0, timeout)
+        text = await _read(transport, place, place.run, "progress.json", 0, timeout)
     except ServiceUnavailable as exc:
         return None, str(exc)
     if text is None:

@@ -58,7 +58,7 @@ from scheduler.errors import error_line
 from scheduler.jobs import transition
 from scheduler.kill import kill_attempt
 from scheduler.logging import get_logger
-from scheduler.remote import LaunchSpec, launch_script, parse_launch
+from scheduler.remote import LaunchResult, LaunchSpec, launch_script, parse_launch
 from scheduler.settings import Settings
 from scheduler.states import FailureReason, JobStatus
 from scheduler.transport import Transport, TransportError, VMTarget, make_transport
@@ -135,6 +135,8 @@ class _Launch:
     claim: Claim
     target: VMTarget
     pid: int
+    path: str | None
+    """The attempt's absolute directory, as its launch reported it."""
 
 
 In = TypeVar("In")
@@ -404,19 +406,19 @@ class GlobalJobDispatcher:
         launched: list[_Launch] = []
         failed = []
         for (msg, claim), target, outcome in zip(claimed, targets, outcomes, strict=True):
-            if isinstance(outcome, int):
-                launched.append(_Launch(msg, claim, target, outcome))
+            if isinstance(outcome, LaunchResult):
+                launched.append(_Launch(msg, claim, target, outcome.pid, outcome.path))
             else:
                 failed.append(self._fail(replies, msg, claim, target, outcome))
         await asyncio.gather(*failed)
         if launched:
             await self._record_running(launched, replies)
 
-    async def _launch(self, claim: Claim, target: VMTarget) -> int | str:
-        """Start the claimed attempt on its VM: the pid, or why it did not start."""
+    async def _launch(self, claim: Claim, target: VMTarget) -> LaunchResult | str:
+        """Start the claimed attempt on its VM: its pid and directory, or why it did not
+        start."""
         spec = LaunchSpec(
-            job_id=claim.job_id,
-            attempt=claim.attempt,
+            run=claim.run,
             python=target.python,
             entrypoint=target.entrypoint,
             gpu_indices=claim.gpu_indices,
@@ -432,16 +434,22 @@ class GlobalJobDispatcher:
             )
         except TransportError as exc:
             return str(exc) or type(exc).__name__
-        launched = parse_launch(result.stdout)
+        launched = parse_launch(result.stdout, claim.run)
         if launched is None:
             return _last_line(result.stderr) or f"launch exited {result.exit_status}"
-        return launched.pid
+        return launched
 
     async def _record_running(self, launched: list[_Launch], replies: _Replies) -> None:
         """Move every launched attempt `starting → running` in one statement, then ack;
         an attempt whose job moved on meanwhile is killed."""
         batch = [
-            Launched(x.claim.job_id, x.claim.attempt, x.pid, f"pid {x.pid} on {x.target.name}")
+            Launched(
+                x.claim.job_id,
+                x.claim.attempt,
+                x.pid,
+                f"pid {x.pid} on {x.target.name}",
+                attempt_dir=x.path,
+            )
             for x in launched
         ]
         try:
@@ -482,7 +490,7 @@ class GlobalJobDispatcher:
         """Cancelled, or the lease expired, while we launched: this attempt must not run."""
         bound = log.bind(job_id=x.claim.job_id, vm=x.target.name, attempt=x.claim.attempt)
         bound.warning("launch_superseded", pid=x.pid)
-        await self._kill_quietly(x.claim, x.target)
+        await self._kill_quietly(x.claim, x.target, x.path)
         self.stats.skipped += 1
         await self._reply(replies, x.msg, "superseded")
 
@@ -543,6 +551,7 @@ class GlobalJobDispatcher:
                         attempt=claim.attempt,
                         gpu_indices=claim.gpu_indices,
                         reason="launch_failed",
+                        token=claim.token,
                     )
         except Exception as exc:
             if is_unavailable(exc):
@@ -556,13 +565,17 @@ class GlobalJobDispatcher:
             self.stats.skipped += 1
             bound.info("launch_superseded", error=error)
 
-    async def _kill_quietly(self, claim: Claim, target: VMTarget) -> None:
+    async def _kill_quietly(self, claim: Claim, target: VMTarget, path: str | None) -> None:
         """Kill a superseded attempt. Its job has moved on without it, and whoever moved it
         (cancel, an expired lease) left a `stale_processes` row that keeps its GPUs blocked
         until the attempt is known dead: a failed kill here is retried by the requeue
         manager."""
         kill = await kill_attempt(
-            self.transport, target, claim.job_id, claim.attempt, grace_s=self.kill_grace_s
+            self.transport,
+            target,
+            claim.run.located(path),
+            grace_s=self.kill_grace_s,
+            launched=True,
         )
         if not kill.dead:
             log.warning("kill_failed", job_id=claim.job_id, vm=target.name, outcome=kill.describe())

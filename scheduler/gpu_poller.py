@@ -29,14 +29,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
 from scheduler.aio import sleep_or_stop
-from scheduler.claims import RECOUNT_SQL, release_in_session
+from scheduler.claims import RECOUNT_SQL, installation_id, release_in_session, stored_attempt
 from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
 from scheduler.jobs import transition
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM, Job
 from scheduler.nvidia_smi import PollResult, parse_poll, poll_command
-from scheduler.remote import RemoteJobState
+from scheduler.remote import Attempt, RemoteJobState
 from scheduler.settings import Settings
 from scheduler.states import LIVE_STATES, FailureReason, JobStatus, VMStatus
 from scheduler.transport import Transport, TransportError, VMTarget, make_transport
@@ -87,6 +87,8 @@ class LiveJob:
     status: str
     attempt: int
     remote_pid: int | None
+    run: Attempt | None = None
+    """Where the attempt's files are; None for a row with no launch token (not probed)."""
 
 
 @dataclass(frozen=True)
@@ -298,20 +300,34 @@ class GpuPoller:
             for vm_id, index, job_id, *values in gpu_rows:
                 if vm_id in vms:
                     vms[vm_id].gpus[index] = GpuRow(index, job_id, tuple(values))
+            installation = await installation_id(session)
             job_rows = await session.execute(
-                select(Job.id, Job.vm_id, Job.status, Job.attempt, Job.remote_pid).where(
+                select(
+                    Job.id,
+                    Job.vm_id,
+                    Job.status,
+                    Job.attempt,
+                    Job.remote_pid,
+                    Job.launch_token,
+                    Job.attempt_dir,
+                ).where(
                     Job.status.in_([s.value for s in LIVE_STATES]),
                     Job.vm_id.is_not(None),
                     Job.attempt >= 1,
                 )
             )
-            for live_id, live_vm, status, attempt, remote_pid in job_rows:
-                if live_vm is not None and live_vm in vms:
-                    vms[live_vm].jobs.append(LiveJob(live_id, live_vm, status, attempt, remote_pid))
+            for row in job_rows:
+                if row.vm_id is not None and row.vm_id in vms:
+                    run = stored_attempt(
+                        installation, row.id, row.attempt, row.launch_token, row.attempt_dir
+                    )
+                    vms[row.vm_id].jobs.append(
+                        LiveJob(row.id, row.vm_id, row.status, row.attempt, row.remote_pid, run)
+                    )
         return list(vms.values())
 
     async def _probe(self, vm: VMState) -> Outcome:
-        command = poll_command([(j.id, j.attempt) for j in vm.jobs])
+        command = poll_command([j.run for j in vm.jobs if j.run is not None])
         try:
             # persistent: a poll every few seconds is worth a shell kept open on the VM.
             result = await self.transport.run(
@@ -491,6 +507,7 @@ async def _finish_job(session: AsyncSession, verdict: JobVerdict) -> bool:
             "exit_code": verdict.exit_code,
             "failure_reason": verdict.failure_reason.value if verdict.failure_reason else None,
             "status_reason": verdict.reason,
+            "completed_attempt": job.attempt if verdict.to == JobStatus.COMPLETED else None,
         },
         attempt=job.attempt,
     )

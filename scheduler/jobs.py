@@ -189,6 +189,8 @@ def job_to_dict(job: Job, *, events: bool = False) -> dict[str, Any]:
         "gpu_indices": job.gpu_indices,
         "remote_pid": job.remote_pid,
         "output_dir": job.output_dir,
+        "attempt_dir": job.attempt_dir,
+        "completed_attempt": job.completed_attempt,
         "next_attempt_at": job.next_attempt_at,
         "submitted_at": job.submitted_at,
         "starting_at": job.starting_at,

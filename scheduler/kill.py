@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.remote import DEAD_KILL_OUTCOMES, PID_WAIT_S, kill_script, parse_kill
+from scheduler.remote import (
+    DEAD_KILL_OUTCOMES,
+    PID_WAIT_S,
+    Attempt,
+    kill_script,
+    parse_dir,
+    parse_exit,
+    parse_kill,
+)
 from scheduler.transport import Transport, TransportError, VMTarget
 
 SSH_MARGIN_S = 15.0
@@ -27,6 +35,10 @@ class KillResult:
     when it gave none."""
     error: str | None = None
     """Why there is no outcome: the VM did not answer, or the script failed."""
+    exit_code: int | None = None
+    """With `gone`: the exit code the attempt had recorded (None: it recorded none)."""
+    path: str | None = None
+    """With `gone` after an exit: the attempt's absolute directory."""
 
     @property
     def dead(self) -> bool:
@@ -41,15 +53,17 @@ class KillResult:
 async def kill_attempt(
     transport: Transport,
     target: VMTarget,
-    job_id: int,
-    attempt: int,
+    run: Attempt,
     *,
     grace_s: float,
+    launched: bool = False,
 ) -> KillResult:
-    """TERM, then KILL after `grace_s`, attempt `attempt` of `job_id` on `target`.
+    """TERM, then KILL after `grace_s`, the attempt `run` on `target`. `launched`: its
+    launch was confirmed (a pid is recorded), so a missing pid file is not fenced but
+    reported as `missing` (see `remote.kill_script`).
 
     Never raises for the VM's sake: an SSH failure is a result with `error` set."""
-    script = kill_script(job_id, attempt, grace_s)
+    script = kill_script(run, grace_s, launched=launched)
     try:
         result = await transport.run(target, script, timeout=grace_s + PID_WAIT_S + SSH_MARGIN_S)
     except TransportError as exc:
@@ -58,4 +72,8 @@ async def kill_attempt(
     if outcome is None or not result.ok:
         error = (result.stderr or result.stdout).strip()[:200]
         return KillResult(None, error or f"kill script exited {result.exit_status}")
-    return KillResult(outcome)
+    if outcome != "gone":
+        return KillResult(outcome)
+    return KillResult(
+        outcome, exit_code=parse_exit(result.stdout), path=parse_dir(result.stdout, run)
+    )

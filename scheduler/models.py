@@ -5,6 +5,7 @@ Postgres is the source of truth. Columns say in their docstring what NULL means.
 
 from __future__ import annotations
 
+import uuid
 from datetime import datetime
 
 from sqlalchemy import (
@@ -20,6 +21,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    Uuid,
     func,
     text,
 )
@@ -47,6 +49,32 @@ class Base(DeclarativeBase):
 
 def _now() -> DateTime:
     return DateTime(timezone=True)
+
+
+TOKEN_CHECK = "launch_token ~ '^[0-9a-f]{16}$'"
+"""What a launch token is (`remote.new_token`): 16 lowercase hex digits."""
+ATTEMPT_DIR_CHECK = "attempt_dir LIKE '/%'"
+"""A recorded attempt directory is absolute."""
+
+
+class Installation(Base):
+    """This database's identity: one row, created with the schema (invariant 6).
+
+    Every attempt directory on a VM is named after it, so a recreated database or a second
+    installation that shares a VM account never finds this one's files, nor this one theirs.
+    """
+
+    __tablename__ = "installation"
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True)
+    singleton: Mapped[bool] = mapped_column(Boolean, default=True, server_default="true")
+    """Always true, and unique: the table holds one row."""
+    created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+
+    __table_args__ = (
+        CheckConstraint("singleton", name="one_row"),
+        UniqueConstraint("singleton"),
+    )
 
 
 class VM(Base):
@@ -154,8 +182,18 @@ class Job(Base):
     gpu_indices: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
     remote_pid: Mapped[int | None] = mapped_column(Integer)
     """Process-group leader on the VM; NULL until the launch is confirmed."""
+    launch_token: Mapped[str | None] = mapped_column(String(16))
+    """Random name part of the current attempt's directory, drawn at claim time; NULL
+    before the first claim. See `remote.Attempt`."""
+    attempt_dir: Mapped[str | None] = mapped_column(Text)
+    """Absolute directory of the current attempt on its VM, as its launch reported it; NULL
+    until the launch is confirmed (then `$HOME/<remote.Attempt.relative>` is meant)."""
+    completed_attempt: Mapped[int | None] = mapped_column(Integer)
+    """The attempt whose exit 0 completed the job (its VM is `vm_id`, its directory
+    `attempt_dir`); NULL unless completed."""
     output_dir: Mapped[str | None] = mapped_column(Text)
-    """NULL means the default ~/.rlfleet/outputs/<job_id>/ on the VM."""
+    """NULL until the first claim, which sets the default
+    ~/.rlfleet/<installation>/outputs/<job_id> unless the user named one."""
     lease_expires_at: Mapped[datetime | None] = mapped_column(_now())
     """While `starting`: when the claim may be taken back if the launch never confirmed."""
     next_attempt_at: Mapped[datetime | None] = mapped_column(_now())
@@ -178,6 +216,8 @@ class Job(Base):
     __table_args__ = (
         CheckConstraint("gpus_requested >= 1", name="gpus_positive"),
         CheckConstraint("max_retries >= 0", name="retries_nonnegative"),
+        CheckConstraint(TOKEN_CHECK, name="launch_token_hex"),
+        CheckConstraint(ATTEMPT_DIR_CHECK, name="attempt_dir_absolute"),
         Index("ix_jobs_status_priority", "status", text("priority DESC"), "id"),
     )
 
@@ -211,6 +251,11 @@ class StaleProcess(Base):
     vm_id: Mapped[int] = mapped_column(ForeignKey("vms.id", ondelete="CASCADE"), index=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     attempt: Mapped[int] = mapped_column(Integer)
+    launch_token: Mapped[str | None] = mapped_column(String(16))
+    """The attempt's launch token (`jobs.launch_token` then); NULL only for a row written
+    before tokens existed (its kill then finds nothing and fences the new directory)."""
+    attempt_dir: Mapped[str | None] = mapped_column(Text)
+    """The attempt's absolute directory if its launch reported one; NULL: under $HOME."""
     pid: Mapped[int | None] = mapped_column(Integer)
     """Process-group leader; NULL means unknown (the kill reads the attempt's pid file)."""
     gpu_indices: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
@@ -223,4 +268,8 @@ class StaleProcess(Base):
     """Kill attempts so far."""
     last_error: Mapped[str | None] = mapped_column(Text)
 
-    __table_args__ = (UniqueConstraint("vm_id", "job_id", "attempt"),)
+    __table_args__ = (
+        UniqueConstraint("vm_id", "job_id", "attempt"),
+        CheckConstraint(TOKEN_CHECK, name="launch_token_hex"),
+        CheckConstraint(ATTEMPT_DIR_CHECK, name="attempt_dir_absolute"),
+    )

@@ -12,7 +12,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scheduler.remote import RemoteJobState, as_int, output_lines, parse_status, status_probe
+from scheduler.remote import (
+    Attempt,
+    RemoteJobState,
+    as_int,
+    output_lines,
+    parse_status,
+    status_probe,
+)
 
 GPU_QUERY = "index,uuid,name,memory.total,memory.used,utilization.gpu"
 APPS_QUERY = "gpu_uuid,pid,used_memory"
@@ -90,8 +97,8 @@ class PollResult:
         return busy
 
 
-def poll_command(jobs: Sequence[tuple[int, int]]) -> str:
-    """The shell text of one poll: GPUs, compute apps and the status of `jobs` (id, attempt).
+def poll_command(jobs: Sequence[Attempt]) -> str:
+    """The shell text of one poll: GPUs, compute apps and the status of `jobs`.
 
     nvidia-smi's stderr is folded into its section because its errors (driver, lost GPU)
     are what the parser needs to see. The jobs are probed first: a process still on the

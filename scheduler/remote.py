@@ -2,19 +2,23 @@
 
 Pure functions: they only BUILD POSIX `sh` text. Every value that could come from a user
 (model, dataset, reward names, extra args, paths) goes through `shlex.quote` (invariant 5).
-Layout on the VM (contract 1): `~/.rlfleet/jobs/<job_id>/<attempt>/` holds `train.log`,
-`pid`, `exit_code`, `progress.json` and `launch.sh`; outputs default to
-`~/.rlfleet/outputs/<job_id>/`.
+Layout on the VM (invariant 6): `~/.rlfleet/<installation>/jobs/<job_id>/<attempt>-<token>/`
+holds `train.log`, `pid`, `exit_code`, `progress.json` and `launch.sh` of one attempt;
+`<installation>` is the database's UUID and `<token>` is drawn when the attempt is claimed,
+so nothing another installation, an earlier database or another attempt left on the VM is
+ever read as this attempt's. Outputs default to `~/.rlfleet/<installation>/outputs/<job_id>`.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 PID_MARK = "rlfleet-pid"
+DIR_MARK = "rlfleet-dir"
 EXITED_MARK = "rlfleet-exited"
 KILL_MARK = "rlfleet-kill"
 _INTEGER = re.compile(r"-?[0-9]+")
@@ -43,14 +47,79 @@ DEAD_KILL_OUTCOMES = frozenset({"fenced", "gone", "terminated", "killed"})
 """Kill outcomes after which the attempt surely runs no process and never will."""
 
 
-def job_dir(job_id: int, attempt: int) -> str:
-    """The attempt's directory, relative to $HOME on the VM."""
-    return f".rlfleet/jobs/{int(job_id)}/{int(attempt)}"
+ROOT = ".rlfleet"
+"""rlfleet's directory on a VM, relative to $HOME."""
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+_TOKEN = re.compile(r"[0-9a-f]{16}")
 
 
-def default_output_dir(job_id: int) -> str:
-    """Where a job's outputs go when it names no `output_dir` (`~` is the VM's $HOME)."""
-    return f"~/.rlfleet/outputs/{int(job_id)}"
+def new_token() -> str:
+    """A fresh launch token: 16 random lowercase hex digits (64 bits)."""
+    return secrets.token_hex(8)
+
+
+def check_installation(installation: str) -> str:
+    """`installation` if it is a lowercase UUID; else `ValueError`."""
+    if not _UUID.fullmatch(installation):
+        raise ValueError(f"not an installation id: {installation!r}")
+    return installation
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt of a job and where its files are on its VM (invariant 6).
+
+    `path` is the absolute directory the launch reported (None until it did); then every
+    script uses it, whatever $HOME the caller's shell has. Without it the directory is
+    `$HOME/<relative>`. Every field is checked: the names go into shell text.
+    """
+
+    installation: str
+    job_id: int
+    attempt: int
+    token: str
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        check_installation(self.installation)
+        if not _TOKEN.fullmatch(self.token):
+            raise ValueError(f"not a launch token: {self.token!r}")
+        if self.job_id < 1 or self.attempt < 1:
+            raise ValueError(f"no attempt {self.attempt} of job {self.job_id}")
+        if self.path is not None and not (
+            self.path.startswith("/")
+            and self.path.endswith("/" + self.relative)
+            and "\n" not in self.path
+            and "\0" not in self.path
+        ):
+            raise ValueError(f"not the directory of {self.relative}: {self.path!r}")
+
+    @property
+    def relative(self) -> str:
+        """The directory relative to $HOME: `.rlfleet/<installation>/jobs/<id>/<n>-<token>`."""
+        return f"{job_base(self.installation, self.job_id)}/{int(self.attempt)}-{self.token}"
+
+    def word(self) -> str:
+        """The directory as one quoted shell word."""
+        return shlex.quote(self.path) if self.path is not None else home_path(self.relative)
+
+    def located(self, path: str | None) -> Attempt:
+        """The same attempt with its recorded directory (None or invalid: unchanged)."""
+        try:
+            return Attempt(self.installation, self.job_id, self.attempt, self.token, path)
+        except ValueError:
+            return self
+
+
+def job_base(installation: str, job_id: int) -> str:
+    """The directory of every attempt of a job, relative to $HOME."""
+    return f"{ROOT}/{check_installation(installation)}/jobs/{int(job_id)}"
+
+
+def default_output_dir(installation: str, job_id: int) -> str:
+    """Where a job's outputs go when it names no `output_dir` (`~` is the VM's $HOME):
+    per installation and per job, shared by its attempts so that `--resume auto` works."""
+    return f"~/{ROOT}/{check_installation(installation)}/outputs/{int(job_id)}"
 
 
 def home_path(path: str) -> str:
@@ -64,16 +133,11 @@ def home_path(path: str) -> str:
     return '"$HOME"/' + shlex.quote(path)
 
 
-def _dir_word(job_id: int, attempt: int) -> str:
-    return home_path(job_dir(job_id, attempt))
-
-
 @dataclass(frozen=True)
 class LaunchSpec:
     """Everything a launch needs, copied out of the job and VM rows."""
 
-    job_id: int
-    attempt: int
+    run: Attempt
     python: str
     entrypoint: str
     gpu_indices: Sequence[int]
@@ -82,6 +146,16 @@ class LaunchSpec:
     reward_functions: Sequence[str]
     output_dir: str
     extra_args: Sequence[str] = ()
+
+    @property
+    def job_id(self) -> int:
+        """The job's id."""
+        return self.run.job_id
+
+    @property
+    def attempt(self) -> int:
+        """The attempt's number (1 for the first launch)."""
+        return self.run.attempt
 
 
 def entry_words(python: str, entrypoint: str, num_gpus: int) -> list[str]:
@@ -121,7 +195,7 @@ def wrapper_script(spec: LaunchSpec) -> str:
     when the group is sent TERM/INT/HUP; the training process itself still gets the default
     action because a trapped (not ignored) signal is reset on exec.
     """
-    d = _dir_word(spec.job_id, spec.attempt)
+    d = spec.run.word()
     gpus = ",".join(str(int(i)) for i in spec.gpu_indices)
     return "\n".join(
         [
@@ -155,9 +229,10 @@ def launch_script(spec: LaunchSpec, *, pid_wait_s: float = PID_WAIT_S) -> str:
     first launch starts a process; a repeated launch waits for that one's pid file and
     reports the same pid. Prints `rlfleet-exited <code>` too when the attempt already ended.
     A kill that came first took the lock and left a `fenced` mark (see `kill_script`):
-    then nothing starts and the script exits `FENCED_EXIT`.
+    then nothing starts and the script exits `FENCED_EXIT`. It also prints
+    `rlfleet-dir <absolute directory>`, which the scheduler records for every later script.
     """
-    d = _dir_word(spec.job_id, spec.attempt)
+    d = spec.run.word()
     polls = max(1, int(pid_wait_s / 0.05))
     return "\n".join(
         [
@@ -178,6 +253,7 @@ def launch_script(spec: LaunchSpec, *, pid_wait_s: float = PID_WAIT_S) -> str:
             "  sleep 0.05",
             "done",
             f'echo "{PID_MARK} $(cat "$d/pid")"',
+            f'echo "{DIR_MARK} $(cd "$d" && pwd)"',
             f'if [ -s "$d/exit_code" ]; then echo "{EXITED_MARK} $(cat "$d/exit_code")"; fi',
             "",
         ]
@@ -186,27 +262,51 @@ def launch_script(spec: LaunchSpec, *, pid_wait_s: float = PID_WAIT_S) -> str:
 
 @dataclass(frozen=True)
 class LaunchResult:
-    """What the launch script reported: the pid, and the exit code if it already ended."""
+    """What the launch script reported: the pid, the exit code if it already ended, and the
+    attempt's absolute directory (None if it printed none that names this attempt)."""
 
     pid: int
     exit_code: int | None = None
+    path: str | None = None
 
 
-def parse_launch(stdout: str) -> LaunchResult | None:
-    """Read the launch script's output; None when it printed no pid."""
+def parse_launch(stdout: str, run: Attempt | None = None) -> LaunchResult | None:
+    """Read the launch script's output; None when it printed no pid. The directory is kept
+    only when it is `run`'s (absolute, ending in its relative path)."""
     pid: int | None = None
-    exit_code: int | None = None
+    path: str | None = None
     for line in output_lines(stdout):
         parts = line.split()
         if len(parts) == 2 and parts[0] == PID_MARK and as_int(parts[1]) is not None:
             pid = as_int(parts[1])
-        elif len(parts) == 2 and parts[0] == EXITED_MARK and as_int(parts[1]) is not None:
-            exit_code = as_int(parts[1])
-    return None if pid is None else LaunchResult(pid, exit_code)
+    if run is not None:
+        path = parse_dir(stdout, run)
+    return None if pid is None else LaunchResult(pid, parse_exit(stdout), path)
+
+
+def parse_dir(stdout: str, run: Attempt) -> str | None:
+    """The `rlfleet-dir` a script printed, if it is `run`'s directory."""
+    for line in output_lines(stdout):
+        if line.startswith(DIR_MARK + " "):
+            return run.located(line[len(DIR_MARK) + 1 :]).path
+    return None
+
+
+def parse_exit(stdout: str) -> int | None:
+    """The `rlfleet-exited <code>` a launch or kill script printed, if any."""
+    for line in output_lines(stdout):
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == EXITED_MARK and as_int(parts[1]) is not None:
+            return as_int(parts[1])
+    return None
 
 
 def kill_script(
-    job_id: int, attempt: int, grace_s: float = 10.0, *, pid_wait_s: float = PID_WAIT_S
+    run: Attempt,
+    grace_s: float = 10.0,
+    *,
+    pid_wait_s: float = PID_WAIT_S,
+    launched: bool = False,
 ) -> str:
     """TERM the attempt's process group, KILL it after `grace_s`; idempotent.
 
@@ -214,16 +314,20 @@ def kill_script(
     took the launch lock first, so a launch still on its way finds it and starts nothing),
     `gone` (nothing left to signal), `terminated` (ended within the grace period),
     `killed`, or `nopid` (a launch holds the lock but wrote no pid within `pid_wait_s`:
+    its fate is unknown), or `missing` (`launched`: the scheduler recorded a pid for this
+    attempt, yet its directory has none; a launch that was confirmed is never fenced, and
     its fate is unknown). After a KILL the wrapper cannot record an exit code, so the
-    script writes 137 (128 + SIGKILL) for it.
+    script writes 137 (128 + SIGKILL) for it. `gone` after an exit is followed by
+    `rlfleet-exited <code>` and `rlfleet-dir <absolute directory>`.
     """
-    d = _dir_word(job_id, attempt)
     polls = max(1, int(grace_s / 0.1))
     pid_polls = max(1, int(pid_wait_s / 0.05))
+    missing = [f'  echo "{KILL_MARK} missing"; exit 0'] if launched else []
     return "\n".join(
         [
-            f"d={d}",
+            f"d={run.word()}",
             'if [ ! -s "$d/pid" ]; then',
+            *missing,
             f'  if [ -e "$d/fenced" ]; then echo "{KILL_MARK} fenced"; exit 0; fi',
             '  mkdir -p "$d" 2>/dev/null',
             '  if mkdir "$d/.launch.lock" 2>/dev/null; then',
@@ -238,7 +342,9 @@ def kill_script(
             "  done",
             "fi",
             # The attempt ended: its pid may belong to someone else by now.
-            f'if [ -s "$d/exit_code" ]; then echo "{KILL_MARK} gone"; exit 0; fi',
+            f'if [ -s "$d/exit_code" ]; then echo "{KILL_MARK} gone";'
+            f' echo "{EXITED_MARK} $(head -c 32 "$d/exit_code" | tr -d "\\n")";'
+            f' echo "{DIR_MARK} $(cd "$d" && pwd)"; exit 0; fi',
             'pid=$(cat "$d/pid")',
             f'kill -TERM -"$pid" 2>/dev/null || {{ echo "{KILL_MARK} gone"; exit 0; }}',
             "n=0",
@@ -266,12 +372,50 @@ def parse_kill(stdout: str) -> str | None:
     return None
 
 
-def read_file_script(job_id: int, attempt: int, name: str, *, offset: int = 0) -> str:
-    """Print one file of the attempt directory from byte `offset`; exit 3 if it is missing."""
-    if name not in {"train.log", "progress.json", "pid", "exit_code", "launch.sh"}:
+ATTEMPT_FILES = frozenset({"train.log", "progress.json", "pid", "exit_code", "launch.sh"})
+READ_CHUNK_BYTES = 1 << 20
+"""Most bytes one `read_file_script(..., hex=True)` returns; a reader loops for more."""
+
+
+def read_file_script(
+    run: Attempt, name: str, *, offset: int = 0, hex: bool = False, limit: int | None = None
+) -> str:
+    """Print one file of the attempt directory from byte `offset` (at most `limit` bytes);
+    exit 3 if it is missing. With `hex`, the bytes are printed as hex digits (`od`), so
+    that a reader gets exactly the bytes written, valid UTF-8 or not (`bytes.fromhex`)."""
+    if name not in ATTEMPT_FILES:
         raise ValueError(f"not an attempt file: {name}")
-    d = _dir_word(job_id, attempt)
-    return f'f={d}/{name}; [ -f "$f" ] || exit {NO_FILE_EXIT}; tail -c +{int(offset) + 1} "$f"'
+    command = f'tail -c +{int(offset) + 1} "$f"'
+    if limit is not None:
+        command += f" | head -c {max(0, int(limit))}"
+    if hex:
+        command += " | od -An -v -tx1"
+    return f'f={run.word()}/{name}; [ -f "$f" ] || exit {NO_FILE_EXIT}; {command}'
+
+
+TOKENS_MARK = "rlfleet-token"
+
+
+def tokens_script(installation: str, job_id: int, attempt: int) -> str:
+    """Print `rlfleet-token <token>` for each directory of attempt `attempt` of the job
+    under this installation (there is one unless the database was restored from a backup):
+    how `job logs --attempt N` finds an earlier attempt, whose token the job row no longer
+    holds. Other installations' directories are never listed."""
+    base = home_path(job_base(installation, job_id))
+    return (
+        f"for p in {base}/{int(attempt)}-*; do "
+        f'[ -d "$p" ] && echo "{TOKENS_MARK} ${{p##*-}}"; done; true'
+    )
+
+
+def parse_tokens(stdout: str) -> list[str]:
+    """The well-formed tokens `tokens_script` printed."""
+    found = []
+    for line in output_lines(stdout):
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == TOKENS_MARK and _TOKEN.fullmatch(parts[1]):
+            found.append(parts[1])
+    return found
 
 
 # --- job status probe (contract 2), run by the poller in the same round trip as nvidia-smi
@@ -297,7 +441,7 @@ class RemoteJobState:
     log_tail: str = ""
 
 
-def status_probe(jobs: Sequence[tuple[int, int]]) -> str:
+def status_probe(jobs: Sequence[Attempt]) -> str:
     """Shell text printing one `rlfleet-job <id> <attempt> <state> [code]` line per attempt.
 
     An exited attempt is followed by the last lines of its train.log, each prefixed with
@@ -305,10 +449,10 @@ def status_probe(jobs: Sequence[tuple[int, int]]) -> str:
     because the wrapper writes it just before it exits.
     """
     lines = []
-    for job_id, attempt in jobs:
-        j, a = int(job_id), int(attempt)
+    for run in jobs:
+        j, a = int(run.job_id), int(run.attempt)
         lines += [
-            f"d={_dir_word(j, a)}",
+            f"d={run.word()}",
             'if [ -s "$d/exit_code" ]; then s=exited',
             'elif [ -s "$d/pid" ] && p=$(cat "$d/pid") && kill -0 "$p" 2>/dev/null'
             # A zombie answers kill -0 but is dead (its reaper may be slow or absent).

@@ -63,16 +63,19 @@ from scheduler.claims import (
     FREE_BY_VM_SQL,
     close_leftover,
     expire_leases,
+    installation_id,
     leftover_may_run,
     record_leftover,
     release_in_session,
+    stored_attempt,
 )
 from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
 from scheduler.jobs import transition
-from scheduler.kill import kill_attempt
+from scheduler.kill import KillResult, kill_attempt
 from scheduler.logging import get_logger
 from scheduler.models import VM, Job, JobEvent, StaleProcess
+from scheduler.remote import Attempt
 from scheduler.retry import (
     DEFAULT_POLICY,
     GIVE_UP_PREFIX,
@@ -85,7 +88,7 @@ from scheduler.retry import (
     plan_pending,
 )
 from scheduler.settings import Settings, redact_url
-from scheduler.states import FailureReason, JobStatus, VMStatus
+from scheduler.states import FINAL_STATES, LIVE_STATES, FailureReason, JobStatus, VMStatus
 from scheduler.transport import Transport, VMTarget
 
 log = get_logger("requeue")
@@ -178,6 +181,18 @@ class _Announce:
     published_at: datetime | None
 
 
+@dataclass(frozen=True)
+class _Leftover:
+    """An open `stale_processes` row, as the kill needs it."""
+
+    job_id: int
+    attempt: int
+    target: VMTarget
+    run: Attempt | None
+    pid: int | None
+    gpu_indices: list[int] | None
+
+
 def announce_msg_id(job_id: int, attempt: int, published_at: datetime | None) -> str:
     """The `Nats-Msg-Id` for announcing a job again: same state, same id."""
     generation = 0 if published_at is None else int(published_at.timestamp() * 1000)
@@ -244,6 +259,8 @@ class RequeueManager:
                     Job.attempt,
                     Job.remote_pid,
                     Job.gpu_indices,
+                    Job.launch_token,
+                    Job.attempt_dir,
                     VM.name,
                     outage.label("outage_s"),
                 )
@@ -287,6 +304,8 @@ class RequeueManager:
                 attempt=row.attempt,
                 gpu_indices=row.gpu_indices,
                 reason=NODE_LOST,
+                token=row.launch_token,
+                attempt_dir=row.attempt_dir,
                 pid=row.remote_pid,
             )
             await release_in_session(session, row.id)
@@ -544,7 +563,8 @@ class RequeueManager:
         log.info("jobs_announced", count=len(done))
 
     async def _kill_stale(self, report: TickReport) -> None:
-        """Kill leftover attempts on VMs that answer again; close their rows once dead."""
+        """Kill leftover attempts on VMs that answer again; close their rows once dead.
+        A leftover that had already exited 0 may complete its job (`_late_success`)."""
         if self.transport is None:
             return
         async with self.db.transaction() as session:
@@ -562,36 +582,141 @@ class RequeueManager:
                     .limit(BATCH)
                 )
             ).all()
-            work = [(stale.job_id, stale.attempt, VMTarget.from_vm(vm)) for stale, vm in rows]
+            installation = await installation_id(session) if rows else ""
+            work = [
+                _Leftover(
+                    stale.job_id,
+                    stale.attempt,
+                    VMTarget.from_vm(vm),
+                    stored_attempt(
+                        installation,
+                        stale.job_id,
+                        stale.attempt,
+                        stale.launch_token,
+                        stale.attempt_dir,
+                    ),
+                    stale.pid,
+                    stale.gpu_indices,
+                )
+                for stale, vm in rows
+            ]
         if not work:
             return
-        results = await asyncio.gather(*(self._kill_one(j, a, t) for j, a, t in work))
+        results = await asyncio.gather(*(self._kill_one(item) for item in work))
         async with self.db.transaction() as session:
-            for (job_id, attempt, target), error in zip(work, results, strict=True):
+            for item, kill in zip(work, results, strict=True):
+                error = None if kill.dead else kill.describe()[:500]
                 await close_leftover(
                     session,
-                    vm_id=target.id,
-                    job_id=job_id,
-                    attempt=attempt,
-                    error=error[:500] if error is not None else None,
+                    vm_id=item.target.id,
+                    job_id=item.job_id,
+                    attempt=item.attempt,
+                    error=error,
                 )
                 if error is None:
-                    report.killed.append(job_id)
+                    report.killed.append(item.job_id)
                 else:
                     report.kill_failed += 1
+                if kill.outcome == "gone" and kill.exit_code == 0 and item.run is not None:
+                    await self._late_success(session, item, kill)
 
-    async def _kill_one(self, job_id: int, attempt: int, target: VMTarget) -> str | None:
-        """Kill one leftover attempt; None once it is surely dead, else why not yet."""
+    async def _kill_one(self, item: _Leftover) -> KillResult:
+        """Kill one leftover attempt; its result is dead once it surely runs no more."""
         assert self.transport is not None
-        bound = log.bind(job_id=job_id, attempt=attempt, vm=target.name)
+        bound = log.bind(job_id=item.job_id, attempt=item.attempt, vm=item.target.name)
+        if item.run is None:
+            # No launch token: no directory of this installation can be the attempt's.
+            bound.info("stale_process_untraceable")
+            return KillResult("gone")
         kill = await kill_attempt(
-            self.transport, target, job_id, attempt, grace_s=self.config.kill_grace_s
+            self.transport,
+            item.target,
+            item.run,
+            grace_s=self.config.kill_grace_s,
+            launched=item.pid is not None,
         )
         if not kill.dead:
             bound.warning("stale_kill_failed", outcome=kill.describe()[:200])
-            return kill.describe()
-        bound.info("stale_process_killed", outcome=kill.outcome)
-        return None
+        else:
+            bound.info("stale_process_killed", outcome=kill.outcome, exit_code=kill.exit_code)
+        return kill
+
+    async def _late_success(self, session: AsyncSession, item: _Leftover, kill: KillResult) -> None:
+        """One success is enough (docs/decisions.md): a leftover attempt that turns out to
+        have exited 0 completes its job, unless the job has ended meanwhile. A newer attempt
+        still starting or running is superseded: it becomes a leftover itself (its GPUs stay
+        blocked until the next tick has killed it), and the row names the VM and directory
+        of the attempt whose output is the result. Caller's transaction."""
+        assert item.run is not None
+        job = (
+            await session.execute(
+                select(
+                    Job.status,
+                    Job.attempt,
+                    Job.vm_id,
+                    Job.gpu_indices,
+                    Job.launch_token,
+                    Job.attempt_dir,
+                    Job.remote_pid,
+                    Job.output_dir,
+                )
+                .where(Job.id == item.job_id)
+                .with_for_update()
+            )
+        ).one_or_none()
+        bound = log.bind(job_id=item.job_id, attempt=item.attempt, vm=item.target.name)
+        if job is None or JobStatus(job.status) in FINAL_STATES or job.attempt < item.attempt:
+            bound.info("late_success_ignored", status=job.status if job else None)
+            return
+        status = JobStatus(job.status)
+        newer = job.attempt > item.attempt and status in LIVE_STATES
+        where = kill.path or item.run.word()
+        reason = (
+            f"attempt {item.attempt} on {item.target.name} had exited 0 after it was given up"
+            f" for lost: its output is in {job.output_dir} on {item.target.name}"
+            f" (attempt directory {where})"
+        )
+        if newer:
+            reason += f"; attempt {job.attempt} stopped"
+        moved = await transition(
+            session,
+            item.job_id,
+            expected=status,
+            to=JobStatus.COMPLETED,
+            reason=reason,
+            actor=self.actor,
+            values={
+                "exit_code": 0,
+                "failure_reason": None,
+                "status_reason": reason,
+                "vm_id": item.target.id,
+                "gpu_indices": item.gpu_indices,
+                "remote_pid": item.pid,
+                "launch_token": item.run.token,
+                "attempt_dir": kill.path or item.run.path,
+                "completed_attempt": item.attempt,
+                "lease_expires_at": None,
+                "next_attempt_at": None,
+            },
+            attempt=job.attempt,
+        )
+        if not moved:
+            return
+        if newer and job.vm_id is not None:
+            await record_leftover(
+                session,
+                vm_id=job.vm_id,
+                job_id=item.job_id,
+                attempt=job.attempt,
+                gpu_indices=job.gpu_indices,
+                reason="superseded",
+                token=job.launch_token,
+                attempt_dir=job.attempt_dir,
+                pid=job.remote_pid,
+            )
+        await release_in_session(session, item.job_id)
+        metrics.count_recovery("late_success")
+        bound.warning("late_success_completed", superseded=job.attempt if newer else None)
 
     # -- the loop -------------------------------------------------------------------------
 

@@ -35,12 +35,26 @@ FINAL_STATES = frozenset({JobStatus.COMPLETED, JobStatus.CANCELLED})
 LIVE_STATES = frozenset({JobStatus.STARTING, JobStatus.RUNNING})
 
 # Every allowed move. Anything not listed here is refused by `check_move`.
+# queued/pending/failed -> completed: an earlier attempt, given up for lost, turns out to
+# have exited 0 when its VM answers again ("one success is enough", docs/decisions.md).
 ALLOWED_MOVES: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.QUEUED: frozenset(
-        {JobStatus.PENDING, JobStatus.STARTING, JobStatus.FAILED, JobStatus.CANCELLED}
+        {
+            JobStatus.PENDING,
+            JobStatus.STARTING,
+            JobStatus.COMPLETED,
+            JobStatus.FAILED,
+            JobStatus.CANCELLED,
+        }
     ),
     JobStatus.PENDING: frozenset(
-        {JobStatus.QUEUED, JobStatus.STARTING, JobStatus.FAILED, JobStatus.CANCELLED}
+        {
+            JobStatus.QUEUED,
+            JobStatus.STARTING,
+            JobStatus.COMPLETED,
+            JobStatus.FAILED,
+            JobStatus.CANCELLED,
+        }
     ),
     # starting -> queued: the claim's lease expired before the launch was confirmed.
     # starting -> completed/failed: the process ended before its pid was recorded.
@@ -56,7 +70,7 @@ ALLOWED_MOVES: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.RUNNING: frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED}),
     # failed -> queued is a retry (automatic or `rlfleet job retry`); failed -> cancelled
     # is the user saying "no more retries".
-    JobStatus.FAILED: frozenset({JobStatus.QUEUED, JobStatus.CANCELLED}),
+    JobStatus.FAILED: frozenset({JobStatus.QUEUED, JobStatus.COMPLETED, JobStatus.CANCELLED}),
     JobStatus.COMPLETED: frozenset(),
     JobStatus.CANCELLED: frozenset(),
 }

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import click
 
+from scheduler.claims import installation_id
 from scheduler.cli._common import (
     CliContext,
     echo_json,
@@ -18,8 +20,8 @@ from scheduler.cli._common import (
 from scheduler.control import (
     DEFAULT_GRACE_S,
     CancelResult,
-    JobPlace,
     cancel_job,
+    place_of,
     read_progress,
     retry_job,
     stream_log,
@@ -29,7 +31,7 @@ from scheduler.errors import ServiceUnavailable
 from scheduler.jobs import JobSpec, get_job, job_to_dict, list_jobs
 from scheduler.states import JobStatus
 from scheduler.submit import submit_job
-from scheduler.transport import VMTarget, make_transport
+from scheduler.transport import make_transport
 
 
 @click.group("job")
@@ -155,13 +157,7 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
         async with db.transaction() as session:
             job = await get_job(session, job_id, with_events=True)
             data = job_to_dict(job, events=True)
-            place = JobPlace(
-                job.id,
-                job.status,
-                job.attempt,
-                VMTarget.from_vm(job.vm) if job.vm is not None else None,
-                job.gpu_indices,
-            )
+            place = place_of(job, await installation_id(session))
         data["progress"], data["progress_error"] = None, None
         if not no_progress and place.attempt > 0 and place.target is not None:
             transport = make_transport()
@@ -251,6 +247,7 @@ _KILL_WORDS = {
     "gone": "process had already ended",
     "fenced": "stopped before it started",
 }
+# Any other outcome (`nopid`, `missing`, `unreachable: …`) leaves the attempt's fate unknown.
 
 
 @group.command("retry")
@@ -275,8 +272,10 @@ def retry(ctx: CliContext, job_id: int) -> None:
 def logs(ctx: CliContext, job_id: int, follow: bool, attempt: int | None) -> None:
     """Print a job's train.log from its VM (every attempt's log is kept)."""
 
-    def write(text: str) -> None:
-        click.echo(text, nl=False)
+    def write(data: bytes) -> None:
+        # The bytes as the job wrote them: a log is not always valid UTF-8.
+        sys.stdout.buffer.write(data)
+        sys.stdout.buffer.flush()
 
     async def go(db: Database) -> None:
         transport = make_transport()

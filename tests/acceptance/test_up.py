@@ -166,7 +166,8 @@ def test_up_runs_a_job_on_the_local_vm_stops_cleanly_and_restarts_on_the_same_da
     )
     assert job["status"] == "completed", job
     assert [e["to"] for e in job["events"]][-2:] == ["running", "completed"]
-    assert (home / ".rlfleet" / "jobs" / job_id / "1" / "exit_code").read_text().strip() == "0"
+    assert job["attempt_dir"].startswith(f"{home}/.rlfleet/")
+    assert (Path(job["attempt_dir"]) / "exit_code").read_text().strip() == "0"
     # And its metrics saw the dispatch, the job's wait and its start
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
         page = r.read().decode()

@@ -25,6 +25,7 @@ from scheduler.claims import (
 from scheduler.db import Database
 from scheduler.jobs import get_job
 from scheduler.models import GPU, VM, Job, StaleProcess
+from scheduler.remote import default_output_dir
 from tests.workloads.support import add_vm_row, new_job
 
 
@@ -57,7 +58,9 @@ async def test_best_fit_keeps_big_holes_for_big_jobs(db: Database) -> None:
         job = await get_job(session, four, with_events=True)
         available = dict((await session.execute(select(VM.id, VM.available_gpus))).all())
     assert job.status == "starting" and job.attempt == 1 and job.vm_id == mid
-    assert job.gpu_indices == [0, 1, 2, 3] and job.output_dir == f"~/.rlfleet/outputs/{four}"
+    assert job.gpu_indices == [0, 1, 2, 3]
+    assert job.output_dir == default_output_dir(c4.installation, four)
+    assert job.launch_token == c4.token and c4.run.attempt == 1 and job.attempt_dir is None
     assert job.lease_expires_at is not None and job.lease_expires_at > job.starting_at
     assert [(e.from_status, e.to_status) for e in job.events][-1] == ("queued", "starting")
     assert available == {big: 8, small: 0, mid: 0}
@@ -109,7 +112,7 @@ async def test_a_job_whose_earlier_attempt_may_still_run_is_not_claimed(db: Data
     job_id = await new_job(db)
     async with db.transaction() as session:
         await record_leftover(
-            session, vm_id=old_vm, job_id=job_id, attempt=1, gpu_indices=[0], reason="t"
+            session, vm_id=old_vm, job_id=job_id, attempt=1, gpu_indices=[0], reason="t", token=None
         )
     refused = await claim_gpus(db, job_id, actor="test")
     assert isinstance(refused, NoClaim) and refused.waiting and not refused.contended
@@ -124,7 +127,7 @@ async def test_a_job_whose_earlier_attempt_may_still_run_is_not_claimed(db: Data
     async with db.transaction() as session:
         await session.execute(update(VM).where(VM.id == old_vm).values(status="healthy"))
         await record_leftover(
-            session, vm_id=old_vm, job_id=other, attempt=1, gpu_indices=None, reason="t"
+            session, vm_id=old_vm, job_id=other, attempt=1, gpu_indices=None, reason="t", token=None
         )
     assert isinstance(await claim_gpus(db, other, actor="test"), NoClaim)
     async with db.transaction() as session:

@@ -19,12 +19,16 @@ from scheduler.control import CancelResult, cancel_job
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats, free_port
 from scheduler.models import GPU, Job, JobEvent, StaleProcess
-from scheduler.remote import job_dir
+from scheduler.remote import job_base
 from scheduler.requeue import RequeueManager
 from scheduler.transport import CommandResult, Transport, VMTarget, make_transport
 from tests.fleet import SimFleet
 from tests.workloads.support import (
     FAKE_TRAIN,
+    attempt_dirs,
+    current_attempt,
+    installation,
+    job_attempt_dir,
     job_row,
     new_job,
     polled_fleet,
@@ -54,16 +58,18 @@ async def test_a_published_job_runs_on_the_gpus_it_claimed(
         await nc.close()
         job = await wait_status(db, job_id, "running")
 
-    d = home / job_dir(job_id, 1)
+    d = await job_attempt_dir(db, job_id, home)
+    assert str(d) == job.attempt_dir
     assert (job.vm_id, job.gpu_indices, job.attempt) == (ids["vm0"], [0], 1)
     assert job.lease_expires_at is None and job.running_at is not None
     assert int((d / "pid").read_text()) == job.remote_pid
     assert (await wait_file(d / "exit_code")).strip() == "0"
     log = (d / "train.log").read_text()
     assert "CUDA_VISIBLE_DEVICES=0" in log
+    outputs = f"{home}/.rlfleet/{await installation(db)}/outputs/{job_id}"
     argv = [
         "--model", "tiny", "--dataset", "data.jsonl", "--reward_function", "format",
-        "--reward_function", "mod:fn", "--output_dir", f"{home}/.rlfleet/outputs/{job_id}",
+        "--reward_function", "mod:fn", "--output_dir", outputs,
         *extra,
     ]  # fmt: skip
     assert f"args={argv!r}" in log
@@ -110,8 +116,9 @@ async def test_duplicates_unknown_and_malformed_messages(
     assert dispatcher.stats.launched == 1
     assert dispatcher.stats.terminated == 3
     assert dispatcher.stats.skipped == 4  # two repeats, the unknown id, the cancelled job
-    attempts = list((fleet[0].home / ".rlfleet/jobs" / str(job_id)).iterdir())
-    assert [p.name for p in attempts] == ["1"]
+    base = fleet[0].home / job_base(await installation(db), job_id)
+    run = await current_attempt(db, job_id)
+    assert [p.name for p in base.iterdir()] == [f"1-{run.token}"]
     assert (await job_row(db, cancelled)).status == "cancelled"
 
 
@@ -141,7 +148,7 @@ async def test_a_multi_gpu_job_starts_through_accelerate(
         await publish(nc, job_id)
         await nc.close()
         await wait_status(db, job_id, "running")
-    d = fleet[0].home / job_dir(job_id, 1)
+    d = await job_attempt_dir(db, job_id, fleet[0].home)
     assert (await wait_file(d / "exit_code", timeout=60)).strip() == "0"
     launch = (d / "launch.sh").read_text()
     assert "-m accelerate.commands.launch --num_processes 2 " + shlex.quote(str(FAKE_TRAIN)) in (
@@ -244,7 +251,7 @@ async def test_a_dispatcher_dying_between_claim_and_launch_blocks_nothing_for_ev
     await transport.close()
     await nc.close()
     assert job.attempt == 2
-    attempt_1 = fleet[0].home / job_dir(job_id, 1)
+    [attempt_1] = attempt_dirs(fleet[0].home, await installation(db), job_id, 1)
     assert (attempt_1 / "fenced").exists() and not (attempt_1 / "pid").exists()
 
 
@@ -306,7 +313,9 @@ async def test_cancelled_during_launch_is_killed_not_run(
         nc = await nats_client.connect(nats.url)
         await publish(nc, job_id)
         await nc.close()
-        code = await wait_file(fleet[0].home / job_dir(job_id, 1) / "exit_code")
+        await wait_status(db, job_id, "cancelled")
+        attempt_1 = await job_attempt_dir(db, job_id, fleet[0].home)
+        code = await wait_file(attempt_1 / "exit_code")
     await transport.close()
     assert code.strip() == "143"
     assert d.stats.launched == 0
@@ -339,7 +348,7 @@ async def test_a_cancel_that_beats_the_launch_fences_it_off(
     await plain.close()
     assert [(c.kill, c.dead) for c in cancelled] == [("fenced", True)]
     assert (d.stats.skipped, d.stats.launched, d.stats.launch_failed) == (1, 0, 0)
-    attempt_dir = fleet[0].home / job_dir(job_id, 1)
+    attempt_dir = await job_attempt_dir(db, job_id, fleet[0].home)
     assert (attempt_dir / "fenced").exists()
     assert not (attempt_dir / "pid").exists() and not (attempt_dir / "train.log").exists()
     job = await job_row(db, job_id)

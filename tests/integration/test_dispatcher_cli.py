@@ -15,11 +15,11 @@ from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.jobs import transition
 from scheduler.models import GPU
-from scheduler.remote import job_dir
 from scheduler.states import JobStatus
 from tests.fleet import SimFleet
 from tests.workloads.support import (
     RLFLEET,
+    job_attempt_dir,
     job_row,
     new_job,
     polled_fleet,
@@ -63,7 +63,7 @@ async def test_cancel_kills_a_running_job_and_frees_its_gpus(
     job = await job_row(db, job_id)
     assert job.status == "cancelled" and job.finished_at is not None
     assert job.remote_pid not in fleet[0].processes()
-    d = fleet[0].home / job_dir(job_id, 1)
+    d = await job_attempt_dir(db, job_id, fleet[0].home)
     assert (await wait_file(d / "exit_code")).strip() == "143"
     async with db.transaction() as session:
         assert await session.scalar(select(func.count()).where(GPU.job_id.is_not(None))) == 0
@@ -126,7 +126,7 @@ async def test_retry_logs_of_every_attempt_and_show(
         nc = await nats_client.connect(nats.url)
         await publish(nc, job_id)
         await wait_status(db, job_id, "running")
-        d1 = fleet[0].home / job_dir(job_id, 1)
+        d1 = await job_attempt_dir(db, job_id, fleet[0].home)
         assert (await wait_file(d1 / "exit_code")).strip() == "75"
         # The poller's part, done by hand: the attempt failed and its GPUs are free.
         async with db.transaction() as session:
@@ -146,7 +146,7 @@ async def test_retry_logs_of_every_attempt_and_show(
         job = await wait_status(db, job_id, "running")
         assert job.attempt == 2
         follow = asyncio.create_task(rlfleet(db, nats, "job", "logs", str(job_id), "--follow"))
-        d2 = fleet[0].home / job_dir(job_id, 2)
+        d2 = await job_attempt_dir(db, job_id, fleet[0].home)
         await wait_file(d2 / "progress.json")
         code, shown, err = await rlfleet(db, nats, "job", "show", str(job_id))
         assert code == 0, err

@@ -21,11 +21,13 @@ from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller, run_poller
 from scheduler.models import GPU, Job, JobEvent
+from scheduler.remote import job_base
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.transport import make_transport
 from tests.fleet import SimFleet
 from tests.workloads.support import (
     FAKE_TRAIN,
+    installation,
     new_job,
     publish,
     read_records,
@@ -133,9 +135,10 @@ async def test_three_dispatchers_never_share_a_gpu_or_launch_twice(
     assert set(out_of_starting.values()) == {1}
     recorded_running = sum(1 for _job, to in out_of_starting if to == "running")
     assert sum(d.stats.launched for d in dispatchers) == recorded_running
+    inst = await installation(db)
     for job in jobs:
-        attempt_dirs = list((homes[job.vm_id] / ".rlfleet/jobs" / str(job.id)).iterdir())
-        assert [p.name for p in attempt_dirs] == ["1"]
+        dirs = list((homes[job.vm_id] / job_base(inst, job.id)).iterdir())
+        assert [p.name for p in dirs] == [f"1-{job.launch_token}"]
         assert len(job.gpu_indices) == sizes[job.id]
     runs = read_records(records)
     starts = Counter(r["job_id"] for r in runs if r["event"] == "start")

@@ -9,28 +9,37 @@ from sqlalchemy import update
 from scheduler.control import stream_log
 from scheduler.db import Database
 from scheduler.models import Job
-from scheduler.remote import job_dir
+from scheduler.remote import new_token
 from scheduler.transport import make_transport
 from tests.fleet import SimFleet
-from tests.workloads.support import new_job
+from tests.workloads.support import current_attempt, new_job
 
 
 async def test_following_a_log_written_mid_line_and_mid_character_loses_nothing(
     sim_fleet, db: Database
 ) -> None:
     """Given a running job whose train.log is written in pieces that end inside a line
-    and inside a UTF-8 character, `--follow` prints exactly the bytes written, once: no
-    replacement characters, nothing skipped or repeated; it ends when the job does."""
+    and inside a UTF-8 character, and that holds invalid UTF-8, `--follow` prints exactly
+    the bytes written, once: nothing replaced, skipped or repeated; it ends when the job
+    does."""
     fleet: SimFleet = await sim_fleet(1)
     vm_id = (await fleet.register(db))["vm0"]
     job_id = await new_job(db)
     async with db.transaction() as session:
         await session.execute(
-            update(Job).where(Job.id == job_id).values(status="running", vm_id=vm_id, attempt=1)
+            update(Job)
+            .where(Job.id == job_id)
+            .values(status="running", vm_id=vm_id, attempt=1, launch_token=new_token())
         )
-    log = fleet[0].home / job_dir(job_id, 1) / "train.log"
+    log = fleet[0].home / (await current_attempt(db, job_id)).relative / "train.log"
     log.parent.mkdir(parents=True)
-    pieces = [b"step 1 caf", "é".encode()[:1], "é ok\n".encode()[1:], b"step 2\n"]
+    pieces = [
+        b"step 1 caf",
+        "é".encode()[:1],
+        "é ok\n".encode()[1:],
+        b"bad \xff\xfe bytes\n",
+        b"step 2\n",
+    ]
 
     async def write_slowly() -> None:
         for piece in pieces:
@@ -40,7 +49,7 @@ async def test_following_a_log_written_mid_line_and_mid_character_loses_nothing(
         async with db.transaction() as session:
             await session.execute(update(Job).where(Job.id == job_id).values(status="completed"))
 
-    out: list[str] = []
+    out: list[bytes] = []
     transport = make_transport()
     try:
         writer = asyncio.create_task(write_slowly())
@@ -50,4 +59,4 @@ async def test_following_a_log_written_mid_line_and_mid_character_loses_nothing(
         await writer
     finally:
         await transport.close()
-    assert "".join(out) == "step 1 café ok\nstep 2\n"
+    assert b"".join(out) == b"".join(pieces)

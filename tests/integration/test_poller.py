@@ -22,7 +22,7 @@ from scheduler.models import GPU, VM, JobEvent
 from scheduler.states import JobStatus
 from scheduler.transport import SSHTransport
 from tests.fleet import FAKE_TRAIN, SimFleet, SimVM
-from tests.workloads.support import job_row
+from tests.workloads.support import current_attempt, job_attempt_dir, job_row
 
 
 @pytest.fixture
@@ -58,27 +58,32 @@ async def launch_job(
             to=JobStatus.STARTING,
             reason="claimed",
             actor="test",
-            values={"vm_id": vm_id, "attempt": 1, "gpu_indices": [gpu]},
+            values={
+                "vm_id": vm_id,
+                "attempt": 1,
+                "gpu_indices": [gpu],
+                "launch_token": remote.new_token(),
+            },
         )
         await session.execute(
             update(GPU).where(GPU.vm_id == vm_id, GPU.index == gpu).values(job_id=job.id)
         )
         job_id = job.id
+    run = await current_attempt(db, job_id)
     spec = remote.LaunchSpec(
-        job_id=job_id,
-        attempt=1,
+        run=run,
         python=sys.executable,
         entrypoint=str(FAKE_TRAIN),
         gpu_indices=[gpu],
         model="m",
         dataset="d",
         reward_functions=["format"],
-        output_dir=remote.default_output_dir(job_id),
+        output_dir=remote.default_output_dir(run.installation, job_id),
         extra_args=list(fake_args),
     )
     result = await transport.run(vm.target(vm_id), remote.launch_script(spec), timeout=20)
-    launched = remote.parse_launch(result.stdout)
-    assert launched is not None, result.stderr
+    launched = remote.parse_launch(result.stdout, run)
+    assert launched is not None and launched.path is not None, result.stderr
     async with db.transaction() as session:
         await transition(
             session,
@@ -87,13 +92,13 @@ async def launch_job(
             to=JobStatus.RUNNING,
             reason="launched",
             actor="test",
-            values={"remote_pid": launched.pid},
+            values={"remote_pid": launched.pid, "attempt_dir": launched.path},
         )
     return job_id
 
 
-async def wait_for_exit_code(vm: SimVM, job_id: int, timeout: float = 20) -> None:
-    path = vm.home / remote.job_dir(job_id, 1) / "exit_code"
+async def wait_for_exit_code(db: Database, vm: SimVM, job_id: int, timeout: float = 20) -> None:
+    path = await job_attempt_dir(db, job_id, vm.home) / "exit_code"
     deadline = time.monotonic() + timeout
     while not path.exists():
         assert time.monotonic() < deadline, f"job {job_id} never ended"
@@ -159,7 +164,7 @@ async def test_a_process_left_on_a_finished_jobs_gpu_keeps_it_out_of_use(
             (job_id, False),
             (None, False),
         ]
-        await wait_for_exit_code(fleet[0], job_id)
+        await wait_for_exit_code(db, fleet[0], job_id)
         assert (await poller.sweep()).jobs_finished == 1
         assert (await job_row(db, job_id)).status == "completed"
         assert [(g.job_id, g.foreign_busy) for g in await gpus_of(db, vm_id)] == [
@@ -231,9 +236,9 @@ async def test_finished_jobs_are_moved_with_exit_code_and_reason_and_free_their_
     oom = await launch_job(db, transport, vm, vm_id, 3, "--fake_oom_once")
     gone = await launch_job(db, transport, vm, vm_id, 4, "--fake_seconds", "60")
     for job_id in (ok, bad, config, oom):
-        await wait_for_exit_code(vm, job_id)
+        await wait_for_exit_code(db, vm, job_id)
     # (the last one is killed with its wrapper, as by a reboot: no exit code is written)
-    pid = int((vm.home / remote.job_dir(gone, 1) / "pid").read_text())
+    pid = int((await job_attempt_dir(db, gone, vm.home) / "pid").read_text())
     os.killpg(pid, signal.SIGKILL)
     await wait_dead(pid)
     # When the poller sweeps

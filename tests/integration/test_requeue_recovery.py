@@ -22,7 +22,7 @@ from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
 from scheduler.jobs import transition
 from scheduler.models import GPU, VM, JobEvent, StaleProcess
-from scheduler.remote import FENCED_EXIT, LaunchSpec, job_dir, launch_script
+from scheduler.remote import FENCED_EXIT, LaunchSpec, launch_script
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.states import JobStatus
 from scheduler.transport import Transport, VMTarget, make_transport
@@ -30,6 +30,7 @@ from tests.fleet import SimFleet
 from tests.workloads.support import (
     FAKE_TRAIN,
     alive,
+    job_attempt_dir,
     new_job,
     running_dispatcher,
     wait_file,
@@ -107,11 +108,12 @@ async def test_a_job_on_a_lost_vm_resumes_elsewhere_and_its_leftover_is_killed(
             assert alive(lost_pid), "the partitioned VM's process lives on meanwhile"
             new_vm = by_id[second.vm_id]
             log = await wait_file(
-                new_vm.home / job_dir(job_id, second.attempt) / "train.log",
+                await job_attempt_dir(db, job_id, new_vm.home) / "train.log",
                 needle="fake_train: args=",
             )
             assert "'--resume', 'auto'" in log
-            first_log = (lost_vm.home / job_dir(job_id, first.attempt) / "train.log").read_text()
+            assert first.attempt_dir is not None
+            first_log = (Path(first.attempt_dir) / "train.log").read_text()
             assert "--resume" not in first_log
 
             # The VM answers again: its GPU stays out of use until the leftover is dead.
@@ -239,9 +241,9 @@ async def test_a_launch_that_outlives_its_lease_is_fenced_off(
         claim.attempt,
         True,
     )
+    assert stale.launch_token == claim.token
     late = LaunchSpec(
-        job_id=job_id,
-        attempt=claim.attempt,
+        run=claim.run,
         python=target.python,
         entrypoint=target.entrypoint,
         gpu_indices=claim.gpu_indices,
@@ -253,5 +255,5 @@ async def test_a_launch_that_outlives_its_lease_is_fenced_off(
     )
     result = await transport.run(target, launch_script(late), timeout=20)
     assert result.exit_status == FENCED_EXIT, result.stderr
-    attempt_dir = fleet[0].home / job_dir(job_id, claim.attempt)
+    attempt_dir = fleet[0].home / claim.run.relative
     assert not (attempt_dir / "pid").exists() and not (attempt_dir / "train.log").exists()

@@ -19,10 +19,12 @@ from scheduler.states import (
 EXPECTED_MOVES = {
     ("queued", "pending"),
     ("queued", "starting"),
+    ("queued", "completed"),
     ("queued", "failed"),
     ("queued", "cancelled"),
     ("pending", "queued"),
     ("pending", "starting"),
+    ("pending", "completed"),
     ("pending", "failed"),
     ("pending", "cancelled"),
     ("starting", "running"),
@@ -34,6 +36,7 @@ EXPECTED_MOVES = {
     ("running", "failed"),
     ("running", "cancelled"),
     ("failed", "queued"),
+    ("failed", "completed"),
     ("failed", "cancelled"),
 }
 ALL_PAIRS = list(itertools.product([s.value for s in JobStatus], repeat=2))

@@ -1,7 +1,8 @@
 """A stand-in for train_grpo.py in scheduler tests (contract 4): cheap, no torch.
 
 It accepts and ignores train_grpo.py's flags and obeys a few of its own:
-`--fake_seconds S` sleeps, `--fake_exit N` exits with N, `--fake_oom_once` fails with a
+`--fake_seconds S` sleeps (`--fake_retry_seconds S` instead on attempts after the first),
+`--fake_exit N` exits with N, `--fake_oom_once` fails with a
 CUDA out-of-memory error (exit 75) on the first attempt only (a marker file in
 `--output_dir` remembers it). It writes progress.json to $RLFLEET_PROGRESS_FILE and, when
 `RLFLEET_FAKE_RECORD` names a directory, one JSON line per run there saying where and on
@@ -23,6 +24,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="fake_train")
     parser.add_argument("--output_dir", default=".")
     parser.add_argument("--fake_seconds", type=float, default=0.0)
+    parser.add_argument("--fake_retry_seconds", type=float, default=None)
     parser.add_argument("--fake_exit", type=int, default=0)
     parser.add_argument("--fake_oom_once", action="store_true")
     parser.add_argument("--max_steps", type=int, default=10)
@@ -74,9 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", flush=True)
         record("end", exit_code=75)
         return 75
+    seconds = args.fake_seconds
+    if args.fake_retry_seconds is not None and os.environ.get("RLFLEET_ATTEMPT", "1") != "1":
+        seconds = args.fake_retry_seconds
     steps = max(1, min(args.max_steps, 5))
     for step in range(1, steps + 1):
-        time.sleep(args.fake_seconds / steps)
+        time.sleep(seconds / steps)
         write_progress(step, steps, "running")
         print(f"fake_train: step {step}/{steps} loss=0.{step}", flush=True)
     write_progress(steps, steps, "finished")

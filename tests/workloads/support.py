@@ -18,10 +18,12 @@ from nats.aio.client import Client as NATS
 from sqlalchemy import select, update
 
 from scheduler import bus
+from scheduler.claims import installation_id, stored_attempt
 from scheduler.db import Database
 from scheduler.dispatcher import GlobalJobDispatcher
 from scheduler.jobs import JobSpec, insert_job
 from scheduler.models import GPU, VM, Job
+from scheduler.remote import Attempt, job_base
 from scheduler.transport import Transport, make_transport
 from tests.fleet import FAKE_TRAIN, SimFleet
 
@@ -187,3 +189,38 @@ async def polled_fleet(
     ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN))
     await mark_polled(db, {vm_id: gpus for vm_id in ids.values()})
     return fleet, ids
+
+
+async def installation(db: Database) -> str:
+    """The database's installation id."""
+    async with db.transaction() as session:
+        return await installation_id(session)
+
+
+async def current_attempt(db: Database, job_id: int) -> Attempt:
+    """The attempt the job row names now (with its recorded directory once launched)."""
+    job = await job_row(db, job_id)
+    run = stored_attempt(
+        await installation(db),
+        job.id,
+        job.completed_attempt or job.attempt,
+        job.launch_token,
+        job.attempt_dir,
+    )
+    assert run is not None, f"job {job_id} has no attempt yet"
+    return run
+
+
+def attempt_dir(home: Path, run: Attempt) -> Path:
+    """Where the attempt's files are on a simulated VM whose $HOME is `home`."""
+    return Path(run.path) if run.path is not None else home / run.relative
+
+
+async def job_attempt_dir(db: Database, job_id: int, home: Path) -> Path:
+    """The directory of the job's current attempt on the VM whose $HOME is `home`."""
+    return attempt_dir(home, await current_attempt(db, job_id))
+
+
+def attempt_dirs(home: Path, installation: str, job_id: int, attempt: int) -> list[Path]:
+    """Every directory of attempt `attempt` of the job under `home` (one per claim of it)."""
+    return sorted((home / job_base(installation, job_id)).glob(f"{int(attempt)}-*"))
