@@ -34,9 +34,10 @@ class StopOnSigterm(TrainerCallback):
     """On SIGTERM, finish the current step, save a checkpoint of it and stop training.
 
     The signal handler only notes the time; the trainer acts at the end of the step, where a
-    checkpoint is consistent. The handler is in place from the start of training to its end,
-    and only for the first TERM: a second one kills at once, as does a TERM during loading
-    (nothing to save yet) or after training (the final model is being written).
+    checkpoint is consistent. The handler is in place from the start of training to its end;
+    a TERM during loading (nothing to save yet) or after training (the final model is being
+    written) kills at once. A repeated TERM changes nothing: under `accelerate launch` each
+    process gets the group's TERM and then the launcher's own.
     """
 
     def __init__(self) -> None:
@@ -51,8 +52,8 @@ class StopOnSigterm(TrainerCallback):
         return self.stopped_at_step is not None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.signalled_at = time.monotonic()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self.signalled_at is None:
+            self.signalled_at = time.monotonic()
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
