@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from typing import Any
 
 from rewards import RewardFunc
@@ -83,15 +83,20 @@ def check_scores(name: str, result: Any, expected: int) -> list[float | None]:
     """`result` as a list of `expected` scores (float or None); UsageError naming `name` if not."""
     if result is None:
         raise UsageError(f"reward function {name} returned None instead of {expected} scores")
-    if isinstance(result, str | bytes) or not isinstance(result, Sequence):
+    # TRL takes any sized iterable: a list, a tuple, a numpy array, a 1-d tensor.
+    try:
+        scores = None if isinstance(result, str | bytes | Mapping | Set) else list(result)
+    except TypeError:  # Not iterable, or a 0-d array.
+        scores = None
+    if scores is None:
         raise UsageError(
             f"reward function {name} returned a {type(result).__name__}, not a list of scores"
         )
-    if len(result) != expected:
+    if len(scores) != expected:
         raise UsageError(
-            f"reward function {name} returned {len(result)} scores for {expected} completions"
+            f"reward function {name} returned {len(scores)} scores for {expected} completions"
         )
-    return [_score(name, index, value) for index, value in enumerate(result)]
+    return [_score(name, index, value) for index, value in enumerate(scores)]
 
 
 def _score(name: str, index: int, value: Any) -> float | None:

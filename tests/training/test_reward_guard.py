@@ -52,6 +52,7 @@ BROKEN = [
     (_returning(0.5), 64, "returned a float, not a list of scores"),
     (_returning("0.5"), 64, "returned a str, not a list of scores"),
     (_returning({"a": 1.0, "b": 2.0}), 64, "returned a dict, not a list of scores"),
+    (_returning({1.0, 0.0}), 64, "returned a set, not a list of scores"),
     (_returning([1.0]), 64, "returned 1 scores for 2 completions"),
     (_returning([1.0, 0.0, 1.0]), 64, "returned 3 scores for 2 completions"),
     (_returning([1.0, "high"]), 64, "returned 'high' (str) as score 1, not a number"),
@@ -103,6 +104,10 @@ def test_numpy_and_torch_scalars_are_numbers():
     import torch
 
     assert check_scores("f", [np.float32(0.5), torch.tensor(1.0)], 2) == [0.5, 1.0]
+    assert check_scores("f", np.array([0.5, 1.0]), 2) == [0.5, 1.0]
+    assert check_scores("f", torch.tensor([0.5, 1.0]), 2) == [0.5, 1.0]
+    with pytest.raises(UsageError, match="returned a Tensor, not a list of scores"):
+        check_scores("f", torch.tensor(1.0), 2)
 
 
 def test_the_wrapper_keeps_trl_s_name_and_pickles():
