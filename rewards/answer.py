@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rewards._text import (
@@ -16,6 +18,9 @@ from rewards._text import (
 )
 
 _INTEGER = re.compile(r"[-+]?\d+")
+
+MATH_VERIFY_TIMEOUT_S = 5
+"""Longest math-verify may take to parse and compare one answer; slower counts as wrong."""
 
 
 def _same_answer(given: str | None, truth: Any) -> bool:
@@ -83,16 +88,56 @@ def math_equivalence(
 
 
 def _math_equal(text: str, truth: Any) -> float:
-    from math_verify import parse, verify
-
     if truth is None:
         return 0.0
     tagged = _ANSWER_TAG.findall(text)
     candidate = tagged[-1] if tagged else text
+    if threading.current_thread() is threading.main_thread():
+        return _verify(str(truth), candidate, MATH_VERIFY_TIMEOUT_S)
+    # math-verify times itself out with SIGALRM, which only the main thread may use: elsewhere
+    # it refuses (and we used to score 0). There, run it without its timeout in a helper thread
+    # and stop waiting after the same time.
+    _hide_timeout_off_warning()
+    return within(MATH_VERIFY_TIMEOUT_S, lambda: _verify(str(truth), candidate, None))
+
+
+def _verify(truth: str, candidate: str, timeout_s: int | None) -> float:
+    from math_verify import parse, verify
+
     try:
-        gold = parse(str(truth))
-        given = parse(candidate)
+        gold = parse(truth, parsing_timeout=timeout_s)  # type: ignore[arg-type]
+        given = parse(candidate, parsing_timeout=timeout_s)  # type: ignore[arg-type]
         # math-verify returns [] when it can extract nothing; that is a wrong answer, not an error.
-        return 1.0 if gold and given and verify(gold, given) else 0.0
+        return 1.0 if gold and given and verify(gold, given, timeout_seconds=timeout_s) else 0.0
     except Exception:  # noqa: BLE001 - a reward must score a malformed completion, never crash training
         return 0.0
+
+
+def within(seconds: float, score: Callable[[], float]) -> float:
+    """`score()` run in a daemon thread, or 0.0 if it takes longer than `seconds`.
+
+    Python cannot stop a thread: one that overruns (sympy on a pathological expression) is
+    left to finish in the background, and training goes on without it.
+    """
+    result: list[float] = []
+    worker = threading.Thread(target=lambda: result.append(score()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    return result[0] if result else 0.0
+
+
+class _OwnTimeout(logging.Filter):
+    """Drops math-verify's warning that its timeout is off: `within` provides one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+_OWN_TIMEOUT = _OwnTimeout()
+
+
+def _hide_timeout_off_warning() -> None:
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logger = logging.getLogger(name)
+        if _OWN_TIMEOUT not in logger.filters:
+            logger.addFilter(_OWN_TIMEOUT)

@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 from rewards import BUILTIN_REWARDS
 from training.errors import EXIT_USAGE
+from training.reward_guard import DEFAULT_MAX_UNSCORED_STEPS
 
 
 @dataclass
@@ -134,6 +135,13 @@ class ScriptArguments:
     save_total_limit: int = field(
         default=2, metadata={"help": "Keep at most this many checkpoints (0 keeps all)."}
     )
+    max_unscored_steps: int = field(
+        default=DEFAULT_MAX_UNSCORED_STEPS,
+        metadata={
+            "help": "Stop with exit 64 after this many steps in a row in which no completion got "
+            "a score (every reward None or NaN); 0 never stops."
+        },
+    )
     resume: str | None = field(
         default=None,
         metadata={
@@ -189,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="train-grpo",
         usage="%(prog)s --model MODEL --dataset DATASET --reward_function NAME [options]",
         description="Train a causal LM with GRPO (TRL) on a prompt dataset and reward functions.",
-        epilog="Exit codes: 0 done, 64 bad arguments or input, 75 transient failure (retry).",
+        epilog="Exit codes: 0 done, 64 bad arguments or input (a reward function that raises or "
+        "returns no valid scores included), 75 transient failure (retry), 143 stopped by SIGTERM "
+        "after saving a checkpoint of the current step (--resume auto continues from it).",
     )
     for f in dataclasses.fields(ScriptArguments):
         _add_argument(parser, f)
@@ -233,6 +243,7 @@ _INTEGER_MINIMUMS: tuple[tuple[str, int], ...] = (
     ("logging_steps", 1),
     ("save_steps", 1),
     ("save_total_limit", 0),
+    ("max_unscored_steps", 0),
 )
 
 

@@ -6,10 +6,14 @@ The scheduler reads the exit code to decide whether a failed attempt is worth re
 from __future__ import annotations
 
 import os
+import signal
 
 EXIT_OK = 0
-EXIT_USAGE = 64  # EX_USAGE: bad arguments or input; permanent, never retried.
+EXIT_USAGE = 64  # EX_USAGE: bad arguments or input, a broken reward function; never retried.
 EXIT_TRANSIENT = 75  # EX_TEMPFAIL: out of GPU memory, a hub download timed out; retried.
+# Stopped by SIGTERM after saving a checkpoint: the shell's code for a TERM kill, so whoever
+# sent it still sees the process killed by it.
+EXIT_TERMINATED = 128 + signal.SIGTERM
 
 # Exception class names (anywhere in the cause chain) that mean the network let us down,
 # from requests, urllib3, httpx and huggingface_hub; matched by name to avoid importing them.
@@ -41,8 +45,12 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(exc)
 
 
-def is_network_timeout(exc: BaseException) -> bool:
-    """True when `exc` or anything in its cause chain is a timeout or failed connection."""
+def is_network_timeout(exc: BaseException, *, hub: bool = True) -> bool:
+    """True when `exc` or anything in its cause chain is a timeout or failed connection.
+
+    With `hub` (loading models and datasets), a refused connection while HF_HUB_OFFLINE or
+    HF_DATASETS_OFFLINE is set is not transient: offline by choice, retrying cannot help.
+    """
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
@@ -52,7 +60,7 @@ def is_network_timeout(exc: BaseException) -> bool:
             return True
         # Refused/reset connections are transient too, unless we are offline on purpose: then
         # the hub is unreachable by design and retrying cannot help.
-        if isinstance(current, ConnectionError) and not _offline_by_choice(current):
+        if isinstance(current, ConnectionError) and not (hub and _offline_by_choice(current)):
             return True
         current = current.__cause__ or current.__context__
     return False

@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +45,18 @@ def eta_seconds(elapsed: float, done: int, remaining: int) -> float | None:
 
 
 class ProgressCallback(TrainerCallback):
-    """Rewrites progress.json at every logging step, from the main process only."""
+    """Rewrites progress.json at every logging step, from the main process only.
 
-    def __init__(self, path: Path, reward_names: list[str]) -> None:
+    `status` is `running`, then `finished`, or `stopped` when `stopped()` says training ended
+    early on a SIGTERM (its checkpoint is that of `step`).
+    """
+
+    def __init__(
+        self, path: Path, reward_names: list[str], stopped: Callable[[], bool] = lambda: False
+    ) -> None:
         self.path = path
         self.reward_names = reward_names
+        self.stopped = stopped
         self.snapshot: dict[str, Any] = {"rewards": {}, "reward": None, "loss": None}
         self._started = time.monotonic()
         self._start_step = 0
@@ -83,7 +91,7 @@ class ProgressCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        self._write(state, "finished")
+        self._write(state, "stopped" if self.stopped() else "finished")
 
     def _write(self, state: TrainerState, status: str) -> None:
         if not state.is_world_process_zero:

@@ -11,11 +11,15 @@ from rewards import BUILTIN_REWARDS, REQUIRED_COLUMNS, RewardError, RewardFunc, 
 from rewards.keywords import keyword_match
 from training.args import ScriptArguments
 from training.errors import UsageError
+from training.reward_guard import GuardedReward, ScoreTally, callable_name, guard
 
 
-def build_rewards(args: ScriptArguments) -> tuple[list[RewardFunc], dict[str, str]]:
-    """The reward callables for `--reward_function`, and the dataset columns they need."""
-    funcs: list[RewardFunc] = []
+def build_rewards(
+    args: ScriptArguments, tally: ScoreTally
+) -> tuple[list[GuardedReward], dict[str, str]]:
+    """The reward callables for `--reward_function`, each guarded and reporting to `tally`,
+    and the dataset columns they need."""
+    funcs: list[GuardedReward] = []
     required: dict[str, str] = {}
     for spec in args.reward_function:
         try:
@@ -30,14 +34,10 @@ def build_rewards(args: ScriptArguments) -> tuple[list[RewardFunc], dict[str, st
                 required[spec] = "keywords"
         if spec in REQUIRED_COLUMNS:
             required[spec] = REQUIRED_COLUMNS[spec]
-        funcs.append(func)
+        funcs.append(guard(func, spec, tally))
     return funcs, required
 
 
-def reward_names(funcs: list[RewardFunc]) -> list[str]:
+def reward_names(funcs: list[RewardFunc] | list[GuardedReward]) -> list[str]:
     """The names TRL logs each reward under."""
-    names = []
-    for func in funcs:
-        inner = func.func if isinstance(func, functools.partial) else func
-        names.append(getattr(inner, "__name__", type(inner).__name__))
-    return names
+    return [callable_name(func) for func in funcs]

@@ -4,7 +4,8 @@
         --reward_function correctness --reward_function strict_format --output_dir out
 
 Also runs as `python -m training.train_grpo` and `python training/train_grpo.py`.
-Exit codes: 0 done, 64 bad arguments or input, 75 transient failure; see training/errors.py.
+Exit codes: 0 done, 64 bad arguments or input, 75 transient failure, 143 stopped by SIGTERM
+with a checkpoint; see training/errors.py.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ if __package__ in (None, ""):
 
 from training.args import ScriptArguments, parse_args  # noqa: E402
 from training.checkpoints import resolve_resume  # noqa: E402
-from training.errors import EXIT_OK, exit_code_for, one_line  # noqa: E402
+from training.errors import EXIT_OK, EXIT_TERMINATED, exit_code_for, one_line  # noqa: E402
 from training.model import require_unsloth  # noqa: E402
+from training.reward_guard import ScoreTally  # noqa: E402
 from training.reward_setup import build_rewards, reward_names  # noqa: E402
 
 
@@ -34,6 +36,8 @@ class TrainResult:
     output_dir: str
     global_step: int
     rewards: list[float]  # Mean reward at each logging step of this run, oldest first.
+    max_steps: int = 0
+    stopped: bool = False  # By SIGTERM, after saving checkpoint-<global_step>; no final model.
 
     @property
     def final_reward(self) -> float | None:
@@ -73,7 +77,8 @@ def run(args: ScriptArguments) -> TrainResult:
     """Check the cheap things first (rewards, resume), then load data and model, train, save."""
     if args.use_unsloth:
         require_unsloth()  # Before anything imports trl or transformers.
-    rewards, required_columns = build_rewards(args)
+    tally = ScoreTally(args.max_unscored_steps)
+    rewards, required_columns = build_rewards(args, tally)
     checkpoint = resolve_resume(args.resume, args.output_dir)
 
     from training import model as loading
@@ -93,23 +98,47 @@ def run(args: ScriptArguments) -> TrainResult:
         if model is None:
             model = loading.load_model(args.model)
 
+        from training.callbacks import ScoreCheckCallback, StopOnSigterm
         from training.progress import ProgressCallback, progress_path
         from training.trainer import build_trainer, logged_rewards, save_final
 
-        progress = ProgressCallback(progress_path(args.output_dir), reward_names(rewards))
-        trainer = build_trainer(args, model, tokenizer, dataset, rewards, [progress], peft_config)
+        names = reward_names(rewards)
+        stop = StopOnSigterm()
+        progress = ProgressCallback(progress_path(args.output_dir), names, lambda: stop.stopped)
+        callbacks = [ScoreCheckCallback(tally, args.reward_function), stop, progress]
+        trainer = build_trainer(args, model, tokenizer, dataset, rewards, callbacks, peft_config)
+        stop.accelerator = trainer.accelerator
     trainer.train(resume_from_checkpoint=checkpoint)
-    save_final(trainer, tokenizer, args.output_dir)
-    return TrainResult(args.output_dir, trainer.state.global_step, logged_rewards(trainer))
+    if not stop.stopped:
+        save_final(trainer, tokenizer, args.output_dir)
+    state = trainer.state
+    return TrainResult(
+        args.output_dir, state.global_step, logged_rewards(trainer), state.max_steps, stop.stopped
+    )
 
 
 def summary(result: TrainResult) -> str:
-    """The one line printed when a run finishes."""
+    """The one line printed when a run finishes (on stdout) or stops on SIGTERM (on stderr)."""
+    if result.stopped:
+        checkpoint = Path(result.output_dir) / f"checkpoint-{result.global_step}"
+        return (
+            f"train-grpo: stopped by SIGTERM after step {result.global_step} of "
+            f"{result.max_steps}; checkpoint saved to {checkpoint} (--resume auto continues)"
+        )
     reward = "n/a" if result.final_reward is None else f"{result.final_reward:.3f}"
     return (
         f"train-grpo: done after {result.global_step} steps, final mean reward {reward}; "
         f"model saved to {result.output_dir}"
     )
+
+
+def close_progress_bars() -> None:
+    """Close the trainer's progress bar (on stderr), so that the line printed next is a line
+    of its own and the bar does not redraw after it when the interpreter exits."""
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is not None:
+        for bar in list(getattr(tqdm.tqdm, "_instances", ())):
+            bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,8 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_code_for(exc)
         if code is None:
             raise
+        close_progress_bars()
         print(f"train-grpo: error: {one_line(exc)}", file=sys.stderr)
         return code
+    if result.stopped:
+        close_progress_bars()
+        print(summary(result), file=sys.stderr)
+        return EXIT_TERMINATED
     print(summary(result), flush=True)
     return EXIT_OK
 

@@ -5,13 +5,13 @@ Imported only after Unsloth (when asked for), because importing trl pulls in tra
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from rewards import RewardFunc
 from training.args import ScriptArguments
 from training.errors import UsageError, one_line
 
@@ -57,7 +57,7 @@ def build_trainer(
     model: Any,
     tokenizer: Any,
     dataset: Any,
-    rewards: list[RewardFunc],
+    rewards: Sequence[Callable[..., Any]],
     callbacks: list[Any],
     peft_config: Any = None,
 ) -> GRPOTrainer:

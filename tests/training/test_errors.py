@@ -57,3 +57,12 @@ def test_connection_errors_are_transient_unless_offline_on_purpose(
     assert exit_code_for(_chained(OSError("cannot load"), OfflineModeIsEnabled("offline"))) is None
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert exit_code_for(ConnectionError("Couldn't reach 'x' on the Hub")) is None
+
+
+def test_a_reward_s_connection_errors_are_transient_even_offline(monkeypatch: pytest.MonkeyPatch):
+    from training.errors import is_network_timeout
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    refused = ConnectionRefusedError(111, "Connection refused")
+    assert not is_network_timeout(refused)  # Loading from the hub while offline: permanent.
+    assert is_network_timeout(refused, hub=False)  # A reward's own judge server: transient.

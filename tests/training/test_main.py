@@ -56,3 +56,17 @@ def test_success_prints_the_summary(
     assert capsys.readouterr().out == (
         "train-grpo: done after 12 steps, final mean reward 0.750; model saved to out\n"
     )
+
+
+def test_a_run_stopped_by_sigterm_exits_143_and_says_where_its_checkpoint_is(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    result = train_grpo.TrainResult("out", 7, [0.5], max_steps=100, stopped=True)
+    monkeypatch.setattr(train_grpo, "run", lambda args: result)
+    assert train_grpo.main(ARGV) == 143
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "train-grpo: stopped by SIGTERM after step 7 of 100; checkpoint saved to "
+        "out/checkpoint-7 (--resume auto continues)\n"
+    )
