@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 def kill_job_processes(home: Path, job_id: int, grace_s: float = 10.0) -> None:
     """TERM, then KILL, the process group of every attempt of the job on the local VM."""
     groups = []
-    for pid_file in (home / ".rlfleet" / "jobs" / str(job_id)).glob("*/pid"):
+    for pid_file in (home / ".rlfleet").glob(f"*/jobs/{int(job_id)}/*/pid"):
         with contextlib.suppress(OSError, ValueError):
             groups.append(int(pid_file.read_text().strip()))
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -266,9 +266,11 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def attempt_dir(home: Path, job: dict[str, Any]) -> Path:
-    """The job's current attempt directory on the local VM (contract 1)."""
-    return home / ".rlfleet" / "jobs" / str(job["id"]) / str(job["attempt"])
+def attempt_dir(home: Path, job: dict[str, Any]) -> Path | None:
+    """The job's current attempt directory on the local VM (contract 1), as its launch
+    recorded it; None before the launch."""
+    recorded = job.get("attempt_dir")
+    return resolve_on_vm(home, recorded) if recorded else None
 
 
 def follow(env: dict[str, str], job_id: int, home: Path, timeout: float) -> str:
@@ -283,7 +285,8 @@ def follow(env: dict[str, str], job_id: int, home: Path, timeout: float) -> str:
             where = f" on {job['vm']} GPU {job['gpu_indices']}" if event["to"] == "running" else ""
             say(f"job {job_id}: {event['from'] or 'new'} -> {event['to']}{where}{reason}")
         seen_events = len(job.get("events", []))
-        progress = read_json(attempt_dir(home, job) / "progress.json")
+        run_dir = attempt_dir(home, job)
+        progress = read_json(run_dir / "progress.json") if run_dir else None
         if progress and progress.get("step") != last_progress:
             last_progress = progress.get("step")
             reward = progress.get("reward")
@@ -309,12 +312,12 @@ def resolve_on_vm(home: Path, path: str) -> Path:
 def report(env: dict[str, str], job_id: int, status: str, home: Path) -> int:
     """Print where the model is and how the reward moved; 0 when the job completed."""
     job = json.loads(rlfleet(env, "job", "show", str(job_id), "--json"))
-    run_dir = attempt_dir(home, job)
+    run_dir = attempt_dir(home, job) or home
     if status != "completed":
         say(f"job {job_id} ended {status}: {job.get('failure_reason')} {job.get('status_reason')}")
         print(f"--- {run_dir / 'train.log'}:\n{tail(run_dir / 'train.log', 20)}", flush=True)
         return 1
-    output = resolve_on_vm(home, job.get("output_dir") or f".rlfleet/outputs/{job_id}")
+    output = resolve_on_vm(home, job["output_dir"])
     rewards = rewards_from_log(run_dir / "train.log")
     progress = read_json(run_dir / "progress.json") or {}
     first = rewards[0] if rewards else None

@@ -29,6 +29,7 @@ from scheduler.control import (
 from scheduler.db import Database
 from scheduler.errors import ServiceUnavailable
 from scheduler.jobs import JobSpec, get_job, job_to_dict, list_jobs
+from scheduler.remote import default_output_dir
 from scheduler.states import JobStatus
 from scheduler.submit import submit_job
 from scheduler.transport import make_transport
@@ -157,7 +158,10 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
         async with db.transaction() as session:
             job = await get_job(session, job_id, with_events=True)
             data = job_to_dict(job, events=True)
-            place = place_of(job, await installation_id(session))
+            installation = await installation_id(session)
+            place = place_of(job, installation)
+        # Where the outputs are on the VM, also when the job named no --output-dir.
+        data["output_dir"] = data["output_dir"] or default_output_dir(installation, job_id)
         data["progress"], data["progress_error"] = None, None
         if not no_progress and place.attempt > 0 and place.target is not None:
             transport = make_transport()
