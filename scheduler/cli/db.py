@@ -20,8 +20,9 @@ def group() -> None:
 def upgrade(ctx: CliContext, revision: str) -> None:
     """Apply every migration up to REVISION (safe to run again)."""
     try:
-        migrate.upgrade(ctx.settings.database_url, revision)
-        now = migrate.current_revision(ctx.settings.database_url)
+        url = ctx.database_url
+        migrate.upgrade(url, revision)
+        now = migrate.current_revision(url)
     except OperationalError as exc:
         raise ctx.database_unreachable(exc) from exc
     click.echo(f"database at revision {now}")
@@ -33,10 +34,11 @@ def upgrade(ctx: CliContext, revision: str) -> None:
 def current(ctx: CliContext, as_json: bool) -> None:
     """Show the database's revision and whether it is up to date."""
     try:
-        now = migrate.current_revision(ctx.settings.database_url)
+        url = ctx.database_url
+        now = migrate.current_revision(url)
     except OperationalError as exc:
         raise ctx.database_unreachable(exc) from exc
-    head = migrate.head_revision(ctx.settings.database_url)
+    head = migrate.head_revision(url)
     if as_json:
         echo_json({"current": now, "head": head, "up_to_date": now == head})
         return
