@@ -94,10 +94,10 @@ def run_guarded(command: click.Command, argv: Sequence[str] | None) -> int:
         click.echo("Aborted.", err=True)
         return 1
     except click.ClickException as exc:
-        click.echo(f"Error: {exc.format_message()}", err=True)
+        click.echo(one_line(f"Error: {exc.format_message()}"), err=True)
         return exc.exit_code
     except RlfleetError as exc:
-        click.echo(f"Error: {exc}", err=True)
+        click.echo(one_line(f"Error: {exc}"), err=True)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
@@ -161,6 +161,12 @@ class Seconds(click.ParamType):
             self.fail(str(exc).removeprefix("it "), param, ctx)
 
 
+def one_line(message: str) -> str:
+    """`message` on one printable line: a value the user typed may hold a newline, a
+    carriage return or bytes that were not UTF-8, and the line must stay one line."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
+
+
 def to_jsonable(value: Any) -> Any:
     """Datetimes as ISO strings, everything else unchanged, recursively."""
     if isinstance(value, datetime):
@@ -197,7 +203,7 @@ def json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def warn(message: str) -> None:
     """One warning line on stderr."""
-    click.echo(f"Warning: {message}", err=True)
+    click.echo(one_line(f"Warning: {message}"), err=True)
 
 
 def stdout_is_tty() -> bool:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import click
+from alembic.util.exc import CommandError
 from sqlalchemy.exc import OperationalError
 
 from scheduler import migrate
-from scheduler.cli._common import CliContext, echo_json, json_option, pass_cli
+from scheduler.cli._common import CliContext, ColumnText, echo_json, json_option, pass_cli
+from scheduler.errors import BadInput, error_line
+from scheduler.validate import shown
 
 
 @click.group("db")
@@ -15,7 +18,9 @@ def group() -> None:
 
 
 @group.command("upgrade")
-@click.option("--revision", default="head", show_default=True, help="Target revision.")
+@click.option(
+    "--revision", default="head", show_default=True, type=ColumnText(), help="Target revision."
+)
 @pass_cli
 def upgrade(ctx: CliContext, revision: str) -> None:
     """Apply every migration up to REVISION (safe to run again)."""
@@ -25,6 +30,8 @@ def upgrade(ctx: CliContext, revision: str) -> None:
         now = migrate.current_revision(url)
     except OperationalError as exc:
         raise ctx.database_unreachable(exc) from exc
+    except CommandError as exc:  # no such revision, or not one ahead of the database
+        raise BadInput(f"cannot upgrade to {shown(revision)}: {error_line(exc)}") from exc
     click.echo(f"database at revision {now}")
 
 

@@ -63,14 +63,14 @@ def group() -> None:
     "--gpus",
     default=1,
     show_default=True,
-    type=ColumnInt(Job.gpus_requested),
+    type=ColumnInt(Job.gpus_requested, hi=MAX_GPUS),
     help=f"GPUs on one VM (1-{MAX_GPUS}); refused when no polled VM has that many.",
 )
 @click.option(
     "--max-retries",
     default=3,
     show_default=True,
-    type=ColumnInt(Job.max_retries),
+    type=ColumnInt(Job.max_retries, hi=MAX_RETRIES),
     help=f"Retries after a retryable failure (0-{MAX_RETRIES}).",
 )
 @click.option(

@@ -35,7 +35,11 @@ def group() -> None:
     "--host", required=True, type=ColumnText(VM.host), help="Hostname or IP address to SSH to."
 )
 @click.option(
-    "--port", default=22, show_default=True, type=ColumnInt(VM.port), help="SSH port (1-65535)."
+    "--port",
+    default=22,
+    show_default=True,
+    type=ColumnInt(VM.port, lo=1, hi=65535),
+    help="SSH port.",
 )
 @click.option(
     "--user", type=ColumnText(VM.user), help="SSH login (default: the user running the daemons)."
