@@ -32,7 +32,10 @@ def group() -> None:
 @group.command("add")
 @click.argument("name", type=VM_NAME)
 @click.option(
-    "--host", required=True, type=ColumnText(VM.host), help="Hostname or IP address to SSH to."
+    "--host",
+    required=True,
+    type=ColumnText(VM.host, empty_ok=True),
+    help="Hostname or IP address to SSH to.",
 )
 @click.option(
     "--port",

@@ -132,7 +132,9 @@ async def test_malformed_rows_fail_with_config_error_and_the_batch_goes_on(
     await polled_fleet(sim_fleet, db, 2, 2)
     async with db.transaction() as session:
         for name in ("extra_args_strings", "gpus_positive"):
-            await session.execute(text(f"ALTER TABLE jobs DROP CONSTRAINT IF EXISTS ck_jobs_{name}"))
+            await session.execute(
+                text(f"ALTER TABLE jobs DROP CONSTRAINT IF EXISTS ck_jobs_{name}")
+            )
     bad = {await _insert_by_hand(db, extra, gpus): why for (extra, gpus), why in BAD_ROWS.items()}
     # Admitted by every constraint, but it would set what rlfleet sets itself.
     sneaky = await _insert_by_hand(db, '["--output_dir", "/tmp/elsewhere"]', 1)
