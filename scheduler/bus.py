@@ -118,6 +118,8 @@ def _client(
         bound.warning("nats_connect_failed", error=error, retry_in_s=round(wait, 2))
 
     async def on_disconnect() -> None:
+        if nc.is_closed:  # our own close(): nothing went wrong
+            return
         bound.warning("nats_disconnected")
 
     async def on_reconnect() -> None:

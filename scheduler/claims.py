@@ -32,7 +32,8 @@ from scheduler.jobs import transition
 from scheduler.logging import get_logger
 from scheduler.models import VM, Installation, Job, StaleProcess
 from scheduler.remote import ROOT, Attempt, new_token
-from scheduler.states import JobStatus, VMStatus, check_move
+from scheduler.states import FailureReason, JobStatus, VMStatus, check_move
+from scheduler.validate import job_row_problem
 
 DEFAULT_LEASE_S = 60.0
 CANDIDATE_VMS = 4
@@ -133,6 +134,19 @@ WHERE {_USABLE_VM} AND {_FREE_GPU} GROUP BY g.vm_id
 )
 check_move(JobStatus.QUEUED, JobStatus.STARTING)  # the state machine still has the last word
 
+LARGEST_VM_SQL = text(
+    "SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM gpus GROUP BY vm_id) c"
+)
+"""The most GPUs any one VM has, whatever its state: a job asking for more can never run
+(until a bigger VM is added), so it is never worth waiting, or holding others back, for."""
+
+
+def unsatisfiable_reason(need: int, largest_vm: int) -> str:
+    """Why a job can never run on the fleet as it is, in the words `job list` shows."""
+    unit = "GPU" if need == 1 else "GPUs"
+    return f"no VM has {need} {unit} (the largest has {largest_vm})"
+
+
 JOBS_EXISTING_SQL = text("SELECT id FROM jobs WHERE id = ANY(:ids)")
 
 MAX_KILL_WAITS = 5
@@ -224,6 +238,8 @@ class NoClaim:
     waiting: bool = False
     """An earlier attempt of the job may still run (`leftover_may_run`): ask again once
     the requeue manager has killed it."""
+    rejected: bool = False
+    """The job row cannot be launched (`validate.job_row_problem`): it failed just now."""
 
 
 def pending_reason(need: int, largest_free: int) -> str:
@@ -270,7 +286,12 @@ async def claim_batch_in_session(
     if len(jobs) < len(ids):  # unknown ids, or rows another transaction holds right now
         missing = [i for i in ids if i not in jobs]
         busy = set((await conn.execute(JOBS_EXISTING_SQL, {"ids": missing})).scalars())
-    queued = [row for row in jobs.values() if row.status == JobStatus.QUEUED]
+    # A row written by hand that the launch cannot use fails its job (config_error) here,
+    # and the rest of the batch goes on.
+    unusable = {row.id: job_row_problem(row) for row in jobs.values()}
+    queued = [
+        row for row in jobs.values() if row.status == JobStatus.QUEUED and not unusable[row.id]
+    ]
     shortlist = await _shortlist(conn, queued, candidates) if len(queued) > 1 else None
     results: list[Claim | NoClaim] = []
     seen: set[int] = set()
@@ -288,10 +309,30 @@ async def claim_batch_in_session(
         elif row.leftover:
             reason = "an earlier attempt may still run; it is being killed"
             results.append(NoClaim(job_id, row.status, reason, waiting=True))
+        elif unusable[job_id]:
+            results.append(await _fail_unusable(conn, job_id, unusable[job_id] or "", actor))
         else:
             results.append(await _claim_one(conn, row, actor, lease_s, candidates, shortlist))
         seen.add(job_id)
     return results
+
+
+async def _fail_unusable(conn: AsyncConnection, job_id: int, problem: str, actor: str) -> NoClaim:
+    """`queued → failed` with `config_error`: the row cannot be launched as it is, and
+    never will be (the retry policy does not retry a config_error)."""
+    reason = f"invalid job: {problem}"[:500]
+    moved = await transition(
+        AsyncSession(bind=conn),
+        job_id,
+        expected=JobStatus.QUEUED,
+        to=JobStatus.FAILED,
+        reason=reason,
+        actor=actor,
+        values={"failure_reason": FailureReason.CONFIG_ERROR.value, "status_reason": reason},
+    )
+    if moved:
+        log.warning("job_invalid", job_id=job_id, reason=reason)
+    return NoClaim(job_id, JobStatus.FAILED.value if moved else None, reason, rejected=moved)
 
 
 async def _shortlist(conn: AsyncConnection, rows: Sequence[Any], candidates: int) -> list[int]:
@@ -365,7 +406,12 @@ async def _claim_one(
     if result.largest_free >= need:
         # Free GPUs exist but other claimers hold them: not a reason to wait.
         return NoClaim(job_id, row.status, "contended", contended=True)
-    reason = pending_reason(need, result.largest_free)
+    largest_vm = int(await conn.scalar(LARGEST_VM_SQL) or 0)
+    reason = (
+        unsatisfiable_reason(need, largest_vm)
+        if need > largest_vm
+        else pending_reason(need, result.largest_free)
+    )
     moved = await transition(
         AsyncSession(bind=conn),  # a session over the connection joins its transaction
         job_id,

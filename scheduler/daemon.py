@@ -14,6 +14,7 @@ import click
 from scheduler import metrics
 from scheduler.logging import configure, get_logger
 from scheduler.settings import Settings
+from scheduler.validate import check_database_url
 
 log = get_logger("daemon")
 
@@ -165,6 +166,7 @@ def daemon_settings(
         database_url or (parent.settings.database_url if parent else None),
         nats_url or (parent.settings.nats_url if parent else None),
     )
+    check_database_url(settings.database_url)  # malformed: exit 2, one line
     configure((log_level or (parent.log_level if parent else None) or "INFO").upper())
     return settings
 

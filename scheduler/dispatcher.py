@@ -105,6 +105,7 @@ class DispatchStats:
     terminated: int = 0
     nak: int = 0
     contended: int = 0  # claims tried again because other claimers held the rows
+    rejected: int = 0  # job rows the launch cannot use, failed with config_error
 
 
 class _Replies:
@@ -385,6 +386,9 @@ class GlobalJobDispatcher:
             self.stats.pending += 1
             log.info("job_pending", job_id=result.job_id, reason=result.reason)
             return "pending"
+        if result.rejected:  # a row the launch cannot use: failed with config_error
+            self.stats.rejected += 1
+            return "failed"
         self.stats.skipped += 1
         log.info("job_skipped", job_id=result.job_id, status=result.status, reason=result.reason)
         return "skipped"

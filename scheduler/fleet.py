@@ -14,6 +14,7 @@ from sqlalchemy.orm import selectinload
 from scheduler.errors import BadInput, NotFound
 from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM, Job
 from scheduler.states import LIVE_STATES
+from scheduler.validate import check_text
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -35,6 +36,18 @@ class VMSpec:
 
     def validate(self) -> None:
         """Raise `BadInput` for a spec no VM row may hold."""
+        check_vm_name(self.name)
+        check_text(self.host, "--host", column=VM.host)
+        if self.user is not None:
+            check_text(self.user, "--user", column=VM.user)
+        for value, what, column in (
+            (self.ssh_key_path, "--ssh-key", VM.ssh_key_path),
+            (self.known_hosts, "--known-hosts", VM.known_hosts),
+            (self.python, "--python", VM.python),
+            (self.entrypoint, "--entrypoint", VM.entrypoint),
+        ):
+            if value is not None:
+                check_text(value, what, column=column)
         if not NAME_RE.match(self.name):
             raise BadInput(
                 f"invalid VM name {self.name!r}: use letters, digits, '.', '_' or '-' "
@@ -50,6 +63,12 @@ class VMSpec:
             raise BadInput(f"invalid transport {self.transport!r}: use ssh or local")
         if not self.python.strip() or not self.entrypoint.strip():
             raise BadInput("--python and --entrypoint must not be empty")
+
+
+def check_vm_name(name: str) -> str:
+    """`name` if a VM row can hold it (UTF-8, at most the column's length); else `BadInput`.
+    Lookups check names this way too: a name no row can hold names no VM."""
+    return check_text(name, "VM name", column=VM.name)
 
 
 async def add_vm(session: AsyncSession, spec: VMSpec) -> VM:

@@ -13,6 +13,7 @@ from sqlalchemy.orm import selectinload
 from scheduler.errors import BadInput, NotFound
 from scheduler.models import Job, JobEvent
 from scheduler.states import STATE_TIMESTAMP, JobStatus, check_move
+from scheduler.validate import MAX_GPUS, MAX_RETRIES, check_int, check_text, extra_args_problem
 
 
 async def transition(
@@ -107,21 +108,35 @@ class JobSpec:
     priority: int = 0
     name: str | None = None
     extra_args: tuple[str, ...] = ()
+    output_dir: str | None = None
+    """Where train_grpo.py writes on the VM; None means `remote.default_output_dir`."""
 
     def validate(self) -> None:
-        """Raise `BadInput` for a job that could never run."""
-        if not self.model.strip():
-            raise BadInput("--model must not be empty")
-        if not self.dataset.strip():
-            raise BadInput("--dataset must not be empty")
-        if not self.reward_functions or not all(r.strip() for r in self.reward_functions):
+        """Raise `BadInput` for a job that could never run or that the schema cannot hold
+        (limits in `scheduler.validate`, read from the columns)."""
+        check_text(self.model, "--model", column=Job.model)
+        check_text(self.dataset, "--dataset", column=Job.dataset)
+        if not self.reward_functions:
             raise BadInput("--reward-function must not be empty")
+        for reward in self.reward_functions:
+            check_text(reward, "--reward-function", column=Job.reward_function)
         if any("," in r for r in self.reward_functions):
             raise BadInput("give several reward functions as repeated --reward-function flags")
+        check_text(",".join(self.reward_functions), "--reward-function", column=Job.reward_function)
         if self.gpus < 1:
             raise BadInput(f"--gpus must be at least 1, not {self.gpus}")
+        check_int(self.gpus, "--gpus", column=Job.gpus_requested, lo=1, hi=MAX_GPUS)
         if self.max_retries < 0:
             raise BadInput(f"--max-retries must not be negative, not {self.max_retries}")
+        check_int(self.max_retries, "--max-retries", column=Job.max_retries, lo=0, hi=MAX_RETRIES)
+        check_int(self.priority, "--priority", column=Job.priority)
+        if self.name is not None:
+            check_text(self.name, "--name", column=Job.name)
+        if self.output_dir is not None:
+            check_text(self.output_dir, "--output-dir", column=Job.output_dir)
+        problem = extra_args_problem(self.extra_args)
+        if problem:
+            raise BadInput(problem)
 
 
 async def insert_job(session: AsyncSession, spec: JobSpec, *, actor: str) -> Job:
@@ -138,6 +153,7 @@ async def insert_job(session: AsyncSession, spec: JobSpec, *, actor: str) -> Job
         max_retries=spec.max_retries,
         priority=spec.priority,
         extra_args=list(spec.extra_args),
+        output_dir=spec.output_dir,
     )
 
 

@@ -28,6 +28,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from scheduler.states import JobStatus
+
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -36,6 +38,12 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
+
+MAX_GPUS = 1024
+"""Most GPUs one job may ask for (`ck_jobs_gpus_sane`)."""
+MAX_RETRIES = 1000
+"""Most retries one job may ask for (`ck_jobs_counts_sane`)."""
+_JOB_STATUSES = ", ".join(f"'{s.value}'" for s in JobStatus)
 
 DEFAULT_ENTRYPOINT = "training.train_grpo"
 """What a VM runs to train when it names nothing else: `python -m training.train_grpo`."""
@@ -218,6 +226,22 @@ class Job(Base):
         CheckConstraint("max_retries >= 0", name="retries_nonnegative"),
         CheckConstraint(TOKEN_CHECK, name="launch_token_hex"),
         CheckConstraint(ATTEMPT_DIR_CHECK, name="attempt_dir_absolute"),
+        # What the dispatcher relies on when it launches a job (a row written by hand that
+        # still gets past these fails its job with config_error: validate.job_row_problem).
+        CheckConstraint(
+            "jsonb_typeof(extra_args) = 'array' AND "
+            "NOT jsonb_path_exists(extra_args, '$[*] ? (@.type() != \"string\")')",
+            name="extra_args_strings",
+        ),
+        CheckConstraint(f"status IN ({_JOB_STATUSES})", name="status_known"),
+        CheckConstraint(f"gpus_requested <= {MAX_GPUS}", name="gpus_sane"),
+        CheckConstraint(
+            f"max_retries <= {MAX_RETRIES} AND retry_count >= 0 AND attempt >= 0",
+            name="counts_sane",
+        ),
+        CheckConstraint(
+            "model <> '' AND dataset <> '' AND reward_function <> ''", name="spec_nonempty"
+        ),
         Index("ix_jobs_status_priority", "status", text("priority DESC"), "id"),
     )
 

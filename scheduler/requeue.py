@@ -13,10 +13,10 @@
    (`retry_count + 1`, except after `node_lost`, which does not count).
 5. **Pending jobs** — put back in the queue when the fleet reports free GPUs that fit
    them, in priority then submission order, or after `--pending-timeout` anyway.
-   Anti-starvation (honest and simple): once a job that does not fit has waited
-   `--starvation-after` seconds, the pending jobs behind it (equal or lower priority,
-   submitted later) are not re-announced until it runs, so the GPUs that jobs finishing
-   meanwhile free up accumulate for it. The dispatcher places greedily and fresh
+   Anti-starvation (honest and simple): once a job that does not fit now, but fits on
+   some VM, has waited `--starvation-after` seconds, the pending jobs behind it (equal or
+   lower priority, submitted later) are not re-announced until it runs, so the GPUs that
+   jobs finishing meanwhile free up accumulate for it. The dispatcher places greedily and fresh
    submissions still go straight to it; this rule only governs what the requeue manager
    announces again.
 6. **Stale processes** — for each `stale_processes` row not yet killed whose VM answers
@@ -61,6 +61,7 @@ from scheduler import bus, metrics
 from scheduler.aio import sleep_or_stop
 from scheduler.claims import (
     FREE_BY_VM_SQL,
+    LARGEST_VM_SQL,
     close_leftover,
     expire_leases,
     installation_id,
@@ -466,6 +467,7 @@ class RequeueManager:
         # Free GPUs counted exactly as the claim query counts them.
         counts = (await session.execute(FREE_BY_VM_SQL)).all()
         free = {vm_id: int(n) for vm_id, n in counts}
+        largest_vm = int(await session.scalar(LARGEST_VM_SQL) or 0)
         plan = plan_pending(
             [
                 PendingJob(
@@ -477,6 +479,7 @@ class RequeueManager:
             recheck_after_s=cfg.recheck_after_s,
             pending_timeout_s=cfg.pending_timeout_s,
             starvation_after_s=cfg.starvation_after_s,
+            largest_vm=largest_vm,
         )
         if plan.held:
             log.info("pending_held_back", held_for=plan.held_for, held=len(plan.held))
@@ -847,7 +850,8 @@ async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio
     default=300.0,
     show_default=True,
     type=click.FloatRange(min=0),
-    help="After this many seconds waiting, a job that does not fit holds back smaller ones.",
+    help="After this many seconds waiting, a job that does not fit holds back smaller ones "
+    "(only a job that fits on some VM).",
 )
 @click.option(
     "--retry-base-delay",

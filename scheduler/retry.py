@@ -162,6 +162,7 @@ def plan_pending(
     recheck_after_s: float,
     pending_timeout_s: float,
     starvation_after_s: float,
+    largest_vm: int | None = None,
 ) -> PendingPlan:
     """Decide which pending jobs to put back in the queue this tick.
 
@@ -172,6 +173,9 @@ def plan_pending(
     waited `starvation_after_s`, every job after it (equal or lower priority, submitted
     later) is held back, so finishing jobs free GPUs for it instead of being refilled by
     smaller ones. A job is not re-announced within `recheck_after_s` of its last look.
+    Only a job that fits on some VM (`gpus <= largest_vm`, the most GPUs one VM has; None:
+    unknown, every job may fit) holds others back: waiting for one that can never run
+    would stall the whole queue.
     """
     free = dict(free_by_vm)
     out: list[tuple[int, str]] = []
@@ -185,7 +189,8 @@ def plan_pending(
             continue
         if job.since_pending_s >= pending_timeout_s:
             out.append((job.id, "timeout"))
-        if job.waited_s >= starvation_after_s:
+        satisfiable = largest_vm is None or job.gpus <= largest_vm
+        if satisfiable and job.waited_s >= starvation_after_s:
             held = [j.id for j in jobs[i + 1 :]]
             return PendingPlan(out, held_for=job.id if held else None, held=held or None)
     return PendingPlan(out)

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sqlalchemy import func, select, text
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from scheduler import bus
+from scheduler.claims import LARGEST_VM_SQL, unsatisfiable_reason
 from scheduler.db import Database
+from scheduler.errors import BadInput
 from scheduler.jobs import JobSpec, insert_job, mark_published
+from scheduler.models import VM
 from scheduler.settings import Settings, redact_url
 
 
@@ -16,18 +22,56 @@ class Submitted:
 
     job_id: int
     publish_error: str | None = None
+    warning: str | None = None
+    """Something the user should know although the job was accepted."""
+
+
+UNPOLLED_VMS_SQL = text(
+    "SELECT name FROM vms v WHERE v.last_seen_at IS NULL "
+    "AND NOT EXISTS (SELECT 1 FROM gpus g WHERE g.vm_id = v.id) ORDER BY name"
+)
+
+
+async def check_fits(session: AsyncSession, gpus: int) -> str | None:
+    """Refuse (`BadInput`) a job that asks for more GPUs than any VM of the polled fleet has.
+
+    A VM that was never polled may have any number: when one exists, or when no VM is
+    registered yet (a fresh installation), the job is accepted and the returned warning
+    says that its size could not be checked."""
+    largest = int(await session.scalar(LARGEST_VM_SQL) or 0)
+    if gpus <= largest:
+        return None
+    unpolled = list((await session.execute(UNPOLLED_VMS_SQL)).scalars())
+    total = await session.scalar(select(func.count()).select_from(VM))
+    unit = "GPU" if gpus == 1 else "GPUs"
+    if not total:
+        return f"no VM is registered yet, so nobody knows whether {gpus} {unit} will fit"
+    if unpolled:
+        names = ", ".join(unpolled[:3]) + (" …" if len(unpolled) > 3 else "")
+        return (
+            f"no polled VM has {gpus} {unit} (the largest has {largest}); accepted because "
+            f"VM(s) {names} have not been polled yet"
+        )
+    raise BadInput(
+        f"{unsatisfiable_reason(gpus, largest)}: the job could never run; ask for fewer "
+        "GPUs or add a bigger VM"
+    )
 
 
 async def submit_job(db: Database, settings: Settings, spec: JobSpec, *, actor: str) -> Submitted:
-    """Insert the job as `queued`, then publish its id to `jobs.new`.
+    """Insert the job as `queued`, then publish its id to `jobs.new`. A job no VM of the
+    polled fleet could ever run is refused (`check_fits`).
 
     The row is committed first, so a NATS outage loses nothing: the requeue manager
     publishes queued jobs whose `published_at` is NULL.
     """
+    spec.validate()
     async with db.transaction() as session:
+        warning = await check_fits(session, spec.gpus)
         job = await insert_job(session, spec, actor=actor)
         job_id, attempt = job.id, job.attempt
-    return Submitted(job_id, await announce(db, settings, job_id, bus.msg_id(job_id, attempt)))
+    published = await announce(db, settings, job_id, bus.msg_id(job_id, attempt))
+    return Submitted(job_id, published, warning)
 
 
 async def announce(db: Database, settings: Settings, job_id: int, msg_id: str) -> str | None:

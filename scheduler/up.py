@@ -461,7 +461,7 @@ def command(
     """
     from scheduler.logging import configure
 
-    configure(getattr(ctx.obj, "log_level", "INFO"))
+    configure(getattr(ctx.obj, "log_level", None) or "INFO")
     if gpus is not None and not local_vm:
         raise BadInput("--gpus only makes sense with --local-vm")
     run_up(

@@ -29,21 +29,24 @@ from scheduler.settings import Settings
 @click.option(
     "--log-level",
     envvar="RLFLEET_LOG_LEVEL",
-    default="INFO",
-    show_default=True,
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-    help="Log verbosity (logs go to stderr).",
+    help="Log verbosity, logs go to stderr (default: WARNING for commands, INFO for daemons).",
 )
 @click.version_option(__version__, prog_name="rlfleet")
 @click.pass_context
-def cli(ctx: click.Context, database_url: str | None, nats_url: str | None, log_level: str) -> None:
+def cli(
+    ctx: click.Context, database_url: str | None, nats_url: str | None, log_level: str | None
+) -> None:
     """rlfleet schedules GRPO training jobs on your own GPU machines.
 
     Postgres holds the truth, NATS carries the "there is work" signal, SSH reaches the
     VMs. Start with `rlfleet up` on one machine, or `rlfleet db upgrade` and the three
     daemons (poller, dispatcher, requeue) on a real fleet.
     """
-    ctx.obj = CliContext(Settings.load(database_url, nats_url), log_level.upper())
+    # The URLs are checked where they are used (`CliContext.run`), so that `--help` works
+    # whatever the environment says.
+    level = log_level.upper() if log_level else None
+    ctx.obj = CliContext(Settings.load(database_url, nats_url), level)
 
 
 def _register() -> None:

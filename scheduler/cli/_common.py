@@ -13,11 +13,25 @@ from typing import Any, TypeVar
 import click
 
 from scheduler.db import Database, is_unavailable
-from scheduler.errors import RlfleetError, ServiceUnavailable, error_line
+from scheduler.errors import BadInput, RlfleetError, ServiceUnavailable, error_line
 from scheduler.logging import configure
 from scheduler.settings import Settings, redact_url
+from scheduler.validate import (
+    check_argv,
+    check_database_url,
+    check_int,
+    check_nats_url,
+    check_seconds,
+    check_text,
+    shown,
+)
 
 T = TypeVar("T")
+
+
+COMMAND_LOG_LEVEL = "WARNING"
+"""Log level of the one-shot commands unless --log-level / RLFLEET_LOG_LEVEL says otherwise:
+a command that succeeds prints nothing on stderr."""
 
 
 @dataclass
@@ -25,14 +39,24 @@ class CliContext:
     """Passed to every command as `ctx.obj`."""
 
     settings: Settings
-    log_level: str = "INFO"
+    log_level: str | None = None
+    """As given (--log-level, RLFLEET_LOG_LEVEL); None: WARNING for commands, INFO for daemons."""
 
-    def run(self, fn: Callable[[Database], Awaitable[T]]) -> T:
-        """Run `fn(db)` on a fresh event loop with a database of its own."""
-        configure(self.log_level)
+    @property
+    def database_url(self) -> str:
+        """The database URL, checked before any use (malformed: `BadInput`, exit 2)."""
+        return check_database_url(self.settings.database_url)
+
+    def run(self, fn: Callable[[Database], Awaitable[T]], *, nats: bool = False) -> T:
+        """Run `fn(db)` on a fresh event loop with a database of its own; with `nats`, the
+        NATS URL is checked first too. Nothing is touched before both are known sane."""
+        url = self.database_url
+        if nats:
+            check_nats_url(self.settings.nats_url)
+        configure(self.log_level or COMMAND_LOG_LEVEL)
 
         async def go() -> T:
-            db = Database(self.settings.database_url, pool_size=2)
+            db = Database(url, pool_size=2)
             try:
                 return await fn(db)
             except Exception as exc:
@@ -51,7 +75,7 @@ class CliContext:
 
     def run_coro(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine that needs no database handle."""
-        configure(self.log_level)
+        configure(self.log_level or COMMAND_LOG_LEVEL)
         return asyncio.run(coro)
 
 
@@ -60,22 +84,87 @@ pass_cli = click.make_pass_decorator(CliContext)
 
 def run_guarded(command: click.Command, argv: Sequence[str] | None) -> int:
     """Run the click command; turn every expected error into one line and an exit code."""
+    args = list(argv) if argv is not None else sys.argv[1:]
     try:
-        command.main(args=list(argv) if argv is not None else None, standalone_mode=False)
+        check_argv(args)
+        command.main(args=args, standalone_mode=False)
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except click.exceptions.Abort:
         click.echo("Aborted.", err=True)
         return 1
     except click.ClickException as exc:
-        click.echo(f"Error: {exc.format_message()}", err=True)
+        click.echo(one_line(f"Error: {exc.format_message()}"), err=True)
         return exc.exit_code
     except RlfleetError as exc:
-        click.echo(f"Error: {exc}", err=True)
+        click.echo(one_line(f"Error: {exc}"), err=True)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+class ColumnInt(click.ParamType):
+    """An integer option or argument that must fit its column's type (and [lo, hi]), so that
+    `--gpus 2147483648` is exit 2 and one line, not an error from the database."""
+
+    name = "integer"
+
+    def __init__(self, column: Any = None, *, lo: int | None = None, hi: int | None = None):
+        self.column, self.lo, self.hi = column, lo, hi
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        """Parse and range-check one value."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            try:
+                number = int(str(value).strip(), 10)
+            except ValueError:
+                self.fail(f"{shown(str(value))} is not a valid integer", param, ctx)
+        try:
+            return check_int(number, "it", column=self.column, lo=self.lo, hi=self.hi)
+        except BadInput as exc:
+            self.fail(str(exc).removeprefix("it "), param, ctx)
+
+
+class ColumnText(click.ParamType):
+    """A text option or argument that must fit its column (length, UTF-8, no NUL)."""
+
+    name = "text"
+
+    def __init__(self, column: Any = None, *, empty_ok: bool = False):
+        self.column, self.empty_ok = column, empty_ok
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        """Check one value."""
+        try:
+            return check_text(str(value), "it", column=self.column, empty_ok=self.empty_ok)
+        except BadInput as exc:
+            self.fail(str(exc).removeprefix("it "), param, ctx)
+
+
+class Seconds(click.ParamType):
+    """A duration in seconds: finite, not negative, at most a day."""
+
+    name = "seconds"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        """Parse and range-check one value."""
+        try:
+            return check_seconds(float(value), "it")
+        except ValueError:
+            self.fail(f"{shown(str(value))} is not a number", param, ctx)
+        except BadInput as exc:
+            self.fail(str(exc).removeprefix("it "), param, ctx)
+
+
+def one_line(message: str) -> str:
+    """`message` on one printable line: a value the user typed may hold a newline, a
+    carriage return or bytes that were not UTF-8, and the line must stay one line."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in message)
 
 
 def to_jsonable(value: Any) -> Any:
@@ -114,7 +203,7 @@ def json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def warn(message: str) -> None:
     """One warning line on stderr."""
-    click.echo(f"Warning: {message}", err=True)
+    click.echo(one_line(f"Warning: {message}"), err=True)
 
 
 def stdout_is_tty() -> bool:

@@ -10,6 +10,9 @@ import click
 from scheduler.claims import installation_id
 from scheduler.cli._common import (
     CliContext,
+    ColumnInt,
+    ColumnText,
+    Seconds,
     echo_json,
     echo_table,
     fmt_time,
@@ -29,10 +32,14 @@ from scheduler.control import (
 from scheduler.db import Database
 from scheduler.errors import ServiceUnavailable
 from scheduler.jobs import JobSpec, get_job, job_to_dict, list_jobs
+from scheduler.models import Job
 from scheduler.remote import default_output_dir
 from scheduler.states import JobStatus
 from scheduler.submit import submit_job
 from scheduler.transport import make_transport
+from scheduler.validate import MAX_GPUS, MAX_RETRIES
+
+JOB_ID = ColumnInt(Job.id, lo=1)
 
 
 @click.group("job")
@@ -55,16 +62,34 @@ def group() -> None:
     multiple=True,
     help="Built-in reward name or module:function (repeatable).",
 )
-@click.option("--gpus", default=1, show_default=True, type=int, help="GPUs on one VM (>= 1).")
+@click.option(
+    "--gpus",
+    default=1,
+    show_default=True,
+    type=ColumnInt(Job.gpus_requested, hi=MAX_GPUS),
+    help=f"GPUs on one VM (1-{MAX_GPUS}); refused when no polled VM has that many.",
+)
 @click.option(
     "--max-retries",
     default=3,
     show_default=True,
-    type=int,
-    help="Retries after a retryable failure (>= 0).",
+    type=ColumnInt(Job.max_retries, hi=MAX_RETRIES),
+    help=f"Retries after a retryable failure (0-{MAX_RETRIES}).",
 )
-@click.option("--priority", default=0, show_default=True, type=int, help="Higher runs first.")
-@click.option("--name", help="A label for listings.")
+@click.option(
+    "--priority",
+    default=0,
+    show_default=True,
+    type=ColumnInt(Job.priority),
+    help="Higher runs first (a 32-bit integer).",
+)
+@click.option("--name", type=ColumnText(Job.name), help="A label for listings.")
+@click.option(
+    "--output-dir",
+    type=ColumnText(Job.output_dir),
+    help="Where training writes on the VM; relative paths and ~/ are under the VM user's "
+    "home (default: ~/.rlfleet/outputs/JOB_ID).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the new job as JSON.")
 @click.argument("extra_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TRAIN_GRPO_ARGS…]")
 @pass_cli
@@ -77,12 +102,15 @@ def submit(
     max_retries: int,
     priority: int,
     name: str | None,
+    output_dir: str | None,
     as_json: bool,
     extra_args: tuple[str, ...],
 ) -> None:
     """Queue a GRPO training job and print its id.
 
-    Everything after `--` is passed to train_grpo.py verbatim.
+    Everything after `--` is passed to train_grpo.py verbatim, except the flags rlfleet
+    sets itself (--model, --dataset, --reward_function, --output_dir, --resume): those are
+    refused with the option to use instead.
     """
     spec = JobSpec(
         model=model,
@@ -93,9 +121,12 @@ def submit(
         priority=priority,
         name=name,
         extra_args=extra_args,
+        output_dir=output_dir,
     )
     spec.validate()
-    result = ctx.run(lambda db: submit_job(db, ctx.settings, spec, actor="cli"))
+    result = ctx.run(lambda db: submit_job(db, ctx.settings, spec, actor="cli"), nats=True)
+    if result.warning:
+        warn(result.warning)
     if as_json:
         echo_json({"id": result.job_id, "published": result.publish_error is None})
     else:
@@ -113,7 +144,13 @@ def submit(
     type=click.Choice([s.value for s in JobStatus]),
     help="Only jobs in this state.",
 )
-@click.option("--limit", default=100, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--limit",
+    default=100,
+    show_default=True,
+    type=ColumnInt(Job.id, lo=1),
+    help="Show at most this many jobs.",
+)
 @json_option
 @pass_cli
 def list_(ctx: CliContext, status: str | None, limit: int, as_json: bool) -> None:
@@ -146,7 +183,7 @@ def list_(ctx: CliContext, status: str | None, limit: int, as_json: bool) -> Non
 
 
 @group.command("show")
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=JOB_ID)
 @click.option("--no-progress", is_flag=True, help="Do not ask the VM for the training progress.")
 @json_option
 @pass_cli
@@ -212,12 +249,12 @@ def _progress_line(progress: dict[str, Any]) -> str:
 
 
 @group.command("cancel")
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=JOB_ID)
 @click.option(
     "--grace",
     default=DEFAULT_GRACE_S,
     show_default=True,
-    type=click.FloatRange(min=0),
+    type=Seconds(),
     help="Seconds between TERM and KILL for a running job.",
 )
 @pass_cli
@@ -255,11 +292,11 @@ _KILL_WORDS = {
 
 
 @group.command("retry")
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=JOB_ID)
 @pass_cli
 def retry(ctx: CliContext, job_id: int) -> None:
     """Queue a failed job again now (a manual retry)."""
-    published = ctx.run(lambda db: retry_job(db, ctx.settings, job_id))
+    published = ctx.run(lambda db: retry_job(db, ctx.settings, job_id), nats=True)
     click.echo(f"job {job_id} queued")
     if not published:
         raise ServiceUnavailable(
@@ -269,9 +306,13 @@ def retry(ctx: CliContext, job_id: int) -> None:
 
 
 @group.command("logs")
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=JOB_ID)
 @click.option("--follow", "-f", is_flag=True, help="Keep printing until the job ends.")
-@click.option("--attempt", type=int, help="Which attempt's log (default: the latest).")
+@click.option(
+    "--attempt",
+    type=ColumnInt(Job.attempt, lo=1),
+    help="Which attempt's log (default: the latest).",
+)
 @pass_cli
 def logs(ctx: CliContext, job_id: int, follow: bool, attempt: int | None) -> None:
     """Print a job's train.log from its VM (every attempt's log is kept)."""

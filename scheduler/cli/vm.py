@@ -9,6 +9,8 @@ import click
 from scheduler import fleet
 from scheduler.cli._common import (
     CliContext,
+    ColumnInt,
+    ColumnText,
     echo_json,
     echo_table,
     fmt_time,
@@ -17,7 +19,9 @@ from scheduler.cli._common import (
     warn,
 )
 from scheduler.db import Database
-from scheduler.models import DEFAULT_ENTRYPOINT
+from scheduler.models import DEFAULT_ENTRYPOINT, VM
+
+VM_NAME = ColumnText(VM.name)
 
 
 @click.group("vm")
@@ -26,10 +30,23 @@ def group() -> None:
 
 
 @group.command("add")
-@click.argument("name")
-@click.option("--host", required=True, help="Hostname or IP address to SSH to.")
-@click.option("--port", default=22, show_default=True, type=int, help="SSH port (1-65535).")
-@click.option("--user", help="SSH login (default: the user running the daemons).")
+@click.argument("name", type=VM_NAME)
+@click.option(
+    "--host",
+    required=True,
+    type=ColumnText(VM.host, empty_ok=True),
+    help="Hostname or IP address to SSH to.",
+)
+@click.option(
+    "--port",
+    default=22,
+    show_default=True,
+    type=ColumnInt(VM.port, lo=1, hi=65535),
+    help="SSH port.",
+)
+@click.option(
+    "--user", type=ColumnText(VM.user), help="SSH login (default: the user running the daemons)."
+)
 @click.option(
     "--ssh-key",
     type=click.Path(exists=True, dir_okay=False, resolve_path=True),
@@ -56,12 +73,14 @@ def group() -> None:
     "--python",
     default="python3",
     show_default=True,
+    type=ColumnText(VM.python),
     help="Python of the environment with rlfleet[train] on the VM.",
 )
 @click.option(
     "--entrypoint",
     default=DEFAULT_ENTRYPOINT,
     show_default=True,
+    type=ColumnText(VM.entrypoint),
     help="Module (run with -m) or .py script that trains.",
 )
 @json_option
@@ -138,7 +157,7 @@ def list_(ctx: CliContext, as_json: bool) -> None:
 
 
 @group.command("show")
-@click.argument("name")
+@click.argument("name", type=VM_NAME)
 @json_option
 @pass_cli
 def show(ctx: CliContext, name: str, as_json: bool) -> None:
@@ -172,7 +191,7 @@ def show(ctx: CliContext, name: str, as_json: bool) -> None:
 
 
 @group.command("remove")
-@click.argument("name")
+@click.argument("name", type=VM_NAME)
 @click.option("--force", is_flag=True, help="Remove even while jobs run there.")
 @pass_cli
 def remove(ctx: CliContext, name: str, force: bool) -> None:
@@ -195,7 +214,7 @@ def _set_draining(ctx: CliContext, name: str, draining: bool) -> None:
 
 
 @group.command("drain")
-@click.argument("name")
+@click.argument("name", type=VM_NAME)
 @pass_cli
 def drain(ctx: CliContext, name: str) -> None:
     """Let VM NAME finish its jobs but give it no new ones."""
@@ -204,7 +223,7 @@ def drain(ctx: CliContext, name: str) -> None:
 
 
 @group.command("undrain")
-@click.argument("name")
+@click.argument("name", type=VM_NAME)
 @pass_cli
 def undrain(ctx: CliContext, name: str) -> None:
     """Let VM NAME take new jobs again."""

@@ -67,8 +67,10 @@ async def test_best_fit_keeps_big_holes_for_big_jobs(db: Database) -> None:
 
 
 async def test_nothing_fits_means_pending_with_the_reason(db: Database) -> None:
-    """Given only 2 free GPUs on any VM, a 4-GPU job is pending and says why."""
+    """Given only 2 free GPUs on any VM (the 4-GPU one is unreachable), a 4-GPU job is
+    pending and says why."""
     await add_vm_row(db, "a", 2)
+    await add_vm_row(db, "big", 4, status="unreachable")
     job_id = await new_job(db, 4)
     result = await claim_gpus(db, job_id, actor="test")
     assert isinstance(result, NoClaim) and result.moved_to_pending
@@ -263,6 +265,7 @@ async def test_a_batch_claims_what_fits_and_parks_the_rest_in_one_transaction(
     a repeat of the first and an unknown id, then the batch claims the 2- and 1-GPU jobs,
     the 4-GPU job is pending with its reason and event, and the rest is left alone."""
     vm_id = await add_vm_row(db, "a", 3)
+    await add_vm_row(db, "big", 4, status="unreachable")  # the 4-GPU job could run there
     two, four, one = await new_job(db, 2), await new_job(db, 4), await new_job(db, 1)
 
     results = await claim_batch(db, [two, four, one, two, 10**9], actor="test")

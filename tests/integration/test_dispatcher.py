@@ -25,6 +25,7 @@ from scheduler.transport import CommandResult, Transport, VMTarget, make_transpo
 from tests.fleet import SimFleet
 from tests.workloads.support import (
     FAKE_TRAIN,
+    add_vm_row,
     attempt_dirs,
     current_attempt,
     installation,
@@ -125,8 +126,10 @@ async def test_duplicates_unknown_and_malformed_messages(
 async def test_a_job_that_fits_nowhere_is_pending_with_the_reason(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
 ) -> None:
-    """Given two VMs with two GPUs each, a 4-GPU job is pending and says why."""
+    """Given two VMs with two GPUs each (and a 4-GPU one that is unreachable), a 4-GPU
+    job is pending and says why."""
     await polled_fleet(sim_fleet, db, 2, 2)
+    await add_vm_row(db, "big", 4, status="unreachable")
     job_id = await new_job(db, 4)
     async with running_dispatcher(db, nats.url):
         nc = await nats_client.connect(nats.url)

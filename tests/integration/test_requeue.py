@@ -281,8 +281,10 @@ async def test_a_starving_big_job_holds_back_smaller_ones(
     db: Database, nc: NATS, stream: Stream
 ) -> None:
     """Given a 4-GPU job pending for longer than the starvation limit and a 1-GPU job
-    behind it, a free GPU does not wake the small one: the GPUs are left for the big one."""
+    behind it, a free GPU does not wake the small one: the GPUs are left for the big one
+    (which fits on VM b, unreachable for now)."""
     await add_vm_row(db, "a", 1)
+    await add_vm_row(db, "b", 4, status="unreachable")
     big, small = await new_job(db, gpus=4), await new_job(db)
     for job_id in (big, small):
         await _set_pending(db, job_id)

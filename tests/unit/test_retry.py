@@ -157,3 +157,11 @@ def test_a_starving_job_holds_back_the_ones_behind_it() -> None:
     plan = plan_pending([pj(1), pj(2, gpus=4, waited=400), pj(3), pj(4)], {10: 2}, **PLAN)
     assert plan.republish == [(1, "capacity")]
     assert (plan.held_for, plan.held) == (2, [3, 4])
+
+
+def test_a_job_no_vm_can_ever_run_holds_nobody_back() -> None:
+    """A starving 4-GPU job holds smaller ones back only while some VM has 4 GPUs."""
+    jobs = [pj(1, gpus=4, waited=400), pj(2)]
+    assert plan_pending(jobs, {10: 2}, **PLAN, largest_vm=4).held == [2]
+    plan = plan_pending(jobs, {10: 2}, **PLAN, largest_vm=2)
+    assert plan.held is None and plan.republish == [(2, "capacity")]

@@ -1,0 +1,241 @@
+"""Checks of values from users and from database rows against what the schema can hold.
+
+One place for every limit, read from the column types of `scheduler.models` where there
+is one: the CLI calls these before it touches a service (a bad value is `BadInput`: exit
+2, one line), and the dispatcher calls `job_row_problem` on every job row it is about to
+launch (a row inserted by hand fails its job, never the dispatcher).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from sqlalchemy import BigInteger, Integer, SmallInteger, String
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+from scheduler.errors import BadInput
+from scheduler.models import MAX_GPUS, MAX_RETRIES
+
+__all__ = ["MAX_GPUS", "MAX_RETRIES"]  # the schema's limits, re-exported for callers
+
+TEXT_MAX = 4096
+"""Longest value taken for an unbounded text column (a model, a path, an argument): the
+length of the longest Linux path, far beyond any real one."""
+MAX_EXTRA_ARGS = 1000
+"""Most arguments after `--` one job may pass to train_grpo.py."""
+
+_INT_RANGES: list[tuple[type, tuple[int, int]]] = [
+    (BigInteger, (-(2**63), 2**63 - 1)),
+    (SmallInteger, (-(2**15), 2**15 - 1)),
+    (Integer, (-(2**31), 2**31 - 1)),
+]
+
+RESERVED_TRAIN_FLAGS: dict[str, str] = {
+    "--model": "use `job submit --model`",
+    "--dataset": "use `job submit --dataset`",
+    "--reward_function": "use `job submit --reward-function` (repeatable)",
+    "--output_dir": "use `job submit --output-dir`",
+    "--resume": "rlfleet passes `--resume auto` to every retry itself",
+}
+"""train_grpo.py flags that rlfleet sets itself, and what to use instead."""
+
+
+def int_range(column: Any) -> tuple[int, int]:
+    """The smallest and largest value an integer column (`Job.priority`…) can store."""
+    for kind, bounds in _INT_RANGES:
+        if isinstance(column.type, kind):
+            return bounds
+    raise TypeError(f"{column} is not an integer column")
+
+
+def max_length(column: Any) -> int:
+    """The longest string a text column can take: its `String(n)` length, else TEXT_MAX."""
+    length = getattr(column.type, "length", None) if isinstance(column.type, String) else None
+    return int(length) if length else TEXT_MAX
+
+
+def shown(value: str, limit: int = 40) -> str:
+    """`value` as a short, printable, single-line quote for an error message."""
+    text = value if len(value) <= limit else value[:limit] + "…"
+    return ascii(text) if not text.isprintable() else repr(text)
+
+
+def utf8_problem(value: str) -> str | None:
+    """Why `value` cannot be stored as text (bytes that were not UTF-8, a NUL), or None."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid UTF-8"
+    if "\x00" in value:
+        return "contains a NUL character"
+    return None
+
+
+def check_text(
+    value: str,
+    what: str,
+    *,
+    column: Any = None,
+    max_len: int | None = None,
+    empty_ok: bool = False,
+) -> str:
+    """`value` if it fits `column` (or `max_len`, else TEXT_MAX); else `BadInput`."""
+    if not isinstance(value, str):
+        raise BadInput(f"{what} must be text")
+    problem = utf8_problem(value)
+    if problem:
+        raise BadInput(f"{what} {shown(value)} {problem}")
+    limit = max_len or (max_length(column) if column is not None else TEXT_MAX)
+    if len(value) > limit:
+        raise BadInput(f"{what} is too long ({len(value)} characters, at most {limit})")
+    if not empty_ok and not value.strip():
+        raise BadInput(f"{what} must not be empty")
+    return value
+
+
+def check_int(
+    value: int,
+    what: str,
+    *,
+    column: Any = None,
+    lo: int | None = None,
+    hi: int | None = None,
+) -> int:
+    """`value` if it lies in [lo, hi] and fits `column`'s integer type; else `BadInput`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadInput(f"{what} must be an integer")
+    low, high = int_range(column) if column is not None else (-(2**63), 2**63 - 1)
+    low = low if lo is None else max(low, lo)
+    high = high if hi is None else min(high, hi)
+    if not low <= value <= high:
+        raise BadInput(f"{what} must be between {low} and {high}, not {value}")
+    return value
+
+
+def check_seconds(value: float, what: str, *, hi: float = 86400.0) -> float:
+    """A duration in seconds: finite, not negative, at most `hi`."""
+    if math.isnan(value) or not 0 <= value <= hi:
+        raise BadInput(f"{what} must be between 0 and {hi:g} seconds, not {value}")
+    return value
+
+
+def check_argv(args: Iterable[str]) -> None:
+    """Every command-line word must be UTF-8: Python hands undecodable bytes over as lone
+    surrogates, which no database or terminal can take."""
+    for position, arg in enumerate(args, 1):
+        if utf8_problem(arg) == "is not valid UTF-8":
+            raise BadInput(f"argument {position} ({shown(arg)}) is not valid UTF-8")
+
+
+def check_database_url(url: str) -> str:
+    """`url` if it is a well-formed PostgreSQL URL for psycopg; else `BadInput` saying what
+    is wrong, without repeating the URL (it may hold a password)."""
+    what = "the database URL (--database-url / RLFLEET_DATABASE_URL)"
+    if utf8_problem(url):
+        raise BadInput(f"{what} is not valid UTF-8")
+    try:
+        parsed = make_url(url)
+        parsed.port  # noqa: B018 - parsing the port is what may fail
+    except (ArgumentError, ValueError, TypeError):
+        raise BadInput(
+            f"{what} is malformed: expected postgresql+psycopg://USER[:PASSWORD]@HOST[:PORT]/DB"
+        ) from None
+    if parsed.get_backend_name() != "postgresql":
+        raise BadInput(f"{what} must name a PostgreSQL database, not {parsed.get_backend_name()!r}")
+    if parsed.get_driver_name() not in ("psycopg", "psycopg_async"):
+        raise BadInput(f"{what} must use the psycopg driver (postgresql+psycopg://…)")
+    return url
+
+
+def check_nats_url(url: str) -> str:
+    """`url` if every comma-separated server in it is a well-formed NATS URL; else
+    `BadInput` (the URL is not repeated: it may hold a token)."""
+    what = "the NATS URL (--nats-url / RLFLEET_NATS_URL)"
+    if utf8_problem(url):
+        raise BadInput(f"{what} is not valid UTF-8")
+    servers = [s.strip() for s in url.split(",") if s.strip()]
+    if not servers:
+        raise BadInput(f"{what} is empty")
+    for server in servers:
+        try:
+            split = urlsplit(server)
+            split.port  # noqa: B018 - parsing the port is what may fail
+        except ValueError:
+            raise BadInput(f"{what} is malformed: expected nats://HOST[:PORT]") from None
+        if split.scheme not in ("nats", "tls", "ws", "wss") or not split.hostname:
+            raise BadInput(f"{what} is malformed: expected nats://HOST[:PORT]")
+    return url
+
+
+def reserved_flag(arg: str) -> str | None:
+    """The train_grpo.py flag rlfleet sets itself that `arg` would set (`--output_dir`,
+    `--output_dir=x`, or an abbreviation argparse would expand), or None."""
+    if not arg.startswith("--") or len(arg) <= 2:
+        return None
+    name = arg.split("=", 1)[0]
+    for flag in RESERVED_TRAIN_FLAGS:
+        if flag.startswith(name):
+            return flag
+    return None
+
+
+def extra_args_problem(args: Sequence[Any]) -> str | None:
+    """Why arguments after `--` cannot be passed to train_grpo.py, or None."""
+    if len(args) > MAX_EXTRA_ARGS:
+        return f"too many arguments after -- ({len(args)}, at most {MAX_EXTRA_ARGS})"
+    for arg in args:
+        if not isinstance(arg, str):
+            return f"argument {arg!r} after -- is not a string"
+        problem = utf8_problem(arg)
+        if problem:
+            return f"argument {shown(arg)} after -- {problem}"
+        if len(arg) > TEXT_MAX:
+            return f"an argument after -- is too long ({len(arg)} characters, at most {TEXT_MAX})"
+        flag = reserved_flag(arg)
+        if flag:
+            return (
+                f"{arg.split('=', 1)[0]} after -- sets {flag}, which rlfleet sets: "
+                + (RESERVED_TRAIN_FLAGS[flag])
+            )
+    return None
+
+
+def job_row_problem(row: Any) -> str | None:
+    """Why a job row (from `jobs`, possibly written by hand) cannot be launched, or None.
+
+    Checks what the launch relies on: `extra_args` a JSON array of strings, a GPU count in
+    range, non-empty model, dataset and reward functions."""
+    gpus = row.gpus_requested
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS:
+        return f"gpus_requested must be between 1 and {MAX_GPUS}, not {gpus!r}"
+    for field in ("model", "dataset", "reward_function"):
+        value = getattr(row, field)
+        if not isinstance(value, str) or not value.strip():
+            return f"{field} is empty"
+        problem = utf8_problem(value)
+        if problem:
+            return f"{field} {problem}"
+    if not all(r.strip() for r in row.reward_function.split(",")):
+        return "reward_function has an empty name"
+    extra = row.extra_args
+    if not isinstance(extra, list):
+        return f"extra_args must be a JSON array of strings, not a JSON {_json_kind(extra)}"
+    problem = extra_args_problem(extra)
+    return f"extra_args: {problem}" if problem else None
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON name of a decoded value's type."""
+    if isinstance(value, dict):
+        return "object"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return "null" if value is None else type(value).__name__
