@@ -40,6 +40,7 @@ class JobPlace:
     attempt: int
     target: VMTarget | None
     gpu_indices: list[int] | None
+    gpu_uuids: list[str] | None = None
 
 
 async def load_place(db: Database, job_id: int) -> JobPlace:
@@ -47,7 +48,7 @@ async def load_place(db: Database, job_id: int) -> JobPlace:
     async with db.transaction() as session:
         job = await get_job(session, job_id)
         target = VMTarget.from_vm(job.vm) if job.vm is not None else None
-        return JobPlace(job.id, job.status, job.attempt, target, job.gpu_indices)
+        return JobPlace(job.id, job.status, job.attempt, target, job.gpu_indices, job.gpu_uuids)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ async def cancel_job(
                         job_id=job_id,
                         attempt=place.attempt,
                         gpu_indices=place.gpu_indices,
+                        gpu_uuids=place.gpu_uuids,
                         reason="cancelled",
                     )
         if not moved:

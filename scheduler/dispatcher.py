@@ -420,6 +420,7 @@ class GlobalJobDispatcher:
             python=target.python,
             entrypoint=target.entrypoint,
             gpu_indices=claim.gpu_indices,
+            gpu_uuids=claim.gpu_uuids,
             model=claim.model,
             dataset=claim.dataset,
             reward_functions=claim.reward_functions,
@@ -542,6 +543,7 @@ class GlobalJobDispatcher:
                         job_id=claim.job_id,
                         attempt=claim.attempt,
                         gpu_indices=claim.gpu_indices,
+                        gpu_uuids=claim.gpu_uuids,
                         reason="launch_failed",
                     )
         except Exception as exc:

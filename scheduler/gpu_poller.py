@@ -8,7 +8,10 @@ A sweep is load → probe → apply (invariant 4: no transaction is open during 
    transaction writes the batch's VM and GPU rows, one array statement per kind of write.
 
 It never frees or steals a GPU a job holds: only a job's end frees its GPUs, and a GPU is
-offered only when healthy, unallocated and used by no process (`foreign_busy`).
+offered only when healthy, unallocated and used by no process (`foreign_busy`). GPUs are
+known by UUID: a renumbered GPU keeps its row and its job, and a GPU nvidia-smi no longer
+lists is marked unhealthy, never replaced by the card that now has its index
+(docs/invariants.md, invariant 8).
 
 Run it as `rlfleet poller` or `python -m scheduler.gpu_poller`.
 """
@@ -122,12 +125,12 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
 
 @dataclass
 class GpuRow:
-    """A GPU row as loaded."""
+    """A GPU row as loaded; rows are keyed by UUID (docs/invariants.md, invariant 8)."""
 
-    index: int
+    uuid: str
     job_id: int | None
     values: tuple[Any, ...]
-    """(uuid, name, memory_total_mb, memory_used_mb, utilization_pct, healthy, foreign_busy)"""
+    """(index, name, memory_total_mb, memory_used_mb, utilization_pct, healthy, foreign_busy)"""
 
 
 @dataclass
@@ -137,7 +140,8 @@ class VMState:
     target: VMTarget
     status: str
     consecutive_failures: int
-    gpus: dict[int, GpuRow] = field(default_factory=dict)
+    gpus: dict[str, GpuRow] = field(default_factory=dict)
+    """By UUID."""
     jobs: list[LiveJob] = field(default_factory=list)
 
 
@@ -185,7 +189,9 @@ WHERE vms.id = t.id
 """
 )
 # A GPU allocated to a job when the row is written is not foreign-busy: its processes are
-# the job's. The CASE reads the row's job_id at write time, not at load time.
+# the job's. The CASE reads the row's job_id at write time, not at load time. Rows are
+# matched by UUID, so a renumbered GPU keeps its row and its allocation; the index is
+# updated as information (invariant 8).
 _GPU_UPSERT_SQL = text(
     """
 INSERT INTO gpus (vm_id, index, uuid, name, memory_total_mb, memory_used_mb,
@@ -195,19 +201,22 @@ FROM unnest(CAST(:vm_ids AS int[]), CAST(:idxs AS int[]), CAST(:uuids AS text[])
             CAST(:names AS text[]), CAST(:totals AS int[]), CAST(:useds AS int[]),
             CAST(:utils AS int[]), CAST(:fbs AS boolean[]))
     AS t(vm_id, idx, u, n, total, used, util, fb)
-ON CONFLICT (vm_id, index) DO UPDATE SET
-    uuid = excluded.uuid, name = excluded.name, memory_total_mb = excluded.memory_total_mb,
+ON CONFLICT (vm_id, uuid) DO UPDATE SET
+    index = excluded.index, name = excluded.name,
+    memory_total_mb = excluded.memory_total_mb,
     memory_used_mb = excluded.memory_used_mb, utilization_pct = excluded.utilization_pct,
     healthy = true,
     foreign_busy = CASE WHEN gpus.job_id IS NULL THEN excluded.foreign_busy ELSE false END,
     updated_at = now()
 """
 )
+# A GPU nvidia-smi no longer lists (or cannot be trusted) keeps its row and its job: its
+# allocation is never handed to whatever card now has its index.
 _GPU_UNHEALTHY_SQL = text(
     """
 UPDATE gpus SET healthy = false, updated_at = now()
-FROM unnest(CAST(:vm_ids AS int[]), CAST(:idxs AS int[])) AS t(vm_id, idx)
-WHERE gpus.vm_id = t.vm_id AND gpus.index = t.idx
+FROM unnest(CAST(:vm_ids AS int[]), CAST(:uuids AS text[])) AS t(vm_id, u)
+WHERE gpus.vm_id = t.vm_id AND gpus.uuid = t.u
 """
 )
 _GPUS_OF_UNREACHABLE_SQL = text(
@@ -284,9 +293,9 @@ class GpuPoller:
             gpu_rows = await session.execute(
                 select(
                     GPU.vm_id,
-                    GPU.index,
-                    GPU.job_id,
                     GPU.uuid,
+                    GPU.job_id,
+                    GPU.index,
                     GPU.name,
                     GPU.memory_total_mb,
                     GPU.memory_used_mb,
@@ -295,9 +304,9 @@ class GpuPoller:
                     GPU.foreign_busy,
                 )
             )
-            for vm_id, index, job_id, *values in gpu_rows:
+            for vm_id, uuid, job_id, *values in gpu_rows:
                 if vm_id in vms:
-                    vms[vm_id].gpus[index] = GpuRow(index, job_id, tuple(values))
+                    vms[vm_id].gpus[uuid] = GpuRow(uuid, job_id, tuple(values))
             job_rows = await session.execute(
                 select(Job.id, Job.vm_id, Job.status, Job.attempt, Job.remote_pid).where(
                     Job.status.in_([s.value for s in LIVE_STATES]),
@@ -369,7 +378,7 @@ class GpuPoller:
             if result.error is not None:
                 stats.unhealthy += 1
                 ok.append({"vm_id": vm.target.id, "status": UNHEALTHY, "error": result.error})
-                lost_gpus += [{"vm_id": vm.target.id, "index": i} for i in vm.gpus]
+                lost_gpus += [{"vm_id": vm.target.id, "uuid": u} for u in vm.gpus]
                 if vm.status != UNHEALTHY:
                     log.warning("vm_unhealthy", vm=vm.target.name, error=result.error)
                 continue
@@ -377,12 +386,11 @@ class GpuPoller:
             if vm.status != VMStatus.HEALTHY:
                 log.info("vm_healthy", vm=vm.target.name, was=vm.status)
             upserts += _gpu_changes(vm, result, outcome.finished)
-            seen = {g.index for g in result.gpus}
-            lost_gpus += [
-                {"vm_id": vm.target.id, "index": i}
-                for i, row in vm.gpus.items()
-                if i not in seen and row.values[5]
-            ]
+            seen = {g.uuid for g in result.gpus}
+            gone = [u for u, row in vm.gpus.items() if u not in seen and row.values[5]]
+            if gone:
+                log.warning("gpus_absent", vm=vm.target.name, uuids=gone)
+            lost_gpus += [{"vm_id": vm.target.id, "uuid": u} for u in gone]
         stats.failed += len(failed)
         ids = [o.vm.target.id for o in outcomes]
         async with self.db.transaction() as session:
@@ -418,7 +426,7 @@ class GpuPoller:
                 )
             if lost_gpus:
                 await session.execute(
-                    _GPU_UNHEALTHY_SQL, _columns(lost_gpus, vm_ids="vm_id", idxs="index")
+                    _GPU_UNHEALTHY_SQL, _columns(lost_gpus, vm_ids="vm_id", uuids="uuid")
                 )
             if ids:
                 await session.execute(RECOUNT_SQL, {"ids": ids})
@@ -443,15 +451,15 @@ def _gpu_changes(
 
     `finished`: jobs this sweep found ended (and freed). Their attempts had ended before
     nvidia-smi ran, so a process still on their GPUs is foreign."""
-    busy = result.busy_indices()
+    busy = result.busy_uuids()
     rows = []
     for gpu in result.gpus:
-        loaded = vm.gpus.get(gpu.index)
+        loaded = vm.gpus.get(gpu.uuid)
         # Processes on a GPU allocated to a live job are that job's.
         owned = loaded is not None and loaded.job_id is not None and loaded.job_id not in finished
-        foreign = gpu.index in busy and not owned
+        foreign = gpu.uuid in busy and not owned
         values = (
-            gpu.uuid,
+            gpu.index,
             gpu.name,
             gpu.memory_total_mb,
             gpu.memory_used_mb,

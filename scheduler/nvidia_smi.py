@@ -73,20 +73,19 @@ class PollResult:
     """Why the GPUs cannot be trusted (driver gone, GPU lost, garbage…); None when fine."""
     jobs: dict[tuple[int, int], RemoteJobState] = field(default_factory=dict)
 
-    def busy_indices(self) -> set[int]:
-        """Indices of GPUs some process is using.
+    def busy_uuids(self) -> set[str]:
+        """UUIDs of the GPUs some process is using.
 
         A process on a GPU uuid that matches no listed GPU (a MIG instance, a GPU that just
         disappeared) could be on any of them, so then every GPU counts as busy: better to
         offer none than to put two users on one GPU.
         """
-        by_uuid = {g.uuid: g.index for g in self.gpus}
-        busy: set[int] = set()
+        listed = {g.uuid for g in self.gpus}
+        busy: set[str] = set()
         for app in self.apps:
-            if app.gpu_uuid in by_uuid:
-                busy.add(by_uuid[app.gpu_uuid])
-            else:
-                return {g.index for g in self.gpus}
+            if app.gpu_uuid not in listed:
+                return listed
+            busy.add(app.gpu_uuid)
         return busy
 
 
@@ -218,6 +217,8 @@ def parse_gpus(lines: Sequence[str], rc: int | None) -> tuple[list[GpuInfo], str
         return [], "nvidia-smi listed no GPUs"
     if len({g.index for g in gpus}) != len(gpus):
         return [], "nvidia-smi listed a GPU index twice"
+    if len({g.uuid for g in gpus}) != len(gpus):
+        return [], "nvidia-smi listed a GPU UUID twice"
     return sorted(gpus, key=lambda g: g.index), None
 
 

@@ -244,6 +244,7 @@ class RequeueManager:
                     Job.attempt,
                     Job.remote_pid,
                     Job.gpu_indices,
+                    Job.gpu_uuids,
                     VM.name,
                     outage.label("outage_s"),
                 )
@@ -286,6 +287,7 @@ class RequeueManager:
                 job_id=row.id,
                 attempt=row.attempt,
                 gpu_indices=row.gpu_indices,
+                gpu_uuids=row.gpu_uuids,
                 reason=NODE_LOST,
                 pid=row.remote_pid,
             )

@@ -47,13 +47,13 @@ def test_two_gpus_one_busy() -> None:
         GpuInfo(1, U1, "NVIDIA H100 80GB HBM3", 81559, 70123, 97),
     )
     assert result.apps[0].pid == 4242
-    assert result.busy_indices() == {1}
+    assert result.busy_uuids() == {U1}
 
 
 def test_no_compute_apps_means_every_gpu_idle() -> None:
     for apps in ([], ["No running processes found"]):
         result = parse_poll(poll_output([A100, H100], apps))
-        assert result.error is None and result.busy_indices() == set()
+        assert result.error is None and result.busy_uuids() == set()
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_unavailable_values_are_unknown_not_errors(marker: str) -> None:
     assert result.error is None
     assert result.gpus[0].memory_used_mb is None and result.gpus[0].utilization_pct is None
     assert result.apps[0].used_memory_mb is None
-    assert result.busy_indices() == {0}
+    assert result.busy_uuids() == {U0}
 
 
 def test_mig_gpu_with_an_app_on_a_mig_instance_blocks_every_gpu() -> None:
@@ -77,7 +77,7 @@ def test_mig_gpu_with_an_app_on_a_mig_instance_blocks_every_gpu() -> None:
     # Then it parses, and since the process cannot be placed, no GPU is offered
     assert result.error is None
     assert result.gpus[0].utilization_pct is None
-    assert result.busy_indices() == {0, 1}
+    assert result.busy_uuids() == {U0, U1}
 
 
 def test_a_gpu_name_with_a_comma_is_rejoined() -> None:
