@@ -124,6 +124,8 @@ def vm_to_dict(vm: VM, *, gpus: bool = True) -> dict[str, Any]:
         "last_polled_at": vm.last_polled_at,
         "last_seen_at": vm.last_seen_at,
         "last_error": vm.last_error,
+        "launch_error": vm.launch_error,
+        "removing": vm.removing,
         "ssh_key_path": vm.ssh_key_path,
         "known_hosts": vm.known_hosts,
         "verify_host_key": vm.verify_host_key,

@@ -39,7 +39,8 @@ from scheduler.jobs import transition
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM, Job
 from scheduler.nvidia_smi import PollResult, parse_poll, poll_command
-from scheduler.remote import RemoteJobState
+from scheduler.remote import ENTRY_BROKEN_MARK, RemoteJobState, entry_check_words
+from scheduler.retry import VM_FAULT_EXITS
 from scheduler.settings import Settings
 from scheduler.states import LIVE_STATES, FailureReason, JobStatus, VMStatus
 from scheduler.transport import Transport, TransportError, VMTarget, make_transport
@@ -64,14 +65,17 @@ _SIGNAL = re.compile(r"\b(SIG(KILL|TERM|INT|HUP|SEGV|ABRT|BUS)|Killed|Terminated
 def classify_failure(exit_code: int | None, log_tail: str = "") -> FailureReason | None:
     """Why an attempt failed, from its exit code and the end of its log; None for success.
 
-    64 is permanent (bad arguments or input); 75 or an out-of-memory message is `oom`; an
-    exit of 128+N or a signal name at the end of the log is `killed`; no exit code at all
-    is `vanished`; anything else non-zero is `exit_nonzero`.
+    64 is permanent (bad arguments or input); 126/127 (the VM's python or entrypoint cannot
+    run) is `launch_failed`; 75 or an out-of-memory message is `oom`; an exit of 128+N or
+    a signal name at the end of the log is `killed`; no exit code at all is `vanished`;
+    anything else non-zero is `exit_nonzero`.
     """
     if exit_code is None:
         return FailureReason.VANISHED
     if exit_code == 0:
         return None
+    if exit_code in VM_FAULT_EXITS:
+        return FailureReason.LAUNCH_FAILED
     if exit_code == EXIT_USAGE:
         return FailureReason.CONFIG_ERROR
     if exit_code == EXIT_TRANSIENT or _OOM.search(log_tail):
@@ -101,6 +105,18 @@ class JobVerdict:
     exit_code: int | None
     failure_reason: FailureReason | None
     reason: str
+    vm_error: str | None = None
+    """Set when the VM cannot run training at all (exit 126/127): the VM is marked with it."""
+
+
+def launch_error_line(log_tail: str) -> str:
+    """The line of an attempt's log that says why training could not start: the wrapper's
+    own verdict, else the last line before its closing one."""
+    lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
+    marked = [line for line in lines if line.startswith(ENTRY_BROKEN_MARK)]
+    rest = [line for line in lines if not line.startswith("rlfleet: attempt ended")]
+    line = (marked or rest or ["no output"])[-1]
+    return line[:300]
 
 
 def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None:
@@ -113,6 +129,10 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
         failure = classify_failure(state.exit_code, state.log_tail)
         if failure is None:
             return JobVerdict(job, JobStatus.COMPLETED, 0, None, "exited 0")
+        if failure == FailureReason.LAUNCH_FAILED:
+            line = launch_error_line(state.log_tail)
+            why = f"{failure.value}: exit {state.exit_code}: {line}"
+            return JobVerdict(job, JobStatus.FAILED, state.exit_code, failure, why, line)
         return JobVerdict(
             job, JobStatus.FAILED, state.exit_code, failure, f"exited {state.exit_code}"
         )
@@ -140,6 +160,7 @@ class VMState:
     target: VMTarget
     status: str
     consecutive_failures: int
+    launch_error: str | None = None
     gpus: dict[str, GpuRow] = field(default_factory=dict)
     """By UUID."""
     jobs: list[LiveJob] = field(default_factory=list)
@@ -154,6 +175,8 @@ class Outcome:
     error: str | None = None
     finished: set[int] = field(default_factory=set)
     """Jobs on this VM that the sweep moved to an end state (their GPUs freed)."""
+    launch_error: str | None = None
+    """Why training cannot start on the VM, as an attempt that ended this sweep said."""
 
 
 @dataclass
@@ -172,11 +195,20 @@ class SweepStats:
 # for the whole fleet, instead of one per VM or per GPU.
 _VM_OK_SQL = text(
     """
-UPDATE vms SET status = t.status, last_error = t.error, consecutive_failures = 0,
-    unreachable_since = NULL, last_polled_at = now(), last_seen_at = now()
-FROM unnest(CAST(:ids AS int[]), CAST(:statuses AS text[]), CAST(:errors AS text[]))
-    AS t(id, status, error)
+UPDATE vms SET status = t.status, last_error = t.error, launch_error = t.launch_error,
+    consecutive_failures = 0, unreachable_since = NULL, last_polled_at = now(),
+    last_seen_at = now()
+FROM unnest(CAST(:ids AS int[]), CAST(:statuses AS text[]), CAST(:errors AS text[]),
+            CAST(:launch_errors AS text[]))
+    AS t(id, status, error, launch_error)
 WHERE vms.id = t.id
+"""
+)
+# Written with the failed job, so that no claim lands on the VM before the sweep's end.
+_VM_LAUNCH_BROKEN_SQL = text(
+    """
+UPDATE vms SET launch_error = :error, last_error = :error, status = 'unhealthy'
+WHERE id = :vm_id
 """
 )
 _VM_FAIL_SQL = text(
@@ -280,13 +312,14 @@ class GpuPoller:
         async with self.db.transaction() as session:
             # Plain columns, not ORM objects: this runs for every VM on every sweep.
             vm_rows = await session.execute(
-                select(*VMTarget.columns(), VM.status, VM.consecutive_failures)
+                select(*VMTarget.columns(), VM.status, VM.consecutive_failures, VM.launch_error)
             )
             vms = {
                 row.id: VMState(
                     VMTarget.from_row(row),
                     row.status,
                     row.consecutive_failures,
+                    row.launch_error,
                 )
                 for row in vm_rows
             }
@@ -320,7 +353,11 @@ class GpuPoller:
         return list(vms.values())
 
     async def _probe(self, vm: VMState) -> Outcome:
-        command = poll_command([(j.id, j.attempt) for j in vm.jobs])
+        check = None
+        if vm.launch_error is not None:
+            # Until its python and entrypoint work again, every poll checks them.
+            check = " ".join(entry_check_words(vm.target.python, vm.target.entrypoint))
+        command = poll_command([(j.id, j.attempt) for j in vm.jobs], check)
         try:
             # persistent: a poll every few seconds is worth a shell kept open on the VM.
             result = await self.transport.run(
@@ -342,6 +379,7 @@ class GpuPoller:
                 verdict = job_verdict(job, outcome.result.jobs.get((job.id, job.attempt)))
                 if verdict is not None and await self._finish(outcome.vm, verdict):
                     outcome.finished.add(job.id)
+                    outcome.launch_error = verdict.vm_error or outcome.launch_error
                     finished += 1
         return finished
 
@@ -349,6 +387,12 @@ class GpuPoller:
         job = verdict.job
         async with self.db.transaction() as session:
             moved = await _finish_job(session, verdict)
+            if moved and verdict.vm_error is not None:
+                await session.execute(
+                    _VM_LAUNCH_BROKEN_SQL, {"vm_id": vm.target.id, "error": verdict.vm_error}
+                )
+        if moved and verdict.vm_error is not None:
+            log.warning("vm_cannot_launch", vm=vm.target.name, error=verdict.vm_error)
         if moved:
             log.info(
                 "job_finished",
@@ -375,15 +419,34 @@ class GpuPoller:
                 self._log_failure(vm, outcome.error or "")
                 continue
             stats.reachable += 1
+            launch_error = self._launch_error(outcome)
             if result.error is not None:
                 stats.unhealthy += 1
-                ok.append({"vm_id": vm.target.id, "status": UNHEALTHY, "error": result.error})
+                ok.append(
+                    {
+                        "vm_id": vm.target.id,
+                        "status": UNHEALTHY,
+                        "error": result.error,
+                        "launch_error": launch_error,
+                    }
+                )
                 lost_gpus += [{"vm_id": vm.target.id, "uuid": u} for u in vm.gpus]
                 if vm.status != UNHEALTHY:
                     log.warning("vm_unhealthy", vm=vm.target.name, error=result.error)
                 continue
-            ok.append({"vm_id": vm.target.id, "status": VMStatus.HEALTHY.value, "error": None})
-            if vm.status != VMStatus.HEALTHY:
+            # GPUs fine, but a VM whose python or entrypoint cannot run gets no jobs.
+            status = VMStatus.HEALTHY.value if launch_error is None else UNHEALTHY
+            ok.append(
+                {
+                    "vm_id": vm.target.id,
+                    "status": status,
+                    "error": launch_error,
+                    "launch_error": launch_error,
+                }
+            )
+            if launch_error is not None:
+                stats.unhealthy += 1
+            elif vm.status != VMStatus.HEALTHY:
                 log.info("vm_healthy", vm=vm.target.name, was=vm.status)
             upserts += _gpu_changes(vm, result, outcome.finished)
             seen = {g.uuid for g in result.gpus}
@@ -396,7 +459,14 @@ class GpuPoller:
         async with self.db.transaction() as session:
             if ok:
                 await session.execute(
-                    _VM_OK_SQL, _columns(ok, ids="vm_id", statuses="status", errors="error")
+                    _VM_OK_SQL,
+                    _columns(
+                        ok,
+                        ids="vm_id",
+                        statuses="status",
+                        errors="error",
+                        launch_errors="launch_error",
+                    ),
                 )
             if failed:
                 await session.execute(
@@ -430,6 +500,24 @@ class GpuPoller:
                 )
             if ids:
                 await session.execute(RECOUNT_SQL, {"ids": ids})
+
+    @staticmethod
+    def _launch_error(outcome: Outcome) -> str | None:
+        """Why training cannot start on the VM after this poll: what an attempt ending this
+        sweep said, else the stored reason until the poll's check of python and entrypoint
+        passes."""
+        vm, result = outcome.vm, outcome.result
+        if outcome.launch_error is not None:
+            return outcome.launch_error
+        if vm.launch_error is None or result is None:
+            return vm.launch_error
+        if result.check is None:
+            return vm.launch_error  # the check's answer was cut off: ask again next poll
+        rc, line = result.check
+        if rc == 0:
+            log.info("vm_launch_check_passed", vm=vm.target.name, was=vm.launch_error)
+            return None
+        return f"{vm.launch_error.split(' (check:', 1)[0]} (check: exit {rc}: {line})"[:500]
 
     def _log_failure(self, vm: VMState, error: str) -> None:
         failures = vm.consecutive_failures + 1

@@ -178,11 +178,14 @@ def wrapper_script(spec: LaunchSpec) -> str:
             # line saying why, before training starts (the poller marks the VM).
             f"rlfleet_check=$({' '.join(entry_check_words(spec.python, spec.entrypoint))} 2>&1)",
             "rc=$?",
-            'if [ "$rc" -ne 0 ]; then',
+            # Killed meanwhile: training never starts, the exit code says by what.
+            'if [ -n "${rlfleet_sig:-}" ]; then',
+            '  case "$rlfleet_sig" in INT) rc=130 ;; HUP) rc=129 ;; *) rc=143 ;; esac',
+            'elif [ "$rc" -ne 0 ] && [ "$rc" -lt 128 ]; then',
             f'  [ "$rc" -eq 126 ] || rc={ENTRY_BROKEN_EXIT}',
             f'  echo "{ENTRY_BROKEN_MARK} (exit $rc):'
             ' $(printf "%s\\n" "$rlfleet_check" | tail -n 1)"',
-            "else",
+            'elif [ "$rc" -eq 0 ]; then',
             "  " + " ".join(train_words(spec)),
             "  rc=$?",
             "fi",

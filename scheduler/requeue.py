@@ -10,7 +10,8 @@
 3. **Decisions** — a failed job that has no decision yet gets one from
    `scheduler.retry.decide`: `next_attempt_at`, or a status_reason "gave up …" that stays.
 4. **Retries** — failed jobs whose `next_attempt_at` has come go back to `queued`
-   (`retry_count + 1`, except after `node_lost`, which does not count).
+   (`retry_count + 1`, except after a machine fault — `node_lost`, `vm_removed`, or
+   `launch_failed` with exit 126/127 — which does not count).
 5. **Pending jobs** — put back in the queue when the fleet reports free GPUs that fit
    them, in priority then submission order, or after `--pending-timeout` anyway.
    Anti-starvation (honest and simple): once a job that does not fit has waited
@@ -76,12 +77,14 @@ from scheduler.models import VM, Job, JobEvent, StaleProcess
 from scheduler.retry import (
     DEFAULT_POLICY,
     GIVE_UP_PREFIX,
+    MACHINE_FAULT_PREFIXES,
     Failure,
     GiveUp,
     PendingJob,
     RetryPolicy,
     counts_against_limit,
     decide,
+    is_machine_fault,
     plan_pending,
 )
 from scheduler.settings import Settings, redact_url
@@ -314,7 +317,7 @@ class RequeueManager:
             .where(
                 JobEvent.job_id == Job.id,
                 JobEvent.to_status == JobStatus.FAILED.value,
-                JobEvent.reason.like(f"{NODE_LOST}%"),
+                or_(*(JobEvent.reason.like(f"{p}%") for p in MACHINE_FAULT_PREFIXES)),
             )
             .correlate(Job)
             .scalar_subquery()
@@ -398,7 +401,7 @@ class RequeueManager:
         ).all()
         retried: list[int] = []
         for row in rows:
-            counted = counts_against_limit(row.failure_reason)
+            counted = counts_against_limit(row.failure_reason, row.exit_code)
             failure = Failure(row.failure_reason, row.exit_code).describe()
             if counted:
                 why = f"retry {row.retry_count + 1}/{row.max_retries} after {failure}"
@@ -643,6 +646,11 @@ def _retry_note(
         return (
             f"{failure.describe()}: retrying elsewhere "
             f"(lost nodes {failure.node_lost_count}/{config.policy.node_lost_limit})"
+        )
+    if is_machine_fault(failure.reason, failure.exit_code):
+        return (
+            f"{failure.describe()}: the VM's fault, retrying elsewhere "
+            f"(VM failures {failure.node_lost_count}/{config.policy.node_lost_limit})"
         )
     return f"{failure.describe()}: retry {row.retry_count + 1}/{row.max_retries} in {wait:.0f}s"
 

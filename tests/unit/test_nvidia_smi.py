@@ -176,6 +176,12 @@ def test_a_jobs_log_can_neither_forge_job_news_nor_break_the_poll() -> None:
         (1, "Traceback ... ValueError", FailureReason.EXIT_NONZERO),
         (2, "", FailureReason.EXIT_NONZERO),
         (None, "", FailureReason.VANISHED),
+        (126, "sh: 1: /opt/py: Permission denied", FailureReason.LAUNCH_FAILED),
+        (
+            127,
+            "rlfleet: training cannot start on this VM (exit 127): x",
+            FailureReason.LAUNCH_FAILED,
+        ),
     ],
 )
 def test_failure_classification(
@@ -210,3 +216,18 @@ def test_job_verdicts(
     verdict = job_verdict(job, state)
     assert (verdict.to if verdict else None) == to
     assert (verdict.failure_reason if verdict else None) == reason
+
+
+def test_an_attempt_that_could_not_start_names_the_vm_problem() -> None:
+    """Exit 127 with the wrapper's verdict: launch_failed, the verdict line as the reason,
+    and the same line for the VM (whose python or entrypoint is broken)."""
+    tail = (
+        "rlfleet: attempt started on vm0\n"
+        "rlfleet: training cannot start on this VM (exit 127): No module named 'training'\n"
+        "rlfleet: attempt ended with exit code 127\n"
+    )
+    verdict = job_verdict(RUNNING, RemoteJobState("exited", 127, tail))
+    assert verdict is not None and verdict.failure_reason == FailureReason.LAUNCH_FAILED
+    line = "rlfleet: training cannot start on this VM (exit 127): No module named 'training'"
+    assert verdict.vm_error == line
+    assert verdict.reason == f"launch_failed: exit 127: {line}"

@@ -157,3 +157,32 @@ def test_a_starving_job_holds_back_the_ones_behind_it() -> None:
     plan = plan_pending([pj(1), pj(2, gpus=4, waited=400), pj(3), pj(4)], {10: 2}, **PLAN)
     assert plan.republish == [(1, "capacity")]
     assert (plan.held_for, plan.held) == (2, [3, 4])
+
+
+@pytest.mark.parametrize(
+    ("reason", "exit_code", "counted"),
+    [
+        ("node_lost", None, False),
+        ("vm_removed", None, False),
+        ("launch_failed", 126, False),
+        ("launch_failed", 127, False),
+        ("launch_failed", None, True),  # the launch over SSH failed: counted as before
+        ("exit_nonzero", 127, True),
+    ],
+)
+def test_machine_faults_do_not_use_up_retries(
+    reason: str, exit_code: int | None, counted: bool
+) -> None:
+    assert counts_against_limit(reason, exit_code) is counted
+    decision = decide(
+        J(retry_count=3, max_retries=3),
+        Failure(reason, exit_code, 1),
+        NOW,
+        random.Random(0),
+        NO_JITTER,
+    )
+    assert isinstance(decision, GiveUp if counted else Retry)
+    if not counted:
+        assert isinstance(decision, Retry) and not decision.counts
+        capped = decide(J(), Failure(reason, exit_code, 6), NOW, random.Random(0), NO_JITTER)
+        assert isinstance(capped, GiveUp)
