@@ -23,7 +23,8 @@
 6. **Stale processes** — for each `stale_processes` row not yet killed whose VM answers
    SSH, the attempt's process group is killed (TERM, then KILL) over SSH; only then is
    the row closed, and the claim query offers the GPUs again (it skips GPUs listed in an
-   open row).
+   open row). A VM marked `removing` by `vm remove --force` is deleted once none of its
+   rows is open (and its jobs are failed as `vm_removed`, should one have reached it).
 7. **Announcements** — every queued job whose current queued spell was never announced
    (`published_at` NULL or older than `queued_at`: a row inserted straight into the
    database, a publish lost while NATS was down, any of the moves above) is published on
@@ -70,6 +71,7 @@ from scheduler.claims import (
 )
 from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
+from scheduler.fleet import delete_removed_vms
 from scheduler.jobs import transition
 from scheduler.kill import kill_attempt
 from scheduler.logging import get_logger
@@ -130,6 +132,7 @@ class TickReport:
     publish_failed: int = 0
     killed: list[int] = field(default_factory=list)
     kill_failed: int = 0
+    removed_vms: list[str] = field(default_factory=list)
 
     def busy(self) -> bool:
         """Whether the tick changed anything."""
@@ -143,6 +146,7 @@ class TickReport:
                 self.unpended,
                 self.published,
                 self.killed,
+                self.removed_vms,
             )
         )
 
@@ -223,6 +227,7 @@ class RequeueManager:
             else:
                 now = await session.scalar(select(func.now()))
                 assert now is not None
+                report.removed_vms = await delete_removed_vms(session, actor=self.actor)
                 report.node_lost = await self._fail_lost_nodes(session)
                 report.scheduled, report.gave_up = await self._decide_failed(session, now)
                 report.retried = await self._requeue_due(session)
@@ -627,6 +632,7 @@ class RequeueManager:
                         unpended=len(report.unpended),
                         published=len(report.published),
                         killed=len(report.killed),
+                        removed_vms=report.removed_vms,
                     )
             wait = self.config.interval_s * min(2 ** min(failures, 4), 8) if failures else 0
             await sleep_or_stop(stop, wait or self.config.interval_s)
