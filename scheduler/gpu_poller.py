@@ -419,7 +419,7 @@ class GpuPoller:
                 self._log_failure(vm, outcome.error or "")
                 continue
             stats.reachable += 1
-            launch_error = self._launch_error(outcome)
+            launch_error, launch_line = self._launch_error(outcome)
             if result.error is not None:
                 stats.unhealthy += 1
                 ok.append(
@@ -440,7 +440,7 @@ class GpuPoller:
                 {
                     "vm_id": vm.target.id,
                     "status": status,
-                    "error": launch_error,
+                    "error": launch_line,
                     "launch_error": launch_error,
                 }
             )
@@ -502,22 +502,21 @@ class GpuPoller:
                 await session.execute(RECOUNT_SQL, {"ids": ids})
 
     @staticmethod
-    def _launch_error(outcome: Outcome) -> str | None:
-        """Why training cannot start on the VM after this poll: what an attempt ending this
-        sweep said, else the stored reason until the poll's check of python and entrypoint
-        passes."""
+    def _launch_error(outcome: Outcome) -> tuple[str | None, str | None]:
+        """Why training cannot start on the VM after this poll, and the error line to show:
+        what an attempt ending this sweep said, else the stored reason (with what the
+        poll's check of python and entrypoint said) until that check passes."""
         vm, result = outcome.vm, outcome.result
         if outcome.launch_error is not None:
-            return outcome.launch_error
-        if vm.launch_error is None or result is None:
-            return vm.launch_error
-        if result.check is None:
-            return vm.launch_error  # the check's answer was cut off: ask again next poll
+            return outcome.launch_error, outcome.launch_error
+        if vm.launch_error is None or result is None or result.check is None:
+            # No trouble, or the check's answer was cut off: ask again next poll.
+            return vm.launch_error, vm.launch_error
         rc, line = result.check
         if rc == 0:
             log.info("vm_launch_check_passed", vm=vm.target.name, was=vm.launch_error)
-            return None
-        return f"{vm.launch_error.split(' (check:', 1)[0]} (check: exit {rc}: {line})"[:500]
+            return None, None
+        return vm.launch_error, f"{vm.launch_error} (check: exit {rc}: {line})"[:500]
 
     def _log_failure(self, vm: VMState, error: str) -> None:
         failures = vm.consecutive_failures + 1

@@ -155,6 +155,11 @@ async def test_a_vm_whose_python_cannot_run_is_marked_and_the_job_runs_elsewhere
         assert done.vm_id == ids["vm1"] and done.attempt == 2 and done.exit_code == 0
         assert (done.retry_count, done.max_retries) == (0, 0)
         assert (await vm_row(db, "vm0")).status == "unhealthy", "still broken: no jobs"
+        deadline = time.monotonic() + 30
+        while "(check: exit 126: " not in ((vm0 := await vm_row(db, "vm0")).last_error or ""):
+            assert time.monotonic() < deadline, f"no check of vm0's python: {vm0.last_error}"
+            await asyncio.sleep(0.1)
+        assert vm0.status == "unhealthy" and "Permission denied" in vm0.last_error
 
         broken.chmod(0o755)
         vm0 = await wait_vm(db, "vm0", "healthy")
