@@ -218,6 +218,18 @@ def _consumer_differs(current: ConsumerConfig, wanted: ConsumerConfig) -> bool:
     )
 
 
+async def consumer_missing(js: JetStreamContext) -> bool:
+    """Whether the durable consumer `dispatcher` (or its stream) is gone, e.g. deleted by
+    hand; False when it exists or when the server cannot say (NATS away)."""
+    try:
+        await js.consumer_info(STREAM, CONSUMER)
+    except NotFoundError:
+        return True
+    except Exception:  # noqa: BLE001 - not an answer about the consumer
+        return False
+    return False
+
+
 async def subscribe_dispatcher(js: JetStreamContext) -> JetStreamContext.PullSubscription:
     """Bind to the shared durable pull consumer (creating stream and consumer if needed)."""
     await ensure_stream(js)

@@ -44,16 +44,24 @@ log = get_logger("claims")
 
 # A GPU is free when nvidia-smi says it is healthy and idle, rlfleet has not given it to a
 # job, its VM answers and is not draining, and no process left over from a lost VM may
-# still hold it (`blocked`, usually empty: computed once, then hash anti-joined).
+# still hold it (`blocked`, usually empty: computed once, then hash anti-joined). A
+# leftover blocks its GPUs by UUID (a renumbering cannot move them); rows written before
+# UUIDs were recorded block by index.
 _BLOCKED = """
     blocked AS MATERIALIZED (
-        SELECT s.vm_id, i AS index FROM stale_processes s, unnest(s.gpu_indices) i
-        WHERE s.killed_at IS NULL
+        SELECT s.vm_id, u AS uuid, NULL::int AS index
+        FROM stale_processes s, unnest(s.gpu_uuids) u WHERE s.killed_at IS NULL
+        UNION ALL
+        SELECT s.vm_id, NULL, i FROM stale_processes s, unnest(s.gpu_indices) i
+        WHERE s.killed_at IS NULL AND s.gpu_uuids IS NULL
     )
 """
 _FREE_GPU = """
     g.job_id IS NULL AND g.healthy AND NOT g.foreign_busy
-    AND NOT EXISTS (SELECT 1 FROM blocked b WHERE b.vm_id = g.vm_id AND b.index = g.index)
+    AND NOT EXISTS (
+        SELECT 1 FROM blocked b
+        WHERE b.vm_id = g.vm_id AND (b.uuid = g.uuid OR b.index = g.index)
+    )
 """
 
 _USABLE_VM = "v.status = 'healthy' AND NOT v.draining"
@@ -71,8 +79,8 @@ WITH {_BLOCKED}, cand AS (
 ), locked AS MATERIALIZED (
     -- Lock at most `need` free rows per candidate VM; rows another claimer holds are
     -- skipped, never waited for.
-    SELECT f.vm_id, l.id, l.index FROM fit f CROSS JOIN LATERAL (
-        SELECT g.id, g.index FROM gpus g
+    SELECT f.vm_id, l.id, l.index, l.uuid FROM fit f CROSS JOIN LATERAL (
+        SELECT g.id, g.index, g.uuid FROM gpus g
         WHERE g.vm_id = f.vm_id AND {_FREE_GPU}
         ORDER BY g.index LIMIT :need
         FOR UPDATE OF g SKIP LOCKED
@@ -82,7 +90,7 @@ WITH {_BLOCKED}, cand AS (
     GROUP BY l.vm_id, f.free HAVING count(*) >= :need
     ORDER BY f.free, (l.vm_id * 2654435761 + :job_id) % 4294967296 LIMIT 1
 ), chosen AS (
-    SELECT l.id, l.index FROM locked l WHERE l.vm_id = (SELECT vm_id FROM chosen_vm)
+    SELECT l.id, l.index, l.uuid FROM locked l WHERE l.vm_id = (SELECT vm_id FROM chosen_vm)
     ORDER BY l.index LIMIT :need
 ), taken AS (
     -- clock_timestamp(), not now(): in a batch, now() is when the transaction began, which
@@ -99,6 +107,7 @@ WITH {_BLOCKED}, cand AS (
         attempt = attempt + 1,
         vm_id = (SELECT vm_id FROM chosen_vm),
         gpu_indices = (SELECT array_agg(index ORDER BY index) FROM chosen),
+        gpu_uuids = (SELECT array_agg(uuid ORDER BY index) FROM chosen),
         -- remote.default_output_dir(installation, job_id)
         output_dir = coalesce(output_dir, '~/' || :root || '/'
                               || (SELECT CAST(id AS text) FROM installation) || '/outputs/'
@@ -109,14 +118,14 @@ WITH {_BLOCKED}, cand AS (
         status_reason = NULL, failure_reason = NULL, exit_code = NULL, remote_pid = NULL
     WHERE id = :job_id AND status = 'queued' AND EXISTS (SELECT 1 FROM chosen_vm)
         AND EXISTS (SELECT 1 FROM installation)
-    RETURNING attempt, vm_id, gpu_indices, output_dir, launch_token
+    RETURNING attempt, vm_id, gpu_indices, gpu_uuids, output_dir, launch_token
 ), event AS (
     INSERT INTO job_events (job_id, from_status, to_status, reason, actor, attempt)
     SELECT :job_id, 'queued', 'starting',
            'claimed GPUs ' || array_to_string(gpu_indices, ','), :actor, attempt
     FROM moved
 )
-SELECT m.vm_id, m.gpu_indices, m.attempt, m.output_dir, m.launch_token,
+SELECT m.vm_id, m.gpu_indices, m.gpu_uuids, m.attempt, m.output_dir, m.launch_token,
        (SELECT CAST(id AS text) FROM installation) AS installation,
        (SELECT coalesce(max(free), 0) FROM cand) AS largest_free
 FROM (SELECT 1) one LEFT JOIN moved m ON true
@@ -215,6 +224,8 @@ class Claim:
     dataset: str = ""
     reward_functions: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()
+    gpu_uuids: tuple[str, ...] = ()
+    """The claimed GPUs' UUIDs, in the order of `gpu_indices`: what the attempt runs on."""
     installation: str = ""
     token: str = ""
 
@@ -400,6 +411,7 @@ async def _claim_one(
             dataset=row.dataset,
             reward_functions=tuple(r for r in row.reward_function.split(",") if r),
             extra_args=tuple(str(a) for a in row.extra_args or ()),
+            gpu_uuids=tuple(result.gpu_uuids or ()),
             installation=result.installation,
             token=result.launch_token,
         )
@@ -571,6 +583,7 @@ async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:
                     Job.vm_id,
                     Job.attempt,
                     Job.gpu_indices,
+                    Job.gpu_uuids,
                     Job.launch_token,
                     Job.attempt_dir,
                 )
@@ -582,7 +595,7 @@ async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:
                 .with_for_update(skip_locked=True)
             )
         ).all()
-        for job_id, vm_id, attempt, gpu_indices, token, attempt_dir in rows:
+        for job_id, vm_id, attempt, gpu_indices, gpu_uuids, token, attempt_dir in rows:
             moved = await transition(
                 session,
                 job_id,
@@ -602,6 +615,7 @@ async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:
                     job_id=job_id,
                     attempt=attempt,
                     gpu_indices=gpu_indices,
+                    gpu_uuids=gpu_uuids,
                     reason="lease_expired",
                     token=token,
                     attempt_dir=attempt_dir,
@@ -623,6 +637,7 @@ async def record_leftover(
     token: str | None,
     attempt_dir: str | None = None,
     pid: int | None = None,
+    gpu_uuids: Sequence[str] | None = None,
 ) -> None:
     """Note an attempt that may still run on its VM (caller's transaction): its GPUs are
     kept out of every claim, and its job is not claimed again, until a kill proves it
@@ -638,6 +653,7 @@ async def record_leftover(
             attempt_dir=attempt_dir,
             pid=pid,
             gpu_indices=list(gpu_indices) if gpu_indices else None,
+            gpu_uuids=list(gpu_uuids) if gpu_uuids else None,
             reason=reason,
         )
         .on_conflict_do_nothing()

@@ -58,6 +58,7 @@ class JobPlace:
     remote_pid: int | None = None
     """The pid recorded when the launch was confirmed; None: not confirmed."""
     installation: str = ""
+    gpu_uuids: list[str] | None = None
 
 
 async def load_place(db: Database, job_id: int) -> JobPlace:
@@ -82,6 +83,7 @@ def place_of(job: Any, installation: str) -> JobPlace:
         run,
         job.remote_pid,
         installation,
+        job.gpu_uuids,
     )
 
 
@@ -145,6 +147,7 @@ async def cancel_job(
                         job_id=job_id,
                         attempt=place.attempt,
                         gpu_indices=place.gpu_indices,
+                        gpu_uuids=place.gpu_uuids,
                         reason="cancelled",
                         token=place.run.token if place.run is not None else None,
                         attempt_dir=place.run.path if place.run is not None else None,

@@ -246,6 +246,10 @@ class GlobalJobDispatcher:
                 continue
             except Exception as exc:  # noqa: BLE001 - NATS down or reconnecting: wait
                 log.warning("fetch_failed", error=str(exc) or type(exc).__name__)
+                rebound = await self._rebind_if_gone(sub)
+                if rebound is not None:
+                    sub = rebound
+                    continue
                 await sleep_or_stop(stop, backoff.failed())
                 continue
             backoff.reset()
@@ -291,6 +295,25 @@ class GlobalJobDispatcher:
                 log.warning("subscribe_failed", error=str(exc) or type(exc).__name__)
                 await sleep_or_stop(stop, backoff.failed())
         return None
+
+    async def _rebind_if_gone(
+        self, sub: JetStreamContext.PullSubscription
+    ) -> JetStreamContext.PullSubscription | None:
+        """After a failed fetch: when the durable consumer is gone (deleted by hand, or
+        with its stream), create it again and bind to it; None when it is not gone or
+        cannot be recreated now (the caller backs off and fetches again)."""
+        if not await bus.consumer_missing(self.js):
+            return None
+        log.warning("consumer_missing", stream=bus.STREAM, consumer=bus.CONSUMER)
+        try:
+            fresh = await bus.subscribe_dispatcher(self.js)
+        except Exception as exc:  # noqa: BLE001 - NATS trouble: the next failure retries
+            log.warning("consumer_recreate_failed", error=str(exc) or type(exc).__name__)
+            return None
+        with contextlib.suppress(Exception):  # the old binding is dead anyway
+            await sub.unsubscribe()
+        log.info("consumer_rebound", stream=bus.STREAM, consumer=bus.CONSUMER)
+        return fresh
 
     # ---------------------------------------------------------------- one batch
 
@@ -426,6 +449,7 @@ class GlobalJobDispatcher:
             python=target.python,
             entrypoint=target.entrypoint,
             gpu_indices=claim.gpu_indices,
+            gpu_uuids=claim.gpu_uuids,
             model=claim.model,
             dataset=claim.dataset,
             reward_functions=claim.reward_functions,
@@ -554,6 +578,7 @@ class GlobalJobDispatcher:
                         job_id=claim.job_id,
                         attempt=claim.attempt,
                         gpu_indices=claim.gpu_indices,
+                        gpu_uuids=claim.gpu_uuids,
                         reason="launch_failed",
                         token=claim.token,
                     )

@@ -6,14 +6,16 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, exists, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
+from scheduler.claims import record_leftover, release_in_session
 from scheduler.errors import BadInput, NotFound
-from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM, Job
-from scheduler.states import LIVE_STATES
+from scheduler.jobs import transition
+from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM, Job, StaleProcess
+from scheduler.states import LIVE_STATES, FailureReason, JobStatus
 from scheduler.validate import check_text
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -111,18 +113,157 @@ async def live_job_count(session: AsyncSession, vm_id: int) -> int:
     return int(count or 0)
 
 
-async def remove_vm(session: AsyncSession, name: str, *, force: bool = False) -> None:
-    """Forget a VM. Refused while jobs run there unless `force`."""
-    vm = await get_vm(session, name)
+async def leftover_count(session: AsyncSession, vm_id: int) -> int:
+    """How many processes of earlier attempts on the VM are still to be killed."""
+    count = await session.scalar(
+        select(func.count())
+        .select_from(StaleProcess)
+        .where(StaleProcess.vm_id == vm_id, StaleProcess.killed_at.is_(None))
+    )
+    return int(count or 0)
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What `remove_vm` did: `removed` (the row is gone) or `removing` (its jobs failed,
+    the row goes once their processes are killed), and the jobs it failed."""
+
+    outcome: str
+    failed_jobs: list[int]
+    leftovers: int = 0
+    """Processes still to be killed (for `removing`), or given up on (for `removed`)."""
+
+
+VM_REMOVED = FailureReason.VM_REMOVED.value
+
+
+async def fail_jobs_of_removed_vm(
+    session: AsyncSession, vm_id: int, vm_name: str, *, actor: str
+) -> list[int]:
+    """Fail the live jobs of a VM being removed with `vm_removed` (caller's transaction):
+    GPUs freed, and each attempt recorded as a leftover, so that it is killed when the VM
+    answers and its job is not run again until then (docs/invariants.md, invariant 2).
+    Returns the ids of the jobs failed."""
+    rows = (
+        await session.execute(
+            select(
+                Job.id,
+                Job.status,
+                Job.attempt,
+                Job.remote_pid,
+                Job.gpu_indices,
+                Job.gpu_uuids,
+                Job.launch_token,
+                Job.attempt_dir,
+            )
+            .where(Job.vm_id == vm_id, Job.status.in_([s.value for s in LIVE_STATES]))
+            .order_by(Job.id)
+            .with_for_update()
+        )
+    ).all()
+    why = f"{VM_REMOVED}: VM {vm_name} was removed while the job ran"
+    failed = []
+    for row in rows:
+        moved = await transition(
+            session,
+            row.id,
+            expected=JobStatus(row.status),
+            to=JobStatus.FAILED,
+            reason=why,
+            actor=actor,
+            values={
+                "failure_reason": VM_REMOVED,
+                "exit_code": None,
+                "status_reason": why,
+                "lease_expires_at": None,
+                "next_attempt_at": None,
+            },
+            attempt=row.attempt,
+        )
+        if not moved:
+            continue
+        await record_leftover(
+            session,
+            vm_id=vm_id,
+            job_id=row.id,
+            attempt=row.attempt,
+            gpu_indices=row.gpu_indices,
+            gpu_uuids=row.gpu_uuids,
+            reason=VM_REMOVED,
+            token=row.launch_token,
+            attempt_dir=row.attempt_dir,
+            pid=row.remote_pid,
+        )
+        await release_in_session(session, row.id)
+        failed.append(row.id)
+    return failed
+
+
+async def remove_vm(
+    session: AsyncSession, name: str, *, force: bool = False, actor: str = "cli"
+) -> Removal:
+    """Forget a VM. Refused (`BadInput`) while jobs run there or processes of earlier
+    attempts are still to be killed, unless `force`.
+
+    With `force` the VM is drained and marked `removing`, its jobs fail with `vm_removed`
+    (retried elsewhere without using up a retry) and the requeue manager deletes the row
+    once their processes are killed: the records of what to kill live in rows that the
+    deletion would cascade away. `force` on a VM already `removing` deletes it at once,
+    giving up on killing what it may still run."""
+    vm = await session.scalar(select(VM).where(VM.name == name).with_for_update())
+    if vm is None:
+        raise NotFound(f"no VM named {name!r}")
     live = await live_job_count(session, vm.id)
-    if live and not force:
-        raise BadInput(f"VM {name!r} has {live} live job(s): drain it and wait, or pass --force")
-    await session.delete(vm)
+    leftovers = await leftover_count(session, vm.id)
+    if not force and (live or leftovers):
+        what = " and ".join(
+            text
+            for n, text in (
+                (live, f"{live} live job(s)"),
+                (leftovers, f"{leftovers} process(es) of earlier attempts not yet killed"),
+            )
+            if n
+        )
+        raise BadInput(
+            f"VM {name!r} has {what}: drain it and wait, or pass --force "
+            f"to fail its jobs ({VM_REMOVED}, retried elsewhere) and kill their processes"
+        )
+    if (not live and not leftovers) or vm.removing:
+        await fail_jobs_of_removed_vm(session, vm.id, vm.name, actor=actor)
+        await session.delete(vm)
+        return Removal("removed", [], leftovers)
+    vm.removing = True
+    vm.draining = True
+    failed = await fail_jobs_of_removed_vm(session, vm.id, vm.name, actor=actor)
+    await session.flush()
+    return Removal("removing", failed, await leftover_count(session, vm.id))
+
+
+async def delete_removed_vms(session: AsyncSession, *, actor: str) -> list[str]:
+    """The requeue manager's part of `vm remove --force` (caller's transaction): fail any
+    job that reached a `removing` VM after all (a claim racing the removal), and delete
+    the `removing` VMs with nothing left to kill. Returns the names deleted."""
+    removing = (await session.execute(select(VM.id, VM.name).where(VM.removing))).all()
+    for vm_id, vm_name in removing:
+        await fail_jobs_of_removed_vm(session, vm_id, vm_name, actor=actor)
+    if not removing:
+        return []
+    open_leftover = exists().where(StaleProcess.vm_id == VM.id, StaleProcess.killed_at.is_(None))
+    live_job = exists().where(Job.vm_id == VM.id, Job.status.in_([s.value for s in LIVE_STATES]))
+    deleted = await session.execute(
+        delete(VM)
+        .where(VM.removing, ~open_leftover, ~live_job)
+        .returning(VM.name)
+        .execution_options(synchronize_session=False)
+    )
+    return list(deleted.scalars())
 
 
 async def set_draining(session: AsyncSession, name: str, draining: bool) -> VM:
-    """Drain (no new jobs) or undrain a VM."""
+    """Drain (no new jobs) or undrain a VM; a VM being removed stays drained."""
     vm = await get_vm(session, name)
+    if vm.removing and not draining:
+        raise BadInput(f"VM {name!r} is being removed; add it again once it is gone")
     vm.draining = draining
     await session.flush()
     return vm
@@ -143,6 +284,8 @@ def vm_to_dict(vm: VM, *, gpus: bool = True) -> dict[str, Any]:
         "last_polled_at": vm.last_polled_at,
         "last_seen_at": vm.last_seen_at,
         "last_error": vm.last_error,
+        "launch_error": vm.launch_error,
+        "removing": vm.removing,
         "ssh_key_path": vm.ssh_key_path,
         "known_hosts": vm.known_hosts,
         "verify_host_key": vm.verify_host_key,

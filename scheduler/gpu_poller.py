@@ -8,7 +8,10 @@ A sweep is load → probe → apply (invariant 4: no transaction is open during 
    transaction writes the batch's VM and GPU rows, one array statement per kind of write.
 
 It never frees or steals a GPU a job holds: only a job's end frees its GPUs, and a GPU is
-offered only when healthy, unallocated and used by no process (`foreign_busy`).
+offered only when healthy, unallocated and used by no process (`foreign_busy`). GPUs are
+known by UUID: a renumbered GPU keeps its row and its job, and a GPU nvidia-smi no longer
+lists is marked unhealthy, never replaced by the card that now has its index
+(docs/invariants.md, invariant 8).
 
 Run it as `rlfleet poller` or `python -m scheduler.gpu_poller`.
 """
@@ -36,7 +39,8 @@ from scheduler.jobs import transition
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM, Job
 from scheduler.nvidia_smi import PollResult, parse_poll, poll_command
-from scheduler.remote import Attempt, RemoteJobState
+from scheduler.remote import ENTRY_BROKEN_MARK, Attempt, RemoteJobState, entry_check_words
+from scheduler.retry import VM_FAULT_EXITS
 from scheduler.settings import Settings
 from scheduler.states import LIVE_STATES, FailureReason, JobStatus, VMStatus
 from scheduler.transport import Transport, TransportError, VMTarget, make_transport
@@ -61,14 +65,17 @@ _SIGNAL = re.compile(r"\b(SIG(KILL|TERM|INT|HUP|SEGV|ABRT|BUS)|Killed|Terminated
 def classify_failure(exit_code: int | None, log_tail: str = "") -> FailureReason | None:
     """Why an attempt failed, from its exit code and the end of its log; None for success.
 
-    64 is permanent (bad arguments or input); 75 or an out-of-memory message is `oom`; an
-    exit of 128+N or a signal name at the end of the log is `killed`; no exit code at all
-    is `vanished`; anything else non-zero is `exit_nonzero`.
+    64 is permanent (bad arguments or input); 126/127 (the VM's python or entrypoint cannot
+    run) is `launch_failed`; 75 or an out-of-memory message is `oom`; an exit of 128+N or
+    a signal name at the end of the log is `killed`; no exit code at all is `vanished`;
+    anything else non-zero is `exit_nonzero`.
     """
     if exit_code is None:
         return FailureReason.VANISHED
     if exit_code == 0:
         return None
+    if exit_code in VM_FAULT_EXITS:
+        return FailureReason.LAUNCH_FAILED
     if exit_code == EXIT_USAGE:
         return FailureReason.CONFIG_ERROR
     if exit_code == EXIT_TRANSIENT or _OOM.search(log_tail):
@@ -100,6 +107,18 @@ class JobVerdict:
     exit_code: int | None
     failure_reason: FailureReason | None
     reason: str
+    vm_error: str | None = None
+    """Set when the VM cannot run training at all (exit 126/127): the VM is marked with it."""
+
+
+def launch_error_line(log_tail: str) -> str:
+    """The line of an attempt's log that says why training could not start: the wrapper's
+    own verdict, else the last line before its closing one."""
+    lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
+    marked = [line for line in lines if line.startswith(ENTRY_BROKEN_MARK)]
+    rest = [line for line in lines if not line.startswith("rlfleet: attempt ended")]
+    line = (marked or rest or ["no output"])[-1]
+    return line[:300]
 
 
 def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None:
@@ -112,6 +131,10 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
         failure = classify_failure(state.exit_code, state.log_tail)
         if failure is None:
             return JobVerdict(job, JobStatus.COMPLETED, 0, None, "exited 0")
+        if failure == FailureReason.LAUNCH_FAILED:
+            line = launch_error_line(state.log_tail)
+            why = f"{failure.value}: exit {state.exit_code}: {line}"
+            return JobVerdict(job, JobStatus.FAILED, state.exit_code, failure, why, line)
         return JobVerdict(
             job, JobStatus.FAILED, state.exit_code, failure, f"exited {state.exit_code}"
         )
@@ -124,12 +147,12 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
 
 @dataclass
 class GpuRow:
-    """A GPU row as loaded."""
+    """A GPU row as loaded; rows are keyed by UUID (docs/invariants.md, invariant 8)."""
 
-    index: int
+    uuid: str
     job_id: int | None
     values: tuple[Any, ...]
-    """(uuid, name, memory_total_mb, memory_used_mb, utilization_pct, healthy, foreign_busy)"""
+    """(index, name, memory_total_mb, memory_used_mb, utilization_pct, healthy, foreign_busy)"""
 
 
 @dataclass
@@ -139,7 +162,9 @@ class VMState:
     target: VMTarget
     status: str
     consecutive_failures: int
-    gpus: dict[int, GpuRow] = field(default_factory=dict)
+    launch_error: str | None = None
+    gpus: dict[str, GpuRow] = field(default_factory=dict)
+    """By UUID."""
     jobs: list[LiveJob] = field(default_factory=list)
 
 
@@ -152,6 +177,8 @@ class Outcome:
     error: str | None = None
     finished: set[int] = field(default_factory=set)
     """Jobs on this VM that the sweep moved to an end state (their GPUs freed)."""
+    launch_error: str | None = None
+    """Why training cannot start on the VM, as an attempt that ended this sweep said."""
 
 
 @dataclass
@@ -170,11 +197,20 @@ class SweepStats:
 # for the whole fleet, instead of one per VM or per GPU.
 _VM_OK_SQL = text(
     """
-UPDATE vms SET status = t.status, last_error = t.error, consecutive_failures = 0,
-    unreachable_since = NULL, last_polled_at = now(), last_seen_at = now()
-FROM unnest(CAST(:ids AS int[]), CAST(:statuses AS text[]), CAST(:errors AS text[]))
-    AS t(id, status, error)
+UPDATE vms SET status = t.status, last_error = t.error, launch_error = t.launch_error,
+    consecutive_failures = 0, unreachable_since = NULL, last_polled_at = now(),
+    last_seen_at = now()
+FROM unnest(CAST(:ids AS int[]), CAST(:statuses AS text[]), CAST(:errors AS text[]),
+            CAST(:launch_errors AS text[]))
+    AS t(id, status, error, launch_error)
 WHERE vms.id = t.id
+"""
+)
+# Written with the failed job, so that no claim lands on the VM before the sweep's end.
+_VM_LAUNCH_BROKEN_SQL = text(
+    """
+UPDATE vms SET launch_error = :error, last_error = :error, status = 'unhealthy'
+WHERE id = :vm_id
 """
 )
 _VM_FAIL_SQL = text(
@@ -187,7 +223,9 @@ WHERE vms.id = t.id
 """
 )
 # A GPU allocated to a job when the row is written is not foreign-busy: its processes are
-# the job's. The CASE reads the row's job_id at write time, not at load time.
+# the job's. The CASE reads the row's job_id at write time, not at load time. Rows are
+# matched by UUID, so a renumbered GPU keeps its row and its allocation; the index is
+# updated as information (invariant 8).
 _GPU_UPSERT_SQL = text(
     """
 INSERT INTO gpus (vm_id, index, uuid, name, memory_total_mb, memory_used_mb,
@@ -197,19 +235,22 @@ FROM unnest(CAST(:vm_ids AS int[]), CAST(:idxs AS int[]), CAST(:uuids AS text[])
             CAST(:names AS text[]), CAST(:totals AS int[]), CAST(:useds AS int[]),
             CAST(:utils AS int[]), CAST(:fbs AS boolean[]))
     AS t(vm_id, idx, u, n, total, used, util, fb)
-ON CONFLICT (vm_id, index) DO UPDATE SET
-    uuid = excluded.uuid, name = excluded.name, memory_total_mb = excluded.memory_total_mb,
+ON CONFLICT (vm_id, uuid) DO UPDATE SET
+    index = excluded.index, name = excluded.name,
+    memory_total_mb = excluded.memory_total_mb,
     memory_used_mb = excluded.memory_used_mb, utilization_pct = excluded.utilization_pct,
     healthy = true,
     foreign_busy = CASE WHEN gpus.job_id IS NULL THEN excluded.foreign_busy ELSE false END,
     updated_at = now()
 """
 )
+# A GPU nvidia-smi no longer lists (or cannot be trusted) keeps its row and its job: its
+# allocation is never handed to whatever card now has its index.
 _GPU_UNHEALTHY_SQL = text(
     """
 UPDATE gpus SET healthy = false, updated_at = now()
-FROM unnest(CAST(:vm_ids AS int[]), CAST(:idxs AS int[])) AS t(vm_id, idx)
-WHERE gpus.vm_id = t.vm_id AND gpus.index = t.idx
+FROM unnest(CAST(:vm_ids AS int[]), CAST(:uuids AS text[])) AS t(vm_id, u)
+WHERE gpus.vm_id = t.vm_id AND gpus.uuid = t.u
 """
 )
 _GPUS_OF_UNREACHABLE_SQL = text(
@@ -273,22 +314,23 @@ class GpuPoller:
         async with self.db.transaction() as session:
             # Plain columns, not ORM objects: this runs for every VM on every sweep.
             vm_rows = await session.execute(
-                select(*VMTarget.columns(), VM.status, VM.consecutive_failures)
+                select(*VMTarget.columns(), VM.status, VM.consecutive_failures, VM.launch_error)
             )
             vms = {
                 row.id: VMState(
                     VMTarget.from_row(row),
                     row.status,
                     row.consecutive_failures,
+                    row.launch_error,
                 )
                 for row in vm_rows
             }
             gpu_rows = await session.execute(
                 select(
                     GPU.vm_id,
-                    GPU.index,
-                    GPU.job_id,
                     GPU.uuid,
+                    GPU.job_id,
+                    GPU.index,
                     GPU.name,
                     GPU.memory_total_mb,
                     GPU.memory_used_mb,
@@ -297,9 +339,9 @@ class GpuPoller:
                     GPU.foreign_busy,
                 )
             )
-            for vm_id, index, job_id, *values in gpu_rows:
+            for vm_id, uuid, job_id, *values in gpu_rows:
                 if vm_id in vms:
-                    vms[vm_id].gpus[index] = GpuRow(index, job_id, tuple(values))
+                    vms[vm_id].gpus[uuid] = GpuRow(uuid, job_id, tuple(values))
             installation = await installation_id(session)
             job_rows = await session.execute(
                 select(
@@ -327,7 +369,11 @@ class GpuPoller:
         return list(vms.values())
 
     async def _probe(self, vm: VMState) -> Outcome:
-        command = poll_command([j.run for j in vm.jobs if j.run is not None])
+        check = None
+        if vm.launch_error is not None:
+            # Until its python and entrypoint work again, every poll checks them.
+            check = " ".join(entry_check_words(vm.target.python, vm.target.entrypoint))
+        command = poll_command([j.run for j in vm.jobs if j.run is not None], check)
         try:
             # persistent: a poll every few seconds is worth a shell kept open on the VM.
             result = await self.transport.run(
@@ -349,6 +395,7 @@ class GpuPoller:
                 verdict = job_verdict(job, outcome.result.jobs.get((job.id, job.attempt)))
                 if verdict is not None and await self._finish(outcome.vm, verdict):
                     outcome.finished.add(job.id)
+                    outcome.launch_error = verdict.vm_error or outcome.launch_error
                     finished += 1
         return finished
 
@@ -356,6 +403,12 @@ class GpuPoller:
         job = verdict.job
         async with self.db.transaction() as session:
             moved = await _finish_job(session, verdict)
+            if moved and verdict.vm_error is not None:
+                await session.execute(
+                    _VM_LAUNCH_BROKEN_SQL, {"vm_id": vm.target.id, "error": verdict.vm_error}
+                )
+        if moved and verdict.vm_error is not None:
+            log.warning("vm_cannot_launch", vm=vm.target.name, error=verdict.vm_error)
         if moved:
             log.info(
                 "job_finished",
@@ -382,29 +435,54 @@ class GpuPoller:
                 self._log_failure(vm, outcome.error or "")
                 continue
             stats.reachable += 1
+            launch_error, launch_line = self._launch_error(outcome)
             if result.error is not None:
                 stats.unhealthy += 1
-                ok.append({"vm_id": vm.target.id, "status": UNHEALTHY, "error": result.error})
-                lost_gpus += [{"vm_id": vm.target.id, "index": i} for i in vm.gpus]
+                ok.append(
+                    {
+                        "vm_id": vm.target.id,
+                        "status": UNHEALTHY,
+                        "error": result.error,
+                        "launch_error": launch_error,
+                    }
+                )
+                lost_gpus += [{"vm_id": vm.target.id, "uuid": u} for u in vm.gpus]
                 if vm.status != UNHEALTHY:
                     log.warning("vm_unhealthy", vm=vm.target.name, error=result.error)
                 continue
-            ok.append({"vm_id": vm.target.id, "status": VMStatus.HEALTHY.value, "error": None})
-            if vm.status != VMStatus.HEALTHY:
+            # GPUs fine, but a VM whose python or entrypoint cannot run gets no jobs.
+            status = VMStatus.HEALTHY.value if launch_error is None else UNHEALTHY
+            ok.append(
+                {
+                    "vm_id": vm.target.id,
+                    "status": status,
+                    "error": launch_line,
+                    "launch_error": launch_error,
+                }
+            )
+            if launch_error is not None:
+                stats.unhealthy += 1
+            elif vm.status != VMStatus.HEALTHY:
                 log.info("vm_healthy", vm=vm.target.name, was=vm.status)
             upserts += _gpu_changes(vm, result, outcome.finished)
-            seen = {g.index for g in result.gpus}
-            lost_gpus += [
-                {"vm_id": vm.target.id, "index": i}
-                for i, row in vm.gpus.items()
-                if i not in seen and row.values[5]
-            ]
+            seen = {g.uuid for g in result.gpus}
+            gone = [u for u, row in vm.gpus.items() if u not in seen and row.values[5]]
+            if gone:
+                log.warning("gpus_absent", vm=vm.target.name, uuids=gone)
+            lost_gpus += [{"vm_id": vm.target.id, "uuid": u} for u in gone]
         stats.failed += len(failed)
         ids = [o.vm.target.id for o in outcomes]
         async with self.db.transaction() as session:
             if ok:
                 await session.execute(
-                    _VM_OK_SQL, _columns(ok, ids="vm_id", statuses="status", errors="error")
+                    _VM_OK_SQL,
+                    _columns(
+                        ok,
+                        ids="vm_id",
+                        statuses="status",
+                        errors="error",
+                        launch_errors="launch_error",
+                    ),
                 )
             if failed:
                 await session.execute(
@@ -434,10 +512,27 @@ class GpuPoller:
                 )
             if lost_gpus:
                 await session.execute(
-                    _GPU_UNHEALTHY_SQL, _columns(lost_gpus, vm_ids="vm_id", idxs="index")
+                    _GPU_UNHEALTHY_SQL, _columns(lost_gpus, vm_ids="vm_id", uuids="uuid")
                 )
             if ids:
                 await session.execute(RECOUNT_SQL, {"ids": ids})
+
+    @staticmethod
+    def _launch_error(outcome: Outcome) -> tuple[str | None, str | None]:
+        """Why training cannot start on the VM after this poll, and the error line to show:
+        what an attempt ending this sweep said, else the stored reason (with what the
+        poll's check of python and entrypoint said) until that check passes."""
+        vm, result = outcome.vm, outcome.result
+        if outcome.launch_error is not None:
+            return outcome.launch_error, outcome.launch_error
+        if vm.launch_error is None or result is None or result.check is None:
+            # No trouble, or the check's answer was cut off: ask again next poll.
+            return vm.launch_error, vm.launch_error
+        rc, line = result.check
+        if rc == 0:
+            log.info("vm_launch_check_passed", vm=vm.target.name, was=vm.launch_error)
+            return None, None
+        return vm.launch_error, f"{vm.launch_error} (check: exit {rc}: {line})"[:500]
 
     def _log_failure(self, vm: VMState, error: str) -> None:
         failures = vm.consecutive_failures + 1
@@ -459,15 +554,15 @@ def _gpu_changes(
 
     `finished`: jobs this sweep found ended (and freed). Their attempts had ended before
     nvidia-smi ran, so a process still on their GPUs is foreign."""
-    busy = result.busy_indices()
+    busy = result.busy_uuids()
     rows = []
     for gpu in result.gpus:
-        loaded = vm.gpus.get(gpu.index)
+        loaded = vm.gpus.get(gpu.uuid)
         # Processes on a GPU allocated to a live job are that job's.
         owned = loaded is not None and loaded.job_id is not None and loaded.job_id not in finished
-        foreign = gpu.index in busy and not owned
+        foreign = gpu.uuid in busy and not owned
         values = (
-            gpu.uuid,
+            gpu.index,
             gpu.name,
             gpu.memory_total_mb,
             gpu.memory_used_mb,

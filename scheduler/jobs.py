@@ -203,6 +203,7 @@ def job_to_dict(job: Job, *, events: bool = False) -> dict[str, Any]:
         "exit_code": job.exit_code,
         "vm": job.vm.name if job.vm is not None else None,
         "gpu_indices": job.gpu_indices,
+        "gpu_uuids": job.gpu_uuids,
         "remote_pid": job.remote_pid,
         "output_dir": job.output_dir,
         "attempt_dir": job.attempt_dir,

@@ -110,9 +110,15 @@ class VM(Base):
     )
     """Module run with `python -m`, or a path to a `.py` script, that trains."""
     status: Mapped[str] = mapped_column(String(16), default="unknown", server_default="unknown")
-    """See `VMStatus`: unknown (never polled), healthy, unreachable."""
+    """See `VMStatus`: unknown (never polled), healthy, unhealthy, unreachable."""
     draining: Mapped[bool] = mapped_column(Boolean, default=False, server_default="false")
     """A draining VM finishes its jobs but is given no new ones."""
+    launch_error: Mapped[str | None] = mapped_column(Text)
+    """Why training cannot start on this VM (an attempt exited 126/127: its python or
+    entrypoint is missing or not executable); the VM stays `unhealthy` until the poller's
+    check of its python and entrypoint passes. NULL: no such trouble."""
+    removing: Mapped[bool] = mapped_column(Boolean, default=False, server_default="false")
+    """`vm remove --force` failed its jobs: the row goes once their processes are killed."""
     available_gpus: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     consecutive_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     last_polled_at: Mapped[datetime | None] = mapped_column(_now())
@@ -139,13 +145,17 @@ class GPU(Base):
     id: Mapped[int] = mapped_column(Integer, Identity(), primary_key=True)
     vm_id: Mapped[int] = mapped_column(ForeignKey("vms.id", ondelete="CASCADE"))
     index: Mapped[int] = mapped_column(Integer)
-    uuid: Mapped[str | None] = mapped_column(String(96))
+    """nvidia-smi's index at the last poll: information only, a reboot or a removed card
+    can renumber GPUs (docs/invariants.md, invariant 8)."""
+    uuid: Mapped[str] = mapped_column(String(96))
+    """The GPU's identity: rows are keyed by it, and jobs are launched on it."""
     name: Mapped[str | None] = mapped_column(String(128))
     memory_total_mb: Mapped[int | None] = mapped_column(Integer)
     """NULL when nvidia-smi could not say ([N/A], [Not Supported])."""
     memory_used_mb: Mapped[int | None] = mapped_column(Integer)
     utilization_pct: Mapped[int | None] = mapped_column(Integer)
     healthy: Mapped[bool] = mapped_column(Boolean, default=True, server_default="true")
+    """False when nvidia-smi failed, or the last poll did not list this UUID (absent)."""
     foreign_busy: Mapped[bool] = mapped_column(Boolean, default=False, server_default="false")
     """A process not started by rlfleet is using this GPU."""
     job_id: Mapped[int | None] = mapped_column(
@@ -157,7 +167,7 @@ class GPU(Base):
 
     vm: Mapped[VM] = relationship(back_populates="gpus")
 
-    __table_args__ = (UniqueConstraint("vm_id", "index"),)
+    __table_args__ = (UniqueConstraint("vm_id", "uuid"),)
 
 
 class Job(Base):
@@ -188,6 +198,10 @@ class Job(Base):
     vm_id: Mapped[int | None] = mapped_column(ForeignKey("vms.id", ondelete="SET NULL"))
     """VM of the current or last attempt; NULL before the first claim."""
     gpu_indices: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
+    """nvidia-smi indices of the claimed GPUs when claimed (information, for display)."""
+    gpu_uuids: Mapped[list[str] | None] = mapped_column(ARRAY(String(96)))
+    """UUIDs of the claimed GPUs, in the order of `gpu_indices`: what the attempt is
+    launched on (`CUDA_VISIBLE_DEVICES`). NULL before the first claim."""
     remote_pid: Mapped[int | None] = mapped_column(Integer)
     """Process-group leader on the VM; NULL until the launch is confirmed."""
     launch_token: Mapped[str | None] = mapped_column(String(16))
@@ -283,7 +297,10 @@ class StaleProcess(Base):
     pid: Mapped[int | None] = mapped_column(Integer)
     """Process-group leader; NULL means unknown (the kill reads the attempt's pid file)."""
     gpu_indices: Mapped[list[int] | None] = mapped_column(ARRAY(Integer))
-    """GPUs of the VM the process may still hold; NULL means unknown (block none)."""
+    """GPUs of the VM the process may still hold, by index; only used when `gpu_uuids` is
+    NULL. NULL means unknown (block none)."""
+    gpu_uuids: Mapped[list[str] | None] = mapped_column(ARRAY(String(96)))
+    """The same GPUs by UUID, which a renumbering cannot move; they are what is blocked."""
     reason: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
     killed_at: Mapped[datetime | None] = mapped_column(_now())

@@ -34,6 +34,7 @@ GPUS, GPUS_RC, APPS, APPS_RC, JOBS, END = (
     f"{_MARK}-jobs",
     f"{_MARK}-end",
 )
+CHECK, CHECK_RC = f"{_MARK}-check", f"{_MARK}-check-rc"
 
 # What nvidia-smi prints where it cannot give a value; all mean "unknown", not an error.
 _NOT_AVAILABLE = {
@@ -79,26 +80,41 @@ class PollResult:
     error: str | None = None
     """Why the GPUs cannot be trusted (driver gone, GPU lost, garbage…); None when fine."""
     jobs: dict[tuple[int, int], RemoteJobState] = field(default_factory=dict)
+    check: tuple[int, str] | None = None
+    """The check of the VM's python and entrypoint, when the poll ran one: (exit status,
+    last line of its output). None: not asked for, or its answer was cut off."""
 
-    def busy_indices(self) -> set[int]:
-        """Indices of GPUs some process is using.
+    def busy_uuids(self) -> set[str]:
+        """UUIDs of the GPUs some process is using.
 
         A process on a GPU uuid that matches no listed GPU (a MIG instance, a GPU that just
         disappeared) could be on any of them, so then every GPU counts as busy: better to
         offer none than to put two users on one GPU.
         """
-        by_uuid = {g.uuid: g.index for g in self.gpus}
-        busy: set[int] = set()
+        listed = {g.uuid for g in self.gpus}
+        busy: set[str] = set()
         for app in self.apps:
-            if app.gpu_uuid in by_uuid:
-                busy.add(by_uuid[app.gpu_uuid])
-            else:
-                return {g.index for g in self.gpus}
+            if app.gpu_uuid not in listed:
+                return listed
+            busy.add(app.gpu_uuid)
         return busy
 
 
-def poll_command(jobs: Sequence[Attempt]) -> str:
-    """The shell text of one poll: GPUs, compute apps and the status of `jobs`.
+def check_command(check: str) -> list[str]:
+    """Poll lines that run the shell command `check` in $HOME (as an attempt runs) and
+    print its last lines of output and its exit status."""
+    return [
+        f"echo {CHECK}",
+        f'rlfleet_out=$(cd "$HOME" && {check} 2>&1)',
+        "rlfleet_rc=$?",
+        'printf "%s\\n" "$rlfleet_out" | tail -n 3',
+        f'echo "{CHECK_RC} $rlfleet_rc"',
+    ]
+
+
+def poll_command(jobs: Sequence[Attempt], check: str | None = None) -> str:
+    """The shell text of one poll: GPUs, compute apps and the status of `jobs`, and the
+    shell command `check` (a VM's python and entrypoint), when given.
 
     nvidia-smi's stderr is folded into its section because its errors (driver, lost GPU)
     are what the parser needs to see. The jobs are probed first: a process still on the
@@ -115,6 +131,7 @@ def poll_command(jobs: Sequence[Attempt]) -> str:
             f"echo {APPS}",
             f"nvidia-smi --query-compute-apps={APPS_QUERY} {_FORMAT} 2>&1",
             f'echo "{APPS_RC} $?"',
+            *(check_command(check) if check is not None else []),
             f"echo {END}",
         ]
     )
@@ -126,11 +143,11 @@ def _sections(stdout: str) -> tuple[dict[str, list[str]], dict[str, int | None]]
     current: str | None = None
     for line in output_lines(stdout):
         head = line.strip()
-        if head in (GPUS, APPS, JOBS, END):
+        if head in (GPUS, APPS, JOBS, CHECK, END):
             current = head
             sections.setdefault(head, [])
             continue
-        if head.startswith((GPUS_RC + " ", APPS_RC + " ")):
+        if head.startswith((GPUS_RC + " ", APPS_RC + " ", CHECK_RC + " ")):
             name, _, value = head.partition(" ")
             rcs[name] = as_int(value)
             current = None
@@ -225,6 +242,8 @@ def parse_gpus(lines: Sequence[str], rc: int | None) -> tuple[list[GpuInfo], str
         return [], "nvidia-smi listed no GPUs"
     if len({g.index for g in gpus}) != len(gpus):
         return [], "nvidia-smi listed a GPU index twice"
+    if len({g.uuid for g in gpus}) != len(gpus):
+        return [], "nvidia-smi listed a GPU UUID twice"
     return sorted(gpus, key=lambda g: g.index), None
 
 
@@ -249,13 +268,27 @@ def parse_poll(stdout: str) -> PollResult:
     # Job news is acted on only from a complete answer (the end marker came): the job
     # lines of a cut-off one may be cut short. A broken nvidia-smi does not void it.
     jobs = parse_status("\n".join(sections.get(JOBS, []))) if END in sections else {}
+    check = _check(sections, rcs) if END in sections else None
     if GPUS not in sections:
-        return PollResult(error="poll output has no GPU section (truncated?)", jobs=jobs)
+        return PollResult(
+            error="poll output has no GPU section (truncated?)", jobs=jobs, check=check
+        )
     gpus, error = parse_gpus(sections[GPUS], rcs.get(GPUS_RC))
     if error is None:
         if APPS not in sections:
-            return PollResult(error="poll output has no process section (truncated?)", jobs=jobs)
+            return PollResult(
+                error="poll output has no process section (truncated?)", jobs=jobs, check=check
+            )
         apps, error = parse_apps(sections[APPS], rcs.get(APPS_RC))
     else:
         apps = []
-    return PollResult(gpus=tuple(gpus), apps=tuple(apps), error=error, jobs=jobs)
+    return PollResult(gpus=tuple(gpus), apps=tuple(apps), error=error, jobs=jobs, check=check)
+
+
+def _check(sections: dict[str, list[str]], rcs: dict[str, int | None]) -> tuple[int, str] | None:
+    """The check's (exit status, last line), or None when the poll ran none."""
+    rc = rcs.get(CHECK_RC)
+    if CHECK not in sections or rc is None:
+        return None
+    lines = _clean(sections[CHECK])
+    return rc, (lines[-1][:300] if lines else "no output")

@@ -146,6 +146,9 @@ class LaunchSpec:
     reward_functions: Sequence[str]
     output_dir: str
     extra_args: Sequence[str] = ()
+    gpu_uuids: Sequence[str] = ()
+    """The claimed GPUs' UUIDs (in the order of `gpu_indices`): what the attempt is
+    launched on. Empty only for a claim made before UUIDs were recorded."""
 
     @property
     def job_id(self) -> int:
@@ -174,6 +177,38 @@ def entry_words(python: str, entrypoint: str, num_gpus: int) -> list[str]:
     return words
 
 
+DEVICE_ORDER = "PCI_BUS_ID"
+"""`CUDA_DEVICE_ORDER` of every attempt: CUDA then numbers GPUs as nvidia-smi does, for
+tools that read indices (CUDA's own default numbers them fastest first)."""
+ENTRY_BROKEN_EXIT = 127
+"""Exit code of an attempt whose python or entrypoint is unusable on its VM (as the shell's
+126/127 for a command that cannot run): the VM's fault, not the job's."""
+ENTRY_BROKEN_MARK = "rlfleet: training cannot start on this VM"
+
+
+def visible_devices(spec: LaunchSpec) -> str:
+    """`CUDA_VISIBLE_DEVICES` of an attempt: the UUIDs of the GPUs it was given, which
+    name the same cards for CUDA and nvidia-smi whatever their numbering
+    (docs/invariants.md, invariant 8). Indices only for a claim without UUIDs."""
+    if spec.gpu_uuids:
+        return ",".join(str(u) for u in spec.gpu_uuids)
+    return ",".join(str(int(i)) for i in spec.gpu_indices)
+
+
+def entry_check_words(python: str, entrypoint: str) -> list[str]:
+    """A command that exits 0 when `python` runs and finds `entrypoint` (a readable `.py`
+    script, or an importable module); otherwise its last line of output says why."""
+    if entrypoint.endswith(".py"):
+        code = "import sys; open(sys.argv[1]).close()"
+    else:
+        code = (
+            "import importlib.util, sys; "
+            "sys.exit(0 if importlib.util.find_spec(sys.argv[1]) "
+            'else "No module named " + sys.argv[1])'
+        )
+    return [shlex.quote(python), "-c", shlex.quote(code), shlex.quote(entrypoint)]
+
+
 def train_words(spec: LaunchSpec) -> list[str]:
     """The full, quoted training command of one attempt."""
     words = entry_words(spec.python, spec.entrypoint, len(spec.gpu_indices))
@@ -196,7 +231,6 @@ def wrapper_script(spec: LaunchSpec) -> str:
     action because a trapped (not ignored) signal is reset on exec.
     """
     d = spec.run.word()
-    gpus = ",".join(str(int(i)) for i in spec.gpu_indices)
     return "\n".join(
         [
             "#!/bin/sh",
@@ -207,14 +241,28 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "trap 'rlfleet_sig=INT' INT",
             "trap 'rlfleet_sig=HUP' HUP",
             'cd "$HOME" || exit 1',
-            f"export CUDA_VISIBLE_DEVICES={shlex.quote(gpus)}",
+            f"export CUDA_VISIBLE_DEVICES={shlex.quote(visible_devices(spec))}",
+            f"export CUDA_DEVICE_ORDER={DEVICE_ORDER}",
             'export RLFLEET_PROGRESS_FILE="$d/progress.json"',
             f"export RLFLEET_JOB_ID={int(spec.job_id)} RLFLEET_ATTEMPT={int(spec.attempt)}",
             f"mkdir -p {home_path(spec.output_dir)}",
             'echo "rlfleet: attempt started on $(hostname) at $(date -u +%FT%TZ)'
             ' CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"',
-            " ".join(train_words(spec)),
+            # A python or entrypoint the VM cannot run ends the attempt with 127 and one
+            # line saying why, before training starts (the poller marks the VM).
+            f"rlfleet_check=$({' '.join(entry_check_words(spec.python, spec.entrypoint))} 2>&1)",
             "rc=$?",
+            # Killed meanwhile: training never starts, the exit code says by what.
+            'if [ -n "${rlfleet_sig:-}" ]; then',
+            '  case "$rlfleet_sig" in INT) rc=130 ;; HUP) rc=129 ;; *) rc=143 ;; esac',
+            'elif [ "$rc" -ne 0 ] && [ "$rc" -lt 128 ]; then',
+            f'  [ "$rc" -eq 126 ] || rc={ENTRY_BROKEN_EXIT}',
+            f'  echo "{ENTRY_BROKEN_MARK} (exit $rc):'
+            ' $(printf "%s\\n" "$rlfleet_check" | tail -n 1)"',
+            'elif [ "$rc" -eq 0 ]; then',
+            "  " + " ".join(train_words(spec)),
+            "  rc=$?",
+            "fi",
             'echo "$rc" > "$d/exit_code.tmp" && mv -f "$d/exit_code.tmp" "$d/exit_code"',
             'echo "rlfleet: attempt ended with exit code $rc"',
             "",

@@ -10,7 +10,8 @@
 3. **Decisions** — a failed job that has no decision yet gets one from
    `scheduler.retry.decide`: `next_attempt_at`, or a status_reason "gave up …" that stays.
 4. **Retries** — failed jobs whose `next_attempt_at` has come go back to `queued`
-   (`retry_count + 1`, except after `node_lost`, which does not count).
+   (`retry_count + 1`, except after a machine fault — `node_lost`, `vm_removed`, or
+   `launch_failed` with exit 126/127 — which does not count).
 5. **Pending jobs** — put back in the queue when the fleet reports free GPUs that fit
    them, in priority then submission order, or after `--pending-timeout` anyway.
    Anti-starvation (honest and simple): once a job that does not fit now, but fits on
@@ -22,7 +23,8 @@
 6. **Stale processes** — for each `stale_processes` row not yet killed whose VM answers
    SSH, the attempt's process group is killed (TERM, then KILL) over SSH; only then is
    the row closed, and the claim query offers the GPUs again (it skips GPUs listed in an
-   open row).
+   open row). A VM marked `removing` by `vm remove --force` is deleted once none of its
+   rows is open (and its jobs are failed as `vm_removed`, should one have reached it).
 7. **Announcements** — every queued job whose current queued spell was never announced
    (`published_at` NULL or older than `queued_at`: a row inserted straight into the
    database, a publish lost while NATS was down, any of the moves above) is published on
@@ -72,6 +74,7 @@ from scheduler.claims import (
 )
 from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
+from scheduler.fleet import delete_removed_vms
 from scheduler.jobs import transition
 from scheduler.kill import KillResult, kill_attempt
 from scheduler.logging import get_logger
@@ -80,12 +83,14 @@ from scheduler.remote import Attempt
 from scheduler.retry import (
     DEFAULT_POLICY,
     GIVE_UP_PREFIX,
+    MACHINE_FAULT_PREFIXES,
     Failure,
     GiveUp,
     PendingJob,
     RetryPolicy,
     counts_against_limit,
     decide,
+    is_machine_fault,
     plan_pending,
 )
 from scheduler.settings import Settings, redact_url
@@ -131,6 +136,7 @@ class TickReport:
     publish_failed: int = 0
     killed: list[int] = field(default_factory=list)
     kill_failed: int = 0
+    removed_vms: list[str] = field(default_factory=list)
 
     def busy(self) -> bool:
         """Whether the tick changed anything."""
@@ -144,6 +150,7 @@ class TickReport:
                 self.unpended,
                 self.published,
                 self.killed,
+                self.removed_vms,
             )
         )
 
@@ -236,6 +243,7 @@ class RequeueManager:
             else:
                 now = await session.scalar(select(func.now()))
                 assert now is not None
+                report.removed_vms = await delete_removed_vms(session, actor=self.actor)
                 report.node_lost = await self._fail_lost_nodes(session)
                 report.scheduled, report.gave_up = await self._decide_failed(session, now)
                 report.retried = await self._requeue_due(session)
@@ -262,6 +270,7 @@ class RequeueManager:
                     Job.gpu_indices,
                     Job.launch_token,
                     Job.attempt_dir,
+                    Job.gpu_uuids,
                     VM.name,
                     outage.label("outage_s"),
                 )
@@ -304,6 +313,7 @@ class RequeueManager:
                 job_id=row.id,
                 attempt=row.attempt,
                 gpu_indices=row.gpu_indices,
+                gpu_uuids=row.gpu_uuids,
                 reason=NODE_LOST,
                 token=row.launch_token,
                 attempt_dir=row.attempt_dir,
@@ -332,7 +342,7 @@ class RequeueManager:
             .where(
                 JobEvent.job_id == Job.id,
                 JobEvent.to_status == JobStatus.FAILED.value,
-                JobEvent.reason.like(f"{NODE_LOST}%"),
+                or_(*(JobEvent.reason.like(f"{p}%") for p in MACHINE_FAULT_PREFIXES)),
             )
             .correlate(Job)
             .scalar_subquery()
@@ -416,7 +426,7 @@ class RequeueManager:
         ).all()
         retried: list[int] = []
         for row in rows:
-            counted = counts_against_limit(row.failure_reason)
+            counted = counts_against_limit(row.failure_reason, row.exit_code)
             failure = Failure(row.failure_reason, row.exit_code).describe()
             if counted:
                 why = f"retry {row.retry_count + 1}/{row.max_retries} after {failure}"
@@ -750,6 +760,7 @@ class RequeueManager:
                         unpended=len(report.unpended),
                         published=len(report.published),
                         killed=len(report.killed),
+                        removed_vms=report.removed_vms,
                     )
             wait = self.config.interval_s * min(2 ** min(failures, 4), 8) if failures else 0
             await sleep_or_stop(stop, wait or self.config.interval_s)
@@ -769,6 +780,11 @@ def _retry_note(
         return (
             f"{failure.describe()}: retrying elsewhere "
             f"(lost nodes {failure.node_lost_count}/{config.policy.node_lost_limit})"
+        )
+    if is_machine_fault(failure.reason, failure.exit_code):
+        return (
+            f"{failure.describe()}: the VM's fault, retrying elsewhere "
+            f"(VM failures {failure.node_lost_count}/{config.policy.node_lost_limit})"
         )
     return f"{failure.describe()}: retry {row.retry_count + 1}/{row.max_retries} in {wait:.0f}s"
 

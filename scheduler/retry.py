@@ -12,7 +12,10 @@ Rules, as users of Slurm and SkyPilot would expect them:
   Slurm's requeue on node failure it does NOT count against `max_retries` and is retried
   almost at once (elsewhere: the lost VM is unreachable, so no dispatcher picks it). It
   has its own generous cap, `node_lost_limit`, so that a job that kills every node it
-  lands on still ends.
+  lands on still ends. Two more machine faults are treated the same way, sharing that
+  cap: `vm_removed` (the operator removed the VM with `--force` while the job ran) and
+  `launch_failed` with exit 126/127 (the VM's python or entrypoint cannot run; the poller
+  keeps that VM out of use until they work).
 
 `decide` is what the requeue manager calls when it first sees a failed job; the answer is
 stored on the job (`next_attempt_at`, or a `status_reason` starting with "gave up").
@@ -40,6 +43,10 @@ COUNTED = frozenset(
         FailureReason.VANISHED.value,
     }
 )
+VM_FAULT_EXITS = frozenset({126, 127})
+"""Exit codes of an attempt whose VM could not run its python or entrypoint."""
+MACHINE_FAULT_PREFIXES = ("node_lost", "vm_removed", "launch_failed: exit 12")
+"""How the reasons of machine-fault failures start in `job_events` (counted for the cap)."""
 GIVE_UP_PREFIX = "gave up"
 """Every give-up reason starts with this, so a decided job is told from an undecided one."""
 
@@ -58,7 +65,8 @@ class Failure:
     reason: str | None
     exit_code: int | None = None
     node_lost_count: int = 0
-    """Node losses of this job including this one (for `node_lost`)."""
+    """Machine faults of this job including this one (`is_machine_fault`): the VM lost,
+    removed, or unable to start training."""
 
     def describe(self) -> str:
         """`exit_nonzero (exit 1)`, `oom (exit 75)`, `node_lost`…"""
@@ -113,10 +121,11 @@ def decide(
     reason = failure.reason
     if reason in PERMANENT:
         return GiveUp(f"{GIVE_UP_PREFIX}: {failure.describe()} is permanent, not retried")
-    if reason == FailureReason.NODE_LOST.value:
+    if is_machine_fault(reason, failure.exit_code):
         if failure.node_lost_count > policy.node_lost_limit:
+            what = "lost nodes" if reason == FailureReason.NODE_LOST.value else "VM failures"
             return GiveUp(
-                f"{GIVE_UP_PREFIX} after {failure.node_lost_count} lost nodes: "
+                f"{GIVE_UP_PREFIX} after {failure.node_lost_count} {what}: "
                 f"{failure.describe()} (limit {policy.node_lost_limit})"
             )
         return Retry(at=now + timedelta(seconds=policy.node_lost_delay_s), counts=False)
@@ -127,9 +136,17 @@ def decide(
     return Retry(at=now + timedelta(seconds=policy.backoff(job.retry_count, rng)))
 
 
-def counts_against_limit(reason: str | None) -> bool:
+def is_machine_fault(reason: str | None, exit_code: int | None = None) -> bool:
+    """Whether a failure is the VM's fault, not the job's: a lost or removed VM, or one that
+    could not run its python or entrypoint (exit 126/127)."""
+    if reason in (FailureReason.NODE_LOST.value, FailureReason.VM_REMOVED.value):
+        return True
+    return reason == FailureReason.LAUNCH_FAILED.value and exit_code in VM_FAULT_EXITS
+
+
+def counts_against_limit(reason: str | None, exit_code: int | None = None) -> bool:
     """Whether a retry after a failure for `reason` uses up one of the job's `max_retries`."""
-    return reason != FailureReason.NODE_LOST.value
+    return not is_machine_fault(reason, exit_code)
 
 
 @dataclass(frozen=True)

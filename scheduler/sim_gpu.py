@@ -8,7 +8,14 @@ nothing outside the standard library, because it runs on every poll of every VM.
 The config: `name` and optional `fleet` (a GPU shows as used while a live process whose
 environment has `RLFLEET_SIM_VM=<name>`, and `RLFLEET_SIM_FLEET=<fleet>` when set, names
 it in `CUDA_VISIBLE_DEVICES`), `fail` (None or one of FAIL_MODES: fail as a broken real
-one does), `process_mb`, and `gpus`: a list of `{index, uuid, name, memory}`.
+one does), `process_mb`, and `gpus`: a list of `{index, uuid, name, memory, speed}`.
+
+Which GPUs a process uses is read from its `CUDA_VISIBLE_DEVICES` the way CUDA reads it
+(`devices_of`): a UUID names that GPU; a number is a position in CUDA's order, which is
+fastest first (higher `speed`, ties by index) unless `CUDA_DEVICE_ORDER=PCI_BUS_ID`, when
+it is nvidia-smi's index. So a VM of mixed models (`make_config(models=…)`) numbers its
+GPUs differently for CUDA and nvidia-smi, as a real one does, and `reorder` renumbers
+nvidia-smi's indices as a reboot or a removed card can.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import os
 import shlex
 import sys
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,18 +55,52 @@ def make_config(
     memory_mb: int,
     fleet: str | None = None,
     process_mb: int = 1024,
+    models: Sequence[tuple[str, int, int]] | None = None,
 ) -> dict[str, Any]:
-    """The config of a VM with `gpus` identical GPUs, none failing."""
+    """The config of a VM with `gpus` GPUs, none failing: identical ones, or one per entry
+    of `models`, `(name, memory_mb, speed)` in nvidia-smi's index order."""
+    kinds = list(models) if models is not None else [(gpu_name, memory_mb, 0)] * gpus
     return {
         "name": name,
         "fleet": fleet,
         "fail": None,
         "process_mb": process_mb,
         "gpus": [
-            {"index": i, "uuid": gpu_uuid(name, i), "name": gpu_name, "memory": memory_mb}
-            for i in range(gpus)
+            {"index": i, "uuid": gpu_uuid(name, i), "name": n, "memory": mb, "speed": speed}
+            for i, (n, mb, speed) in enumerate(kinds)
         ],
     }
+
+
+def reorder(config: dict[str, Any], uuids: Sequence[str]) -> None:
+    """Renumber the GPUs: the one with `uuids[i]` gets nvidia-smi index i; a GPU not named
+    is taken out (a removed or lost card)."""
+    by_uuid = {g["uuid"]: g for g in config["gpus"]}
+    config["gpus"] = [{**by_uuid[u], "index": i} for i, u in enumerate(uuids)]
+
+
+def cuda_order(gpus: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The GPUs in CUDA's default (fastest first) order."""
+    return sorted(gpus, key=lambda g: (-int(g.get("speed", 0)), int(g["index"])))
+
+
+def devices_of(gpus: Sequence[dict[str, Any]], env: dict[str, str]) -> list[str]:
+    """The UUIDs of the GPUs a process with environment `env` uses, read as CUDA reads
+    `CUDA_VISIBLE_DEVICES`: a UUID (or a unique prefix of one) names that GPU, a number
+    its position in CUDA's order; reading stops at the first entry that names none."""
+    pci = env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
+    order = sorted(gpus, key=lambda g: int(g["index"])) if pci else cuda_order(gpus)
+    found: list[str] = []
+    for part in env.get("CUDA_VISIBLE_DEVICES", "").split(","):
+        part = part.strip()
+        if part.isdigit() and int(part) < len(order):
+            found.append(order[int(part)]["uuid"])
+            continue
+        named = [g["uuid"] for g in gpus if part and g["uuid"].startswith(part)]
+        if len(named) != 1:
+            break
+        found.append(named[0])
+    return found
 
 
 def write_config(config_path: Path, config: dict[str, Any]) -> None:
@@ -79,9 +121,9 @@ def install(bin_dir: Path, config_path: Path, config: dict[str, Any]) -> Path:
     return smi
 
 
-def _holders(cfg: dict[str, Any]) -> dict[int, list[int]]:
-    """GPU index → pids of the live processes of this VM that name it."""
-    found: dict[int, list[int]] = {}
+def _holders(cfg: dict[str, Any]) -> dict[str, list[int]]:
+    """GPU UUID → pids of the live processes of this VM that use it."""
+    found: dict[str, list[int]] = {}
     me = os.getpid()
     name, fleet = cfg["name"].encode(), (cfg.get("fleet") or "").encode()
     for entry in os.listdir("/proc"):
@@ -94,9 +136,9 @@ def _holders(cfg: dict[str, Any]) -> dict[int, list[int]]:
             continue
         if env.get(VM_ENV.encode()) != name or (fleet and env.get(FLEET_ENV.encode()) != fleet):
             continue
-        for part in env.get(b"CUDA_VISIBLE_DEVICES", b"").decode().split(","):
-            if part.strip().isdigit():
-                found.setdefault(int(part), []).append(int(entry))
+        text = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in env.items()}
+        for uuid_ in devices_of(cfg["gpus"], text):
+            found.setdefault(uuid_, []).append(int(entry))
     return found
 
 
@@ -145,7 +187,7 @@ def main(argv: list[str]) -> int:
         if header:
             print(", ".join(fields))
         for gpu in gpus:
-            pids = holders.get(gpu["index"], [])
+            pids = holders.get(gpu["uuid"], [])
             if key == "--query-gpu":
                 print(", ".join(_gpu_field(f, gpu, pids, mb, units) for f in fields))
                 continue
@@ -154,7 +196,7 @@ def main(argv: list[str]) -> int:
                 print(", ".join(row.get(f) or _gpu_field(f, gpu, [pid], mb, units) for f in fields))
     if not any(k in options for k in ("--query-gpu", "--query-compute-apps")):
         for gpu in gpus:
-            pids = holders.get(gpu["index"], [])
+            pids = holders.get(gpu["uuid"], [])
             state = f"in use by {','.join(map(str, pids))}" if pids else "free"
             print(f"GPU {gpu['index']}: {gpu['name']} (UUID: {gpu['uuid']}) {state}")
     return 15 if mode == "fallen_off_bus" else 0

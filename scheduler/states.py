@@ -118,6 +118,7 @@ class FailureReason(StrEnum):
     OOM = "oom"  # exit 75 or CUDA out of memory in the log
     EXIT_NONZERO = "exit_nonzero"
     KILLED = "killed"  # ended by a signal
-    LAUNCH_FAILED = "launch_failed"
+    LAUNCH_FAILED = "launch_failed"  # not started; exit 126/127: the VM's python/entrypoint
     NODE_LOST = "node_lost"
+    VM_REMOVED = "vm_removed"  # `vm remove --force` while it ran
     VANISHED = "vanished"  # process gone without an exit code

@@ -12,6 +12,8 @@ environment names it in `CUDA_VISIBLE_DEVICES` (it scans /proc/*/environ).
     vm_ids = await fleet.register(db)             # rows in `vms`, keys and known_hosts set
     await fleet[0].stop(kill_processes=True)      # a crash; `await fleet[0].start()` again
     fleet[1].fail_nvidia_smi("driver")            # rc 9, as when the driver is gone
+    vm = await fleet.add_vm(models=[("T4", 16384, 1), ("H100", 81920, 3)])  # mixed models
+    vm.reorder_gpus(reversed(vm.gpu_uuids))       # nvidia-smi renumbers them
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import asyncssh
@@ -107,6 +109,7 @@ class SimVM:
         gpus: int = 1,
         gpu_name: str = DEFAULT_GPU_NAME,
         memory_mb: int = DEFAULT_GPU_MEMORY_MB,
+        models: Sequence[tuple[str, int, int]] | None = None,
     ) -> None:
         self.name = name
         self.fleet_token = fleet_token
@@ -133,6 +136,7 @@ class SimVM:
             memory_mb=memory_mb,
             fleet=fleet_token,
             process_mb=PROCESS_MEMORY_MB,
+            models=models,
         )
         sim_gpu.install(self.bin_dir, self.root / "sim.json", self._config)
 
@@ -145,6 +149,27 @@ class SimVM:
     def gpu_uuids(self) -> list[str]:
         """The UUIDs nvidia-smi reports, by index."""
         return [g["uuid"] for g in self._config["gpus"]]
+
+    @property
+    def cuda_uuids(self) -> list[str]:
+        """The UUIDs in CUDA's default (fastest first) order."""
+        return [g["uuid"] for g in sim_gpu.cuda_order(self._config["gpus"])]
+
+    def reorder_gpus(self, uuids: Iterable[str]) -> None:
+        """Renumber nvidia-smi's indices: `uuids[i]` becomes index i; a GPU left out is
+        gone from nvidia-smi (a removed or lost card)."""
+        sim_gpu.reorder(self._config, list(uuids))
+        sim_gpu.write_config(self.root / "sim.json", self._config)
+
+    def devices_of(self, pid: int) -> list[str]:
+        """The UUIDs of the GPUs the process `pid` uses, read as CUDA reads its
+        `CUDA_VISIBLE_DEVICES` (nothing if it is gone)."""
+        try:
+            raw = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            return []
+        env = dict(v.decode(errors="replace").split("=", 1) for v in raw.split(b"\0") if b"=" in v)
+        return sim_gpu.devices_of(self._config["gpus"], env)
 
     async def start(self) -> None:
         """Listen (again) on the VM's port, with the same host key."""
@@ -208,6 +233,7 @@ class SimVM:
             "RLFLEET_SIM_VM": self.name,
             "RLFLEET_SIM_FLEET": self.fleet_token,
             "CUDA_VISIBLE_DEVICES": str(gpu_index),
+            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         }
         proc = subprocess.Popen(["sleep", "3600"], env=env, start_new_session=True)
         foreign = ForeignProcess(proc, gpu_index)
@@ -319,8 +345,10 @@ class SimFleet:
         gpus: int = 1,
         gpu_name: str = DEFAULT_GPU_NAME,
         memory_mb: int = DEFAULT_GPU_MEMORY_MB,
+        models: Sequence[tuple[str, int, int]] | None = None,
     ) -> SimVM:
-        """Create and start one more VM."""
+        """Create and start one more VM; `models` (`(name, memory_mb, speed)` per GPU, in
+        nvidia-smi's index order) makes its GPUs differ, and sets their number."""
         name = name or f"vm{len(self.vms)}"
         vm = SimVM(
             self.root / name,
@@ -331,6 +359,7 @@ class SimFleet:
             gpus=gpus,
             gpu_name=gpu_name,
             memory_mb=memory_mb,
+            models=models,
         )
         await vm.start()
         self.vms.append(vm)

@@ -146,7 +146,8 @@ def list_(ctx: CliContext, as_json: bool) -> None:
         (
             vm["name"],
             f"{vm['host']}:{vm['port']}",
-            vm["status"] + ("+draining" if vm["draining"] else ""),
+            vm["status"]
+            + ("+removing" if vm["removing"] else "+draining" if vm["draining"] else ""),
             f"{vm['available_gpus']}/{len(vm['gpus'])}",
             fmt_time(vm["last_polled_at"]),
             vm["last_error"] or "",
@@ -192,17 +193,37 @@ def show(ctx: CliContext, name: str, as_json: bool) -> None:
 
 @group.command("remove")
 @click.argument("name", type=VM_NAME)
-@click.option("--force", is_flag=True, help="Remove even while jobs run there.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Remove even while jobs run there: they fail as vm_removed (retried elsewhere) "
+    "and their processes are killed when the VM answers.",
+)
 @pass_cli
 def remove(ctx: CliContext, name: str, force: bool) -> None:
-    """Forget VM NAME (refused while jobs run there, unless --force)."""
+    """Forget VM NAME.
 
-    async def go(db: Database) -> None:
+    Refused while jobs run there or processes of earlier attempts are still to be killed,
+    unless --force: then its jobs fail as vm_removed and are retried elsewhere without
+    using up a retry, and the VM is deleted once their processes are killed (the requeue
+    manager does it when the VM answers). --force on a VM already being removed deletes
+    it at once, giving up on those processes."""
+
+    async def go(db: Database) -> fleet.Removal:
         async with db.transaction() as session:
-            await fleet.remove_vm(session, name, force=force)
+            return await fleet.remove_vm(session, name, force=force)
 
-    ctx.run(go)
-    click.echo(f"removed VM {name}")
+    done = ctx.run(go)
+    if done.outcome == "removed":
+        gave_up = f" (gave up on killing {done.leftovers} process(es) there)"
+        click.echo(f"removed VM {name}" + (gave_up if done.leftovers else ""))
+        return
+    jobs = ", ".join(map(str, done.failed_jobs)) or "none"
+    click.echo(
+        f"removing VM {name}: failed job(s) {jobs} as vm_removed (retried elsewhere); "
+        f"it is deleted once their processes are killed "
+        f"(`rlfleet vm remove {name} --force` again deletes it now)"
+    )
 
 
 def _set_draining(ctx: CliContext, name: str, draining: bool) -> None:

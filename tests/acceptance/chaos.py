@@ -85,7 +85,7 @@ class Sighting:
     vm: str
     job_id: int
     attempt: int
-    gpus: tuple[int, ...]
+    gpus: tuple[str, ...]
     pid: int
     first: float
     last: float
@@ -141,7 +141,7 @@ class LiveSampler:
                 live.append(known)
         self.scans += 1
         attempts: dict[int, set[int]] = defaultdict(set)
-        holders: dict[tuple[str, int], set[tuple[int, int]]] = defaultdict(set)
+        holders: dict[tuple[str, str], set[tuple[int, int]]] = defaultdict(set)
         for s in live:
             attempts[s.job_id].add(s.attempt)
             for gpu in s.gpus:
@@ -152,6 +152,11 @@ class LiveSampler:
         for (vm, gpu), runs in holders.items():
             if len(runs) > 1:
                 self.double_booked_instants.append(f"{vm} GPU {gpu}: {sorted(runs)}")
+
+
+def devices(visible: str) -> tuple[str, ...]:
+    """The GPUs a `CUDA_VISIBLE_DEVICES` value names (UUIDs, as the scheduler sets it)."""
+    return tuple(x.strip() for x in visible.split(",") if x.strip())
 
 
 def _training_process(
@@ -173,9 +178,7 @@ def _training_process(
         return None
     if env.get(b"RLFLEET_FAKE_RECORD", b"").decode() != record_dir:
         return None
-    gpus = tuple(
-        int(x) for x in env.get(b"CUDA_VISIBLE_DEVICES", b"").decode().split(",") if x.isdigit()
-    )
+    gpus = devices(env.get(b"CUDA_VISIBLE_DEVICES", b"").decode())
     attempt = int(env.get(b"RLFLEET_ATTEMPT", b"0") or 0)
     start_ticks = int(stat[19])  # field 22: start time, tells a reused pid apart
     sighting = Sighting(vm, int(job), attempt, gpus, pid, now, now)
@@ -189,7 +192,7 @@ class Run:
     vm: str
     job_id: int
     attempt: int
-    gpus: tuple[int, ...]
+    gpus: tuple[str, ...]
     pid: int
     start: float
     end: float
@@ -213,7 +216,7 @@ def runs_from(records: Iterable[dict[str, Any]], sampler: LiveSampler) -> list[R
     for key, r in starts.items():
         start = float(r["t"])
         end = ends.get(key) or max(last_seen.get(key, 0.0), start + sampler.period_s)
-        gpus = tuple(int(x) for x in str(r["gpus"]).split(",") if x.strip().isdigit())
+        gpus = devices(str(r["gpus"]))
         runs.append(Run(r["vm"], int(r["job_id"]), int(r["attempt"]), gpus, key[1], start, end))
     return runs
 
@@ -225,7 +228,7 @@ def overlapping(a: Run, b: Run) -> bool:
 
 def double_booked(runs: Sequence[Run]) -> list[str]:
     """Pairs of runs of different jobs that held the same GPU of a VM at the same time."""
-    by_gpu: dict[tuple[str, int], list[Run]] = defaultdict(list)
+    by_gpu: dict[tuple[str, str], list[Run]] = defaultdict(list)
     for run in runs:
         for gpu in run.gpus:
             by_gpu[(run.vm, gpu)].append(run)

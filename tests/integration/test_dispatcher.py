@@ -66,7 +66,8 @@ async def test_a_published_job_runs_on_the_gpus_it_claimed(
     assert int((d / "pid").read_text()) == job.remote_pid
     assert (await wait_file(d / "exit_code")).strip() == "0"
     log = (d / "train.log").read_text()
-    assert "CUDA_VISIBLE_DEVICES=0" in log
+    assert f"CUDA_VISIBLE_DEVICES={fleet[0].gpu_uuids[0]}\n" in log
+    assert job.gpu_uuids == fleet[0].gpu_uuids[:1]
     outputs = f"{home}/.rlfleet/{await installation(db)}/outputs/{job_id}"
     argv = [
         "--model", "tiny", "--dataset", "data.jsonl", "--reward_function", "format",
@@ -157,7 +158,8 @@ async def test_a_multi_gpu_job_starts_through_accelerate(
     assert "-m accelerate.commands.launch --num_processes 2 " + shlex.quote(str(FAKE_TRAIN)) in (
         launch
     )
-    assert "CUDA_VISIBLE_DEVICES=0,1" in (d / "train.log").read_text()
+    wanted = ",".join(fleet[0].gpu_uuids[:2])
+    assert f"CUDA_VISIBLE_DEVICES={wanted}\n" in (d / "train.log").read_text()
 
 
 async def test_an_unreachable_vm_fails_the_launch_and_frees_the_claim(

@@ -10,8 +10,10 @@ import nats as nats_client
 from nats.js.api import RetentionPolicy
 
 from scheduler import bus
+from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.settings import Settings
+from tests.workloads.support import new_job, publish, running_dispatcher, wait_status
 
 
 async def test_stream_and_consumer_are_created_and_brought_up_to_date(
@@ -120,3 +122,28 @@ async def test_a_daemon_started_while_nats_is_down_stops_when_told(tmp_path: Pat
         await nc.close()
     finally:
         server.stop()
+
+
+async def test_a_dispatcher_whose_consumer_was_deleted_recreates_it_and_goes_on(
+    db: Database, nats: EmbeddedNats
+) -> None:
+    """Given a running dispatcher, when its durable consumer is deleted by hand, then it
+    creates the consumer again itself and dispatches the jobs published afterwards (here:
+    no VM fits, so the dispatcher parks them as pending)."""
+    nc = await nats_client.connect(nats.url)
+    js = nc.jetstream()
+    try:
+        async with running_dispatcher(db, nats.url):
+            before = await new_job(db, 1)
+            await publish(nc, before)
+            await wait_status(db, before, "pending")
+
+            await js.delete_consumer(bus.STREAM, bus.CONSUMER)
+            after = await new_job(db, 1)
+            await publish(nc, after)
+            job = await wait_status(db, after, "pending", timeout=30)
+            assert job.status_reason == "needs 1 GPU, largest free block is 0"
+            info = await js.consumer_info(bus.STREAM, bus.CONSUMER)
+            assert info.config.durable_name == bus.CONSUMER
+    finally:
+        await nc.close()

@@ -62,10 +62,10 @@ async def seed_fleet(db: Database) -> None:
         await session.execute(
             insert(GPU),
             [
-                {"vm_id": vm_ids[0], "index": 0, "job_id": running_job},
-                {"vm_id": vm_ids[0], "index": 1},
-                {"vm_id": vm_ids[1], "index": 0, "foreign_busy": True},
-                {"vm_id": vm_ids[1], "index": 1, "healthy": False},
+                {"vm_id": vm_ids[0], "index": 0, "uuid": "GPU-a0", "job_id": running_job},
+                {"vm_id": vm_ids[0], "index": 1, "uuid": "GPU-a1"},
+                {"vm_id": vm_ids[1], "index": 0, "uuid": "GPU-b0", "foreign_busy": True},
+                {"vm_id": vm_ids[1], "index": 1, "uuid": "GPU-b1", "healthy": False},
             ],
         )
 

@@ -47,13 +47,13 @@ def test_two_gpus_one_busy() -> None:
         GpuInfo(1, U1, "NVIDIA H100 80GB HBM3", 81559, 70123, 97),
     )
     assert result.apps[0].pid == 4242
-    assert result.busy_indices() == {1}
+    assert result.busy_uuids() == {U1}
 
 
 def test_no_compute_apps_means_every_gpu_idle() -> None:
     for apps in ([], ["No running processes found"]):
         result = parse_poll(poll_output([A100, H100], apps))
-        assert result.error is None and result.busy_indices() == set()
+        assert result.error is None and result.busy_uuids() == set()
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_unavailable_values_are_unknown_not_errors(marker: str) -> None:
     assert result.error is None
     assert result.gpus[0].memory_used_mb is None and result.gpus[0].utilization_pct is None
     assert result.apps[0].used_memory_mb is None
-    assert result.busy_indices() == {0}
+    assert result.busy_uuids() == {U0}
 
 
 def test_mig_gpu_with_an_app_on_a_mig_instance_blocks_every_gpu() -> None:
@@ -77,7 +77,7 @@ def test_mig_gpu_with_an_app_on_a_mig_instance_blocks_every_gpu() -> None:
     # Then it parses, and since the process cannot be placed, no GPU is offered
     assert result.error is None
     assert result.gpus[0].utilization_pct is None
-    assert result.busy_indices() == {0, 1}
+    assert result.busy_uuids() == {U0, U1}
 
 
 def test_a_gpu_name_with_a_comma_is_rejoined() -> None:
@@ -176,6 +176,12 @@ def test_a_jobs_log_can_neither_forge_job_news_nor_break_the_poll() -> None:
         (1, "Traceback ... ValueError", FailureReason.EXIT_NONZERO),
         (2, "", FailureReason.EXIT_NONZERO),
         (None, "", FailureReason.VANISHED),
+        (126, "sh: 1: /opt/py: Permission denied", FailureReason.LAUNCH_FAILED),
+        (
+            127,
+            "rlfleet: training cannot start on this VM (exit 127): x",
+            FailureReason.LAUNCH_FAILED,
+        ),
     ],
 )
 def test_failure_classification(
@@ -210,3 +216,18 @@ def test_job_verdicts(
     verdict = job_verdict(job, state)
     assert (verdict.to if verdict else None) == to
     assert (verdict.failure_reason if verdict else None) == reason
+
+
+def test_an_attempt_that_could_not_start_names_the_vm_problem() -> None:
+    """Exit 127 with the wrapper's verdict: launch_failed, the verdict line as the reason,
+    and the same line for the VM (whose python or entrypoint is broken)."""
+    tail = (
+        "rlfleet: attempt started on vm0\n"
+        "rlfleet: training cannot start on this VM (exit 127): No module named 'training'\n"
+        "rlfleet: attempt ended with exit code 127\n"
+    )
+    verdict = job_verdict(RUNNING, RemoteJobState("exited", 127, tail))
+    assert verdict is not None and verdict.failure_reason == FailureReason.LAUNCH_FAILED
+    line = "rlfleet: training cannot start on this VM (exit 127): No module named 'training'"
+    assert verdict.vm_error == line
+    assert verdict.reason == f"launch_failed: exit 127: {line}"

@@ -391,3 +391,35 @@ async def test_tokens_of_an_attempt_are_listed_for_this_installation_only(home: 
     out = (await sh(remote.tokens_script(INSTALLATION, 7, 1)))[1]
     assert remote.parse_tokens(out) == [TOKEN]
     assert remote.parse_tokens((await sh(remote.tokens_script(INSTALLATION, 8, 1)))[1]) == []
+@pytest.mark.parametrize(
+    ("python", "entrypoint", "code", "says"),
+    [
+        ("/nonexistent/python3", str(FAKE_TRAIN), "127", "not found"),
+        (sys.executable, "/nonexistent/train.py", "127", "No such file or directory"),
+        (sys.executable, "no_such_package.train", "127", "No module named 'no_such_package'"),
+    ],
+)
+async def test_an_attempt_whose_python_or_entrypoint_cannot_run_exits_127_saying_why(
+    home: Path, python: str, entrypoint: str, code: str, says: str
+) -> None:
+    """The wrapper checks the VM's python and entrypoint before training: when they
+    cannot run, exit_code is 127 and the log's verdict line says why."""
+    await sh(remote.launch_script(spec(python=python, entrypoint=entrypoint)))
+    d = home / run(7, 1).relative
+    assert (await wait_file(d / "exit_code")).strip() == code
+    verdict = [
+        line
+        for line in (d / "train.log").read_text().splitlines()
+        if line.startswith(remote.ENTRY_BROKEN_MARK)
+    ]
+    assert len(verdict) == 1 and says in verdict[0], verdict
+
+
+async def test_an_attempt_runs_on_the_uuids_it_was_given_in_pci_bus_order(home: Path) -> None:
+    """CUDA_VISIBLE_DEVICES names the claimed GPUs by UUID; CUDA_DEVICE_ORDER is
+    PCI_BUS_ID for tools that read indices."""
+    uuids = ["GPU-5d2ad6c4-d5a1-8a4b-1b1d-0c4e7c1b8e50", "GPU-9e1f0a3b-2c4d-4e5f-8a9b-0c1d"]
+    launch = spec(gpu_indices=[3, 1], gpu_uuids=uuids, python=sys.executable)
+    script = remote.wrapper_script(launch)
+    assert f"export CUDA_VISIBLE_DEVICES={','.join(uuids)}\n" in script
+    assert "export CUDA_DEVICE_ORDER=PCI_BUS_ID\n" in script

@@ -165,3 +165,30 @@ def test_a_job_no_vm_can_ever_run_holds_nobody_back() -> None:
     assert plan_pending(jobs, {10: 2}, **PLAN, largest_vm=4).held == [2]
     plan = plan_pending(jobs, {10: 2}, **PLAN, largest_vm=2)
     assert plan.held is None and plan.republish == [(2, "capacity")]
+@pytest.mark.parametrize(
+    ("reason", "exit_code", "counted"),
+    [
+        ("node_lost", None, False),
+        ("vm_removed", None, False),
+        ("launch_failed", 126, False),
+        ("launch_failed", 127, False),
+        ("launch_failed", None, True),  # the launch over SSH failed: counted as before
+        ("exit_nonzero", 127, True),
+    ],
+)
+def test_machine_faults_do_not_use_up_retries(
+    reason: str, exit_code: int | None, counted: bool
+) -> None:
+    assert counts_against_limit(reason, exit_code) is counted
+    decision = decide(
+        J(retry_count=3, max_retries=3),
+        Failure(reason, exit_code, 1),
+        NOW,
+        random.Random(0),
+        NO_JITTER,
+    )
+    assert isinstance(decision, GiveUp if counted else Retry)
+    if not counted:
+        assert isinstance(decision, Retry) and not decision.counts
+        capped = decide(J(), Failure(reason, exit_code, 6), NOW, random.Random(0), NO_JITTER)
+        assert isinstance(capped, GiveUp)

@@ -48,16 +48,19 @@ def write_fake_python(folder: Path) -> str:
     return str(path)
 
 
-async def mark_polled(db: Database, gpus_by_vm: dict[int, int]) -> None:
-    """Do what a first poll does: VMs healthy, one idle GPU row per simulated GPU."""
+async def mark_polled(
+    db: Database, gpus_by_vm: dict[int, int], uuids: dict[int, list[str]] | None = None
+) -> None:
+    """Do what a first poll does: VMs healthy, one idle GPU row per simulated GPU, with the
+    UUIDs its nvidia-smi reports when `uuids` gives them (by VM id, in index order)."""
     async with db.transaction() as session:
         for vm_id, count in gpus_by_vm.items():
             await session.execute(
                 update(VM).where(VM.id == vm_id).values(status="healthy", available_gpus=count)
             )
+            named = (uuids or {}).get(vm_id) or [f"GPU-{vm_id}-{i}" for i in range(count)]
             session.add_all(
-                GPU(vm_id=vm_id, index=i, uuid=f"GPU-{vm_id}-{i}", healthy=True)
-                for i in range(count)
+                GPU(vm_id=vm_id, index=i, uuid=named[i], healthy=True) for i in range(count)
             )
 
 
@@ -187,7 +190,8 @@ async def polled_fleet(
     """A started test fleet running fake_train, registered and marked as polled."""
     fleet = await sim_fleet(n_vms, gpus_per_vm=gpus)
     ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN))
-    await mark_polled(db, {vm_id: gpus for vm_id in ids.values()})
+    uuids = {vm_id: fleet.by_name(name).gpu_uuids for name, vm_id in ids.items()}
+    await mark_polled(db, {vm_id: gpus for vm_id in ids.values()}, uuids)
     return fleet, ids
 
 

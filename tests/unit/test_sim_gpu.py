@@ -1,0 +1,31 @@
+"""The simulated nvidia-smi reads `CUDA_VISIBLE_DEVICES` as CUDA does (the one stand-in
+the tests use must not hide a device-numbering bug)."""
+
+from __future__ import annotations
+
+from scheduler import sim_gpu
+
+MODELS = [("T4", 15360, 1), ("H100", 81559, 3), ("A100", 40960, 2)]
+
+
+def test_numbers_are_fastest_first_unless_pci_bus_order_is_asked_for() -> None:
+    cfg = sim_gpu.make_config("vm", 0, gpu_name="", memory_mb=0, models=MODELS)
+    t4, h100, a100 = (g["uuid"] for g in cfg["gpus"])
+    gpus = cfg["gpus"]
+    assert sim_gpu.devices_of(gpus, {"CUDA_VISIBLE_DEVICES": "0,2"}) == [h100, t4]
+    pci = {"CUDA_VISIBLE_DEVICES": "0,2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert sim_gpu.devices_of(gpus, pci) == [t4, a100]
+    assert sim_gpu.devices_of(gpus, {"CUDA_VISIBLE_DEVICES": f"{a100},{t4}"}) == [a100, t4]
+    # CUDA stops at the first entry that names no device.
+    assert sim_gpu.devices_of(gpus, {"CUDA_VISIBLE_DEVICES": f"{a100},GPU-nope,0"}) == [a100]
+    assert sim_gpu.devices_of(gpus, {}) == []
+
+
+def test_reorder_renumbers_and_drops_a_card() -> None:
+    cfg = sim_gpu.make_config("vm", 0, gpu_name="", memory_mb=0, models=MODELS)
+    t4, h100, a100 = (g["uuid"] for g in cfg["gpus"])
+    sim_gpu.reorder(cfg, [a100, t4])
+    assert [(g["index"], g["uuid"]) for g in cfg["gpus"]] == [(0, a100), (1, t4)]
+    pci = {"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert sim_gpu.devices_of(cfg["gpus"], pci) == [t4]
+    assert h100 not in {g["uuid"] for g in cfg["gpus"]}
