@@ -192,16 +192,13 @@ def main(argv: list[str] | None = None) -> int:
             capture_output=True,
             timeout=300,
         )
-        state = wait_until_up(up, state_dir, up_log, timeout=180)
-        cli_env.update(
-            RLFLEET_DATABASE_URL=state["database_url"], RLFLEET_NATS_URL=state["nats_url"]
-        )
+        wait_until_up(up, state_dir, up_log, timeout=180)
+        from scheduler.up import read_env_file
+
+        # The credentials are in the env file `up` wrote (mode 0600), as a shell would source.
+        cli_env.update(read_env_file(state_dir / "env"))
         say("rlfleet is up:")
-        print(
-            f"    export RLFLEET_DATABASE_URL={state['database_url']} "
-            f"RLFLEET_NATS_URL={state['nats_url']}",
-            flush=True,
-        )
+        print(f"    source {state_dir / 'env'}", flush=True)
         submit = [
             "job", "submit",
             "--model", str(model_dir),
