@@ -194,6 +194,7 @@ class Claim:
     dataset: str = ""
     reward_functions: tuple[str, ...] = ()
     extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,23 @@ class NoClaim:
     waiting: bool = False
     """An earlier attempt of the job may still run (`leftover_may_run`): ask again once
     the requeue manager has killed it."""
+
+
+def job_env_pairs(value: Any) -> tuple[tuple[str, str], ...]:
+    """A job row's `env` as (key, value) pairs; entries that are not string pairs a job may
+    set (a row written by hand) are left out rather than trusted."""
+    from scheduler.remote import env_key_problem
+
+    if not isinstance(value, dict):
+        return ()
+    return tuple(
+        (k, v)
+        for k, v in sorted(value.items())
+        if isinstance(k, str)
+        and isinstance(v, str)
+        and env_key_problem(k) is None
+        and not any(c in v for c in "\r\n\0")
+    )
 
 
 def pending_reason(need: int, largest_free: int) -> str:
@@ -245,6 +263,7 @@ async def claim_batch_in_session(
             Job.dataset,
             Job.reward_function,
             Job.extra_args,
+            Job.env,
             leftover_may_run(Job.id).label("leftover"),
         )
         .where(Job.id.in_(ids))
@@ -344,6 +363,7 @@ async def _claim_one(
             dataset=row.dataset,
             reward_functions=tuple(r for r in row.reward_function.split(",") if r),
             extra_args=tuple(str(a) for a in row.extra_args or ()),
+            env=job_env_pairs(row.env),
         )
     if result.largest_free >= need:
         # Free GPUs exist but other claimers hold them: not a reason to wait.

@@ -107,9 +107,12 @@ class JobSpec:
     priority: int = 0
     name: str | None = None
     extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    """`--env KEY=VALUE` pairs for the job's environment."""
 
     def validate(self) -> None:
         """Raise `BadInput` for a job that could never run."""
+        validate_job_env(self.env)
         if not self.model.strip():
             raise BadInput("--model must not be empty")
         if not self.dataset.strip():
@@ -138,7 +141,30 @@ async def insert_job(session: AsyncSession, spec: JobSpec, *, actor: str) -> Job
         max_retries=spec.max_retries,
         priority=spec.priority,
         extra_args=list(spec.extra_args),
+        env=dict(spec.env),
     )
+
+
+MAX_ENV_VALUE = 32768
+
+
+def validate_job_env(env: Iterable[tuple[str, str]]) -> None:
+    """Raise `BadInput` for a variable a job may not set, or a value that cannot be
+    stored in the one-line-per-variable `job.env` (the value itself is never quoted)."""
+    from scheduler.remote import env_key_problem
+
+    seen: set[str] = set()
+    for key, value in env:
+        problem = env_key_problem(key)
+        if problem:
+            raise BadInput(f"--env {problem}")
+        if key in seen:
+            raise BadInput(f"--env {key} given twice")
+        seen.add(key)
+        if "\n" in value or "\r" in value or "\0" in value:
+            raise BadInput(f"--env {key}: the value must be one line")
+        if len(value) > MAX_ENV_VALUE:
+            raise BadInput(f"--env {key}: the value is longer than {MAX_ENV_VALUE} characters")
 
 
 async def get_job(session: AsyncSession, job_id: int, *, with_events: bool = False) -> Job:
@@ -178,6 +204,8 @@ def job_to_dict(job: Job, *, events: bool = False) -> dict[str, Any]:
         "dataset": job.dataset,
         "reward_function": job.reward_function,
         "extra_args": job.extra_args,
+        # The names only: the values may be secrets (tokens, keys).
+        "env_keys": sorted(job.env or {}),
         "gpus": job.gpus_requested,
         "priority": job.priority,
         "attempt": job.attempt,

@@ -25,7 +25,7 @@ from scheduler.control import (
     stream_log,
 )
 from scheduler.db import Database
-from scheduler.errors import ServiceUnavailable
+from scheduler.errors import BadInput, ServiceUnavailable
 from scheduler.jobs import JobSpec, get_job, job_to_dict, list_jobs
 from scheduler.states import JobStatus
 from scheduler.submit import submit_job
@@ -62,6 +62,14 @@ def group() -> None:
 )
 @click.option("--priority", default=0, show_default=True, type=int, help="Higher runs first.")
 @click.option("--name", help="A label for listings.")
+@click.option(
+    "--env",
+    "env",
+    multiple=True,
+    metavar="KEY[=VALUE]",
+    help="Set a variable in the job's environment (repeatable); KEY alone takes the value "
+    "from this shell, keeping it off the command line. Listings show the names only.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the new job as JSON.")
 @click.argument("extra_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TRAIN_GRPO_ARGS…]")
 @pass_cli
@@ -74,12 +82,15 @@ def submit(
     max_retries: int,
     priority: int,
     name: str | None,
+    env: tuple[str, ...],
     as_json: bool,
     extra_args: tuple[str, ...],
 ) -> None:
     """Queue a GRPO training job and print its id.
 
-    Everything after `--` is passed to train_grpo.py verbatim.
+    Everything after `--` is passed to train_grpo.py verbatim. A job starts with a clean
+    environment (PATH, HOME, USER, LANG…, its RLFLEET_* variables, CUDA_VISIBLE_DEVICES),
+    plus the VM's ~/.rlfleet/env and its own --env values.
     """
     spec = JobSpec(
         model=model,
@@ -90,6 +101,7 @@ def submit(
         priority=priority,
         name=name,
         extra_args=extra_args,
+        env=parse_env_options(env),
     )
     spec.validate()
     result = ctx.run(lambda db: submit_job(db, ctx.settings, spec, actor="cli"))
@@ -102,6 +114,22 @@ def submit(
             f"job {result.job_id} is queued but not announced ({result.publish_error}); "
             "the requeue manager will publish it"
         )
+
+
+def parse_env_options(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """`--env KEY=VALUE` and `--env KEY` (value from this process's environment) as pairs;
+    `BadInput` for a KEY alone that is not set here."""
+    import os
+
+    pairs = []
+    for item in values:
+        key, eq, value = item.partition("=")
+        if not eq:
+            if key not in os.environ:
+                raise BadInput(f"--env {key}: not set in this shell (give KEY=VALUE)")
+            value = os.environ[key]
+        pairs.append((key, value))
+    return tuple(pairs)
 
 
 @group.command("list")
