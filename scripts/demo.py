@@ -169,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     env.pop("RLFLEET_DATABASE_URL", None)
     env.pop("RLFLEET_NATS_URL", None)
+    # Jobs start with a clean environment: what they need comes from the VM's env file.
+    vm_env = home / ".rlfleet" / "env"
+    vm_env.parent.mkdir(parents=True, exist_ok=True)
+    vm_env.touch(mode=0o600)
+    vm_env.write_text(
+        "HF_HUB_OFFLINE=1\nHF_DATASETS_OFFLINE=1\nTOKENIZERS_PARALLELISM=false\nPYTHONUNBUFFERED=1\n"
+    )
     say("starting `rlfleet up --local-vm --gpus 1` (embedded Postgres + NATS, 3 daemons)")
     with up_log.open("ab") as log_handle:
         up = subprocess.Popen(
