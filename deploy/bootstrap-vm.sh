@@ -104,7 +104,27 @@ else
   step "skipping the install (--no-install)"
 fi
 
-# 4. The host key line for the control host's known_hosts.
+# 4. ~/.rlfleet/env: what every job gets in its environment (jobs start with a clean one).
+ENV_FILE="${HOME}/.rlfleet/env"
+if [ -e "$ENV_FILE" ]; then
+  chmod 0600 "$ENV_FILE"
+  step "keeping $ENV_FILE (mode 0600)"
+else
+  step "creating $ENV_FILE (mode 0600): put HF_TOKEN, WANDB_API_KEY, proxies there"
+  mkdir -p "$(dirname "$ENV_FILE")"
+  ( umask 077 && cat > "$ENV_FILE" <<'ENVEOF'
+# Variables every rlfleet job on this VM gets, one KEY=VALUE per line (read, never run as
+# shell code; quotes around a value are removed). Jobs inherit nothing else but PATH,
+# HOME, USER, LOGNAME, SHELL, LANG/LC_*, TZ, TMPDIR and the scheduler's own variables.
+#HF_TOKEN=hf_...
+#WANDB_API_KEY=...
+#HTTPS_PROXY=http://proxy.internal:3128
+#HF_HUB_OFFLINE=1
+ENVEOF
+  )
+fi
+
+# 5. The host key line for the control host's known_hosts.
 if [ -z "$HOST_KEY" ]; then
   for kind in ed25519 ecdsa rsa; do
     if [ -r "/etc/ssh/ssh_host_${kind}_key.pub" ]; then HOST_KEY="/etc/ssh/ssh_host_${kind}_key.pub"; break; fi

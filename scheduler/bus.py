@@ -70,6 +70,9 @@ def _connect_options(settings: Settings) -> dict[str, Any]:
         options["user_credentials"] = settings.nats_creds
     if settings.nats_token:
         options["token"] = settings.nats_token
+    if settings.nats_user:
+        options["user"] = settings.nats_user
+        options["password"] = settings.nats_password or ""
     if settings.nats_tls_ca:
         options["tls"] = ssl.create_default_context(cafile=settings.nats_tls_ca)
     return options

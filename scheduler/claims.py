@@ -233,6 +233,7 @@ class Claim:
     def run(self) -> Attempt:
         """The claimed attempt and its directory name (invariant 6)."""
         return Attempt(self.installation, self.job_id, self.attempt, self.token)
+    env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -251,6 +252,23 @@ class NoClaim:
     the requeue manager has killed it."""
     rejected: bool = False
     """The job row cannot be launched (`validate.job_row_problem`): it failed just now."""
+
+
+def job_env_pairs(value: Any) -> tuple[tuple[str, str], ...]:
+    """A job row's `env` as (key, value) pairs; entries that are not string pairs a job may
+    set (a row written by hand) are left out rather than trusted."""
+    from scheduler.remote import env_key_problem
+
+    if not isinstance(value, dict):
+        return ()
+    return tuple(
+        (k, v)
+        for k, v in sorted(value.items())
+        if isinstance(k, str)
+        and isinstance(v, str)
+        and env_key_problem(k) is None
+        and not any(c in v for c in "\r\n\0")
+    )
 
 
 def pending_reason(need: int, largest_free: int) -> str:
@@ -286,6 +304,7 @@ async def claim_batch_in_session(
             Job.dataset,
             Job.reward_function,
             Job.extra_args,
+            Job.env,
             leftover_may_run(Job.id).label("leftover"),
         )
         .where(Job.id.in_(ids))
@@ -414,6 +433,7 @@ async def _claim_one(
             gpu_uuids=tuple(result.gpu_uuids or ()),
             installation=result.installation,
             token=result.launch_token,
+            env=job_env_pairs(row.env),
         )
     if result.largest_free >= need:
         # Free GPUs exist but other claimers hold them: not a reason to wait.

@@ -58,7 +58,7 @@ from scheduler.errors import error_line
 from scheduler.jobs import transition
 from scheduler.kill import kill_attempt
 from scheduler.logging import get_logger
-from scheduler.remote import LaunchResult, LaunchSpec, launch_script, parse_launch
+from scheduler.remote import LaunchResult, LaunchSpec, launch_input, launch_script, parse_launch
 from scheduler.settings import Settings
 from scheduler.states import FailureReason, JobStatus
 from scheduler.transport import Transport, TransportError, VMTarget, make_transport
@@ -455,10 +455,14 @@ class GlobalJobDispatcher:
             reward_functions=claim.reward_functions,
             output_dir=claim.output_dir,
             extra_args=claim.extra_args,
+            env=claim.env,
         )
         try:
             result = await self.transport.run(
-                target, launch_script(spec), timeout=self.launch_timeout_s
+                target,
+                launch_script(spec),
+                timeout=self.launch_timeout_s,
+                input=launch_input(spec),
             )
         except TransportError as exc:
             return str(exc) or type(exc).__name__

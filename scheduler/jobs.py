@@ -110,10 +110,13 @@ class JobSpec:
     extra_args: tuple[str, ...] = ()
     output_dir: str | None = None
     """Where train_grpo.py writes on the VM; None means `remote.default_output_dir`."""
+    env: tuple[tuple[str, str], ...] = ()
+    """`--env KEY=VALUE` pairs for the job's environment."""
 
     def validate(self) -> None:
         """Raise `BadInput` for a job that could never run or that the schema cannot hold
         (limits in `scheduler.validate`, read from the columns)."""
+        validate_job_env(self.env)
         check_text(self.model, "--model", column=Job.model)
         check_text(self.dataset, "--dataset", column=Job.dataset)
         if not self.reward_functions:
@@ -154,7 +157,30 @@ async def insert_job(session: AsyncSession, spec: JobSpec, *, actor: str) -> Job
         priority=spec.priority,
         extra_args=list(spec.extra_args),
         output_dir=spec.output_dir,
+        env=dict(spec.env),
     )
+
+
+MAX_ENV_VALUE = 32768
+
+
+def validate_job_env(env: Iterable[tuple[str, str]]) -> None:
+    """Raise `BadInput` for a variable a job may not set, or a value that cannot be
+    stored in the one-line-per-variable `job.env` (the value itself is never quoted)."""
+    from scheduler.remote import env_key_problem
+
+    seen: set[str] = set()
+    for key, value in env:
+        problem = env_key_problem(key)
+        if problem:
+            raise BadInput(f"--env {problem}")
+        if key in seen:
+            raise BadInput(f"--env {key} given twice")
+        seen.add(key)
+        if "\n" in value or "\r" in value or "\0" in value:
+            raise BadInput(f"--env {key}: the value must be one line")
+        if len(value) > MAX_ENV_VALUE:
+            raise BadInput(f"--env {key}: the value is longer than {MAX_ENV_VALUE} characters")
 
 
 async def get_job(session: AsyncSession, job_id: int, *, with_events: bool = False) -> Job:
@@ -194,6 +220,8 @@ def job_to_dict(job: Job, *, events: bool = False) -> dict[str, Any]:
         "dataset": job.dataset,
         "reward_function": job.reward_function,
         "extra_args": job.extra_args,
+        # The names only: the values may be secrets (tokens, keys).
+        "env_keys": sorted(job.env or {}),
         "gpus": job.gpus_requested,
         "priority": job.priority,
         "attempt": job.attempt,

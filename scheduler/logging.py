@@ -4,10 +4,30 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
+from typing import Any
 
 import structlog
 
+from scheduler.redact import scrub_urls
+
 _configured = False
+
+
+def _scrub_event(
+    _logger: object, _method: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """Redact URLs and known secrets in every string of a log event (invariant 7)."""
+    return {k: scrub_urls(v) if isinstance(v, str) else v for k, v in event.items()}
+
+
+class _ScrubFilter(logging.Filter):
+    """The same for stdlib log records (asyncssh, nats, alembic, sqlalchemy)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = scrub_urls(record.getMessage())
+        record.args = None
+        return True
 
 
 def configure(level: str = "INFO", *, json: bool | None = None) -> None:
@@ -23,6 +43,8 @@ def configure(level: str = "INFO", *, json: bool | None = None) -> None:
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
     logging.basicConfig(level=level, stream=sys.stderr, format="%(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_ScrubFilter())
     for noisy in ("asyncssh", "nats", "alembic", "sqlalchemy"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     structlog.configure(
@@ -31,6 +53,7 @@ def configure(level: str = "INFO", *, json: bool | None = None) -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            _scrub_event,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),

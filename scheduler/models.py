@@ -182,6 +182,9 @@ class Job(Base):
     reward_function: Mapped[str] = mapped_column(Text)
     extra_args: Mapped[list[str]] = mapped_column(JSONB, default=list, server_default="[]")
     """Arguments passed to train_grpo.py verbatim, after the ones rlfleet builds."""
+    env: Mapped[dict[str, str]] = mapped_column(JSONB, default=dict, server_default="{}")
+    """The job's own environment variables (`job submit --env`): values are secrets to
+    show nowhere; the launch writes them to a mode-0600 file in the attempt directory."""
     gpus_requested: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     """Higher runs first."""

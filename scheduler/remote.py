@@ -133,6 +133,79 @@ def home_path(path: str) -> str:
     return '"$HOME"/' + shlex.quote(path)
 
 
+# --- the job's environment (invariant 7: no secret of the scheduler reaches a job)
+
+PASSED_ENV = (
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE",
+    "LC_COLLATE", "LC_MESSAGES", "LC_MONETARY", "LC_NUMERIC", "LC_TIME", "TZ", "TMPDIR",
+    "RLFLEET_SIM_VM", "RLFLEET_SIM_FLEET",
+)  # fmt: skip
+"""What a job inherits from the shell that launches it; everything else is dropped
+(`env -i`). RLFLEET_SIM_* name a simulated VM's GPUs (`rlfleet up --gpus`, tests)."""
+VM_ENV_FILE = ".rlfleet/env"
+"""KEY=VALUE lines on the VM (relative to $HOME) every job gets: HF_TOKEN, proxies…"""
+JOB_ENV_FILE = "job.env"
+"""The job's own `--env` values, in its attempt directory (mode 0600)."""
+SCHEDULER_ENV = (
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "RLFLEET_JOB_ID", "RLFLEET_ATTEMPT",
+    "RLFLEET_PROGRESS_FILE",
+)  # fmt: skip
+"""Set by the scheduler for every job: no env file sets them (`--env` refuses every
+`RLFLEET_*` name: that namespace is the scheduler's)."""
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def env_key_problem(key: str) -> str | None:
+    """Why `key` cannot be a job's environment variable, or None when it can."""
+    if not _ENV_KEY.fullmatch(key):
+        return f"{key!r} is not a variable name (letters, digits, _; not starting with a digit)"
+    if key.startswith("RLFLEET_") or key in SCHEDULER_ENV:
+        return f"{key} is set by the scheduler"
+    return None
+
+
+def job_env_text(env: Sequence[tuple[str, str]]) -> str:
+    """The content of `job.env`: one KEY="VALUE" line per variable (values hold no
+    newline). The loader strips exactly one pair of quotes, so every value comes back as
+    it was, quotes of its own included."""
+    return "".join(f'{key}="{value}"\n' for key, value in env)
+
+
+def clean_env_words() -> str:
+    """`env -i NAME=value…` keeping only `PASSED_ENV` (each one only when it is set)."""
+    kept = " ".join(f'${{{name}+"{name}=${name}"}}' for name in PASSED_ENV)
+    return f"env -i {kept}"
+
+
+def load_env_lines(files: Sequence[str]) -> list[str]:
+    """Shell lines exporting the KEY=VALUE lines of each file (shell words) that exists.
+
+    The files are read, never run: a line is `KEY=VALUE` (an `export ` in front and one
+    pair of quotes around the value are accepted), `#` starts a comment line, a key that
+    is not a variable name or is the scheduler's own (`SCHEDULER_ENV`) is skipped. The
+    scheduler's variables are exported after this, so they always win."""
+    skipped = "|".join(SCHEDULER_ENV)
+    return [
+        f"for rlfleet_f in {' '.join(files)}; do",
+        '  [ -r "$rlfleet_f" ] || continue',
+        '  while IFS= read -r rlfleet_l || [ -n "$rlfleet_l" ]; do',
+        "    rlfleet_l=${rlfleet_l#export }",
+        '    case "$rlfleet_l" in ""|"#"*) continue ;; esac',
+        "    rlfleet_k=${rlfleet_l%%=*}; rlfleet_v=${rlfleet_l#*=}",
+        '    [ "$rlfleet_k" = "$rlfleet_l" ] && continue',
+        '    case "$rlfleet_k" in ""|[0-9]*|*[!A-Za-z0-9_]*) continue ;; esac',
+        f'    case "$rlfleet_k" in {skipped}) continue ;; esac',
+        '    case "$rlfleet_v" in',
+        '      \\"*\\") rlfleet_v=${rlfleet_v#\\"}; rlfleet_v=${rlfleet_v%\\"} ;;',
+        "      \\'*\\') rlfleet_v=${rlfleet_v#\\'}; rlfleet_v=${rlfleet_v%\\'} ;;",
+        "    esac",
+        '    export "$rlfleet_k=$rlfleet_v"',
+        '  done < "$rlfleet_f"',
+        "done",
+        "unset rlfleet_f rlfleet_l rlfleet_k rlfleet_v",
+    ]
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """Everything a launch needs, copied out of the job and VM rows."""
@@ -159,6 +232,8 @@ class LaunchSpec:
     def attempt(self) -> int:
         """The attempt's number (1 for the first launch)."""
         return self.run.attempt
+    env: Sequence[tuple[str, str]] = ()
+    """The job's `--env` values: written to `job.env` from the launch's stdin."""
 
 
 def entry_words(python: str, entrypoint: str, num_gpus: int) -> list[str]:
@@ -241,6 +316,7 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "trap 'rlfleet_sig=INT' INT",
             "trap 'rlfleet_sig=HUP' HUP",
             'cd "$HOME" || exit 1',
+            *load_env_lines([home_path(VM_ENV_FILE), f'"$d/{JOB_ENV_FILE}"']),
             f"export CUDA_VISIBLE_DEVICES={shlex.quote(visible_devices(spec))}",
             f"export CUDA_DEVICE_ORDER={DEVICE_ORDER}",
             'export RLFLEET_PROGRESS_FILE="$d/progress.json"',
@@ -288,7 +364,9 @@ def launch_script(spec: LaunchSpec, *, pid_wait_s: float = PID_WAIT_S) -> str:
             'mkdir -p "$d" || exit 97',
             'if mkdir "$d/.launch.lock" 2>/dev/null; then',
             f'  printf "%s" {shlex.quote(wrapper_script(spec))} > "$d/launch.sh" || exit 97',
-            '  setsid sh "$d/launch.sh" </dev/null >>"$d/train.log" 2>&1 &',
+            *_job_env_from_stdin(spec),
+            # A clean environment: nothing of the launching shell's but PASSED_ENV.
+            f'  setsid {clean_env_words()} sh "$d/launch.sh" </dev/null >>"$d/train.log" 2>&1 &',
             "fi",
             "n=0",
             'while [ ! -s "$d/pid" ]; do',
@@ -306,6 +384,19 @@ def launch_script(spec: LaunchSpec, *, pid_wait_s: float = PID_WAIT_S) -> str:
             "",
         ]
     )
+
+
+def _job_env_from_stdin(spec: LaunchSpec) -> list[str]:
+    """Lines of the launch that store its stdin (`job_env_text`) as `job.env`, mode 0600:
+    the values never appear on a command line. Nothing is read when the job has none."""
+    if not spec.env:
+        return []
+    return [f'  (umask 077 && cat > "$d/{JOB_ENV_FILE}") || exit 97']
+
+
+def launch_input(spec: LaunchSpec) -> str | None:
+    """What to send on the launch script's stdin: the job's `job.env`, if it has one."""
+    return job_env_text(spec.env) if spec.env else None
 
 
 @dataclass(frozen=True)

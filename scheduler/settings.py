@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+from scheduler.errors import BadInput
+from scheduler.redact import redact_url, remember, remember_urls
 
 DATABASE_URL_ENV = "RLFLEET_DATABASE_URL"
 NATS_URL_ENV = "RLFLEET_NATS_URL"
 NATS_CREDS_ENV = "RLFLEET_NATS_CREDS"
 NATS_TOKEN_ENV = "RLFLEET_NATS_TOKEN"
+NATS_USER_ENV = "RLFLEET_NATS_USER"
+NATS_PASSWORD_ENV = "RLFLEET_NATS_PASSWORD"
 NATS_TLS_CA_ENV = "RLFLEET_NATS_TLS_CA"
+FILE_SUFFIX = "_FILE"
+"""`RLFLEET_NATS_TOKEN_FILE=/path` reads the token from a file (so does _PASSWORD_FILE)."""
 
 DEFAULT_DATABASE_URL = "postgresql+psycopg://rlfleet@localhost:5432/rlfleet"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -25,6 +33,13 @@ class Settings:
     nats_creds: str | None = None
     nats_token: str | None = None
     nats_tls_ca: str | None = None
+    nats_user: str | None = None
+    nats_password: str | None = None
+
+    def __post_init__(self) -> None:
+        # Whatever holds a credential is known to the scrubber before it can be logged.
+        remember_urls([self.database_url, self.nats_url])
+        remember(self.nats_token, self.nats_password)
 
     @property
     def nats_servers(self) -> list[str]:
@@ -35,36 +50,110 @@ class Settings:
     def load(cls, database_url: str | None = None, nats_url: str | None = None) -> Settings:
         """Build settings, preferring explicit values over the environment."""
         env = os.environ
+        raw_db = database_url or env.get(DATABASE_URL_ENV) or DEFAULT_DATABASE_URL
+        raw_nats = nats_url or env.get(NATS_URL_ENV) or DEFAULT_NATS_URL
+        remember_urls([raw_db, raw_nats])  # before anything can quote them back
         return cls(
-            database_url=normalize_database_url(
-                database_url or env.get(DATABASE_URL_ENV) or DEFAULT_DATABASE_URL
-            ),
-            nats_url=nats_url or env.get(NATS_URL_ENV) or DEFAULT_NATS_URL,
+            database_url=normalize_database_url(raw_db),
+            nats_url=check_nats_url(raw_nats),
             nats_creds=env.get(NATS_CREDS_ENV) or None,
-            nats_token=env.get(NATS_TOKEN_ENV) or None,
+            nats_token=secret_from_env(NATS_TOKEN_ENV),
             nats_tls_ca=env.get(NATS_TLS_CA_ENV) or None,
+            nats_user=env.get(NATS_USER_ENV) or None,
+            nats_password=secret_from_env(NATS_PASSWORD_ENV),
         )
 
 
+def secret_from_env(name: str) -> str | None:
+    """The secret in `$NAME`, else the content of the file `$NAME_FILE` names (its last
+    newline stripped), else None. Secrets never come from command-line flags: `ps` shows
+    those to every user of the machine."""
+    value = os.environ.get(name)
+    if value:
+        remember(value)
+        return value
+    path = os.environ.get(name + FILE_SUFFIX)
+    if not path:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8").rstrip("\r\n")
+    except (OSError, UnicodeError) as exc:
+        reason = exc.__class__.__name__
+        raise BadInput(f"cannot read {name + FILE_SUFFIX} ({path}): {reason}") from exc
+    remember(text)
+    return text or None
+
+
 def normalize_database_url(url: str) -> str:
-    """Accept `postgresql://` and `postgres://` too, always driving psycopg 3."""
+    """The URL driving psycopg 3 (`postgresql://` and `postgres://` are accepted too), its
+    user and password percent-encoded (a password may hold `@` or `:`); `BadInput` with
+    the URL redacted when it cannot be parsed."""
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
-            return "postgresql+psycopg://" + url[len(prefix) :]
+            url = "postgresql+psycopg://" + url[len(prefix) :]
+            break
+    url = _encode_userinfo(url)
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+        _ = parsed.port  # an unparsable port raises here, not at connect time
+    except (ArgumentError, ValueError, TypeError) as exc:
+        raise BadInput(
+            f"malformed database URL {redact_url(url)}: expected "
+            "postgresql+psycopg://HOST[:PORT]/DATABASE with USER:PASSWORD@ before the host"
+        ) from exc
+    if not parsed.drivername.startswith("postgresql"):
+        raise BadInput(f"not a PostgreSQL URL: {redact_url(url)}")
     return url
 
 
-def redact_url(url: str) -> str:
-    """The URL with any password replaced by `***`, safe to log or print."""
-    parts = []
-    for one in url.split(","):
-        split = urlsplit(one.strip())
-        if split.password is None:
-            parts.append(one.strip())
-            continue
-        host = split.hostname or ""
-        if split.port:
-            host = f"{host}:{split.port}"
-        user = split.username or ""
-        parts.append(urlunsplit(split._replace(netloc=f"{user}:***@{host}")))
-    return ",".join(parts)
+def _encode_userinfo(url: str) -> str:
+    """Percent-encode the user and password of `url` (left as they are when they are
+    encoded already), so that `@`, `:` or `/` in a password survive parsing."""
+    scheme, sep, rest = url.partition("://")
+    netloc_end = len(rest)
+    for stop in ("/", "?"):
+        found = rest.find(stop, rest.rfind("@") + 1)
+        if found != -1:
+            netloc_end = min(netloc_end, found)
+    netloc, tail = rest[:netloc_end], rest[netloc_end:]
+    userinfo, at, hostport = netloc.rpartition("@")
+    if not sep or not at:
+        return url
+    user, colon, password = userinfo.partition(":")
+    remember(password, unquote(password))
+    encoded = quote(unquote(user), safe="")
+    if colon:
+        encoded += ":" + quote(unquote(password), safe="")
+    return f"{scheme}://{encoded}@{hostport}{tail}"
+
+
+def check_nats_url(url: str) -> str:
+    """The NATS server list as given, or `BadInput` naming (redacted) what is malformed."""
+    from urllib.parse import urlsplit
+
+    servers = [s.strip() for s in url.split(",") if s.strip()]
+    if not servers:
+        raise BadInput("empty NATS URL")
+    for server in servers:
+        try:
+            split = urlsplit(server if "://" in server else f"nats://{server}")
+            _ = split.port
+        except ValueError as exc:
+            raise BadInput(f"malformed NATS URL {redact_url(server)}") from exc
+        if not split.hostname:
+            raise BadInput(f"malformed NATS URL {redact_url(server)}: no host")
+    return url
+
+
+__all__ = [
+    "DATABASE_URL_ENV",
+    "NATS_URL_ENV",
+    "Settings",
+    "check_nats_url",
+    "normalize_database_url",
+    "redact_url",
+    "secret_from_env",
+]

@@ -8,6 +8,14 @@ CPU-only machine can run real (CPU) training jobs through the scheduler.
 
 The state directory remembers the ports (`up.json`), so running `up` again reuses the
 data and, when the ports are still free, the same URLs.
+
+Nobody but the user who runs `up` reaches the services (invariant 7): the state directory
+is private (0700; 0710 with the PostgreSQL system user's group when run as root, so that
+user alone can pass through to its data), Postgres asks every client for a generated
+password (SCRAM), NATS for a generated token. The secrets live in files of mode 0600 in
+the state directory (`postgres.password`, `nats.token`) and `env`, a file to `source`
+that sets RLFLEET_DATABASE_URL, RLFLEET_NATS_URL and RLFLEET_NATS_TOKEN; `up` prints its
+path, never a secret.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -31,18 +41,29 @@ import click
 
 from scheduler import migrate, sim_gpu
 from scheduler.db import Database
-from scheduler.embedded import EmbeddedNats, EmbeddedPostgres, EmbeddedServiceError, free_port
+from scheduler.embedded import (
+    EmbeddedNats,
+    EmbeddedPostgres,
+    EmbeddedServiceError,
+    free_port,
+    postgres_system_user,
+    write_private,
+)
 from scheduler.errors import BadInput, RlfleetError, ServiceUnavailable
 from scheduler.fleet import VMSpec, add_vm
 from scheduler.logging import get_logger
 from scheduler.metrics import metrics_option
 from scheduler.models import DEFAULT_ENTRYPOINT
+from scheduler.redact import redact_url
 from scheduler.settings import Settings
 
 log = get_logger("up")
 
 STATE_FILE = "up.json"
 LOCK_FILE = "up.lock"
+ENV_FILE = "env"
+PG_PASSWORD_FILE = "postgres.password"
+NATS_TOKEN_FILE = "nats.token"
 
 
 class AlreadyRunning(RlfleetError):
@@ -101,14 +122,39 @@ class StateDir:
         return data if isinstance(data, dict) else {}
 
     def write(self, data: dict[str, Any]) -> None:
-        """Replace up.json atomically."""
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, self.state_file)
+        """Replace up.json atomically (mode 0600; it holds no secret, but no reason to share)."""
+        write_private(self.state_file, json.dumps(data, indent=2) + "\n")
+
+    @property
+    def env_file(self) -> Path:
+        """The file to `source`: the service URLs and their credentials (mode 0600)."""
+        return self.path / ENV_FILE
+
+    def secret(self, name: str) -> str:
+        """The secret kept in file `name` (mode 0600), generated on first use."""
+        path = self.path / name
+        with contextlib.suppress(OSError, UnicodeError):
+            value = path.read_text(encoding="utf-8").strip()
+            if value:
+                path.chmod(0o600)
+                return value
+        value = secrets.token_urlsafe(32)
+        write_private(path, value + "\n")
+        return value
+
+    def secure(self) -> None:
+        """Make the directory private: 0700, or 0710 with the PostgreSQL system user's group
+        when running as root (that user must pass through to its data directory)."""
+        self.path.chmod(0o700)
+        entry = postgres_system_user()
+        if entry is not None:
+            os.chown(self.path, -1, entry.pw_gid)
+            self.path.chmod(0o710)
 
     def lock(self) -> None:
         """Take the directory for this process, or raise `AlreadyRunning`."""
         self.path.mkdir(parents=True, exist_ok=True)
+        self.secure()
         handle = open(self.path / LOCK_FILE, "a+")  # noqa: SIM115 - held for the process's life
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -226,8 +272,10 @@ class Services:
 
     @property
     def settings(self) -> Settings:
-        """Settings pointing at the embedded servers."""
-        return Settings(database_url=self.postgres.url(), nats_url=self.nats.url)
+        """Settings pointing at the embedded servers, with their credentials."""
+        return Settings(
+            database_url=self.postgres.url(), nats_url=self.nats.url, nats_token=self.nats.token
+        )
 
     def stop(self) -> None:
         """Stop both servers (NATS first: nothing should publish to a stopped database)."""
@@ -240,8 +288,14 @@ class Services:
 def start_services(state: StateDir) -> Services:
     """Start Postgres and NATS on the remembered (or new free) ports, migrated to head."""
     kill_leftover_servers(state)
-    postgres = EmbeddedPostgres(state.path / "postgres", port=state.pick_port("postgres"))
-    nats = EmbeddedNats(state.path / "nats", port=state.pick_port("nats"))
+    postgres = EmbeddedPostgres(
+        state.path / "postgres",
+        port=state.pick_port("postgres"),
+        password=state.secret(PG_PASSWORD_FILE),
+    )
+    nats = EmbeddedNats(
+        state.path / "nats", port=state.pick_port("nats"), token=state.secret(NATS_TOKEN_FILE)
+    )
     services = Services(postgres, nats)
     try:
         postgres.start(timeout=60)
@@ -312,21 +366,51 @@ async def run_daemons(settings: Settings, stop: asyncio.Event, ready: asyncio.Ev
         await asyncio.gather(*tasks.values(), watcher, return_exceptions=True)
 
 
+def write_env_file(state: StateDir, settings: Settings) -> Path:
+    """Write `STATE/env` (mode 0600): `export` lines a shell can `source`."""
+    values = {
+        "RLFLEET_DATABASE_URL": settings.database_url,
+        "RLFLEET_NATS_URL": settings.nats_url,
+        "RLFLEET_NATS_TOKEN": settings.nats_token or "",
+    }
+    lines = [
+        f"# rlfleet up ({state.path}): `source` this file to use its services.",
+        "# It holds their credentials: keep it private (mode 0600).",
+        *(f"export {key}={shlex.quote(value)}" for key, value in values.items()),
+    ]
+    write_private(state.env_file, "\n".join(lines) + "\n")
+    return state.env_file
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """The variables an `env` file written by `write_env_file` sets (parsed, not run)."""
+    values: dict[str, str] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        words = shlex.split(line, comments=True)
+        if len(words) == 2 and words[0] == "export" and "=" in words[1]:
+            key, _, value = words[1].partition("=")
+            values[key] = value
+    return values
+
+
 def announce(options: UpOptions, settings: Settings, gpu_note: str | None) -> None:
-    """Print what the user needs: the exports for the other commands, and how to stop."""
+    """Print what the user needs: the env file to source for the other commands, and how
+    to stop. Never a secret: the URLs are shown redacted."""
+    env_file = options.state_dir / ENV_FILE
     lines = [
         f"rlfleet is up (state in {options.state_dir})",
-        f"  Postgres: {settings.database_url}",
-        f"  NATS:     {settings.nats_url}",
+        f"  Postgres: {redact_url(settings.database_url)} (password: SCRAM, "
+        f"in {options.state_dir / PG_PASSWORD_FILE})",
+        f"  NATS:     {settings.nats_url} (token in {options.state_dir / NATS_TOKEN_FILE})",
     ]
     if gpu_note is not None:
         lines.append(f"  local VM: {options.vm_name} ({gpu_note})")
     if options.metrics_port:
         lines.append(f"  metrics:  http://127.0.0.1:{options.metrics_port}/metrics")
     lines += [
-        "In another shell:",
-        f"  export RLFLEET_DATABASE_URL={settings.database_url} "
-        f"RLFLEET_NATS_URL={settings.nats_url}",
+        "In another shell (the file sets RLFLEET_DATABASE_URL, RLFLEET_NATS_URL and "
+        "RLFLEET_NATS_TOKEN; only you can read it):",
+        f"  source {shlex.quote(str(env_file))}",
         "Ctrl-C stops everything.",
     ]
     print("\n".join(lines), flush=True)
@@ -353,12 +437,15 @@ def run_up(options: UpOptions) -> None:
         settings = services.settings
         if options.local_vm:
             asyncio.run(_register(settings, options.vm_name, options.entrypoint))
+        write_env_file(state, settings)
         state.write(
             {
                 **state.read(),
                 "pid": os.getpid(),
-                "database_url": settings.database_url,
+                # Without the password: the credentials are in the env file only.
+                "database_url": services.postgres.url(with_password=False),
                 "nats_url": settings.nats_url,
+                "env_file": str(state.env_file),
                 "local_vm": options.vm_name if options.local_vm else None,
                 "ready": False,
             }
@@ -456,8 +543,9 @@ def command(
 ) -> None:
     """Run everything on this machine: embedded Postgres and NATS, the three daemons.
 
-    Prints the `export RLFLEET_DATABASE_URL=… RLFLEET_NATS_URL=…` line the other
-    commands need. Ctrl-C or SIGTERM stops everything; running it again reuses the data.
+    Postgres and NATS ask every client for generated credentials, kept in files only you
+    can read in the state directory; `source STATE_DIR/env` points the other commands at
+    them. Ctrl-C or SIGTERM stops everything; running it again reuses the data.
     """
     from scheduler.logging import configure
 

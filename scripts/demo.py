@@ -169,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     env.pop("RLFLEET_DATABASE_URL", None)
     env.pop("RLFLEET_NATS_URL", None)
+    # Jobs start with a clean environment: what they need comes from the VM's env file.
+    vm_env = home / ".rlfleet" / "env"
+    vm_env.parent.mkdir(parents=True, exist_ok=True)
+    vm_env.touch(mode=0o600)
+    vm_env.write_text(
+        "HF_HUB_OFFLINE=1\nHF_DATASETS_OFFLINE=1\nTOKENIZERS_PARALLELISM=false\nPYTHONUNBUFFERED=1\n"
+    )
     say("starting `rlfleet up --local-vm --gpus 1` (embedded Postgres + NATS, 3 daemons)")
     with up_log.open("ab") as log_handle:
         up = subprocess.Popen(
@@ -192,16 +199,13 @@ def main(argv: list[str] | None = None) -> int:
             capture_output=True,
             timeout=300,
         )
-        state = wait_until_up(up, state_dir, up_log, timeout=180)
-        cli_env.update(
-            RLFLEET_DATABASE_URL=state["database_url"], RLFLEET_NATS_URL=state["nats_url"]
-        )
+        wait_until_up(up, state_dir, up_log, timeout=180)
+        from scheduler.up import read_env_file
+
+        # The credentials are in the env file `up` wrote (mode 0600), as a shell would source.
+        cli_env.update(read_env_file(state_dir / "env"))
         say("rlfleet is up:")
-        print(
-            f"    export RLFLEET_DATABASE_URL={state['database_url']} "
-            f"RLFLEET_NATS_URL={state['nats_url']}",
-            flush=True,
-        )
+        print(f"    source {state_dir / 'env'}", flush=True)
         submit = [
             "job", "submit",
             "--model", str(model_dir),

@@ -126,6 +126,10 @@ class SimVM:
         self._foreign: list[ForeignProcess] = []
         self.home.mkdir(parents=True)
         self.bin_dir.mkdir()
+        # Jobs start with a clean environment: a test's run record reaches them the way an
+        # operator's settings do, through the VM's ~/.rlfleet/env.
+        if os.environ.get("RLFLEET_FAKE_RECORD"):
+            self.write_vm_env({"RLFLEET_FAKE_RECORD": os.environ["RLFLEET_FAKE_RECORD"]})
         self.host_key = asyncssh.generate_private_key("ssh-ed25519")
         self.host_key_path = root / "ssh_host_ed25519_key"
         self.host_key.write_private_key(str(self.host_key_path))
@@ -214,6 +218,14 @@ class SimVM:
                     os.kill(pid, signal.SIGKILL)
         for foreign in self._foreign:
             foreign.stop()
+
+    def write_vm_env(self, values: dict[str, str]) -> Path:
+        """Write the VM's `~/.rlfleet/env` (mode 0600), as deploy/bootstrap-vm.sh creates it."""
+        path = self.home / ".rlfleet" / "env"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text("".join(f"{key}={value}\n" for key, value in values.items()))
+        return path
 
     def processes(self) -> list[int]:
         """Pids of live processes started on this VM."""

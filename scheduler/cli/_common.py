@@ -15,7 +15,8 @@ import click
 from scheduler.db import Database, is_unavailable
 from scheduler.errors import BadInput, RlfleetError, ServiceUnavailable, error_line
 from scheduler.logging import configure
-from scheduler.settings import Settings, redact_url
+from scheduler.redact import redact_url, scrub_urls
+from scheduler.settings import Settings
 from scheduler.validate import (
     check_argv,
     check_database_url,
@@ -94,10 +95,11 @@ def run_guarded(command: click.Command, argv: Sequence[str] | None) -> int:
         click.echo("Aborted.", err=True)
         return 1
     except click.ClickException as exc:
-        click.echo(one_line(f"Error: {exc.format_message()}"), err=True)
+        click.echo(one_line(f"Error: {scrub_urls(exc.format_message())}"), err=True)
         return exc.exit_code
     except RlfleetError as exc:
-        click.echo(one_line(f"Error: {exc}"), err=True)
+        # Libraries quote URLs back in their errors: never print a credential.
+        click.echo(one_line(f"Error: {scrub_urls(str(exc))}"), err=True)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

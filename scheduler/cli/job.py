@@ -30,7 +30,7 @@ from scheduler.control import (
     stream_log,
 )
 from scheduler.db import Database
-from scheduler.errors import ServiceUnavailable
+from scheduler.errors import BadInput, ServiceUnavailable
 from scheduler.jobs import JobSpec, get_job, job_to_dict, list_jobs
 from scheduler.models import Job
 from scheduler.remote import default_output_dir
@@ -88,7 +88,15 @@ def group() -> None:
     "--output-dir",
     type=ColumnText(Job.output_dir),
     help="Where training writes on the VM; relative paths and ~/ are under the VM user's "
-    "home (default: ~/.rlfleet/outputs/JOB_ID).",
+    "home (default: ~/.rlfleet/INSTALLATION/outputs/JOB_ID, shown by job show).",
+)
+@click.option(
+    "--env",
+    "env",
+    multiple=True,
+    metavar="KEY[=VALUE]",
+    help="Set a variable in the job's environment (repeatable); KEY alone takes the value "
+    "from this shell, keeping it off the command line. Listings show the names only.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the new job as JSON.")
 @click.argument("extra_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TRAIN_GRPO_ARGS…]")
@@ -103,6 +111,7 @@ def submit(
     priority: int,
     name: str | None,
     output_dir: str | None,
+    env: tuple[str, ...],
     as_json: bool,
     extra_args: tuple[str, ...],
 ) -> None:
@@ -110,7 +119,9 @@ def submit(
 
     Everything after `--` is passed to train_grpo.py verbatim, except the flags rlfleet
     sets itself (--model, --dataset, --reward_function, --output_dir, --resume): those are
-    refused with the option to use instead.
+    refused with the option to use instead. A job starts with a clean environment (PATH,
+    HOME, USER, LANG…, its RLFLEET_* variables, CUDA_VISIBLE_DEVICES), plus the VM's
+    ~/.rlfleet/env and its own --env values.
     """
     spec = JobSpec(
         model=model,
@@ -122,6 +133,7 @@ def submit(
         name=name,
         extra_args=extra_args,
         output_dir=output_dir,
+        env=parse_env_options(env),
     )
     spec.validate()
     result = ctx.run(lambda db: submit_job(db, ctx.settings, spec, actor="cli"), nats=True)
@@ -136,6 +148,22 @@ def submit(
             f"job {result.job_id} is queued but not announced ({result.publish_error}); "
             "the requeue manager will publish it"
         )
+
+
+def parse_env_options(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """`--env KEY=VALUE` and `--env KEY` (value from this process's environment) as pairs;
+    `BadInput` for a KEY alone that is not set here."""
+    import os
+
+    pairs = []
+    for item in values:
+        key, eq, value = item.partition("=")
+        if not eq:
+            if key not in os.environ:
+                raise BadInput(f"--env {key}: not set in this shell (give KEY=VALUE)")
+            value = os.environ[key]
+        pairs.append((key, value))
+    return tuple(pairs)
 
 
 @group.command("list")

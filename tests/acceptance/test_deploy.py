@@ -103,9 +103,14 @@ def test_nats_server_config_is_valid() -> None:
         capture_output=True,
         text=True,
         timeout=30,
+        env={**os.environ, "RLFLEET_NATS_PASSWORD": "from-the-environment"},
     )
     assert result.returncode == 0, result.stderr
-    assert "jetstream" in (DEPLOY / "nats-server.conf").read_text()
+    text = (DEPLOY / "nats-server.conf").read_text()
+    assert "jetstream" in text
+    # Every client must log in, with a password the file does not hold
+    assert re.search(r"^authorization \{", text, re.MULTILINE)
+    assert "password: $RLFLEET_NATS_PASSWORD" in text
 
 
 def test_example_environment_file_names_the_settings_the_daemons_read() -> None:
@@ -207,6 +212,10 @@ async def test_bootstrap_script_prepares_a_vm_and_prints_its_host_key(sim_fleet)
         assert result.exit_status == 0, result.stderr
         assert (vm.home / "rlfleet-venv" / "bin" / "python").exists()
         assert "2 GPU(s)" in result.stdout
+        # And every job's environment file exists, readable by the VM's user only
+        vm_env = vm.home / ".rlfleet" / "env"
+        assert vm_env.stat().st_mode & 0o777 == 0o600
+        assert "HF_TOKEN" in vm_env.read_text()
         printed = [
             line.removeprefix("known_hosts: ")
             for line in result.stdout.splitlines()

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.embedded import free_port
-from scheduler.up import write_sim_nvidia_smi
+from scheduler.embedded import EmbeddedPostgres, free_port
+from scheduler.up import read_env_file, write_sim_nvidia_smi
 from tests.workloads.support import FAKE_TRAIN, RLFLEET, alive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +31,10 @@ class Up:
     def __init__(self, state_dir: Path, home: Path, *args: str) -> None:
         self.state_dir = state_dir
         self.env = {**os.environ, "HOME": str(home), "RLFLEET_LOG_LEVEL": "INFO"}
-        for var in ("RLFLEET_DATABASE_URL", "RLFLEET_NATS_URL", "CUDA_VISIBLE_DEVICES"):
+        for var in (
+            "RLFLEET_DATABASE_URL", "RLFLEET_NATS_URL", "RLFLEET_NATS_TOKEN",
+            "CUDA_VISIBLE_DEVICES",
+        ):  # fmt: skip
             self.env.pop(var, None)
         self.log = state_dir.parent / f"up-{time.monotonic_ns()}.log"
         with self.log.open("wb") as handle:
@@ -62,13 +65,8 @@ class Up:
         raise AssertionError(f"up not ready after {timeout}s:\n{self.output()}")
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        """`rlfleet ARGS` pointed at this up's services by the exported variables."""
-        state = json.loads((self.state_dir / "up.json").read_text())
-        env = {
-            **self.env,
-            "RLFLEET_DATABASE_URL": state["database_url"],
-            "RLFLEET_NATS_URL": state["nats_url"],
-        }
+        """`rlfleet ARGS` pointed at this up's services by its env file, as `source` would."""
+        env = {**self.env, **read_env_file(self.state_dir / "env")}
         return subprocess.run(
             [str(RLFLEET), *args], env=env, capture_output=True, text=True, timeout=60
         )
@@ -130,11 +128,10 @@ def test_up_runs_a_job_on_the_local_vm_stops_cleanly_and_restarts_on_the_same_da
     )  # fmt: skip
     ups.append(up)
     state = up.wait_ready()
-    # Then it prints the exports the other commands need
-    assert (
-        f"export RLFLEET_DATABASE_URL={state['database_url']} "
-        f"RLFLEET_NATS_URL={state['nats_url']}" in up.output()
-    )
+    # Then it prints how to reach its services, and none of their secrets
+    assert f"source {state_dir / 'env'}" in up.output()
+    for secret in ("postgres.password", "nats.token"):
+        assert (state_dir / secret).read_text().strip() not in up.output()
     # And the poller finds the machine's two (simulated) GPUs
     vm = wait_for(
         lambda: (
@@ -293,3 +290,72 @@ def test_demo_trains_through_the_scheduler_and_leaves_nothing_running(tmp_path: 
     assert re.search(r"mean reward \(keyword 'hello'\): start \d\.\d{3} -> end \d\.\d{3}", out)
     # And nothing it started is still running
     assert processes_mentioning(str(demo_dir)) == []
+
+
+NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+# What another local user can do without any credential, with the standard library only:
+# ask Postgres to let `postgres` in, and send NATS a CONNECT with no credentials.
+_INTRUDER = r"""
+import socket, struct, sys
+pg_port, nats_port = int(sys.argv[1]), int(sys.argv[2])
+with socket.create_connection(("127.0.0.1", pg_port), timeout=10) as s:
+    params = b"user\0postgres\0database\0postgres\0\0"
+    s.sendall(struct.pack("!ii", 8 + len(params), 196608) + params)
+    kind, _length, code = struct.unpack("!cii", s.recv(9))
+    print("pg", "trusted" if (kind, code) == (b"R", 0) else f"asks:{kind.decode()}{code}")
+with socket.create_connection(("127.0.0.1", nats_port), timeout=10) as s:
+    f = s.makefile("rb")
+    f.readline()  # INFO
+    s.sendall(b'CONNECT {"verbose":false,"pedantic":false}\r\nPING\r\n')
+    print("nats", f.readline().decode().strip())
+"""
+
+
+def as_nobody(*argv: str) -> subprocess.CompletedProcess[str]:
+    """Run `argv` as the unprivileged user `nobody` (the tests run as root)."""
+    return subprocess.run([*NOBODY, *argv], capture_output=True, text=True, timeout=60, cwd="/")
+
+
+@pytest.mark.slow
+def test_other_local_users_are_refused_by_both_services_also_on_an_older_state_dir(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv to act as another user")
+    state_dir, home = tmp_path / "state", tmp_path / "home"
+    home.mkdir()
+    # Given a state directory an older rlfleet made: Postgres trusting every local client
+    EmbeddedPostgres(state_dir / "postgres").start().stop()
+    # When `rlfleet up` runs on it
+    up = Up(state_dir, home)
+    ups.append(up)
+    state = up.wait_ready()
+    ports = json.loads((state_dir / "up.json").read_text())["ports"]
+    # Then another local user is refused by Postgres (a password is asked) and by NATS
+    seen = as_nobody(
+        "/usr/bin/python3", "-c", _INTRUDER, str(ports["postgres"]), str(ports["nats"])
+    )
+    assert seen.returncode == 0, seen.stderr
+    assert seen.stdout.splitlines() == ["pg asks:R10", "nats -ERR 'Authorization Violation'"]
+    # And cannot read the credentials, nor anything else in the state directory
+    assert oct((state_dir).stat().st_mode & 0o777) in ("0o700", "0o710")
+    for name in ("env", "postgres.password", "nats.token", "up.json"):
+        assert (state_dir / name).stat().st_mode & 0o777 == 0o600, name
+        assert as_nobody("cat", str(state_dir / name)).returncode != 0, name
+    assert as_nobody("ls", str(state_dir)).returncode != 0
+    # And the state file names no secret
+    from sqlalchemy.engine import make_url
+
+    assert make_url(state["database_url"]).password is None
+    # While the owner's CLI works with the env file
+    listed = up.cli("vm", "list", "--json")
+    assert listed.returncode == 0 and json.loads(listed.stdout) == [], listed.stderr
+    submitted = up.cli("job", "submit", "--model", "m", "--dataset", "d", "--reward-function", "r")
+    assert submitted.returncode == 0, submitted.stderr
+    # And without the credentials the owner's CLI is refused too, in one line
+    bare = subprocess.run(
+        [str(RLFLEET), "--database-url", state["database_url"], "job", "list"],
+        env=up.env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bare.returncode == 1 and len(bare.stderr.strip().splitlines()) == 1, bare.stderr
+    assert up.stop() == 0, up.output()[-3000:]
