@@ -142,7 +142,8 @@ async def test_a_dispatcher_whose_consumer_was_deleted_recreates_it_and_goes_on(
             after = await new_job(db, 1)
             await publish(nc, after)
             job = await wait_status(db, after, "pending", timeout=30)
-            assert job.status_reason == "needs 1 GPU, largest free block is 0"
+            # The dispatcher looked at it: the reason is its verdict on an empty fleet.
+            assert (job.status_reason or "").startswith("no VM has 1 GPU"), job.status_reason
             info = await js.consumer_info(bus.STREAM, bus.CONSUMER)
             assert info.config.durable_name == bus.CONSUMER
     finally:
