@@ -16,7 +16,7 @@ import pytest
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.jobs import get_job, job_to_dict
-from scheduler.remote import PASSED_ENV
+from scheduler.remote import PASSED_ENV, SCHEDULER_ENV
 from tests.fleet import SimFleet
 from tests.workloads.support import add_vm_row, mark_polled, new_job, publish, running_dispatcher
 
@@ -36,12 +36,9 @@ SCHEDULER_SECRETS = {
 JOB_ENV = (("WANDB_API_KEY", "wandb-job-key"), ("SPACED", "a b $HOME `id` 'q' \"d\""))
 VM_ENV = {"HF_TOKEN": "hf-vm-token", "HTTPS_PROXY": "http://proxy.example:3128"}
 SHELL_OWN = {"PWD", "OLDPWD", "SHLVL", "_"}
-JOB_VARIABLES = {
-    "RLFLEET_JOB_ID",
-    "RLFLEET_ATTEMPT",
-    "RLFLEET_PROGRESS_FILE",
-    "CUDA_VISIBLE_DEVICES",
-}
+JOB_VARIABLES = set(SCHEDULER_ENV)
+"""What the scheduler sets for every job (the GPUs, by UUID and in PCI bus order, the job's
+id, attempt and progress file)."""
 
 
 async def wait_json(path: Path, timeout: float = 60) -> dict[str, str]:
