@@ -4,9 +4,12 @@
 
 1. **Expired claims** — `starting` jobs past their lease go back to `queued`, GPUs freed
    (`scheduler.claims.expire_leases`, which records the attempt as possibly left over).
-2. **Lost nodes** — `running`/`starting` jobs on a VM the poller has found unreachable for
-   longer than `--node-lost-timeout` fail with `node_lost`; their GPUs are freed in the
-   books and a `stale_processes` row is written. A shorter blip restarts nothing.
+2. **Lost nodes** — `running`/`starting` jobs on a VM the poller has found unreachable,
+   and that has not answered for longer than `--node-lost-timeout` (counted from its last
+   answer), fail with `node_lost`; their GPUs are freed in the books and a
+   `stale_processes` row is written. A shorter blip restarts nothing. The timeout exceeds
+   the attempts' fence (`--fence-after` + grace), so the attempt has stopped itself by
+   then even if the VM never answers again.
 3. **Decisions** — a failed job that has no decision yet gets one from
    `scheduler.retry.decide`: `next_attempt_at`, or a status_reason "gave up …" that stays.
 4. **Retries** — failed jobs whose `next_attempt_at` has come go back to `queued`
@@ -22,7 +25,7 @@
 6. **Stale processes** — for each `stale_processes` row not yet killed whose VM answers
    SSH, the attempt's process group is killed (TERM, then KILL) over SSH; only then is
    the row closed, and the claim query offers the GPUs again (it skips GPUs listed in an
-   open row).
+   open row). An attempt its watchdog had fenced gets an event saying so.
 7. **Announcements** — every queued job whose current queued spell was never announced
    (`published_at` NULL or older than `queued_at`: a row inserted straight into the
    database, a publish lost while NATS was down, any of the moves above) is published on
@@ -54,7 +57,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 import click
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import bus, metrics
@@ -71,8 +74,10 @@ from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
 from scheduler.jobs import transition
 from scheduler.kill import kill_attempt
+from scheduler.liveness import NODE_LOST_TIMEOUT_ENV, Liveness, checked_liveness, fence_options
 from scheduler.logging import get_logger
 from scheduler.models import VM, Job, JobEvent, StaleProcess
+from scheduler.remote import fenced_script, parse_fenced
 from scheduler.retry import (
     DEFAULT_POLICY,
     GIVE_UP_PREFIX,
@@ -86,13 +91,14 @@ from scheduler.retry import (
 )
 from scheduler.settings import Settings, redact_url
 from scheduler.states import FailureReason, JobStatus, VMStatus
-from scheduler.transport import Transport, VMTarget
+from scheduler.transport import Transport, TransportError, VMTarget
 
 log = get_logger("requeue")
 
 ADVISORY_LOCK_KEY = 0x726C666C_7271  # "rlfl" "rq": one requeue tick at a time per database
 NODE_LOST = FailureReason.NODE_LOST.value
 BATCH = 500
+FENCED_READ_TIMEOUT_S = 10.0
 """Most jobs handled per step per tick; the rest wait for the next tick."""
 
 
@@ -102,7 +108,7 @@ class RequeueConfig:
 
     interval_s: float = 2.0
     pending_timeout_s: float = 60.0
-    node_lost_timeout_s: float = 20.0
+    node_lost_timeout_s: float = Liveness.node_lost_timeout_s
     republish_after_s: float = 60.0
     """A queued job announced this long ago and still queued is announced again."""
     recheck_after_s: float = 2.0
@@ -567,7 +573,7 @@ class RequeueManager:
             return
         results = await asyncio.gather(*(self._kill_one(j, a, t) for j, a, t in work))
         async with self.db.transaction() as session:
-            for (job_id, attempt, target), error in zip(work, results, strict=True):
+            for (job_id, attempt, target), (error, fenced) in zip(work, results, strict=True):
                 await close_leftover(
                     session,
                     vm_id=target.id,
@@ -577,11 +583,16 @@ class RequeueManager:
                 )
                 if error is None:
                     report.killed.append(job_id)
+                    if fenced is not None:
+                        await self._note(session, job_id, attempt, target.name, fenced)
                 else:
                     report.kill_failed += 1
 
-    async def _kill_one(self, job_id: int, attempt: int, target: VMTarget) -> str | None:
-        """Kill one leftover attempt; None once it is surely dead, else why not yet."""
+    async def _kill_one(
+        self, job_id: int, attempt: int, target: VMTarget
+    ) -> tuple[str | None, str | None]:
+        """Kill one leftover attempt: (None, why its watchdog fenced it, if it did) once it
+        is surely dead, else (why not yet, None)."""
         assert self.transport is not None
         bound = log.bind(job_id=job_id, attempt=attempt, vm=target.name)
         kill = await kill_attempt(
@@ -589,9 +600,41 @@ class RequeueManager:
         )
         if not kill.dead:
             bound.warning("stale_kill_failed", outcome=kill.describe()[:200])
-            return kill.describe()
+            return kill.describe(), None
         bound.info("stale_process_killed", outcome=kill.outcome)
-        return None
+        return None, await self._fenced(job_id, attempt, target)
+
+    async def _fenced(self, job_id: int, attempt: int, target: VMTarget) -> str | None:
+        """Why the attempt's watchdog fenced it off, if it did (None: not fenced, or the
+        VM did not say)."""
+        assert self.transport is not None
+        try:
+            result = await self.transport.run(
+                target, fenced_script(job_id, attempt), timeout=FENCED_READ_TIMEOUT_S
+            )
+        except TransportError:
+            return None
+        return parse_fenced(result.stdout).get((job_id, attempt))
+
+    async def _note(
+        self, session: AsyncSession, job_id: int, attempt: int, vm: str, why: str
+    ) -> None:
+        """Record in the job's history that its old attempt had fenced itself off (an event
+        that changes no state: from and to are the job's current state)."""
+        status = await session.scalar(select(Job.status).where(Job.id == job_id))
+        if status is None:
+            return
+        await session.execute(
+            insert(JobEvent).values(
+                job_id=job_id,
+                from_status=status,
+                to_status=status,
+                reason=f"fenced: attempt {attempt} on {vm} had stopped itself: {why}"[:500],
+                actor=self.actor,
+                attempt=attempt,
+            )
+        )
+        log.info("stale_attempt_was_fenced", job_id=job_id, attempt=attempt, vm=vm, why=why)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -684,8 +727,10 @@ async def run_daemon(
 
 
 async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:
-    """The entry `rlfleet up` runs: the requeue manager with its default knobs."""
-    await run_daemon(settings, RequeueConfig(), stop, ready)
+    """The entry `rlfleet up` runs: the requeue manager with its default knobs (the
+    node-lost timeout from RLFLEET_NODE_LOST_TIMEOUT when set)."""
+    config = RequeueConfig(node_lost_timeout_s=Liveness.from_env().node_lost_timeout_s)
+    await run_daemon(settings, config, stop, ready)
 
 
 @click.command("requeue")
@@ -705,10 +750,13 @@ async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio
 )
 @click.option(
     "--node-lost-timeout",
-    default=20.0,
+    default=Liveness.node_lost_timeout_s,
+    envvar=NODE_LOST_TIMEOUT_ENV,
     show_default=True,
     type=click.FloatRange(min=0),
-    help="Seconds a VM may stay unreachable before its jobs are failed as node_lost and retried.",
+    help="Seconds since an unreachable VM last answered after which its jobs fail as "
+    "node_lost and are retried; at least --fence-after + 2 + --fence-grace "
+    f"(env {NODE_LOST_TIMEOUT_ENV}).",
 )
 @click.option(
     "--republish-after",
@@ -745,6 +793,7 @@ async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio
     type=click.FloatRange(min=0),
     help="Seconds between TERM and KILL for a leftover process.",
 )
+@fence_options
 @daemon_options
 @click.pass_context
 def requeue_command(
@@ -759,10 +808,15 @@ def requeue_command(
     retry_base_delay: float,
     retry_max_delay: float,
     kill_grace: float,
+    fence_after: float,
+    fence_grace: float,
     metrics_port: int,
     log_level: str | None,
 ) -> None:
     """Run the requeue manager: retries, stuck jobs, lost VMs, unannounced jobs."""
+    checked_liveness(
+        node_lost_timeout_s=node_lost_timeout, fence_after_s=fence_after, fence_grace_s=fence_grace
+    )
     settings = daemon_settings(ctx, database_url, nats_url, log_level)
     config = RequeueConfig(
         interval_s=interval,
