@@ -61,6 +61,9 @@ DEFAULT_UNREACHABLE_AFTER = 3
 DEFAULT_COMMAND_TIMEOUT_S = Liveness.poll_timeout_s
 DEFAULT_UNREACHABLE_TIMEOUT_S = Liveness.unreachable_timeout_s
 FLUSH_AFTER_S = 0.2
+SILENT_CHECK_S = 1.0
+"""While polls are out, how often the sweep checks whether their VMs have been silent for
+the unreachable timeout (a poll on a frozen connection may not fail for a while)."""
 """Results that came in are written at the latest this long after the first of them, so
 the VMs that answer are recorded at once, whatever a silent one does."""
 UNHEALTHY = VMStatus.UNHEALTHY.value
@@ -294,6 +297,9 @@ class GpuPoller:
         self.command_timeout = command_timeout
         self.unreachable_timeout = unreachable_timeout
         self._inflight: dict[int, asyncio.Task[Outcome]] = {}
+        self._sent_at: dict[int, float] = {}
+        self._failing: set[int] = set()
+        """VMs whose latest poll failed."""
         self._landed: asyncio.Queue[Outcome] = asyncio.Queue()
 
     @property
@@ -313,18 +319,36 @@ class GpuPoller:
             if vm.target.id not in self._inflight:
                 self._start_probe(vm)
         deadline = None if wait_s is None else started + wait_s
+        names = {vm.target.id: vm.target.name for vm in vms}
         # Results are written as they land, in batches (a flush at most FLUSH_AFTER_S after
-        # the first waiting one), while the other polls are still out.
+        # the first waiting one), while the other polls are still out. Meanwhile, every
+        # SILENT_CHECK_S, VMs whose poll is out or failed are marked unreachable once they
+        # have been silent for the unreachable timeout; with a deadline, the sweep keeps
+        # doing so until it ends while some VM is failing.
         pending: list[Outcome] = []
         first_at = 0.0
-        while self._inflight or not self._landed.empty():
+        next_check = started
+        while True:
             now = time.monotonic()
+            if now >= next_check:
+                next_check = now + SILENT_CHECK_S
+                suspects = self._failing | {
+                    i for i in self._inflight if now - self._sent_at[i] >= SILENT_CHECK_S
+                }
+                if suspects:
+                    await self._mark_silent(sorted(suspects), names)
+                continue
             if deadline is not None and now >= deadline:
                 break
-            waits = [deadline - now] if deadline is not None else []
+            quiet = not self._inflight and self._landed.empty() and not pending
+            if quiet and (deadline is None or not self._failing):
+                break
+            waits = [next_check - now]
+            if deadline is not None:
+                waits.append(deadline - now)
             if pending:
                 waits.append(max(0.0, first_at + FLUSH_AFTER_S - now))
-            got = await _next(self._landed, min(waits) if waits else None)
+            got = await _next(self._landed, min(waits))
             if got is not None:
                 if not pending:
                     first_at = time.monotonic()
@@ -332,7 +356,7 @@ class GpuPoller:
                 while not self._landed.empty() and len(pending) < self.batch_size:
                     pending.append(self._landed.get_nowait())
             due = time.monotonic() >= first_at + FLUSH_AFTER_S or not self._inflight
-            if pending and (len(pending) >= self.batch_size or due):
+            if pending and (len(pending) >= self.batch_size or due or got is None):
                 await self._record(pending, stats)
                 pending = []
         while not self._landed.empty():
@@ -340,8 +364,8 @@ class GpuPoller:
         if pending:
             await self._record(pending, stats)
         if self._inflight:
-            names = {vm.target.id: vm.target.name for vm in vms}
-            await self._mark_silent(list(self._inflight), names, stats)
+            stats.silent = len(self._inflight)
+            await self._mark_silent(list(self._inflight), names)
         stats.seconds = time.monotonic() - started
         metrics.observe_poll_sweep(stats.seconds)
         log.debug("poll_sweep_done", **stats.__dict__)
@@ -351,10 +375,12 @@ class GpuPoller:
         task = asyncio.create_task(self._probe(vm))
         vm_id = vm.target.id
         self._inflight[vm_id] = task
+        self._sent_at[vm_id] = time.monotonic()
 
         def landed(done: asyncio.Task[Outcome]) -> None:
             if self._inflight.get(vm_id) is done:
                 del self._inflight[vm_id]
+                self._sent_at.pop(vm_id, None)
             if not done.cancelled() and done.exception() is None:
                 self._landed.put_nowait(done.result())
 
@@ -368,9 +394,7 @@ class GpuPoller:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._inflight.clear()
 
-    async def _mark_silent(
-        self, vm_ids: list[int], names: dict[int, str], stats: SweepStats
-    ) -> None:
+    async def _mark_silent(self, vm_ids: list[int], names: dict[int, str]) -> None:
         """VMs whose poll is still out: unreachable once they have been silent long enough
         (the poll itself fails only at its timeout, or never on a frozen connection)."""
         error = f"no answer for over {self.unreachable_timeout:g}s (poll still waiting)"
@@ -386,9 +410,13 @@ class GpuPoller:
                 await session.execute(RECOUNT_SQL, {"ids": list(marked)})
         for vm_id in marked:
             log.warning("vm_unreachable", vm=names.get(vm_id, vm_id), error=error)
-        stats.silent = len(vm_ids)
 
     async def _record(self, outcomes: Sequence[Outcome], stats: SweepStats) -> None:
+        for outcome in outcomes:
+            if outcome.result is None:
+                self._failing.add(outcome.vm.target.id)
+            else:
+                self._failing.discard(outcome.vm.target.id)
         stats.jobs_finished += await self._finish_jobs(outcomes)
         await self._apply(outcomes, stats)
 
