@@ -400,11 +400,15 @@ class GpuPoller:
         error = f"no answer for over {self.unreachable_timeout:g}s (poll still waiting)"
         async with self.db.transaction() as session:
             marked = (
-                await session.execute(
-                    _VM_SILENT_SQL,
-                    {"ids": vm_ids, "silent": self.unreachable_timeout, "error": error},
+                (
+                    await session.execute(
+                        _VM_SILENT_SQL,
+                        {"ids": vm_ids, "silent": self.unreachable_timeout, "error": error},
+                    )
                 )
-            ).scalars().all()
+                .scalars()
+                .all()
+            )
             if marked:
                 await session.execute(_GPUS_OF_UNREACHABLE_SQL, {"ids": list(marked)})
                 await session.execute(RECOUNT_SQL, {"ids": list(marked)})

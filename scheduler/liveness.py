@@ -160,8 +160,7 @@ def fence_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         envvar=FENCE_GRACE_ENV,
         default=Liveness.fence_grace_s,
         show_default=True,
-        help="Seconds between a fenced attempt's TERM and its KILL "
-        f"(env {FENCE_GRACE_ENV}).",
+        help=f"Seconds between a fenced attempt's TERM and its KILL (env {FENCE_GRACE_ENV}).",
     )(fn)
     return click.option(
         "--fence-after",

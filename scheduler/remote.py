@@ -191,7 +191,7 @@ def watchdog_lines(fence_after_s: float, grace_s: float) -> list[str]:
         "else rlfleet_now() { t=$(date +%s); }; fi",
         "(",
         "  trap '' TERM INT HUP",
-        '  trap \'kill -KILL "$s" 2>/dev/null; exit 0\' USR1',
+        "  trap 'kill -KILL \"$s\" 2>/dev/null; exit 0' USR1",
         "  w=$$; s=; rlfleet_now; seen=$t",
         "  while :; do",
         f'    sleep {period} & s=$!; wait "$s"',
@@ -199,7 +199,7 @@ def watchdog_lines(fence_after_s: float, grace_s: float) -> list[str]:
         "    rlfleet_now",
         f'    if [ -e "$d/{LEASE_FILE}" ]; then',
         f'      mv -f "$d/{LEASE_FILE}" "$d/{LEASE_FILE}.seen" 2>/dev/null; seen=$t',
-        f'    elif [ $((t - seen)) -ge {after} ]; then break; fi',
+        f"    elif [ $((t - seen)) -ge {after} ]; then break; fi",
         "  done",
         f'  why="lease not renewed for $((t - seen))s (fence after {after}s):'
         ' the scheduler lost contact with this VM"',

@@ -14,7 +14,7 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -70,9 +70,7 @@ async def test_every_ssh_step_to_a_silent_vm_has_a_deadline(sim_fleet: FleetFact
         vm.silence()
         # The pooled shell, twice (the second finds the connection abandoned: it reconnects
         # and the connect has its deadline), then an exec channel, then a new transport.
-        first = await _bounded(
-            transport.run(vm.target(), "true", timeout=1.5, persistent=True), 20
-        )
+        first = await _bounded(transport.run(vm.target(), "true", timeout=1.5, persistent=True), 20)
         second = await _bounded(
             transport.run(vm.target(), "true", timeout=1.5, persistent=True), 20
         )
@@ -262,6 +260,17 @@ async def start_job_on(
     return job_id, vm_id, other_id, job.remote_pid
 
 
+@contextlib.contextmanager
+def killed_at_end(pgid: int) -> Iterator[None]:
+    """Kill the attempt's process group when the block ends (a VM behind the real sshd is
+    this machine: nothing else would)."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
 def group_alive(pgid: int) -> bool:
     """Whether any process of the attempt (its process group) still runs."""
     try:
@@ -326,26 +335,33 @@ async def partition(
     attempt runs, and the job's history says it fenced itself."""
     async with scheduler(db, nats_url):
         job_id, vm_id, _other_id, pgid = await start_job_on(db, nats_url, vm, other, python)
-        vm.silence()
-        try:
-            seen = await watch(db, job_id, vm_id, pgid, until=60)
-        finally:
-            vm.heal()
-        print(f"silent VM: {seen}")
-        assert seen.unreachable is not None and seen.unreachable <= UNREACHABLE_BOUND_S, seen
-        assert seen.node_lost is not None and seen.node_lost <= NODE_LOST_BOUND_S, seen
-        assert seen.elsewhere is not None and seen.restarted is not None, seen
-        # The watchdog stopped the old attempt before the job started elsewhere.
-        assert seen.attempt_stopped is not None and seen.attempt_stopped < seen.restarted, seen
-        # Healed: the old attempt stays dead, and `job show` says it had fenced itself.
-        attempt_dir = vm.home / job_dir(job_id, 1)
-        assert "lease not renewed" in (attempt_dir / FENCED_FILE).read_text()
-        assert "rlfleet: fenced:" in (attempt_dir / "train.log").read_text()
-        deadline = time.monotonic() + 40
-        while not any(e[2].startswith("fenced: attempt 1") for e in await events(db, job_id)):
-            assert time.monotonic() < deadline, await events(db, job_id)
-            await asyncio.sleep(0.2)
-        assert not group_alive(pgid)
+        with killed_at_end(pgid):
+            return await _partitioned(db, vm, job_id, vm_id, pgid)
+
+
+async def _partitioned(
+    db: Database, vm: Silenceable, job_id: int, vm_id: int, pgid: int
+) -> Timeline:
+    vm.silence()
+    try:
+        seen = await watch(db, job_id, vm_id, pgid, until=60)
+    finally:
+        vm.heal()
+    print(f"silent VM: {seen}")
+    assert seen.unreachable is not None and seen.unreachable <= UNREACHABLE_BOUND_S, seen
+    assert seen.node_lost is not None and seen.node_lost <= NODE_LOST_BOUND_S, seen
+    assert seen.elsewhere is not None and seen.restarted is not None, seen
+    # The watchdog stopped the old attempt before the job started elsewhere.
+    assert seen.attempt_stopped is not None and seen.attempt_stopped < seen.restarted, seen
+    # Healed: the old attempt stays dead, and `job show` says it had fenced itself.
+    attempt_dir = vm.home / job_dir(job_id, 1)
+    assert "lease not renewed" in (attempt_dir / FENCED_FILE).read_text()
+    assert "rlfleet: fenced:" in (attempt_dir / "train.log").read_text()
+    deadline = time.monotonic() + 40
+    while not any(e[2].startswith("fenced: attempt 1") for e in await events(db, job_id)):
+        assert time.monotonic() < deadline, await events(db, job_id)
+        await asyncio.sleep(0.2)
+    assert not group_alive(pgid)
     return seen
 
 
@@ -353,23 +369,28 @@ async def blip(db: Database, nats_url: str, vm: Silenceable, other: SimVM, pytho
     """The VM is silent for 10 s, then answers again: nothing is restarted or fenced."""
     async with scheduler(db, nats_url):
         job_id, vm_id, _other_id, pgid = await start_job_on(db, nats_url, vm, other, python)
-        before = await events(db, job_id)
-        vm.silence()
-        try:
-            await asyncio.sleep(BLIP_S)
-        finally:
-            vm.heal()
-        # Watch until well past the node-lost timeout, counted from the start of the blip.
-        end = time.monotonic() + DEFAULTS.node_lost_timeout_s + 8 - BLIP_S
-        while time.monotonic() < end:
-            assert group_alive(pgid), "the attempt stopped during a short blip"
-            await asyncio.sleep(0.5)
-        await _wait_vm(db, vm_id, "healthy", 20)
-        async with db.transaction() as session:
-            job = (await session.execute(select(Job).where(Job.id == job_id))).scalar_one()
-        assert (job.status, job.attempt, job.vm_id) == ("running", 1, vm_id)
-        assert await events(db, job_id) == before
-        assert not (vm.home / job_dir(job_id, 1) / FENCED_FILE).exists()
+        with killed_at_end(pgid):
+            await _blipped(db, vm, job_id, vm_id, pgid)
+
+
+async def _blipped(db: Database, vm: Silenceable, job_id: int, vm_id: int, pgid: int) -> None:
+    before = await events(db, job_id)
+    vm.silence()
+    try:
+        await asyncio.sleep(BLIP_S)
+    finally:
+        vm.heal()
+    # Watch until well past the node-lost timeout, counted from the start of the blip.
+    end = time.monotonic() + DEFAULTS.node_lost_timeout_s + 8 - BLIP_S
+    while time.monotonic() < end:
+        assert group_alive(pgid), "the attempt stopped during a short blip"
+        await asyncio.sleep(0.5)
+    await _wait_vm(db, vm_id, "healthy", 20)
+    async with db.transaction() as session:
+        job = (await session.execute(select(Job).where(Job.id == job_id))).scalar_one()
+    assert (job.status, job.attempt, job.vm_id) == ("running", 1, vm_id)
+    assert await events(db, job_id) == before
+    assert not (vm.home / job_dir(job_id, 1) / FENCED_FILE).exists()
 
 
 async def test_a_black_holed_vm_is_lost_in_bounded_time_and_its_attempt_fences_itself(
