@@ -90,6 +90,8 @@ class Liveness:
                 f"unreachable timeout ({self.unreachable_timeout_s:g}s) must exceed the poll "
                 f"interval ({self.poll_interval_s:g}s): a healthy VM would look lost"
             )
+        if self.fence_after_s == 0:
+            return out  # no watchdogs: nothing to keep consistent with them
         renewed = self.poll_interval_s + self.poll_timeout_s + FENCE_SLACK_S
         if self.fence_after_s < renewed:
             out.append(
