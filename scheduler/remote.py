@@ -191,7 +191,7 @@ def watchdog_lines(fence_after_s: float, grace_s: float) -> list[str]:
         "else rlfleet_now() { t=$(date +%s); }; fi",
         "(",
         "  trap '' TERM INT HUP",
-        "  trap 'kill -KILL \"$s\" 2>/dev/null; exit 0' USR1",
+        '  trap \'kill -KILL "$s" 2>/dev/null; wait "$s"; exit 0\' USR1',
         "  w=$$; s=; rlfleet_now; seen=$t",
         "  while :; do",
         f'    sleep {period} & s=$!; wait "$s"',
@@ -222,8 +222,9 @@ def watchdog_lines(fence_after_s: float, grace_s: float) -> list[str]:
 
 
 def watchdog_stop_lines() -> list[str]:
-    """End the watchdog at once: the training it guards has ended."""
-    return ['[ -z "$rlfleet_wd" ] || kill -USR1 "$rlfleet_wd" 2>/dev/null']
+    """End the watchdog at once (the training it guards has ended) and reap it, so not
+    even a zombie of it outlives the attempt."""
+    return ['[ -z "$rlfleet_wd" ] || { kill -USR1 "$rlfleet_wd" 2>/dev/null; wait "$rlfleet_wd"; }']
 
 
 def lease_touch_lines() -> list[str]:
