@@ -216,7 +216,7 @@ def watchdog_lines(fence_after_s: float, grace_s: float) -> list[str]:
         f'  echo "rlfleet: fenced: still running {grace}s after TERM: KILL"',
         '  [ -e "$d/exit_code" ] || echo 137 > "$d/exit_code"',
         '  kill -KILL -"$w" 2>/dev/null',
-        ") &",
+        ") 2>/dev/null &",  # its messages go to stdout (train.log); the shell's own, nowhere
         "rlfleet_wd=$!",
     ]
 

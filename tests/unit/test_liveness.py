@@ -161,6 +161,9 @@ def test_a_renewed_lease_keeps_the_attempt_and_the_watchdog_ends_with_it(tmp_pat
         # Then it ran to its end, unfenced, and nothing of it (the watchdog) is left
         assert (d / "exit_code").read_text().strip() == "0"
         assert not (d / FENCED_FILE).exists()
+        # (and the watchdog wrote nothing: no shell job message may pass for a death by
+        # signal in the log the poller classifies failures by)
+        assert (d / "train.log").read_text() == ""
         assert _wait(lambda: not _group_alive(proc), 2) < 1.5
     finally:
         with_group_killed(proc)
