@@ -57,8 +57,17 @@ from scheduler.db import Database, is_unavailable
 from scheduler.errors import error_line
 from scheduler.jobs import transition
 from scheduler.kill import kill_attempt
+from scheduler.liveness import Liveness, checked_liveness, fence_options
 from scheduler.logging import get_logger
-from scheduler.remote import LaunchResult, LaunchSpec, launch_input, launch_script, parse_launch
+from scheduler.remote import (
+    DEFAULT_FENCE_AFTER_S,
+    DEFAULT_FENCE_GRACE_S,
+    LaunchResult,
+    LaunchSpec,
+    launch_input,
+    launch_script,
+    parse_launch,
+)
 from scheduler.settings import Settings
 from scheduler.states import FailureReason, JobStatus
 from scheduler.transport import Transport, TransportError, VMTarget, make_transport
@@ -200,6 +209,8 @@ class GlobalJobDispatcher:
         launch_timeout_s: float = 30.0,
         kill_grace_s: float = 10.0,
         fetch_timeout_s: float = 1.0,
+        fence_after_s: float = DEFAULT_FENCE_AFTER_S,
+        fence_grace_s: float = DEFAULT_FENCE_GRACE_S,
     ) -> None:
         self.db = db
         self.js = js
@@ -211,6 +222,8 @@ class GlobalJobDispatcher:
         self.launch_timeout_s = launch_timeout_s
         self.kill_grace_s = kill_grace_s
         self.fetch_timeout_s = fetch_timeout_s
+        self.fence_after_s = fence_after_s
+        self.fence_grace_s = fence_grace_s
         self.stats = DispatchStats()
         self._vms: dict[int, tuple[VMTarget, float]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -456,6 +469,8 @@ class GlobalJobDispatcher:
             output_dir=claim.output_dir,
             extra_args=claim.extra_args,
             env=claim.env,
+            fence_after_s=self.fence_after_s,
+            fence_grace_s=self.fence_grace_s,
         )
         try:
             result = await self.transport.run(
@@ -682,7 +697,14 @@ async def run_dispatcher(
 
 async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:
     """The entry `rlfleet up` runs: dispatch until `stop`, set `ready` once subscribed."""
-    await run_dispatcher(settings, stop, ready=ready)
+    knobs = Liveness.from_env()
+    await run_dispatcher(
+        settings,
+        stop,
+        ready=ready,
+        fence_after_s=knobs.fence_after_s,
+        fence_grace_s=knobs.fence_grace_s,
+    )
 
 
 @click.command("dispatcher")
@@ -709,6 +731,7 @@ async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio
     type=click.FloatRange(min=1),
     help="Seconds a launch over SSH may take.",
 )
+@fence_options
 @daemon_options
 @click.pass_context
 def command(
@@ -716,6 +739,8 @@ def command(
     max_in_flight: int,
     lease_s: float,
     launch_timeout_s: float,
+    fence_after: float,
+    fence_grace: float,
     database_url: str | None,
     nats_url: str | None,
     metrics_port: int,
@@ -730,6 +755,7 @@ def command(
             f"({launch_timeout_s + LEASE_MARGIN_S:g})",
             param_hint="--lease",
         )
+    checked_liveness(fence_after_s=fence_after, fence_grace_s=fence_grace)
     settings = daemon_settings(ctx, database_url, nats_url, log_level)
 
     async def entry(stop: asyncio.Event, ready: asyncio.Event) -> None:
@@ -740,6 +766,8 @@ def command(
             max_in_flight=max_in_flight,
             lease_s=lease_s,
             launch_timeout_s=launch_timeout_s,
+            fence_after_s=fence_after,
+            fence_grace_s=fence_grace,
         )
 
     run_service("dispatcher", settings, metrics_port, entry)

@@ -3,9 +3,13 @@
 A sweep is load → probe → apply (invariant 4: no transaction is open during SSH):
 1. one short transaction reads every VM, its GPU rows and its live jobs;
 2. every VM runs `nvidia_smi.poll_command` concurrently (the transport bounds how many);
+   the poll also renews the lease of each attempt it probes (the attempt's watchdog
+   stops the training when its lease runs out: `remote.watchdog_lines`);
 3. as results come in, in batches (so writing overlaps the probes still out): finished
    jobs are moved (one short transaction each, GPUs freed in it), then one short
    transaction writes the batch's VM and GPU rows, one array statement per kind of write.
+   A poll still out when the sweep's time is up is left running and recorded when it
+   lands; a VM silent for `--unreachable-timeout` seconds is marked unreachable meanwhile.
 
 It never frees or steals a GPU a job holds: only a job's end frees its GPUs, and a GPU is
 offered only when healthy, unallocated and used by no process (`foreign_busy`). GPUs are
@@ -36,6 +40,13 @@ from scheduler.claims import RECOUNT_SQL, installation_id, release_in_session, s
 from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
 from scheduler.jobs import transition
+from scheduler.liveness import (
+    POLL_INTERVAL_ENV,
+    POLL_TIMEOUT_ENV,
+    UNREACHABLE_TIMEOUT_ENV,
+    Liveness,
+    checked_liveness,
+)
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM, Job
 from scheduler.nvidia_smi import PollResult, parse_poll, poll_command
@@ -49,9 +60,16 @@ from training.errors import EXIT_TRANSIENT, EXIT_USAGE
 log = get_logger("gpu_poller")
 
 ACTOR = "poller"
-DEFAULT_INTERVAL_S = 5.0
+DEFAULT_INTERVAL_S = Liveness.poll_interval_s
 DEFAULT_UNREACHABLE_AFTER = 3
-DEFAULT_COMMAND_TIMEOUT_S = 20.0
+DEFAULT_COMMAND_TIMEOUT_S = Liveness.poll_timeout_s
+DEFAULT_UNREACHABLE_TIMEOUT_S = Liveness.unreachable_timeout_s
+FLUSH_AFTER_S = 0.2
+SILENT_CHECK_S = 1.0
+"""While polls are out, how often the sweep checks whether their VMs have been silent for
+the unreachable timeout (a poll on a frozen connection may not fail for a while)."""
+"""Results that came in are written at the latest this long after the first of them, so
+the VMs that answer are recorded at once, whatever a silent one does."""
 UNHEALTHY = VMStatus.UNHEALTHY.value
 """`vms.status` of a VM that answers SSH but whose GPUs cannot be trusted (nvidia-smi failed)."""
 
@@ -127,6 +145,15 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
         return None
     if state.state == "unknown" and job.remote_pid is None:
         return None  # launching: no pid file yet; the lease expiry handles a launch that died
+    if state.state == "exited" and state.fenced is not None:
+        # Its watchdog stopped it: the scheduler had lost contact, not the job's fault.
+        return JobVerdict(
+            job,
+            JobStatus.FAILED,
+            state.exit_code,
+            FailureReason.NODE_LOST,
+            fenced_reason(job.attempt, state.fenced),
+        )
     if state.state == "exited":
         failure = classify_failure(state.exit_code, state.log_tail)
         if failure is None:
@@ -140,6 +167,13 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
         )
     why = "no pid file" if state.state == "unknown" else "process gone without an exit code"
     return JobVerdict(job, JobStatus.FAILED, None, FailureReason.VANISHED, why)
+
+
+def fenced_reason(attempt: int, why: str) -> str:
+    """The event reason of an attempt its watchdog fenced off. It starts with `node_lost`
+    so that it counts towards the job's lost-node limit like any other lost node."""
+    text = f"{FailureReason.NODE_LOST.value} (fenced): attempt {attempt} stopped by its watchdog"
+    return f"{text}: {why}"[:500] if why else text
 
 
 # --- the sweep --------------------------------------------------------------------------
@@ -190,6 +224,8 @@ class SweepStats:
     unhealthy: int = 0
     failed: int = 0
     jobs_finished: int = 0
+    silent: int = 0
+    """VMs whose poll was still out when the sweep ended."""
     seconds: float = 0.0
 
 
@@ -213,13 +249,29 @@ UPDATE vms SET launch_error = :error, last_error = :error, status = 'unhealthy'
 WHERE id = :vm_id
 """
 )
+# A VM is unreachable after `after` failed polls in a row (it refuses connections) or
+# once it has not answered for `silent` seconds (its polls hang instead of failing). It has
+# been unreachable since it last answered: the node-lost timeout counts from there.
 _VM_FAIL_SQL = text(
     """
 UPDATE vms SET consecutive_failures = consecutive_failures + 1, last_polled_at = now(),
-    last_error = t.error, unreachable_since = COALESCE(unreachable_since, now()),
-    status = CASE WHEN consecutive_failures + 1 >= :after THEN 'unreachable' ELSE status END
+    last_error = t.error,
+    unreachable_since = COALESCE(unreachable_since, LEAST(last_seen_at, now()), now()),
+    status = CASE WHEN consecutive_failures + 1 >= :after
+                    OR last_seen_at < now() - make_interval(secs => :silent)
+                  THEN 'unreachable' ELSE status END
 FROM unnest(CAST(:ids AS int[]), CAST(:errors AS text[])) AS t(id, error)
 WHERE vms.id = t.id
+"""
+)
+# A VM whose poll is still out when the sweep ends: unreachable once silent long enough.
+_VM_SILENT_SQL = text(
+    """
+UPDATE vms SET status = 'unreachable', last_error = :error,
+    unreachable_since = COALESCE(unreachable_since, LEAST(last_seen_at, now()), now())
+WHERE id = ANY(:ids) AND status <> 'unreachable'
+  AND last_seen_at < now() - make_interval(secs => :silent)
+RETURNING id
 """
 )
 # A GPU allocated to a job when the row is written is not foreign-busy: its processes are
@@ -263,7 +315,13 @@ WHERE healthy AND vm_id = ANY(:ids)
 
 
 class GpuPoller:
-    """Sweeps the fleet: GPU rows, VM health, and the end of launched jobs."""
+    """Sweeps the fleet: GPU rows, VM health, and the end of launched jobs.
+
+    A VM's poll that is still out when a sweep ends is not waited for: it goes on (bounded
+    by `command_timeout` and the transport's deadlines), the next sweeps leave that VM
+    alone until it lands, and its result is recorded by whichever sweep sees it land. So
+    one silent VM never slows the sweep of the others.
+    """
 
     def __init__(
         self,
@@ -272,6 +330,7 @@ class GpuPoller:
         *,
         unreachable_after: int = DEFAULT_UNREACHABLE_AFTER,
         command_timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
+        unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT_S,
         batch_size: int = 250,
     ) -> None:
         self.db = db
@@ -279,34 +338,132 @@ class GpuPoller:
         self.transport = transport
         self.unreachable_after = max(1, unreachable_after)
         self.command_timeout = command_timeout
+        self.unreachable_timeout = unreachable_timeout
+        self._inflight: dict[int, asyncio.Task[Outcome]] = {}
+        self._sent_at: dict[int, float] = {}
+        self._failing: set[int] = set()
+        """VMs whose latest poll failed."""
+        self._landed: asyncio.Queue[Outcome] = asyncio.Queue()
 
-    async def sweep(self) -> SweepStats:
-        """Poll every VM once and record what was seen."""
+    @property
+    def in_flight(self) -> list[int]:
+        """Ids of the VMs whose poll is still out."""
+        return list(self._inflight)
+
+    async def sweep(self, *, wait_s: float | None = None) -> SweepStats:
+        """Poll every VM once and record what was seen.
+
+        `wait_s`: wait at most this long for the polls (the daemon passes its interval);
+        polls still out then are left running. None waits until every poll has landed."""
         started = time.monotonic()
         vms = await self._load()
         stats = SweepStats(vms=len(vms))
-        # Results are written in batches while the other probes are still out, so the
-        # database work overlaps the SSH work instead of following it.
-        batch = max(self.batch_size, 1)
+        for vm in vms:
+            if vm.target.id not in self._inflight:
+                self._start_probe(vm)
+        deadline = None if wait_s is None else started + wait_s
+        names = {vm.target.id: vm.target.name for vm in vms}
+        # Results are written as they land, in batches (a flush at most FLUSH_AFTER_S after
+        # the first waiting one), while the other polls are still out. Meanwhile, every
+        # SILENT_CHECK_S, VMs whose poll is out or failed are marked unreachable once they
+        # have been silent for the unreachable timeout; with a deadline, the sweep keeps
+        # doing so until it ends while some VM is failing.
         pending: list[Outcome] = []
-        writer: asyncio.Task[None] | None = None
-        for probe in asyncio.as_completed([self._probe(vm) for vm in vms]):
-            pending.append(await probe)
-            if len(pending) >= batch and (writer is None or writer.done()):
-                if writer is not None:
-                    await writer  # re-raises a failed write
-                writer = asyncio.create_task(self._record(pending, stats))
+        first_at = 0.0
+        next_check = started
+        while True:
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + SILENT_CHECK_S
+                suspects = self._failing | {
+                    i for i in self._inflight if now - self._sent_at[i] >= SILENT_CHECK_S
+                }
+                if suspects:
+                    await self._mark_silent(sorted(suspects), names)
+                continue
+            if deadline is not None and now >= deadline:
+                break
+            quiet = not self._inflight and self._landed.empty() and not pending
+            if quiet and (deadline is None or not self._failing):
+                break
+            waits = [next_check - now]
+            if deadline is not None:
+                waits.append(deadline - now)
+            if pending:
+                waits.append(max(0.0, first_at + FLUSH_AFTER_S - now))
+            got = await _next(self._landed, min(waits))
+            if got is not None:
+                if not pending:
+                    first_at = time.monotonic()
+                pending.append(got)
+                while not self._landed.empty() and len(pending) < self.batch_size:
+                    pending.append(self._landed.get_nowait())
+            due = time.monotonic() >= first_at + FLUSH_AFTER_S or not self._inflight
+            if pending and (len(pending) >= self.batch_size or due or got is None):
+                await self._record(pending, stats)
                 pending = []
-        if writer is not None:
-            await writer
+        while not self._landed.empty():
+            pending.append(self._landed.get_nowait())
         if pending:
             await self._record(pending, stats)
+        if self._inflight:
+            stats.silent = len(self._inflight)
+            await self._mark_silent(list(self._inflight), names)
         stats.seconds = time.monotonic() - started
         metrics.observe_poll_sweep(stats.seconds)
         log.debug("poll_sweep_done", **stats.__dict__)
         return stats
 
+    def _start_probe(self, vm: VMState) -> None:
+        task = asyncio.create_task(self._probe(vm))
+        vm_id = vm.target.id
+        self._inflight[vm_id] = task
+        self._sent_at[vm_id] = time.monotonic()
+
+        def landed(done: asyncio.Task[Outcome]) -> None:
+            if self._inflight.get(vm_id) is done:
+                del self._inflight[vm_id]
+                self._sent_at.pop(vm_id, None)
+            if not done.cancelled() and done.exception() is None:
+                self._landed.put_nowait(done.result())
+
+        task.add_done_callback(landed)
+
+    async def close(self) -> None:
+        """Cancel the polls still out (the daemon is stopping)."""
+        tasks = list(self._inflight.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._inflight.clear()
+
+    async def _mark_silent(self, vm_ids: list[int], names: dict[int, str]) -> None:
+        """VMs whose poll is still out: unreachable once they have been silent long enough
+        (the poll itself fails only at its timeout, or never on a frozen connection)."""
+        error = f"no answer for over {self.unreachable_timeout:g}s (poll still waiting)"
+        async with self.db.transaction() as session:
+            marked = (
+                (
+                    await session.execute(
+                        _VM_SILENT_SQL,
+                        {"ids": vm_ids, "silent": self.unreachable_timeout, "error": error},
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            if marked:
+                await session.execute(_GPUS_OF_UNREACHABLE_SQL, {"ids": list(marked)})
+                await session.execute(RECOUNT_SQL, {"ids": list(marked)})
+        for vm_id in marked:
+            log.warning("vm_unreachable", vm=names.get(vm_id, vm_id), error=error)
+
     async def _record(self, outcomes: Sequence[Outcome], stats: SweepStats) -> None:
+        for outcome in outcomes:
+            if outcome.result is None:
+                self._failing.add(outcome.vm.target.id)
+            else:
+                self._failing.discard(outcome.vm.target.id)
         stats.jobs_finished += await self._finish_jobs(outcomes)
         await self._apply(outcomes, stats)
 
@@ -490,6 +647,7 @@ class GpuPoller:
                     {
                         **_columns(failed, ids="vm_id", errors="error"),
                         "after": self.unreachable_after,
+                        "silent": self.unreachable_timeout,
                     },
                 )
                 await session.execute(
@@ -540,6 +698,16 @@ class GpuPoller:
             log.warning("vm_unreachable", vm=vm.target.name, failures=failures, error=error)
         else:
             log.info("vm_poll_failed", vm=vm.target.name, failures=failures, error=error)
+
+
+async def _next(queue: asyncio.Queue[Outcome], timeout: float | None) -> Outcome | None:
+    """The next landed poll, or None when `timeout` passes first."""
+    if not queue.empty():
+        return queue.get_nowait()
+    try:
+        return await asyncio.wait_for(queue.get(), timeout)
+    except TimeoutError:
+        return None
 
 
 def _columns(rows: Sequence[dict[str, Any]], **names: str) -> dict[str, list[Any]]:
@@ -621,20 +789,39 @@ async def run_poller(
     *,
     interval: float = DEFAULT_INTERVAL_S,
     unreachable_after: int = DEFAULT_UNREACHABLE_AFTER,
+    command_timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
+    unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT_S,
     ready: asyncio.Event | None = None,
 ) -> None:
     """Sweep every `interval` seconds until `stop`; a failed sweep is logged, never fatal."""
-    poller = GpuPoller(db, transport, unreachable_after=unreachable_after)
-    log.info("poller_started", interval=interval, unreachable_after=unreachable_after)
-    while not stop.is_set():
-        started = time.monotonic()
-        try:
-            await poller.sweep()
-        except Exception as exc:  # the database may be down: try again next interval
-            log.error("poll_sweep_failed", error=f"{type(exc).__name__}: {exc}")
-        if ready is not None:
-            ready.set()
-        await sleep_or_stop(stop, max(0.0, interval - (time.monotonic() - started)))
+    poller = GpuPoller(
+        db,
+        transport,
+        unreachable_after=unreachable_after,
+        command_timeout=command_timeout,
+        unreachable_timeout=unreachable_timeout,
+    )
+    log.info(
+        "poller_started",
+        interval=interval,
+        unreachable_after=unreachable_after,
+        poll_timeout=command_timeout,
+        unreachable_timeout=unreachable_timeout,
+    )
+    # A sweep waits for the polls at most until the next one is due; the rest land later.
+    wait_s = max(interval - FLUSH_AFTER_S, interval / 2)
+    try:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                await poller.sweep(wait_s=wait_s)
+            except Exception as exc:  # the database may be down: try again next interval
+                log.error("poll_sweep_failed", error=f"{type(exc).__name__}: {exc}")
+            if ready is not None:
+                ready.set()
+            await sleep_or_stop(stop, max(0.0, interval - (time.monotonic() - started)))
+    finally:
+        await poller.close()
 
 
 async def run_in_process(
@@ -642,10 +829,11 @@ async def run_in_process(
     stop: asyncio.Event,
     ready: asyncio.Event,
     *,
-    interval: float = DEFAULT_INTERVAL_S,
+    liveness: Liveness | None = None,
     unreachable_after: int = DEFAULT_UNREACHABLE_AFTER,
 ) -> None:
     """The poller as one task of a bigger process (`rlfleet up`)."""
+    knobs = liveness or Liveness.from_env()
     db = Database(settings.database_url, pool_size=2)
     transport = make_transport()
     try:
@@ -653,8 +841,10 @@ async def run_in_process(
             db,
             transport,
             stop,
-            interval=interval,
+            interval=knobs.poll_interval_s,
             unreachable_after=unreachable_after,
+            command_timeout=knobs.poll_timeout_s,
+            unreachable_timeout=knobs.unreachable_timeout_s,
             ready=ready,
         )
     finally:
@@ -666,9 +856,10 @@ async def run_in_process(
 @click.option(
     "--interval",
     type=click.FloatRange(min=0.1),
+    envvar=POLL_INTERVAL_ENV,
     default=DEFAULT_INTERVAL_S,
     show_default=True,
-    help="Seconds between sweeps of the fleet.",
+    help=f"Seconds between sweeps of the fleet (env {POLL_INTERVAL_ENV}).",
 )
 @click.option(
     "--unreachable-after",
@@ -677,23 +868,47 @@ async def run_in_process(
     show_default=True,
     help="Consecutive failed polls after which a VM is marked unreachable.",
 )
+@click.option(
+    "--poll-timeout",
+    type=click.FloatRange(min=0.1),
+    envvar=POLL_TIMEOUT_ENV,
+    default=DEFAULT_COMMAND_TIMEOUT_S,
+    show_default=True,
+    help=f"Seconds one VM's poll may take before it counts as failed (env {POLL_TIMEOUT_ENV}).",
+)
+@click.option(
+    "--unreachable-timeout",
+    type=click.FloatRange(min=0.1),
+    envvar=UNREACHABLE_TIMEOUT_ENV,
+    default=DEFAULT_UNREACHABLE_TIMEOUT_S,
+    show_default=True,
+    help="A VM that has not answered a poll for this many seconds is marked unreachable, "
+    f"however few polls failed (env {UNREACHABLE_TIMEOUT_ENV}).",
+)
 @daemon_options
 @click.pass_context
 def command(
     ctx: click.Context,
     interval: float,
     unreachable_after: int,
+    poll_timeout: float,
+    unreachable_timeout: float,
     database_url: str | None,
     nats_url: str | None,
     metrics_port: int,
     log_level: str | None,
 ) -> None:
     """Poll every VM's GPUs and launched jobs over SSH (the GPU poller daemon)."""
+    liveness = checked_liveness(
+        poll_interval_s=interval,
+        poll_timeout_s=poll_timeout,
+        unreachable_timeout_s=unreachable_timeout,
+    )
     settings = daemon_settings(ctx, database_url, nats_url, log_level)
 
     async def entry(stop: asyncio.Event, ready: asyncio.Event) -> None:
         await run_in_process(
-            settings, stop, ready, interval=interval, unreachable_after=unreachable_after
+            settings, stop, ready, liveness=liveness, unreachable_after=unreachable_after
         )
 
     run_service("poller", settings, metrics_port, entry)

@@ -7,20 +7,34 @@ holds `train.log`, `pid`, `exit_code`, `progress.json` and `launch.sh` of one at
 `<installation>` is the database's UUID and `<token>` is drawn when the attempt is claimed,
 so nothing another installation, an earlier database or another attempt left on the VM is
 ever read as this attempt's. Outputs default to `~/.rlfleet/<installation>/outputs/<job_id>`.
+While an attempt runs, the poller renews its `lease` there and the attempt's watchdog
+fences it (stops it and writes `fenced_reason`) when the lease runs out: see
+`watchdog_lines`.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from scheduler.liveness import WATCHDOG_PERIOD_S, Liveness
+
 PID_MARK = "rlfleet-pid"
 DIR_MARK = "rlfleet-dir"
 EXITED_MARK = "rlfleet-exited"
 KILL_MARK = "rlfleet-kill"
+FENCED_MARK = "rlfleet-fenced"
+LEASE_FILE = "lease"
+"""Created by every successful poll; the watchdog takes it (renames it `lease.seen`)."""
+FENCED_FILE = "fenced_reason"
+"""Written by the watchdog when it fenced the attempt off: why, in one line."""
+FENCED_REASON_BYTES = 300
+DEFAULT_FENCE_AFTER_S = Liveness.fence_after_s
+DEFAULT_FENCE_GRACE_S = Liveness.fence_grace_s
 _INTEGER = re.compile(r"-?[0-9]+")
 
 
@@ -234,6 +248,10 @@ class LaunchSpec:
         return self.run.attempt
     env: Sequence[tuple[str, str]] = ()
     """The job's `--env` values: written to `job.env` from the launch's stdin."""
+    fence_after_s: float = DEFAULT_FENCE_AFTER_S
+    """The watchdog stops the attempt once its lease is this old (0: no watchdog)."""
+    fence_grace_s: float = DEFAULT_FENCE_GRACE_S
+    """Seconds between the watchdog's TERM and its KILL."""
 
 
 def entry_words(python: str, entrypoint: str, num_gpus: int) -> list[str]:
@@ -303,7 +321,8 @@ def wrapper_script(spec: LaunchSpec) -> str:
     It runs as the leader of its own session (setsid), so its pid is the process group the
     kill script signals. The traps keep the wrapper alive long enough to write `exit_code`
     when the group is sent TERM/INT/HUP; the training process itself still gets the default
-    action because a trapped (not ignored) signal is reset on exec.
+    action because a trapped (not ignored) signal is reset on exec. A watchdog runs beside
+    the training (`watchdog_lines`) and is stopped the moment the training ends.
     """
     d = spec.run.word()
     return "\n".join(
@@ -315,6 +334,7 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "trap 'rlfleet_sig=TERM' TERM",
             "trap 'rlfleet_sig=INT' INT",
             "trap 'rlfleet_sig=HUP' HUP",
+            *watchdog_lines(spec.fence_after_s, spec.fence_grace_s),
             'cd "$HOME" || exit 1',
             *load_env_lines([home_path(VM_ENV_FILE), f'"$d/{JOB_ENV_FILE}"']),
             f"export CUDA_VISIBLE_DEVICES={shlex.quote(visible_devices(spec))}",
@@ -339,11 +359,103 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "  " + " ".join(train_words(spec)),
             "  rc=$?",
             "fi",
+            *watchdog_stop_lines(),
             'echo "$rc" > "$d/exit_code.tmp" && mv -f "$d/exit_code.tmp" "$d/exit_code"',
             'echo "rlfleet: attempt ended with exit code $rc"',
             "",
         ]
     )
+
+
+def watchdog_lines(fence_after_s: float, grace_s: float) -> list[str]:
+    """Start the attempt's watchdog in the background (POSIX sh, run by the wrapper).
+
+    Every `WATCHDOG_PERIOD_S` it takes the lease file the poller creates on each successful
+    poll (`lease_touch_lines`); when none came for `fence_after_s` seconds by this VM's own
+    clock (/proc/uptime, which no clock step moves; `date +%s` where there is none), the
+    scheduler has lost contact and may already have given the job to another VM. It then
+    fences the attempt: writes `fenced_reason`, logs a line to train.log, sends TERM to the
+    attempt's process group, and KILL after `grace_s` if the training is still running
+    (writing exit code 137, as the kill script does). It ignores the group's TERM, leaves
+    when the wrapper is gone, and `watchdog_stop_lines` ends it with the training; it costs
+    one `sleep` a second. `fence_after_s <= 0` starts no watchdog.
+    """
+    if fence_after_s <= 0:
+        return ["rlfleet_wd="]
+    after = max(1, math.ceil(fence_after_s))
+    grace = max(0, math.ceil(grace_s))
+    period = int(WATCHDOG_PERIOD_S)
+    return [
+        "if [ -r /proc/uptime ]; then rlfleet_now() { read -r t _ </proc/uptime; t=${t%%.*}; }",
+        "else rlfleet_now() { t=$(date +%s); }; fi",
+        "(",
+        "  trap '' TERM INT HUP",
+        '  trap \'kill -KILL "$s" 2>/dev/null; wait "$s"; exit 0\' USR1',
+        "  w=$$; s=; rlfleet_now; seen=$t",
+        "  while :; do",
+        f'    sleep {period} & s=$!; wait "$s"',
+        '    if [ -s "$d/exit_code" ] || ! kill -0 "$w" 2>/dev/null; then exit 0; fi',
+        "    rlfleet_now",
+        f'    if [ -e "$d/{LEASE_FILE}" ]; then',
+        f'      mv -f "$d/{LEASE_FILE}" "$d/{LEASE_FILE}.seen" 2>/dev/null; seen=$t',
+        f"    elif [ $((t - seen)) -ge {after} ]; then break; fi",
+        "  done",
+        f'  why="lease not renewed for $((t - seen))s (fence after {after}s):'
+        ' the scheduler lost contact with this VM"',
+        f'  printf "%s\\n" "$why" > "$d/{FENCED_FILE}.tmp"'
+        f' && mv -f "$d/{FENCED_FILE}.tmp" "$d/{FENCED_FILE}"',
+        f'  echo "rlfleet: fenced: $why; stopping the attempt (TERM, KILL after {grace}s)"',
+        '  kill -TERM -"$w" 2>/dev/null',
+        "  n=0",
+        f'  while [ "$n" -lt {grace} ]; do',
+        f'    sleep {period} & s=$!; wait "$s"',
+        '    if [ -s "$d/exit_code" ] || ! kill -0 "$w" 2>/dev/null; then exit 0; fi',
+        f"    n=$((n + {period}))",
+        "  done",
+        f'  echo "rlfleet: fenced: still running {grace}s after TERM: KILL"',
+        '  [ -e "$d/exit_code" ] || echo 137 > "$d/exit_code"',
+        '  kill -KILL -"$w" 2>/dev/null',
+        ") 2>/dev/null &",  # its messages go to stdout (train.log); the shell's own, nowhere
+        "rlfleet_wd=$!",
+    ]
+
+
+def watchdog_stop_lines() -> list[str]:
+    """End the watchdog at once (the training it guards has ended) and reap it, so not
+    even a zombie of it outlives the attempt."""
+    return ['[ -z "$rlfleet_wd" ] || { kill -USR1 "$rlfleet_wd" 2>/dev/null; wait "$rlfleet_wd"; }']
+
+
+def lease_touch_lines() -> list[str]:
+    """Renew the lease of the attempt in `$d` (run by each poll): the attempt's watchdog
+    sees that the scheduler still reaches this VM. Creates nothing else."""
+    return [f'if [ -d "$d" ]; then : 2>/dev/null > "$d/{LEASE_FILE}"; fi']
+
+
+def fenced_lines(job_id: int, attempt: int) -> list[str]:
+    """Print `rlfleet-fenced <id> <attempt> <why>` if the attempt in `$d` was fenced."""
+    j, a = int(job_id), int(attempt)
+    return [
+        f'if [ -s "$d/{FENCED_FILE}" ]; then echo "{FENCED_MARK} {j} {a}'
+        f' $(head -c {FENCED_REASON_BYTES} "$d/{FENCED_FILE}" | tr -d "\\n")"; fi'
+    ]
+
+
+def fenced_script(run: Attempt) -> str:
+    """Shell text printing the `rlfleet-fenced` line of one attempt, if it was fenced."""
+    return "\n".join([f"d={run.word()}", *fenced_lines(run.job_id, run.attempt), ""])
+
+
+def parse_fenced(stdout: str) -> dict[tuple[int, int], str]:
+    """The `rlfleet-fenced` lines of an output: why each fenced attempt was fenced."""
+    out: dict[tuple[int, int], str] = {}
+    for line in output_lines(stdout):
+        parts = line.split(" ", 3)
+        if len(parts) >= 3 and parts[0] == FENCED_MARK:
+            job_id, attempt = as_int(parts[1]), as_int(parts[2])
+            if job_id is not None and attempt is not None:
+                out[(job_id, attempt)] = (parts[3] if len(parts) == 4 else "").strip()
+    return out
 
 
 def launch_script(spec: LaunchSpec, *, pid_wait_s: float = PID_WAIT_S) -> str:
@@ -578,20 +690,23 @@ class RemoteJobState:
     state: str
     exit_code: int | None = None
     log_tail: str = ""
+    fenced: str | None = None
+    """Why the attempt's watchdog fenced it off, if it did."""
 
 
 def status_probe(jobs: Sequence[Attempt]) -> str:
     """Shell text printing one `rlfleet-job <id> <attempt> <state> [code]` line per attempt.
 
     An exited attempt is followed by the last lines of its train.log, each prefixed with
-    `rlfleet-log <id> <attempt> `. exit_code is checked before and after the liveness test
-    because the wrapper writes it just before it exits.
+    `rlfleet-log <id> <attempt> `. Each probe renews the attempt's lease, and reports a
+    fenced attempt with a `rlfleet-fenced` line. exit_code is checked before and after the
+    liveness test because the wrapper writes it just before it exits.
     """
     lines = []
     for run in jobs:
         j, a = int(run.job_id), int(run.attempt)
+        lines += [f"d={run.word()}", *lease_touch_lines(), *fenced_lines(j, a)]
         lines += [
-            f"d={run.word()}",
             'if [ -s "$d/exit_code" ]; then s=exited',
             'elif [ -s "$d/pid" ] && p=$(cat "$d/pid") && kill -0 "$p" 2>/dev/null'
             # A zombie answers kill -0 but is dead (its reaper may be slow or absent).
@@ -632,7 +747,8 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
             states[(job_id, attempt)] = ("exited", code) if code is not None else ("unknown", None)
         else:
             states[(job_id, attempt)] = (parts[3], None)
+    fenced = parse_fenced(stdout)
     return {
-        key: RemoteJobState(state, code, "\n".join(logs.get(key, [])))
+        key: RemoteJobState(state, code, "\n".join(logs.get(key, [])), fenced.get(key))
         for key, (state, code) in states.items()
     }

@@ -4,9 +4,12 @@
 
 1. **Expired claims** — `starting` jobs past their lease go back to `queued`, GPUs freed
    (`scheduler.claims.expire_leases`, which records the attempt as possibly left over).
-2. **Lost nodes** — `running`/`starting` jobs on a VM the poller has found unreachable for
-   longer than `--node-lost-timeout` fail with `node_lost`; their GPUs are freed in the
-   books and a `stale_processes` row is written. A shorter blip restarts nothing.
+2. **Lost nodes** — `running`/`starting` jobs on a VM the poller has found unreachable,
+   and that has not answered for longer than `--node-lost-timeout` (counted from its last
+   answer), fail with `node_lost`; their GPUs are freed in the books and a
+   `stale_processes` row is written. A shorter blip restarts nothing. The timeout exceeds
+   the attempts' fence (`--fence-after` + grace), so the attempt has stopped itself by
+   then even if the VM never answers again.
 3. **Decisions** — a failed job that has no decision yet gets one from
    `scheduler.retry.decide`: `next_attempt_at`, or a status_reason "gave up …" that stays.
 4. **Retries** — failed jobs whose `next_attempt_at` has come go back to `queued`
@@ -24,7 +27,8 @@
    SSH, the attempt's process group is killed (TERM, then KILL) over SSH; only then is
    the row closed, and the claim query offers the GPUs again (it skips GPUs listed in an
    open row). A VM marked `removing` by `vm remove --force` is deleted once none of its
-   rows is open (and its jobs are failed as `vm_removed`, should one have reached it).
+   rows is open (and its jobs are failed as `vm_removed`, should one have reached it). An
+   attempt its watchdog had fenced gets an event saying so.
 7. **Announcements** — every queued job whose current queued spell was never announced
    (`published_at` NULL or older than `queued_at`: a row inserted straight into the
    database, a publish lost while NATS was down, any of the moves above) is published on
@@ -56,7 +60,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 import click
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, func, insert, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import bus, metrics
@@ -77,9 +81,10 @@ from scheduler.db import Database
 from scheduler.fleet import delete_removed_vms
 from scheduler.jobs import transition
 from scheduler.kill import KillResult, kill_attempt
+from scheduler.liveness import NODE_LOST_TIMEOUT_ENV, Liveness, checked_liveness, fence_options
 from scheduler.logging import get_logger
 from scheduler.models import VM, Job, JobEvent, StaleProcess
-from scheduler.remote import Attempt
+from scheduler.remote import Attempt, fenced_script, parse_fenced
 from scheduler.retry import (
     DEFAULT_POLICY,
     GIVE_UP_PREFIX,
@@ -95,13 +100,14 @@ from scheduler.retry import (
 )
 from scheduler.settings import Settings, redact_url
 from scheduler.states import FINAL_STATES, LIVE_STATES, FailureReason, JobStatus, VMStatus
-from scheduler.transport import Transport, VMTarget
+from scheduler.transport import Transport, TransportError, VMTarget
 
 log = get_logger("requeue")
 
 ADVISORY_LOCK_KEY = 0x726C666C_7271  # "rlfl" "rq": one requeue tick at a time per database
 NODE_LOST = FailureReason.NODE_LOST.value
 BATCH = 500
+FENCED_READ_TIMEOUT_S = 10.0
 """Most jobs handled per step per tick; the rest wait for the next tick."""
 
 
@@ -111,7 +117,7 @@ class RequeueConfig:
 
     interval_s: float = 2.0
     pending_timeout_s: float = 60.0
-    node_lost_timeout_s: float = 20.0
+    node_lost_timeout_s: float = Liveness.node_lost_timeout_s
     republish_after_s: float = 60.0
     """A queued job announced this long ago and still queued is announced again."""
     recheck_after_s: float = 2.0
@@ -617,7 +623,7 @@ class RequeueManager:
             return
         results = await asyncio.gather(*(self._kill_one(item) for item in work))
         async with self.db.transaction() as session:
-            for item, kill in zip(work, results, strict=True):
+            for item, (kill, fenced) in zip(work, results, strict=True):
                 error = None if kill.dead else kill.describe()[:500]
                 await close_leftover(
                     session,
@@ -628,19 +634,24 @@ class RequeueManager:
                 )
                 if error is None:
                     report.killed.append(item.job_id)
+                    if fenced is not None:
+                        await self._note(
+                            session, item.job_id, item.attempt, item.target.name, fenced
+                        )
                 else:
                     report.kill_failed += 1
                 if kill.outcome == "gone" and kill.exit_code == 0 and item.run is not None:
                     await self._late_success(session, item, kill)
 
-    async def _kill_one(self, item: _Leftover) -> KillResult:
-        """Kill one leftover attempt; its result is dead once it surely runs no more."""
+    async def _kill_one(self, item: _Leftover) -> tuple[KillResult, str | None]:
+        """Kill one leftover attempt: its result, dead once it surely runs no more, and
+        then why its watchdog had fenced it, if it did."""
         assert self.transport is not None
         bound = log.bind(job_id=item.job_id, attempt=item.attempt, vm=item.target.name)
         if item.run is None:
             # No launch token: no directory of this installation can be the attempt's.
             bound.info("stale_process_untraceable")
-            return KillResult("gone")
+            return KillResult("gone"), None
         kill = await kill_attempt(
             self.transport,
             item.target,
@@ -650,9 +661,9 @@ class RequeueManager:
         )
         if not kill.dead:
             bound.warning("stale_kill_failed", outcome=kill.describe()[:200])
-        else:
-            bound.info("stale_process_killed", outcome=kill.outcome, exit_code=kill.exit_code)
-        return kill
+            return kill, None
+        bound.info("stale_process_killed", outcome=kill.outcome, exit_code=kill.exit_code)
+        return kill, await self._fenced(item)
 
     async def _late_success(self, session: AsyncSession, item: _Leftover, kill: KillResult) -> None:
         """One success is enough (docs/decisions.md): a leftover attempt that turns out to
@@ -668,6 +679,7 @@ class RequeueManager:
                     Job.attempt,
                     Job.vm_id,
                     Job.gpu_indices,
+                    Job.gpu_uuids,
                     Job.launch_token,
                     Job.attempt_dir,
                     Job.remote_pid,
@@ -722,6 +734,7 @@ class RequeueManager:
                 job_id=item.job_id,
                 attempt=job.attempt,
                 gpu_indices=job.gpu_indices,
+                gpu_uuids=job.gpu_uuids,
                 reason="superseded",
                 token=job.launch_token,
                 attempt_dir=job.attempt_dir,
@@ -730,6 +743,38 @@ class RequeueManager:
         await release_in_session(session, item.job_id)
         metrics.count_recovery("late_success")
         bound.warning("late_success_completed", superseded=job.attempt if newer else None)
+
+    async def _fenced(self, item: _Leftover) -> str | None:
+        """Why the attempt's watchdog fenced it off, if it did (None: not fenced, or the
+        VM did not say)."""
+        assert self.transport is not None and item.run is not None
+        try:
+            result = await self.transport.run(
+                item.target, fenced_script(item.run), timeout=FENCED_READ_TIMEOUT_S
+            )
+        except TransportError:
+            return None
+        return parse_fenced(result.stdout).get((item.job_id, item.attempt))
+
+    async def _note(
+        self, session: AsyncSession, job_id: int, attempt: int, vm: str, why: str
+    ) -> None:
+        """Record in the job's history that its old attempt had fenced itself off (an event
+        that changes no state: from and to are the job's current state)."""
+        status = await session.scalar(select(Job.status).where(Job.id == job_id))
+        if status is None:
+            return
+        await session.execute(
+            insert(JobEvent).values(
+                job_id=job_id,
+                from_status=status,
+                to_status=status,
+                reason=f"fenced: attempt {attempt} on {vm} had stopped itself: {why}"[:500],
+                actor=self.actor,
+                attempt=attempt,
+            )
+        )
+        log.info("stale_attempt_was_fenced", job_id=job_id, attempt=attempt, vm=vm, why=why)
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -828,8 +873,10 @@ async def run_daemon(
 
 
 async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:
-    """The entry `rlfleet up` runs: the requeue manager with its default knobs."""
-    await run_daemon(settings, RequeueConfig(), stop, ready)
+    """The entry `rlfleet up` runs: the requeue manager with its default knobs (the
+    node-lost timeout from RLFLEET_NODE_LOST_TIMEOUT when set)."""
+    config = RequeueConfig(node_lost_timeout_s=Liveness.from_env().node_lost_timeout_s)
+    await run_daemon(settings, config, stop, ready)
 
 
 @click.command("requeue")
@@ -849,10 +896,13 @@ async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio
 )
 @click.option(
     "--node-lost-timeout",
-    default=20.0,
+    default=Liveness.node_lost_timeout_s,
+    envvar=NODE_LOST_TIMEOUT_ENV,
     show_default=True,
     type=click.FloatRange(min=0),
-    help="Seconds a VM may stay unreachable before its jobs are failed as node_lost and retried.",
+    help="Seconds since an unreachable VM last answered after which its jobs fail as "
+    "node_lost and are retried; at least --fence-after + 2 + --fence-grace "
+    f"(env {NODE_LOST_TIMEOUT_ENV}).",
 )
 @click.option(
     "--republish-after",
@@ -890,6 +940,7 @@ async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio
     type=click.FloatRange(min=0),
     help="Seconds between TERM and KILL for a leftover process.",
 )
+@fence_options
 @daemon_options
 @click.pass_context
 def requeue_command(
@@ -904,10 +955,15 @@ def requeue_command(
     retry_base_delay: float,
     retry_max_delay: float,
     kill_grace: float,
+    fence_after: float,
+    fence_grace: float,
     metrics_port: int,
     log_level: str | None,
 ) -> None:
     """Run the requeue manager: retries, stuck jobs, lost VMs, unannounced jobs."""
+    checked_liveness(
+        node_lost_timeout_s=node_lost_timeout, fence_after_s=fence_after, fence_grace_s=fence_grace
+    )
     settings = daemon_settings(ctx, database_url, nats_url, log_level)
     config = RequeueConfig(
         interval_s=interval,

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import asyncssh
 
+from scheduler.liveness import SSHDeadlines
 from scheduler.logging import get_logger
 from scheduler.models import DEFAULT_ENTRYPOINT, VM
 
@@ -183,6 +184,10 @@ def remote_timeout_wrapper(command: str, timeout: float) -> str:
     )
 
 
+CLOSE_WAIT_S = 2.0
+"""How long `close()` waits for VMs to acknowledge the end of their connections."""
+
+
 class HostKeyMismatch(TransportError):
     """The VM's host key is not the one in known_hosts: refusing to talk to it."""
 
@@ -197,23 +202,36 @@ class SSHTransport:
     when closed, and kept alive with keepalives. A global semaphore bounds concurrent
     connects plus commands. Host keys are verified against the VM's known_hosts file
     (default ~/.ssh/known_hosts) unless the VM says `verify_host_key = False`.
+
+    Nothing waits on a VM without a deadline: connecting (TCP, handshake and login) has
+    `connect_timeout`, opening a channel and running a command have the command's
+    `timeout`, and keepalives close a connection that stops answering within
+    `keepalive_interval * (keepalive_count_max + 1)` seconds. A connection on which a
+    deadline passed is abandoned (aborted, never closed gracefully: a silent peer would
+    never acknowledge a close), so the next command reconnects.
     """
 
     def __init__(
         self,
         *,
         max_concurrency: int = 200,
-        connect_timeout: float = 10.0,
-        login_timeout: float = 10.0,
-        keepalive_interval: float = 15.0,
-        keepalive_count_max: int = 3,
+        connect_timeout: float | None = None,
+        login_timeout: float | None = None,
+        keepalive_interval: float | None = None,
+        keepalive_count_max: int | None = None,
         remote_timeout: bool = True,
     ) -> None:
+        # Unset deadlines come from the environment (RLFLEET_SSH_*), else the defaults:
+        # every daemon then bounds a silent VM the same way (scheduler/liveness.py).
+        deadlines = SSHDeadlines.from_env()
+        connect_timeout = connect_timeout or deadlines.connect_timeout_s
+        keepalive_interval = keepalive_interval or deadlines.keepalive_interval_s
+        keepalive_count_max = keepalive_count_max or deadlines.keepalive_count_max
         self._conns: dict[_ConnKey, asyncssh.SSHClientConnection] = {}
         self._locks: dict[_ConnKey, asyncio.Lock] = {}
         self._sem = asyncio.Semaphore(max_concurrency)
         self._connect_timeout = connect_timeout
-        self._login_timeout = login_timeout
+        self._login_timeout = login_timeout or connect_timeout
         self._keepalive_interval = keepalive_interval
         self._keepalive_count_max = keepalive_count_max
         self._remote_timeout = remote_timeout
@@ -288,13 +306,22 @@ class SSHTransport:
             )
             options["known_hosts"] = None
         try:
-            conn = await asyncssh.connect(target.host, **options)
+            # asyncssh's connect_timeout covers TCP, key exchange and login; the outer
+            # deadline is a second line against any step that would wait on a silent peer.
+            conn = await asyncio.wait_for(
+                asyncssh.connect(target.host, **options), self._connect_timeout + 1
+            )
         except asyncssh.HostKeyNotVerifiable as exc:
             raise HostKeyMismatch(
                 f"{target.name}: host key of {target.host}:{target.port} not verified "
                 f"against {target.known_hosts or '~/.ssh/known_hosts'}: {exc.reason}"
             ) from exc
-        except (OSError, asyncssh.Error, TimeoutError) as exc:
+        except TimeoutError as exc:
+            raise TransportError(
+                f"{target.name}: cannot connect to {target.host}:{target.port}: no answer "
+                f"within {self._connect_timeout:g}s"
+            ) from exc
+        except (OSError, asyncssh.Error) as exc:
             raise TransportError(
                 f"{target.name}: cannot connect to {target.host}:{target.port}: {_describe(exc)}"
             ) from exc
@@ -313,7 +340,7 @@ class SSHTransport:
         async with lock:
             conn = self._conns.get(key)
             if conn is not None and (conn is stale or conn.is_closed()):
-                conn.close()
+                conn.abort()  # a dead or failed connection: nothing to close gracefully
                 conn = None
                 del self._conns[key]
             if conn is None:
@@ -355,6 +382,7 @@ class SSHTransport:
                         continue
                     raise TransportError(f"{target.name}: {_describe(exc)}") from exc
                 except TimeoutError as exc:
+                    self._abandon(target, conn, f"command timed out after {timeout:g}s")
                     raise TransportError(
                         f"{target.name}: command timed out after {timeout:g}s"
                     ) from exc
@@ -364,6 +392,21 @@ class SSHTransport:
                     _exit_status(result), _text(result.stdout), _text(result.stderr)
                 )
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _abandon(self, target: VMTarget, conn: asyncssh.SSHClientConnection, why: str) -> None:
+        """Drop `conn` (and its shell) from the pool and abort it, without waiting on the VM:
+        a deadline passed on it, and a connection that stopped answering must not hold
+        anything up. Commands still running on it fail; their callers try again."""
+        key = self._key(target)
+        if self._conns.get(key) is conn:
+            del self._conns[key]
+        session = self._sessions.get(key)
+        if session is not None and session.conn is conn:
+            del self._sessions[key]
+            session.close()
+        if not conn.is_closed():
+            log.info("ssh_connection_abandoned", vm=target.name, why=why)
+        conn.abort()
 
     async def _run_in_session(
         self, target: VMTarget, command: str, timeout: float
@@ -380,10 +423,16 @@ class SSHTransport:
                     if session is not None:
                         session.close()
                     try:
-                        session = _Session(
-                            conn,
-                            await conn.create_process("sh", encoding="utf-8", errors="replace"),
+                        # Opening a channel waits on the VM too: the command's deadline.
+                        process = await asyncio.wait_for(
+                            conn.create_process("sh", encoding="utf-8", errors="replace"), timeout
                         )
+                        session = _Session(conn, process)
+                    except TimeoutError as exc:
+                        self._abandon(target, conn, f"no shell within {timeout:g}s")
+                        raise TransportError(
+                            f"{target.name}: no answer to a channel open within {timeout:g}s"
+                        ) from exc
                     except (asyncssh.ChannelOpenError, asyncssh.ConnectionLost) as exc:
                         if attempt == 1 and _dead_connection(conn, exc):
                             stale = conn
@@ -395,6 +444,7 @@ class SSHTransport:
             try:
                 return await session.run(command, timeout)
             except TimeoutError as exc:
+                self._abandon(target, conn, f"command timed out after {timeout:g}s")
                 raise TransportError(
                     f"{target.name}: command timed out after {timeout:g}s"
                 ) from exc
@@ -403,7 +453,7 @@ class SSHTransport:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def close(self) -> None:
-        """Close every pooled connection."""
+        """Close every pooled connection: gracefully where the VM answers, else aborted."""
         for session in self._sessions.values():
             session.close()
         self._sessions.clear()
@@ -411,9 +461,14 @@ class SSHTransport:
         self._conns.clear()
         for conn in conns:
             conn.close()
-        for conn in conns:
+        if conns:
+            # A silent VM never acknowledges a close: wait a little, then abort the rest.
             with contextlib.suppress(Exception):
-                await conn.wait_closed()
+                await asyncio.wait(
+                    [asyncio.ensure_future(c.wait_closed()) for c in conns], timeout=CLOSE_WAIT_S
+                )
+        for conn in conns:
+            conn.abort()
 
 
 SESSION_END = "__rlfleet_end_"

@@ -14,6 +14,11 @@ environment names it in `CUDA_VISIBLE_DEVICES` (it scans /proc/*/environ).
     fleet[1].fail_nvidia_smi("driver")            # rc 9, as when the driver is gone
     vm = await fleet.add_vm(models=[("T4", 16384, 1), ("H100", 81920, 3)])  # mixed models
     vm.reorder_gpus(reversed(vm.gpu_uuids))       # nvidia-smi renumbers them
+
+A VM made with `silenceable=True` sits behind a TCP relay that can go silent: `silence()`
+turns it into a network black hole (TCP connections, old and new, are accepted and held
+open, nothing comes back, bytes wait) while its processes run on; `unsilence()` lets the
+waiting bytes through, as when a partition heals.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import sys
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import asyncssh
 
@@ -78,6 +84,66 @@ class ForeignProcess:
         self.proc.wait(5)
 
 
+class _Gate:
+    """A TCP relay in front of a VM's SSH server that can stop forwarding (a black hole)."""
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+        self.open.set()
+        self.port = 0
+        self.upstream_port = 0
+        self._server: asyncio.Server | None = None
+        self._transports: set[asyncio.WriteTransport] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def start(self, upstream_port: int) -> None:
+        """Listen on `port` (a free one the first time) and relay to `upstream_port`."""
+        self.upstream_port = upstream_port
+        self._server = await asyncio.start_server(
+            self._accepted, "127.0.0.1", self.port, reuse_address=True
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        """Stop listening and drop every relayed connection at once (a crash)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for transport in list(self._transports):
+            transport.abort()
+        self._transports.clear()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self._transports.add(writer.transport)
+        try:
+            await self.open.wait()  # silent: the connection is accepted, nothing answers
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+            self._transports.add(up_writer.transport)
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        except (OSError, asyncio.CancelledError):
+            writer.transport.abort()
+        finally:
+            self._tasks.discard(task)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await self.open.wait()  # silent: the bytes wait, as in a black hole
+                writer.write(data)
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.transport.abort()
+            self._transports.discard(writer.transport)
+
+
 class _Server(asyncssh.SSHServer):
     def __init__(self, vm: SimVM) -> None:
         self.vm = vm
@@ -110,8 +176,11 @@ class SimVM:
         gpu_name: str = DEFAULT_GPU_NAME,
         memory_mb: int = DEFAULT_GPU_MEMORY_MB,
         models: Sequence[tuple[str, int, int]] | None = None,
+        silenceable: bool = False,
     ) -> None:
         self.name = name
+        self._gate = _Gate() if silenceable else None
+        self._ssh_port = 0
         self.fleet_token = fleet_token
         self.root = root
         self.home = root / "home"
@@ -174,6 +243,22 @@ class SimVM:
             return []
         env = dict(v.decode(errors="replace").split("=", 1) for v in raw.split(b"\0") if b"=" in v)
         return sim_gpu.devices_of(self._config["gpus"], env)
+    def silent(self) -> bool:
+        """Whether the VM is silenced (see `silence`)."""
+        return self._gate is not None and not self._gate.open.is_set()
+
+    def silence(self) -> None:
+        """Stop answering, as a hung VM or a network black hole does: TCP connections are
+        accepted and kept, nothing comes back; the VM's processes run on."""
+        if self._gate is None:
+            raise RuntimeError(f"{self.name} was not made silenceable")
+        self._gate.open.clear()
+
+    def unsilence(self) -> None:
+        """Answer again: what waited is delivered, as when a partition heals."""
+        if self._gate is None:
+            raise RuntimeError(f"{self.name} was not made silenceable")
+        self._gate.open.set()
 
     async def start(self) -> None:
         """Listen (again) on the VM's port, with the same host key."""
@@ -182,7 +267,7 @@ class SimVM:
         self._server = await asyncssh.create_server(
             lambda: _Server(self),
             "127.0.0.1",
-            self.port,
+            self._ssh_port if self._gate is not None else self.port,
             server_host_keys=[self.host_key],
             authorized_client_keys=self._authorized,
             process_factory=self._handle,
@@ -190,13 +275,18 @@ class SimVM:
             reuse_address=True,
             keepalive_interval=0,
         )
+        if self._gate is not None:
+            self._ssh_port = self._server.get_port()
+            await self._gate.start(self._ssh_port)
         if not self.port:
-            self.port = self._server.get_port()
+            self.port = self._gate.port if self._gate is not None else self._server.get_port()
             public = self.host_key.export_public_key("openssh").decode().strip()
             self.known_hosts_path.write_text(f"[127.0.0.1]:{self.port} {public}\n")
 
     async def stop(self, *, kill_processes: bool = False) -> None:
         """Close the server and drop its connections; `kill_processes` simulates a crash."""
+        if self._gate is not None:
+            await self._gate.stop()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
@@ -358,9 +448,11 @@ class SimFleet:
         gpu_name: str = DEFAULT_GPU_NAME,
         memory_mb: int = DEFAULT_GPU_MEMORY_MB,
         models: Sequence[tuple[str, int, int]] | None = None,
+        silenceable: bool = False,
     ) -> SimVM:
         """Create and start one more VM; `models` (`(name, memory_mb, speed)` per GPU, in
-        nvidia-smi's index order) makes its GPUs differ, and sets their number."""
+        nvidia-smi's index order) makes its GPUs differ, and sets their number; `silenceable`
+        puts it behind a relay that can go silent."""
         name = name or f"vm{len(self.vms)}"
         vm = SimVM(
             self.root / name,
@@ -372,6 +464,7 @@ class SimFleet:
             gpu_name=gpu_name,
             memory_mb=memory_mb,
             models=models,
+            silenceable=silenceable,
         )
         await vm.start()
         self.vms.append(vm)

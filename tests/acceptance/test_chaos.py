@@ -267,6 +267,9 @@ async def test_chaos(
         "PYTHONUNBUFFERED": "1",
         "RLFLEET_DATABASE_URL": url,
         "RLFLEET_NATS_URL": nats.url,
+        # No attempt watchdogs: a 3 s node-lost timeout leaves no room for a safe fence
+        # (the daemons would refuse it); fencing is proven in tests/integration/test_silent.py.
+        "RLFLEET_FENCE_AFTER": "0",
     }
     env.pop("RLFLEET_FAKE_RECORD", None)
     fleet = await sim_fleet(N_VMS, gpus_per_vm=GPUS_PER_VM)

@@ -2,6 +2,7 @@
 
 sshd runs as a non-daemon child on a free loopback port with its own host key, config and
 authorized_keys in a temp dir (`make test` installs openssh-server when it is missing).
+Its sessions get a HOME of their own in that dir, so attempts never mix with the user's.
 """
 
 from __future__ import annotations
@@ -45,6 +46,32 @@ class RealSshd:
     proc: subprocess.Popen[bytes]
     root: Path
 
+    @property
+    def home(self) -> Path:
+        """$HOME of the sessions (the ~ of the VM)."""
+        return self.root / "home"
+
+    def sshd_pids(self) -> list[int]:
+        """The listening sshd and every sshd process it forked (one or two per connection)."""
+        children: dict[int, list[int]] = {}
+        names: dict[int, str] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue  # it ended while we looked
+                name, rest = stat[stat.index("(") + 1 :].rsplit(")", 1)
+                names[int(entry.name)] = name
+                children.setdefault(int(rest.split()[1]), []).append(int(entry.name))
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            if names.get(pid, "").startswith("sshd"):
+                found.append(pid)
+                todo += children.get(pid, [])
+        return found
+
 
 def _write_key(path: Path) -> asyncssh.SSHKey:
     key = asyncssh.generate_private_key("ssh-ed25519")
@@ -59,6 +86,7 @@ def sshd(tmp_path: Path) -> Iterator[RealSshd]:
     assert SSHD is not None
     root = tmp_path / "sshd"
     (root / "bin").mkdir(parents=True)
+    (root / "home").mkdir()
     host_key = _write_key(root / "host_key")
     client_key = _write_key(root / "client_key")
     (root / "authorized_keys").write_text(client_key.export_public_key("openssh").decode())
@@ -84,7 +112,7 @@ def sshd(tmp_path: Path) -> Iterator[RealSshd]:
                 "PidFile none",
                 "LogLevel ERROR",
                 f"SetEnv PATH={root / 'bin'}:/usr/local/bin:/usr/bin:/bin"
-                f" RLFLEET_SIM_VM=real RLFLEET_SIM_FLEET={fleet}",
+                f" RLFLEET_SIM_VM=real RLFLEET_SIM_FLEET={fleet} HOME={root / 'home'}",
                 "",
             ]
         )

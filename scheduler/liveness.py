@@ -1,0 +1,189 @@
+"""How fast a silent VM is given up, and how its attempts fence themselves: one set of knobs.
+
+A VM can fail loudly (its port refuses connections) or silently (a hung kernel, a paused
+VM, a network black hole: TCP connects, nothing answers). Every SSH step has a deadline
+and keepalives notice a dead connection, so both cases end in bounded time:
+
+- the poller renews each running attempt's lease on every successful poll (every
+  `poll_interval_s`); a VM that has not answered a poll for `unreachable_timeout_s` is
+  marked unreachable;
+- the watchdog next to each attempt stops the training (TERM, then KILL after
+  `fence_grace_s`) once its lease is `fence_after_s` old by the VM's own clock;
+- the requeue manager fails the jobs of a VM silent for `node_lost_timeout_s` (counted
+  from its last answer) as `node_lost` and runs them elsewhere.
+
+The relations `problems()` checks keep a partitioned attempt stopped before its job is
+given to another VM, and a VM that answers (even slowly) from ever fencing its attempts.
+Every daemon reads the same environment variables, so one setting reaches them all.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import click
+
+POLL_INTERVAL_ENV = "RLFLEET_POLL_INTERVAL"
+POLL_TIMEOUT_ENV = "RLFLEET_POLL_TIMEOUT"
+UNREACHABLE_TIMEOUT_ENV = "RLFLEET_UNREACHABLE_TIMEOUT"
+NODE_LOST_TIMEOUT_ENV = "RLFLEET_NODE_LOST_TIMEOUT"
+FENCE_AFTER_ENV = "RLFLEET_FENCE_AFTER"
+FENCE_GRACE_ENV = "RLFLEET_FENCE_GRACE"
+SSH_CONNECT_TIMEOUT_ENV = "RLFLEET_SSH_CONNECT_TIMEOUT"
+SSH_KEEPALIVE_INTERVAL_ENV = "RLFLEET_SSH_KEEPALIVE_INTERVAL"
+SSH_KEEPALIVE_COUNT_ENV = "RLFLEET_SSH_KEEPALIVE_COUNT_MAX"
+
+WATCHDOG_PERIOD_S = 1
+"""How often the watchdog looks at its lease (it also reads the clock in whole seconds)."""
+FENCE_SLACK_S = 2.0
+"""What the watchdog may add to `fence_after_s`: one period plus the whole-second clock."""
+
+
+@dataclass(frozen=True)
+class Liveness:
+    """The liveness knobs, in seconds; the defaults bound a silent VM as documented."""
+
+    poll_interval_s: float = 5.0
+    poll_timeout_s: float = 8.0
+    unreachable_timeout_s: float = 8.0
+    node_lost_timeout_s: float = 27.0
+    fence_after_s: float = 18.0
+    fence_grace_s: float = 5.0
+
+    @classmethod
+    def from_env(
+        cls, given: Mapping[str, float | None] | None = None, env: Mapping[str, str] | None = None
+    ) -> Liveness:
+        """Knobs from `given` (flags by field name; None = not given), else the environment
+        (RLFLEET_POLL_INTERVAL, …), else the defaults."""
+        env = os.environ if env is None else env
+        given = given or {}
+        names = {
+            "poll_interval_s": POLL_INTERVAL_ENV,
+            "poll_timeout_s": POLL_TIMEOUT_ENV,
+            "unreachable_timeout_s": UNREACHABLE_TIMEOUT_ENV,
+            "node_lost_timeout_s": NODE_LOST_TIMEOUT_ENV,
+            "fence_after_s": FENCE_AFTER_ENV,
+            "fence_grace_s": FENCE_GRACE_ENV,
+        }
+        values: dict[str, float] = {}
+        for f in fields(cls):
+            value = given.get(f.name)
+            if value is None and env.get(names[f.name]):
+                value = _seconds(names[f.name], env[names[f.name]])
+            if value is not None:
+                values[f.name] = float(value)
+        return cls(**values)
+
+    def problems(self) -> list[str]:
+        """Why these knobs are unsafe together; empty when they are fine."""
+        out = []
+        if min(self.poll_interval_s, self.poll_timeout_s, self.unreachable_timeout_s) <= 0:
+            out.append("poll interval, poll timeout and unreachable timeout must be > 0")
+        if self.fence_grace_s < 0:
+            out.append("fence grace must be >= 0")
+        if self.unreachable_timeout_s <= self.poll_interval_s:
+            out.append(
+                f"unreachable timeout ({self.unreachable_timeout_s:g}s) must exceed the poll "
+                f"interval ({self.poll_interval_s:g}s): a healthy VM would look lost"
+            )
+        if self.fence_after_s == 0:
+            return out  # no watchdogs: nothing to keep consistent with them
+        renewed = self.poll_interval_s + self.poll_timeout_s + FENCE_SLACK_S
+        if self.fence_after_s < renewed:
+            out.append(
+                f"fence after ({self.fence_after_s:g}s) must be at least poll interval + poll "
+                f"timeout + {FENCE_SLACK_S:g}s ({renewed:g}s): a VM that answers slowly would "
+                "fence its own attempts"
+            )
+        dead_by = self.fence_after_s + FENCE_SLACK_S + self.fence_grace_s
+        if self.node_lost_timeout_s < dead_by:
+            out.append(
+                f"node-lost timeout ({self.node_lost_timeout_s:g}s) must be at least fence "
+                f"after + {FENCE_SLACK_S:g}s + fence grace ({dead_by:g}s): a job could start "
+                "elsewhere before its partitioned attempt has stopped"
+            )
+        return out
+
+
+def _seconds(name: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a number of seconds") from None
+    if value < 0:
+        raise ValueError(f"{name}={text!r} must be >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class SSHDeadlines:
+    """The SSH transport's deadlines: connect (TCP, handshake and login) and keepalives."""
+
+    connect_timeout_s: float = 5.0
+    keepalive_interval_s: float = 2.0
+    keepalive_count_max: int = 3
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SSHDeadlines:
+        """From RLFLEET_SSH_CONNECT_TIMEOUT / _KEEPALIVE_INTERVAL / _KEEPALIVE_COUNT_MAX."""
+        env = os.environ if env is None else env
+        base = cls()
+        connect = env.get(SSH_CONNECT_TIMEOUT_ENV)
+        interval = env.get(SSH_KEEPALIVE_INTERVAL_ENV)
+        count = env.get(SSH_KEEPALIVE_COUNT_ENV)
+        if count and not count.isdigit():
+            raise ValueError(f"{SSH_KEEPALIVE_COUNT_ENV}={count!r} is not a whole number")
+        return cls(
+            connect_timeout_s=_seconds(SSH_CONNECT_TIMEOUT_ENV, connect)
+            if connect
+            else base.connect_timeout_s,
+            keepalive_interval_s=_seconds(SSH_KEEPALIVE_INTERVAL_ENV, interval)
+            if interval
+            else base.keepalive_interval_s,
+            keepalive_count_max=max(1, int(count)) if count else base.keepalive_count_max,
+        )
+
+    @property
+    def dead_after_s(self) -> float:
+        """Longest a silent connection stays open: keepalives unanswered, then closed."""
+        return self.keepalive_interval_s * (self.keepalive_count_max + 1)
+
+
+def fence_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`--fence-after` and `--fence-grace` (env RLFLEET_FENCE_AFTER / _GRACE), for the
+    dispatcher (it starts the watchdogs) and the requeue manager (it checks its timeout)."""
+    fn = click.option(
+        "--fence-grace",
+        type=click.FloatRange(min=0),
+        envvar=FENCE_GRACE_ENV,
+        default=Liveness.fence_grace_s,
+        show_default=True,
+        help=f"Seconds between a fenced attempt's TERM and its KILL (env {FENCE_GRACE_ENV}).",
+    )(fn)
+    return click.option(
+        "--fence-after",
+        type=click.FloatRange(min=0),
+        envvar=FENCE_AFTER_ENV,
+        default=Liveness.fence_after_s,
+        show_default=True,
+        help="An attempt whose lease the poller has not renewed for this many seconds (by "
+        f"the VM's clock) stops itself; 0 starts no watchdog (env {FENCE_AFTER_ENV}).",
+    )(fn)
+
+
+def checked_liveness(**given: float | None) -> Liveness:
+    """The knobs from flags (`given`) and the environment, for a daemon command: a usage
+    error (exit 2) when a value is bad or the knobs are unsafe together."""
+    try:
+        knobs = Liveness.from_env(given)
+        SSHDeadlines.from_env()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    problems = knobs.problems()
+    if problems:
+        raise click.UsageError("; ".join(problems))
+    return knobs
