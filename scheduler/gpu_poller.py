@@ -135,8 +135,13 @@ def launch_error_line(log_tail: str) -> str:
     lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
     marked = [line for line in lines if line.startswith(ENTRY_BROKEN_MARK)]
     rest = [line for line in lines if not line.startswith("rlfleet: attempt ended")]
-    line = (marked or rest or ["no output"])[-1]
-    return line[:300]
+    line = _SHELL_PREFIX.sub("", (marked or rest or ["no output"])[-1])
+    # The end says why ("Permission denied"); a long path in front may go.
+    return line if len(line) <= 300 else line[:80] + " … " + line[-217:]
+
+
+_SHELL_PREFIX = re.compile(r"\S*/launch\.sh: (?:line )?\d+: ")
+"""How sh starts its own error lines (`/home/u/.rlfleet/…/launch.sh: 61: `): noise."""
 
 
 def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None:

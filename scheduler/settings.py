@@ -92,21 +92,9 @@ def normalize_database_url(url: str) -> str:
         if url.startswith(prefix):
             url = "postgresql+psycopg://" + url[len(prefix) :]
             break
-    url = _encode_userinfo(url)
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
+    from scheduler.validate import check_database_url
 
-    try:
-        parsed = make_url(url)
-        _ = parsed.port  # an unparsable port raises here, not at connect time
-    except (ArgumentError, ValueError, TypeError) as exc:
-        raise BadInput(
-            f"malformed database URL {redact_url(url)}: expected "
-            "postgresql+psycopg://HOST[:PORT]/DATABASE with USER:PASSWORD@ before the host"
-        ) from exc
-    if not parsed.drivername.startswith("postgresql"):
-        raise BadInput(f"not a PostgreSQL URL: {redact_url(url)}")
-    return url
+    return check_database_url(_encode_userinfo(url))
 
 
 def _encode_userinfo(url: str) -> str:
@@ -131,21 +119,11 @@ def _encode_userinfo(url: str) -> str:
 
 
 def check_nats_url(url: str) -> str:
-    """The NATS server list as given, or `BadInput` naming (redacted) what is malformed."""
-    from urllib.parse import urlsplit
+    """The NATS server list as given, or `BadInput` saying (without the URL, which may
+    hold a token) what is malformed."""
+    from scheduler.validate import check_nats_url as check
 
-    servers = [s.strip() for s in url.split(",") if s.strip()]
-    if not servers:
-        raise BadInput("empty NATS URL")
-    for server in servers:
-        try:
-            split = urlsplit(server if "://" in server else f"nats://{server}")
-            _ = split.port
-        except ValueError as exc:
-            raise BadInput(f"malformed NATS URL {redact_url(server)}") from exc
-        if not split.hostname:
-            raise BadInput(f"malformed NATS URL {redact_url(server)}: no host")
-    return url
+    return check(url)
 
 
 __all__ = [

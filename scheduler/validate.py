@@ -162,7 +162,8 @@ def check_nats_url(url: str) -> str:
         raise BadInput(f"{what} is empty")
     for server in servers:
         try:
-            split = urlsplit(server)
+            # nats-py takes a bare host:port as nats://host:port.
+            split = urlsplit(server if "://" in server else f"nats://{server}")
             split.port  # noqa: B018 - parsing the port is what may fail
         except ValueError:
             raise BadInput(f"{what} is malformed: expected nats://HOST[:PORT]") from None

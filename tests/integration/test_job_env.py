@@ -114,7 +114,7 @@ async def test_jobs_on_a_local_and_an_ssh_vm_see_a_clean_environment_and_their_e
         assert env["HOME"] == str(home)
     # And the values sit in a private file of the attempt, on no command line
     for home in dumps:
-        attempt_dirs = list((home / ".rlfleet" / "jobs").glob("*/1"))
+        attempt_dirs = list(home.glob(".rlfleet/*/jobs/*/1-*"))
         assert attempt_dirs
         for attempt in attempt_dirs:
             assert (attempt / "job.env").stat().st_mode & 0o777 == 0o600

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.gpu_poller import LiveJob, classify_failure, job_verdict
+from scheduler.gpu_poller import LiveJob, classify_failure, job_verdict, launch_error_line
 from scheduler.nvidia_smi import (
     APPS,
     APPS_RC,
@@ -231,3 +231,18 @@ def test_an_attempt_that_could_not_start_names_the_vm_problem() -> None:
     line = "rlfleet: training cannot start on this VM (exit 127): No module named 'training'"
     assert verdict.vm_error == line
     assert verdict.reason == f"launch_failed: exit 127: {line}"
+
+
+def test_a_broken_vms_reason_keeps_why_whatever_the_path_in_front() -> None:
+    """sh's own prefix (`…/launch.sh: 61: `) is dropped, and a line too long keeps its end,
+    which says why: a deep home directory must not cut "Permission denied" off."""
+    deep = "/home/" + "d" * 300
+    tail = (
+        f"rlfleet: training cannot start on this VM (exit 126): {deep}/.rlfleet/i/jobs/1/1-t/"
+        f"launch.sh: 61: {deep}/python: Permission denied\n"
+        "rlfleet: attempt ended with exit code 126"
+    )
+    line = launch_error_line(tail)
+    assert line.startswith("rlfleet: training cannot start on this VM (exit 126): ")
+    assert line.endswith("/python: Permission denied") and "launch.sh" not in line
+    assert len(line) <= 300
