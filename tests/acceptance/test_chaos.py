@@ -296,6 +296,8 @@ async def test_chaos(
         # Crash two VMs that run long jobs, so the crashes surely hit running work.
         hosting: list[int] = []
         for _ in range(300):
+            if submitting.done() and (failed := submitting.exception()) is not None:
+                raise failed  # a submission failed: say why now, not after a minute
             hosting = await vms_running(db, kind_of, "long")
             if len(hosting) >= 2:
                 break
