@@ -140,6 +140,16 @@ def launch_error_line(log_tail: str) -> str:
     return line if len(line) <= 300 else line[:80] + " … " + line[-217:]
 
 
+def _decides_launch_error(outcome: Outcome) -> bool:
+    """Whether this poll's answer settles the VM's launch_error: an attempt ending in it
+    could not start, or it ran the check of python and entrypoint (which a poll sent
+    before the VM was marked does not: its apply must not undo the mark)."""
+    result = outcome.result
+    if outcome.launch_error is not None:
+        return True
+    return outcome.vm.launch_error is not None and result is not None and result.check is not None
+
+
 _SHELL_PREFIX = re.compile(r"\S*/launch\.sh: (?:line )?\d+: ")
 """How sh starts its own error lines (`/home/u/.rlfleet/…/launch.sh: 61: `): noise."""
 
@@ -238,12 +248,19 @@ class SweepStats:
 # for the whole fleet, instead of one per VM or per GPU.
 _VM_OK_SQL = text(
     """
-UPDATE vms SET status = t.status, last_error = t.error, launch_error = t.launch_error,
+UPDATE vms SET
+    -- A poll that neither ran the python check nor saw an attempt fail to start knows
+    -- nothing of launch_error: what a concurrent apply wrote meanwhile stays.
+    status = CASE WHEN NOT t.decides AND vms.launch_error IS NOT NULL THEN 'unhealthy'
+                  ELSE t.status END,
+    last_error = CASE WHEN NOT t.decides AND vms.launch_error IS NOT NULL THEN vms.last_error
+                      ELSE t.error END,
+    launch_error = CASE WHEN t.decides THEN t.launch_error ELSE vms.launch_error END,
     consecutive_failures = 0, unreachable_since = NULL, last_polled_at = now(),
     last_seen_at = now()
 FROM unnest(CAST(:ids AS int[]), CAST(:statuses AS text[]), CAST(:errors AS text[]),
-            CAST(:launch_errors AS text[]))
-    AS t(id, status, error, launch_error)
+            CAST(:launch_errors AS text[]), CAST(:decides AS boolean[]))
+    AS t(id, status, error, launch_error, decides)
 WHERE vms.id = t.id
 """
 )
@@ -598,6 +615,7 @@ class GpuPoller:
                 continue
             stats.reachable += 1
             launch_error, launch_line = self._launch_error(outcome)
+            decides = _decides_launch_error(outcome)
             if result.error is not None:
                 stats.unhealthy += 1
                 ok.append(
@@ -606,6 +624,7 @@ class GpuPoller:
                         "status": UNHEALTHY,
                         "error": result.error,
                         "launch_error": launch_error,
+                        "decides": decides,
                     }
                 )
                 lost_gpus += [{"vm_id": vm.target.id, "uuid": u} for u in vm.gpus]
@@ -620,6 +639,7 @@ class GpuPoller:
                     "status": status,
                     "error": launch_line,
                     "launch_error": launch_error,
+                    "decides": decides,
                 }
             )
             if launch_error is not None:
@@ -644,6 +664,7 @@ class GpuPoller:
                         statuses="status",
                         errors="error",
                         launch_errors="launch_error",
+                        decides="decides",
                     ),
                 )
             if failed:

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ from sqlalchemy import select, update
 
 from scheduler import remote
 from scheduler.db import Database
-from scheduler.gpu_poller import GpuPoller
+from scheduler.gpu_poller import GpuPoller, SweepStats
 from scheduler.jobs import JobSpec, insert_job, transition
 from scheduler.models import GPU, VM, JobEvent
 from scheduler.states import JobStatus
@@ -370,3 +370,34 @@ async def wait_dead(pid: int, timeout: float = 10.0) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"process {pid} still alive after SIGKILL")
+
+
+async def test_a_poll_that_predates_a_broken_launch_does_not_undo_its_mark(
+    sim_fleet: Callable[..., Awaitable[SimFleet]], db: Database, transport: SSHTransport
+) -> None:
+    """A poll can land after a newer one (polls in flight outlive their sweep). Given a
+    poll of a healthy VM that is still out, when meanwhile an attempt there fails to start
+    (the VM is marked with launch_error), then that older poll's answer, which ran no
+    check of python, leaves the mark and the VM unhealthy. (This interleaving happens by
+    chance with the real loop; the test drives the poller's load, probe and apply steps
+    in that order to make it happen every time.)"""
+    fleet: SimFleet = await sim_fleet(1, gpus_per_vm=1)
+    vm_id = (await fleet.register(db, entrypoint=str(FAKE_TRAIN), python=sys.executable))["vm0"]
+    poller = GpuPoller(db, transport)
+    await poller.sweep()
+    (state,) = await poller._load()
+    older = await poller._probe(state)  # sent before the mark: no check in it
+    mark = "launch_failed: exit 126: python: Permission denied"
+    async with db.transaction() as session:
+        await session.execute(
+            update(VM)
+            .where(VM.id == vm_id)
+            .values(launch_error=mark, last_error=mark, status="unhealthy")
+        )
+    await poller._apply([older], SweepStats())
+    vm = await vm_row(db, vm_id)
+    assert (vm.status, vm.launch_error, vm.last_error) == ("unhealthy", mark, mark)
+    # And the next poll checks python (the fake one runs): the mark is lifted then.
+    await poller.sweep()
+    vm = await vm_row(db, vm_id)
+    assert (vm.status, vm.launch_error) == ("healthy", None)
