@@ -282,9 +282,10 @@ class JobEvent(Base):
     job: Mapped[Job] = relationship(back_populates="events")
 
 
-class StaleProcess(Base):
-    """A job's process left behind on a VM that was lost: it must be killed when the VM
-    answers again, and the GPUs it held are not offered until then (invariant 2)."""
+class Leftover(Base):
+    """An attempt that may still run on its VM after its job moved on (`scheduler.leftovers`):
+    it must be killed when the VM answers, and the GPUs it held are not offered until then
+    (invariant 2). The table keeps its first name, `stale_processes`."""
 
     __tablename__ = "stale_processes"
 
@@ -317,3 +318,7 @@ class StaleProcess(Base):
         CheckConstraint(TOKEN_CHECK, name="launch_token_hex"),
         CheckConstraint(ATTEMPT_DIR_CHECK, name="attempt_dir_absolute"),
     )
+
+
+StaleProcess = Leftover
+"""`Leftover` by its table's name, for code written before the class was renamed."""
