@@ -38,7 +38,7 @@ from scheduler.gpus import RECOUNT_SQL as RECOUNT_SQL
 from scheduler.gpus import refresh_available as refresh_available
 from scheduler.gpus import refresh_available_in_session as refresh_available_in_session
 from scheduler.gpus import release_in_session as release_in_session
-from scheduler.jobs import transition
+from scheduler.jobs import move_event_sql, move_set_sql, transition
 from scheduler.leftovers import AttemptRecord, abandon_attempt, leftover_may_run
 from scheduler.leftovers import close_leftover as close_leftover
 from scheduler.leftovers import record_leftover as record_leftover
@@ -46,7 +46,7 @@ from scheduler.logging import get_logger
 from scheduler.models import Job
 from scheduler.remote import ROOT, Attempt, new_token
 from scheduler.remote import stored_attempt as stored_attempt
-from scheduler.states import FailureReason, JobStatus, check_move
+from scheduler.states import FailureReason, JobStatus
 from scheduler.validate import job_row_problem
 
 DEFAULT_LEASE_S = 60.0
@@ -56,6 +56,20 @@ free GPUs another dispatcher holds locked right now does not make the claim miss
 
 log = get_logger("claims")
 
+# `transition(queued → starting)` fused into the claim, rendered from the move's one
+# definition (`jobs.move_values`): the same SET list and event row, in the same statement as
+# the GPU rows, so a claim is one round trip. clock_timestamp(), not now(): in a batch, now()
+# is when the transaction began, which can be before the GPU's previous job was released.
+_CLAIM_MOVE = move_set_sql(JobStatus.QUEUED, JobStatus.STARTING, clock="clock_timestamp()")
+_CLAIM_EVENT = move_event_sql(
+    JobStatus.QUEUED,
+    JobStatus.STARTING,
+    rows="moved",
+    job_id=":job_id",
+    reason="'claimed GPUs ' || array_to_string(gpu_indices, ',')",
+    actor=":actor",
+    attempt="attempt",
+)
 _CLAIM_TEMPLATE = f"""
 WITH {LEFTOVER_GPUS}, cand AS (
     SELECT g.vm_id, count(*) AS free
@@ -91,10 +105,8 @@ WITH {LEFTOVER_GPUS}, cand AS (
     FROM chosen WHERE gpus.id = chosen.id
     RETURNING gpus.index
 ), moved AS (
-    -- `transition(queued → starting)` fused into the claim: the same guarded UPDATE and
-    -- event row, in the same statement as the GPU rows, so a claim is one round trip.
-    UPDATE jobs SET
-        status = 'starting', starting_at = clock_timestamp(), updated_at = clock_timestamp(),
+    -- `transition(queued → starting)`: the same guarded UPDATE (see _CLAIM_MOVE).
+    UPDATE jobs SET {_CLAIM_MOVE},
         attempt = attempt + 1,
         vm_id = (SELECT vm_id FROM chosen_vm),
         gpu_indices = (SELECT array_agg(index ORDER BY index) FROM chosen),
@@ -111,10 +123,7 @@ WITH {LEFTOVER_GPUS}, cand AS (
         AND EXISTS (SELECT 1 FROM installation)
     RETURNING attempt, vm_id, gpu_indices, gpu_uuids, output_dir, launch_token
 ), event AS (
-    INSERT INTO job_events (job_id, from_status, to_status, reason, actor, attempt)
-    SELECT :job_id, 'queued', 'starting',
-           'claimed GPUs ' || array_to_string(gpu_indices, ','), :actor, attempt
-    FROM moved
+    {_CLAIM_EVENT}
 )
 SELECT m.vm_id, m.gpu_indices, m.gpu_uuids, m.attempt, m.output_dir, m.launch_token,
        (SELECT CAST(id AS text) FROM installation) AS installation,
@@ -125,7 +134,6 @@ CLAIM_SQL = text(_CLAIM_TEMPLATE.format(only_vms=""))
 CLAIM_SHORTLIST_SQL = text(_CLAIM_TEMPLATE.format(only_vms="AND g.vm_id = ANY(:vm_ids)"))
 """CLAIM_SQL among the VMs a batch's plan named: an index scan of a few VMs' GPU rows
 instead of counting every free GPU of the fleet again for every job."""
-check_move(JobStatus.QUEUED, JobStatus.STARTING)  # the state machine still has the last word
 
 LARGEST_VM_SQL = text(
     "SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM gpus GROUP BY vm_id) c"
@@ -142,8 +150,18 @@ def unsatisfiable_reason(need: int, largest_vm: int) -> str:
 
 JOBS_EXISTING_SQL = text("SELECT id FROM jobs WHERE id = ANY(:ids)")
 
+_RUNNING_MOVE = move_set_sql(JobStatus.STARTING, JobStatus.RUNNING)
+_RUNNING_EVENT = move_event_sql(
+    JobStatus.STARTING,
+    JobStatus.RUNNING,
+    rows="moved",
+    job_id="id",
+    reason="reason",
+    actor=":actor",
+    attempt="attempt",
+)
 MARK_RUNNING_BATCH_SQL = text(
-    """
+    f"""
 WITH launched AS (
     SELECT * FROM unnest(CAST(:job_ids AS bigint[]), CAST(:attempts AS integer[]),
                          CAST(:pids AS integer[]), CAST(:reasons AS text[]),
@@ -154,7 +172,8 @@ WITH launched AS (
     SELECT j.id FROM jobs j WHERE j.id IN (SELECT job_id FROM launched)
     ORDER BY j.id FOR UPDATE
 ), moved AS (
-    UPDATE jobs SET status = 'running', running_at = now(), updated_at = now(),
+    -- `transition(starting → running)` for each launched attempt (see _RUNNING_MOVE).
+    UPDATE jobs SET {_RUNNING_MOVE},
                     remote_pid = l.pid, attempt_dir = l.dir, lease_expires_at = NULL
     FROM launched l
     WHERE jobs.id = l.job_id AND jobs.id IN (SELECT id FROM locked)
@@ -162,13 +181,11 @@ WITH launched AS (
     RETURNING jobs.id, jobs.attempt, jobs.queued_at, jobs.starting_at, jobs.submitted_at,
               jobs.running_at, l.reason
 ), event AS (
-    INSERT INTO job_events (job_id, from_status, to_status, reason, actor, attempt)
-    SELECT id, 'starting', 'running', reason, :actor, attempt FROM moved
+    {_RUNNING_EVENT}
 )
 SELECT id, attempt, queued_at, starting_at, submitted_at, running_at FROM moved
 """
 )
-check_move(JobStatus.STARTING, JobStatus.RUNNING)
 
 
 @dataclass(frozen=True)

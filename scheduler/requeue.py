@@ -10,11 +10,13 @@
    GPUs freed in the books (`leftovers.abandon_attempt`). A shorter blip restarts
    nothing. The timeout exceeds the attempts' fence (`--fence-after` + grace), so the
    attempt has stopped itself by then even if the VM never answers again.
-3. **Decisions** — a failed job that has no decision yet gets one from
-   `scheduler.retry.decide`: `next_attempt_at`, or a status_reason "gave up …" that stays.
-4. **Retries** — failed jobs whose `next_attempt_at` has come go back to `queued`
-   (`retry_count + 1`, except after a machine fault — `node_lost`, `vm_removed`, or
-   `launch_failed` with exit 126/127 — which does not count).
+3. **Decisions** — a failed job that has no decision yet (`retry_decision` NULL) gets
+   one from `scheduler.retry.decide`: `retry` at `next_attempt_at`, or `give_up` with a
+   status_reason "gave up …" that stays. The policy's cap on machine faults reads the
+   job's `machine_faults`, which `jobs.transition` counts.
+4. **Retries** — failed jobs decided `retry` whose `next_attempt_at` has come go back to
+   `queued` (`retry_count + 1`, except after a machine fault — `node_lost`,
+   `vm_removed`, or `launch_failed` with exit 126/127 — which does not count).
 5. **Pending jobs** — put back in the queue when the fleet reports free GPUs that fit
    them, in priority then submission order, or after `--pending-timeout` anyway.
    Anti-starvation (honest and simple): once a job that does not fit now, but fits on
@@ -74,11 +76,9 @@ from scheduler.jobs import transition
 from scheduler.leftovers import AttemptRecord, LeftoverSweep, abandon_attempt, leftover_may_run
 from scheduler.liveness import NODE_LOST_TIMEOUT_ENV, Liveness, checked_liveness, fence_options
 from scheduler.logging import get_logger
-from scheduler.models import VM, Job, JobEvent
+from scheduler.models import VM, Job
 from scheduler.retry import (
     DEFAULT_POLICY,
-    GIVE_UP_PREFIX,
-    MACHINE_FAULT_PREFIXES,
     Failure,
     GiveUp,
     PendingJob,
@@ -89,7 +89,7 @@ from scheduler.retry import (
     plan_pending,
 )
 from scheduler.settings import Settings, redact_url
-from scheduler.states import FailureReason, JobStatus, VMStatus
+from scheduler.states import FailureReason, JobStatus, RetryDecision, VMStatus
 from scheduler.transport import Transport
 
 log = get_logger("requeue")
@@ -294,17 +294,6 @@ class RequeueManager:
         self, session: AsyncSession, now: datetime
     ) -> tuple[list[int], list[int]]:
         """Stamp the retry decision on failed jobs that have none yet."""
-        lost_nodes = (
-            select(func.count())
-            .select_from(JobEvent)
-            .where(
-                JobEvent.job_id == Job.id,
-                JobEvent.to_status == JobStatus.FAILED.value,
-                or_(*(JobEvent.reason.like(f"{p}%") for p in MACHINE_FAULT_PREFIXES)),
-            )
-            .correlate(Job)
-            .scalar_subquery()
-        )
         rows = (
             await session.execute(
                 select(
@@ -314,16 +303,9 @@ class RequeueManager:
                     Job.max_retries,
                     Job.failure_reason,
                     Job.exit_code,
-                    lost_nodes.label("lost_nodes"),
+                    Job.machine_faults,
                 )
-                .where(
-                    Job.status == JobStatus.FAILED.value,
-                    _UNDECIDED,
-                    or_(
-                        Job.status_reason.is_(None),
-                        Job.status_reason.not_like(f"{GIVE_UP_PREFIX}%"),
-                    ),
-                )
+                .where(Job.status == JobStatus.FAILED.value, _UNDECIDED)
                 .order_by(Job.id)
                 .limit(BATCH)
                 .with_for_update(of=Job, skip_locked=True)
@@ -332,15 +314,19 @@ class RequeueManager:
         scheduled: list[int] = []
         gave_up: list[int] = []
         for row in rows:
-            failure = Failure(row.failure_reason, row.exit_code, int(row.lost_nodes))
+            failure = Failure(row.failure_reason, row.exit_code, row.machine_faults)
             decision = decide(row, failure, now, self.rng, self.config.policy)
             bound = log.bind(job_id=row.id, attempt=row.attempt, failure=failure.describe())
             if isinstance(decision, GiveUp):
-                values: dict[str, Any] = {"status_reason": decision.why}
+                values: dict[str, Any] = {
+                    "retry_decision": RetryDecision.GIVE_UP.value,
+                    "status_reason": decision.why,
+                }
                 gave_up.append(row.id)
                 bound.info("retry_gave_up", why=decision.why)
             else:
                 values = {
+                    "retry_decision": RetryDecision.RETRY.value,
                     "next_attempt_at": decision.at,
                     "status_reason": _retry_note(row, failure, decision.at, now, self.config),
                 }
@@ -374,8 +360,8 @@ class RequeueManager:
                 )
                 .where(
                     Job.status == JobStatus.FAILED.value,
+                    Job.retry_decision == RetryDecision.RETRY.value,
                     Job.next_attempt_at <= func.now(),
-                    ~_UNDECIDED,
                 )
                 .order_by(Job.next_attempt_at, Job.id)
                 .limit(BATCH)
@@ -568,9 +554,9 @@ class RequeueManager:
             await sleep_or_stop(stop, wait or self.config.interval_s)
 
 
-# A failed job has no decision yet while it has no retry time (`transition` clears it
-# whenever a job leaves `failed`, so a time never outlives the failure it was made for).
-_UNDECIDED = Job.next_attempt_at.is_(None)
+# A failed job has no decision yet while its `retry_decision` is NULL (every move clears
+# it, so a decision never outlives the failure it was made for).
+_UNDECIDED = Job.retry_decision.is_(None)
 
 
 def _retry_note(
