@@ -1,4 +1,4 @@
-"""GPU claims: take free GPUs for jobs atomically, give them back, expire dead claims.
+"""GPU claims: take free GPUs for jobs atomically, expire dead claims.
 
 A batch of jobs is claimed in one short transaction (invariant 4: no network I/O inside):
 its job rows are locked (rows another transaction holds are skipped and retried), then for
@@ -13,6 +13,10 @@ their event rows.
 A batch counts the free GPUs once and plans a shortlist of VMs (`_shortlist`), so that each
 claim looks at a few VMs' rows instead of counting the whole fleet again; a claim that
 misses there falls back to the whole fleet, which alone decides pending and contended.
+
+What a free GPU is, and giving GPUs back, is `scheduler.gpus`; attempts left behind on a
+VM are `scheduler.leftovers`. The names imported `as` themselves below are their homes'
+names, kept importable from here for callers written before they moved.
 """
 
 from __future__ import annotations
@@ -23,16 +27,26 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Exists, func, select, text, update
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from scheduler.db import Database
-from scheduler.jobs import transition
+from scheduler.db import installation_id as installation_id
+from scheduler.gpus import FREE_BY_VM_SQL as FREE_BY_VM_SQL
+from scheduler.gpus import FREE_GPU, LEFTOVER_GPUS, USABLE_VM
+from scheduler.gpus import RECOUNT_SQL as RECOUNT_SQL
+from scheduler.gpus import refresh_available as refresh_available
+from scheduler.gpus import refresh_available_in_session as refresh_available_in_session
+from scheduler.gpus import release_in_session as release_in_session
+from scheduler.jobs import move_event_sql, move_set_sql, transition
+from scheduler.leftovers import AttemptRecord, abandon_attempt, leftover_may_run
+from scheduler.leftovers import close_leftover as close_leftover
+from scheduler.leftovers import record_leftover as record_leftover
 from scheduler.logging import get_logger
-from scheduler.models import VM, Installation, Job, StaleProcess
+from scheduler.models import Job
 from scheduler.remote import ROOT, Attempt, new_token
-from scheduler.states import FailureReason, JobStatus, VMStatus, check_move
+from scheduler.remote import stored_attempt as stored_attempt
+from scheduler.states import FailureReason, JobStatus
 from scheduler.validate import job_row_problem
 
 DEFAULT_LEASE_S = 60.0
@@ -42,34 +56,25 @@ free GPUs another dispatcher holds locked right now does not make the claim miss
 
 log = get_logger("claims")
 
-# A GPU is free when nvidia-smi says it is healthy and idle, rlfleet has not given it to a
-# job, its VM answers and is not draining, and no process left over from a lost VM may
-# still hold it (`blocked`, usually empty: computed once, then hash anti-joined). A
-# leftover blocks its GPUs by UUID (a renumbering cannot move them); rows written before
-# UUIDs were recorded block by index.
-_BLOCKED = """
-    blocked AS MATERIALIZED (
-        SELECT s.vm_id, u AS uuid, NULL::int AS index
-        FROM stale_processes s, unnest(s.gpu_uuids) u WHERE s.killed_at IS NULL
-        UNION ALL
-        SELECT s.vm_id, NULL, i FROM stale_processes s, unnest(s.gpu_indices) i
-        WHERE s.killed_at IS NULL AND s.gpu_uuids IS NULL
-    )
-"""
-_FREE_GPU = """
-    g.job_id IS NULL AND g.healthy AND NOT g.foreign_busy
-    AND NOT EXISTS (
-        SELECT 1 FROM blocked b
-        WHERE b.vm_id = g.vm_id AND (b.uuid = g.uuid OR b.index = g.index)
-    )
-"""
-
-_USABLE_VM = "v.status = 'healthy' AND NOT v.draining"
+# `transition(queued → starting)` fused into the claim, rendered from the move's one
+# definition (`jobs.move_values`): the same SET list and event row, in the same statement as
+# the GPU rows, so a claim is one round trip. clock_timestamp(), not now(): in a batch, now()
+# is when the transaction began, which can be before the GPU's previous job was released.
+_CLAIM_MOVE = move_set_sql(JobStatus.QUEUED, JobStatus.STARTING, clock="clock_timestamp()")
+_CLAIM_EVENT = move_event_sql(
+    JobStatus.QUEUED,
+    JobStatus.STARTING,
+    rows="moved",
+    job_id=":job_id",
+    reason="'claimed GPUs ' || array_to_string(gpu_indices, ',')",
+    actor=":actor",
+    attempt="attempt",
+)
 _CLAIM_TEMPLATE = f"""
-WITH {_BLOCKED}, cand AS (
+WITH {LEFTOVER_GPUS}, cand AS (
     SELECT g.vm_id, count(*) AS free
     FROM gpus g JOIN vms v ON v.id = g.vm_id
-    WHERE {_USABLE_VM} AND {_FREE_GPU} {{only_vms}}
+    WHERE {USABLE_VM} AND {FREE_GPU} {{only_vms}}
     GROUP BY g.vm_id
 ), fit AS (
     -- Best fit: the fullest VM that still fits. Ties are broken per job, so that
@@ -81,7 +86,7 @@ WITH {_BLOCKED}, cand AS (
     -- skipped, never waited for.
     SELECT f.vm_id, l.id, l.index, l.uuid FROM fit f CROSS JOIN LATERAL (
         SELECT g.id, g.index, g.uuid FROM gpus g
-        WHERE g.vm_id = f.vm_id AND {_FREE_GPU}
+        WHERE g.vm_id = f.vm_id AND {FREE_GPU}
         ORDER BY g.index LIMIT :need
         FOR UPDATE OF g SKIP LOCKED
     ) l
@@ -100,10 +105,8 @@ WITH {_BLOCKED}, cand AS (
     FROM chosen WHERE gpus.id = chosen.id
     RETURNING gpus.index
 ), moved AS (
-    -- `transition(queued → starting)` fused into the claim: the same guarded UPDATE and
-    -- event row, in the same statement as the GPU rows, so a claim is one round trip.
-    UPDATE jobs SET
-        status = 'starting', starting_at = clock_timestamp(), updated_at = clock_timestamp(),
+    -- `transition(queued → starting)`: the same guarded UPDATE (see _CLAIM_MOVE).
+    UPDATE jobs SET {_CLAIM_MOVE},
         attempt = attempt + 1,
         vm_id = (SELECT vm_id FROM chosen_vm),
         gpu_indices = (SELECT array_agg(index ORDER BY index) FROM chosen),
@@ -120,10 +123,7 @@ WITH {_BLOCKED}, cand AS (
         AND EXISTS (SELECT 1 FROM installation)
     RETURNING attempt, vm_id, gpu_indices, gpu_uuids, output_dir, launch_token
 ), event AS (
-    INSERT INTO job_events (job_id, from_status, to_status, reason, actor, attempt)
-    SELECT :job_id, 'queued', 'starting',
-           'claimed GPUs ' || array_to_string(gpu_indices, ','), :actor, attempt
-    FROM moved
+    {_CLAIM_EVENT}
 )
 SELECT m.vm_id, m.gpu_indices, m.gpu_uuids, m.attempt, m.output_dir, m.launch_token,
        (SELECT CAST(id AS text) FROM installation) AS installation,
@@ -134,14 +134,6 @@ CLAIM_SQL = text(_CLAIM_TEMPLATE.format(only_vms=""))
 CLAIM_SHORTLIST_SQL = text(_CLAIM_TEMPLATE.format(only_vms="AND g.vm_id = ANY(:vm_ids)"))
 """CLAIM_SQL among the VMs a batch's plan named: an index scan of a few VMs' GPU rows
 instead of counting every free GPU of the fleet again for every job."""
-FREE_BY_VM_SQL = text(
-    f"""
-WITH {_BLOCKED}
-SELECT g.vm_id, count(*) AS free FROM gpus g JOIN vms v ON v.id = g.vm_id
-WHERE {_USABLE_VM} AND {_FREE_GPU} GROUP BY g.vm_id
-"""
-)
-check_move(JobStatus.QUEUED, JobStatus.STARTING)  # the state machine still has the last word
 
 LARGEST_VM_SQL = text(
     "SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM gpus GROUP BY vm_id) c"
@@ -158,32 +150,18 @@ def unsatisfiable_reason(need: int, largest_vm: int) -> str:
 
 JOBS_EXISTING_SQL = text("SELECT id FROM jobs WHERE id = ANY(:ids)")
 
-MAX_KILL_WAITS = 5
-"""Failed kills of a job's leftover attempt after which its next attempt may start anyway
-(the leftover's GPUs stay blocked): a VM that answers SSH but cannot kill must not hold a
-job back for ever."""
-
-
-def leftover_may_run(job_id: Any) -> Exists:
-    """Whether an earlier attempt of the job may still run on a VM that answers, and is
-    still being killed. Such a job is neither claimed nor announced until the kill is done,
-    so that two attempts never run side by side (invariant 2). One on a VM that does not
-    answer cannot be waited for (`node_lost` retries it elsewhere)."""
-    return (
-        select(StaleProcess.id)
-        .join(VM, VM.id == StaleProcess.vm_id)
-        .where(
-            StaleProcess.job_id == job_id,
-            StaleProcess.killed_at.is_(None),
-            StaleProcess.attempts < MAX_KILL_WAITS,
-            VM.status != VMStatus.UNREACHABLE.value,
-        )
-        .exists()
-    )
-
-
+_RUNNING_MOVE = move_set_sql(JobStatus.STARTING, JobStatus.RUNNING)
+_RUNNING_EVENT = move_event_sql(
+    JobStatus.STARTING,
+    JobStatus.RUNNING,
+    rows="moved",
+    job_id="id",
+    reason="reason",
+    actor=":actor",
+    attempt="attempt",
+)
 MARK_RUNNING_BATCH_SQL = text(
-    """
+    f"""
 WITH launched AS (
     SELECT * FROM unnest(CAST(:job_ids AS bigint[]), CAST(:attempts AS integer[]),
                          CAST(:pids AS integer[]), CAST(:reasons AS text[]),
@@ -194,7 +172,8 @@ WITH launched AS (
     SELECT j.id FROM jobs j WHERE j.id IN (SELECT job_id FROM launched)
     ORDER BY j.id FOR UPDATE
 ), moved AS (
-    UPDATE jobs SET status = 'running', running_at = now(), updated_at = now(),
+    -- `transition(starting → running)` for each launched attempt (see _RUNNING_MOVE).
+    UPDATE jobs SET {_RUNNING_MOVE},
                     remote_pid = l.pid, attempt_dir = l.dir, lease_expires_at = NULL
     FROM launched l
     WHERE jobs.id = l.job_id AND jobs.id IN (SELECT id FROM locked)
@@ -202,13 +181,11 @@ WITH launched AS (
     RETURNING jobs.id, jobs.attempt, jobs.queued_at, jobs.starting_at, jobs.submitted_at,
               jobs.running_at, l.reason
 ), event AS (
-    INSERT INTO job_events (job_id, from_status, to_status, reason, actor, attempt)
-    SELECT id, 'starting', 'running', reason, :actor, attempt FROM moved
+    {_RUNNING_EVENT}
 )
 SELECT id, attempt, queued_at, starting_at, submitted_at, running_at FROM moved
 """
 )
-check_move(JobStatus.STARTING, JobStatus.RUNNING)
 
 
 @dataclass(frozen=True)
@@ -523,90 +500,20 @@ async def mark_running_batch(
     return {row.id: Running(*row[1:]) for row in rows}
 
 
-async def release_in_session(session: AsyncSession, job_id: int) -> list[int]:
-    """Free every GPU allocated to `job_id` (caller's transaction); returns their indices."""
-    rows = (
-        await session.execute(
-            text(
-                "UPDATE gpus SET job_id = NULL, allocated_at = NULL, updated_at = now() "
-                "WHERE job_id = :job_id RETURNING vm_id, index"
-            ),
-            {"job_id": job_id},
-        )
-    ).all()
-    await refresh_available_in_session(session, {vm_id for vm_id, _index in rows})
-    return sorted(index for _vm, index in rows)
-
-
-AVAILABLE_SQL = text(
-    f"""
-WITH {_BLOCKED}, ordered AS MATERIALIZED (
-    -- A recount never waits for a VM row another transaction holds: it skips it. Waiting
-    -- could deadlock with a transaction that releases several jobs' GPUs (each release
-    -- recounts its VMs, in job order); the skipped count is redone within the second by
-    -- the dispatcher's and the poller's own recounts.
-    SELECT id FROM vms WHERE id = ANY(:ids) ORDER BY id FOR UPDATE SKIP LOCKED
-)
-UPDATE vms v SET available_gpus = (
-    SELECT count(*) FROM gpus g WHERE g.vm_id = v.id AND {_FREE_GPU}
-)
-FROM ordered o WHERE v.id = o.id
-"""
-)
-
-
-RECOUNT_SQL = text(
-    f"""
-WITH {_BLOCKED}
-UPDATE vms v SET available_gpus = (
-    SELECT count(*) FROM gpus g WHERE g.vm_id = v.id AND {_FREE_GPU}
-)
-WHERE v.id = ANY(:ids)
-"""
-)
-"""AVAILABLE_SQL that waits for the VM rows: for a transaction that holds them already (the
-poller's, which has just written them), and that must not skip any."""
-
-
-async def refresh_available_in_session(session: AsyncSession, vm_ids: set[int]) -> None:
-    """Recount `vms.available_gpus` of these VMs from their GPU rows (caller's transaction).
-
-    Claims do not touch the `vms` row: every claim on a VM would queue on that one row lock
-    until the previous commit. The count is refreshed after the fact instead (dispatcher,
-    release, and every poll), so it is informational and never decides a claim.
-    """
-    if vm_ids:
-        await session.execute(AVAILABLE_SQL, {"ids": sorted(vm_ids)})
-
-
-async def refresh_available(db: Database, vm_ids: set[int]) -> None:
-    """`refresh_available_in_session` in a short transaction of its own."""
-    async with db.transaction() as session:
-        await refresh_available_in_session(session, vm_ids)
-
-
 async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:
     """Take back claims whose launch was never confirmed: `starting` jobs past their lease.
 
-    Each such job's GPUs are freed and it goes back to `queued` (publish it again). The
+    Each such job goes back to `queued` (publish it again) and its GPUs are freed. The
     attempt may still have started on the VM (a dispatcher that died after the launch but
-    before recording it), so a `stale_processes` row is written for it: its GPUs are not
-    offered again until that attempt is known to be dead (the kill reads its pid file).
-    Returns the ids of the jobs requeued.
+    before recording it), so it is abandoned as a leftover (`leftovers.abandon_attempt`):
+    its GPUs are not offered again until that attempt is known to be dead (the kill reads
+    its pid file). Returns the ids of the jobs requeued.
     """
     expired: list[int] = []
     async with db.transaction() as session:
         rows = (
             await session.execute(
-                select(
-                    Job.id,
-                    Job.vm_id,
-                    Job.attempt,
-                    Job.gpu_indices,
-                    Job.gpu_uuids,
-                    Job.launch_token,
-                    Job.attempt_dir,
-                )
+                select(*AttemptRecord.columns())
                 .where(
                     Job.status == JobStatus.STARTING.value,
                     Job.lease_expires_at < func.now(),
@@ -615,113 +522,18 @@ async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:
                 .with_for_update(skip_locked=True)
             )
         ).all()
-        for job_id, vm_id, attempt, gpu_indices, gpu_uuids, token, attempt_dir in rows:
-            moved = await transition(
+        for row in rows:
+            if await abandon_attempt(
                 session,
-                job_id,
+                AttemptRecord.from_row(row),
                 expected=JobStatus.STARTING,
                 to=JobStatus.QUEUED,
                 reason="claim lease expired before the launch was confirmed",
                 actor=actor,
-                values={"lease_expires_at": None, "published_at": None},
-            )
-            if not moved:
-                continue
-            await release_in_session(session, job_id)
-            if vm_id is not None:
-                await record_leftover(
-                    session,
-                    vm_id=vm_id,
-                    job_id=job_id,
-                    attempt=attempt,
-                    gpu_indices=gpu_indices,
-                    gpu_uuids=gpu_uuids,
-                    reason="lease_expired",
-                    token=token,
-                    attempt_dir=attempt_dir,
-                )
-            expired.append(job_id)
+                leftover="lease_expired",
+                values={"published_at": None},
+            ):
+                expired.append(row.id)
     for job_id in expired:
         log.warning("lease_expired", job_id=job_id)
     return expired
-
-
-async def record_leftover(
-    session: AsyncSession,
-    *,
-    vm_id: int,
-    job_id: int,
-    attempt: int,
-    gpu_indices: Sequence[int] | None,
-    reason: str,
-    token: str | None,
-    attempt_dir: str | None = None,
-    pid: int | None = None,
-    gpu_uuids: Sequence[str] | None = None,
-) -> None:
-    """Note an attempt that may still run on its VM (caller's transaction): its GPUs are
-    kept out of every claim, and its job is not claimed again, until a kill proves it
-    dead (`close_leftover`). Once per (VM, job, attempt). `token` and `attempt_dir` are the
-    job row's for that attempt: the kill finds its directory by them."""
-    await session.execute(
-        insert(StaleProcess)
-        .values(
-            vm_id=vm_id,
-            job_id=job_id,
-            attempt=attempt,
-            launch_token=token,
-            attempt_dir=attempt_dir,
-            pid=pid,
-            gpu_indices=list(gpu_indices) if gpu_indices else None,
-            gpu_uuids=list(gpu_uuids) if gpu_uuids else None,
-            reason=reason,
-        )
-        .on_conflict_do_nothing()
-    )
-
-
-async def close_leftover(
-    session: AsyncSession, *, vm_id: int, job_id: int, attempt: int, error: str | None = None
-) -> None:
-    """Count one kill of a leftover attempt: with no `error` it is dead, and its GPUs and
-    job are free again; otherwise remember why not (the requeue manager tries again)."""
-    values: dict[str, Any] = {"attempts": StaleProcess.attempts + 1, "last_error": error}
-    if error is None:
-        values["killed_at"] = func.now()
-    await session.execute(
-        update(StaleProcess)
-        .where(
-            StaleProcess.vm_id == vm_id,
-            StaleProcess.job_id == job_id,
-            StaleProcess.attempt == attempt,
-            StaleProcess.killed_at.is_(None),
-        )
-        .values(**values)
-        .execution_options(synchronize_session=False)
-    )
-
-
-async def installation_id(session: AsyncSession | AsyncConnection) -> str:
-    """This database's installation UUID (`models.Installation`), as text."""
-    value = await session.scalar(select(Installation.id))
-    if value is None:
-        raise RuntimeError("the database has no installation row: run `rlfleet db upgrade`")
-    return str(value)
-
-
-def stored_attempt(
-    installation: str,
-    job_id: int,
-    attempt: int,
-    token: str | None,
-    attempt_dir: str | None = None,
-) -> Attempt | None:
-    """The `Attempt` a job or leftover row names, or None when the row has no (valid)
-    token: such an attempt has no directory anyone may look at."""
-    if token is None or attempt < 1:
-        return None
-    try:
-        run = Attempt(installation, job_id, attempt, token)
-    except ValueError:
-        return None
-    return run.located(attempt_dir)

@@ -13,17 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler import bus
-from scheduler.claims import (
-    close_leftover,
-    installation_id,
-    record_leftover,
-    release_in_session,
-    stored_attempt,
-)
-from scheduler.db import Database
+from scheduler.db import Database, installation_id
 from scheduler.errors import BadInput, ServiceUnavailable
 from scheduler.jobs import get_job, transition
 from scheduler.kill import kill_attempt
+from scheduler.leftovers import AttemptRecord, abandon_attempt, close_leftover
 from scheduler.logging import get_logger
 from scheduler.remote import (
     NO_FILE_EXIT,
@@ -31,6 +25,7 @@ from scheduler.remote import (
     Attempt,
     parse_tokens,
     read_file_script,
+    stored_attempt,
     tokens_script,
 )
 from scheduler.settings import Settings
@@ -111,12 +106,13 @@ async def cancel_job(
     """Cancel any job that is not final; a live one has its process group killed on its VM
     (TERM, then KILL after `grace_s`). `BadInput` if final.
 
-    One transaction moves the job to `cancelled`, frees its GPUs and, for a live attempt,
-    writes a `stale_processes` row that keeps those GPUs out of every claim until the
-    attempt is known to be dead. The kill runs after it (no transaction open); if it proves
-    the attempt dead, a second transaction closes the row. If the kill cannot tell (VM
-    unreachable) or this process dies in between, the requeue manager kills the attempt
-    later and closes the row: nothing is left holding GPUs with nobody to free them.
+    One transaction moves the job to `cancelled` and, for a live attempt, records it as a
+    leftover that keeps its GPUs out of every claim until the attempt is known to be dead
+    (`leftovers.abandon_attempt`), and frees the job's GPUs. The kill runs after it (no
+    transaction open); if it proves the attempt dead, a second transaction closes the row.
+    If the kill cannot tell (VM unreachable) or this process dies in between, the requeue
+    manager kills the attempt later and closes the row: nothing is left holding GPUs with
+    nobody to free them.
     """
     for _ in range(5):
         place = await load_place(db, job_id)
@@ -125,34 +121,27 @@ async def cancel_job(
             raise BadInput(f"job {job_id} is already {status}; there is nothing to cancel")
         live = status in LIVE_STATES and place.target is not None
         async with db.transaction() as session:
-            moved = await transition(
+            moved = await abandon_attempt(
                 session,
-                job_id,
+                AttemptRecord(
+                    job_id,
+                    # The attempt read above: if the job went on to another one meanwhile,
+                    # this move loses and the loop looks again.
+                    place.attempt,
+                    place.target.id if place.target is not None else None,
+                    place.gpu_indices,
+                    place.gpu_uuids,
+                    place.run.token if place.run is not None else None,
+                    place.run.path if place.run is not None else None,
+                    place.remote_pid,
+                ),
                 expected=status,
                 to=JobStatus.CANCELLED,
                 reason="cancelled by the user",
                 actor=actor,
-                values={"status_reason": "cancelled by the user", "lease_expires_at": None},
-                # The attempt read above: if the job went on to another one meanwhile,
-                # this move loses and the loop looks again.
-                attempt=place.attempt,
+                leftover="cancelled" if live else None,
+                values={"status_reason": "cancelled by the user"},
             )
-            if moved:
-                await release_in_session(session, job_id)  # none unless live; be sure
-                if live:
-                    assert place.target is not None
-                    await record_leftover(
-                        session,
-                        vm_id=place.target.id,
-                        job_id=job_id,
-                        attempt=place.attempt,
-                        gpu_indices=place.gpu_indices,
-                        gpu_uuids=place.gpu_uuids,
-                        reason="cancelled",
-                        token=place.run.token if place.run is not None else None,
-                        attempt_dir=place.run.path if place.run is not None else None,
-                        pid=place.remote_pid,
-                    )
         if not moved:
             continue  # it moved under us: look again
         if not live:

@@ -5,14 +5,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
     create_async_engine,
 )
 
+from scheduler.models import Installation
 from scheduler.settings import normalize_database_url
 
 
@@ -68,3 +71,11 @@ class Database:
     async def dispose(self) -> None:
         """Close every pooled connection."""
         await self.engine.dispose()
+
+
+async def installation_id(session: AsyncSession | AsyncConnection) -> str:
+    """This database's installation UUID (`models.Installation`), as text."""
+    value = await session.scalar(select(Installation.id))
+    if value is None:
+        raise RuntimeError("the database has no installation row: run `rlfleet db upgrade`")
+    return str(value)

@@ -48,15 +48,13 @@ from scheduler.claims import (
     Running,
     claim_batch,
     mark_running_batch,
-    record_leftover,
-    refresh_available,
-    release_in_session,
 )
 from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database, is_unavailable
 from scheduler.errors import error_line
-from scheduler.jobs import transition
+from scheduler.gpus import refresh_available
 from scheduler.kill import kill_attempt
+from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.liveness import Liveness, checked_liveness, fence_options
 from scheduler.logging import get_logger
 from scheduler.remote import (
@@ -573,34 +571,25 @@ class GlobalJobDispatcher:
         reason = f"launch failed: {error}"[:500]
         try:
             async with self.db.transaction() as session:
-                moved = await transition(
+                # The launch may have started after all (a timeout, a dropped link): its
+                # attempt is a leftover, its GPUs out of use until it is known to be dead.
+                moved = await abandon_attempt(
                     session,
-                    claim.job_id,
+                    AttemptRecord(
+                        claim.job_id,
+                        claim.attempt,  # not the next attempt, if the lease ran out
+                        target.id,
+                        claim.gpu_indices,
+                        claim.gpu_uuids,
+                        claim.token,
+                    ),
                     expected=JobStatus.STARTING,
                     to=JobStatus.FAILED,
                     reason=reason,
                     actor=self.actor,
-                    values={
-                        "failure_reason": FailureReason.LAUNCH_FAILED.value,
-                        "status_reason": reason,
-                        "lease_expires_at": None,
-                    },
-                    attempt=claim.attempt,  # not the next attempt, if the lease ran out
+                    leftover="launch_failed",
+                    failure_reason=FailureReason.LAUNCH_FAILED.value,
                 )
-                if moved:
-                    await release_in_session(session, claim.job_id)
-                    # The launch may have started after all (a timeout, a dropped link):
-                    # keep its GPUs out of use until that attempt is known to be dead.
-                    await record_leftover(
-                        session,
-                        vm_id=target.id,
-                        job_id=claim.job_id,
-                        attempt=claim.attempt,
-                        gpu_indices=claim.gpu_indices,
-                        gpu_uuids=claim.gpu_uuids,
-                        reason="launch_failed",
-                        token=claim.token,
-                    )
         except Exception as exc:
             if is_unavailable(exc):
                 raise TransientError(_db_error(exc)) from exc
@@ -615,8 +604,8 @@ class GlobalJobDispatcher:
 
     async def _kill_quietly(self, claim: Claim, target: VMTarget, path: str | None) -> None:
         """Kill a superseded attempt. Its job has moved on without it, and whoever moved it
-        (cancel, an expired lease) left a `stale_processes` row that keeps its GPUs blocked
-        until the attempt is known dead: a failed kill here is retried by the requeue
+        (cancel, an expired lease) recorded this attempt as a leftover, which keeps its GPUs
+        blocked until the attempt is known dead: a failed kill here is retried by the requeue
         manager."""
         kill = await kill_attempt(
             self.transport,

@@ -11,10 +11,14 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
-from scheduler.claims import record_leftover, release_in_session
 from scheduler.errors import BadInput, NotFound
-from scheduler.jobs import transition
-from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM, Job, StaleProcess
+from scheduler.leftovers import (
+    AttemptRecord,
+    abandon_attempt,
+    open_leftover_count,
+    open_leftover_on_vm,
+)
+from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM, Job
 from scheduler.states import LIVE_STATES, FailureReason, JobStatus
 from scheduler.validate import check_text
 
@@ -113,16 +117,6 @@ async def live_job_count(session: AsyncSession, vm_id: int) -> int:
     return int(count or 0)
 
 
-async def leftover_count(session: AsyncSession, vm_id: int) -> int:
-    """How many processes of earlier attempts on the VM are still to be killed."""
-    count = await session.scalar(
-        select(func.count())
-        .select_from(StaleProcess)
-        .where(StaleProcess.vm_id == vm_id, StaleProcess.killed_at.is_(None))
-    )
-    return int(count or 0)
-
-
 @dataclass(frozen=True)
 class Removal:
     """What `remove_vm` did: `removed` (the row is gone) or `removing` (its jobs failed,
@@ -146,16 +140,7 @@ async def fail_jobs_of_removed_vm(
     Returns the ids of the jobs failed."""
     rows = (
         await session.execute(
-            select(
-                Job.id,
-                Job.status,
-                Job.attempt,
-                Job.remote_pid,
-                Job.gpu_indices,
-                Job.gpu_uuids,
-                Job.launch_token,
-                Job.attempt_dir,
-            )
+            select(*AttemptRecord.columns(), Job.status)
             .where(Job.vm_id == vm_id, Job.status.in_([s.value for s in LIVE_STATES]))
             .order_by(Job.id)
             .with_for_update()
@@ -164,38 +149,17 @@ async def fail_jobs_of_removed_vm(
     why = f"{VM_REMOVED}: VM {vm_name} was removed while the job ran"
     failed = []
     for row in rows:
-        moved = await transition(
+        if await abandon_attempt(
             session,
-            row.id,
+            AttemptRecord.from_row(row),
             expected=JobStatus(row.status),
             to=JobStatus.FAILED,
             reason=why,
             actor=actor,
-            values={
-                "failure_reason": VM_REMOVED,
-                "exit_code": None,
-                "status_reason": why,
-                "lease_expires_at": None,
-                "next_attempt_at": None,
-            },
-            attempt=row.attempt,
-        )
-        if not moved:
-            continue
-        await record_leftover(
-            session,
-            vm_id=vm_id,
-            job_id=row.id,
-            attempt=row.attempt,
-            gpu_indices=row.gpu_indices,
-            gpu_uuids=row.gpu_uuids,
-            reason=VM_REMOVED,
-            token=row.launch_token,
-            attempt_dir=row.attempt_dir,
-            pid=row.remote_pid,
-        )
-        await release_in_session(session, row.id)
-        failed.append(row.id)
+            leftover=VM_REMOVED,
+            failure_reason=VM_REMOVED,
+        ):
+            failed.append(row.id)
     return failed
 
 
@@ -214,7 +178,7 @@ async def remove_vm(
     if vm is None:
         raise NotFound(f"no VM named {name!r}")
     live = await live_job_count(session, vm.id)
-    leftovers = await leftover_count(session, vm.id)
+    leftovers = await open_leftover_count(session, vm.id)
     if not force and (live or leftovers):
         what = " and ".join(
             text
@@ -236,7 +200,7 @@ async def remove_vm(
     vm.draining = True
     failed = await fail_jobs_of_removed_vm(session, vm.id, vm.name, actor=actor)
     await session.flush()
-    return Removal("removing", failed, await leftover_count(session, vm.id))
+    return Removal("removing", failed, await open_leftover_count(session, vm.id))
 
 
 async def delete_removed_vms(session: AsyncSession, *, actor: str) -> list[str]:
@@ -248,11 +212,10 @@ async def delete_removed_vms(session: AsyncSession, *, actor: str) -> list[str]:
         await fail_jobs_of_removed_vm(session, vm_id, vm_name, actor=actor)
     if not removing:
         return []
-    open_leftover = exists().where(StaleProcess.vm_id == VM.id, StaleProcess.killed_at.is_(None))
     live_job = exists().where(Job.vm_id == VM.id, Job.status.in_([s.value for s in LIVE_STATES]))
     deleted = await session.execute(
         delete(VM)
-        .where(VM.removing, ~open_leftover, ~live_job)
+        .where(VM.removing, ~open_leftover_on_vm(VM.id), ~live_job)
         .returning(VM.name)
         .execution_options(synchronize_session=False)
     )

@@ -36,9 +36,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
 from scheduler.aio import sleep_or_stop
-from scheduler.claims import RECOUNT_SQL, installation_id, release_in_session, stored_attempt
 from scheduler.daemon import daemon_options, daemon_settings, run_service
-from scheduler.db import Database
+from scheduler.db import Database, installation_id
+from scheduler.gpus import RECOUNT_SQL, release_in_session
 from scheduler.jobs import transition
 from scheduler.liveness import (
     POLL_INTERVAL_ENV,
@@ -50,7 +50,13 @@ from scheduler.liveness import (
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM, Job
 from scheduler.nvidia_smi import PollResult, parse_poll, poll_command
-from scheduler.remote import ENTRY_BROKEN_MARK, Attempt, RemoteJobState, entry_check_words
+from scheduler.remote import (
+    ENTRY_BROKEN_MARK,
+    Attempt,
+    RemoteJobState,
+    entry_check_words,
+    stored_attempt,
+)
 from scheduler.retry import VM_FAULT_EXITS
 from scheduler.settings import Settings
 from scheduler.states import LIVE_STATES, FailureReason, JobStatus, VMStatus

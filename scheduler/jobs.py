@@ -1,19 +1,122 @@
-"""Every job state change goes through `transition`: a guarded UPDATE plus an event row."""
+"""Every job state change goes through `transition`: a guarded UPDATE plus an event row.
+
+The dispatcher's hot path moves jobs `queued → starting` and `starting → running` in
+statements of its own (`scheduler.claims`), one round trip per batch; they render the same
+move with `move_set_sql` and `move_event_sql`, from the one definition `move_values`
+that `transition` applies, so the two paths write the same rows
+(tests/integration/test_transitions.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
 from scheduler.errors import BadInput, NotFound
 from scheduler.models import Job, JobEvent
+from scheduler.retry import is_machine_fault
 from scheduler.states import STATE_TIMESTAMP, JobStatus, check_move
 from scheduler.validate import MAX_GPUS, MAX_RETRIES, check_int, check_text, extra_args_problem
+
+
+class _Clock:
+    """The statement's clock in `move_values`: `now()` in `transition`, whatever clock a
+    fast path's statement uses when rendered (`move_set_sql`)."""
+
+    def __repr__(self) -> str:
+        return "CLOCK"
+
+
+CLOCK = _Clock()
+
+EVENT_COLUMNS = ("job_id", "from_status", "to_status", "reason", "actor", "attempt")
+"""The columns of a move's `job_events` row, in the order `move_event_sql` fills them."""
+
+
+def move_values(sources: Sequence[JobStatus], to: JobStatus) -> dict[str, Any]:
+    """The columns EVERY move from one of `sources` to `to` sets, whatever else the mover
+    sets: the state, the state's timestamp and `updated_at` (`CLOCK`), and the retry
+    decision cleared (a decision belongs to one failure; a move starts or ends one). A move
+    the state machine forbids raises `IllegalMove`.
+
+    The one definition of a move's bookkeeping: `transition` applies it, and the claim and
+    running statements of `scheduler.claims` render it with `move_set_sql`."""
+    for source in sources:
+        check_move(source, to)
+    values: dict[str, Any] = {
+        "status": to.value,
+        STATE_TIMESTAMP[to]: CLOCK,
+        "updated_at": CLOCK,
+        "retry_decision": None,
+    }
+    if JobStatus.FAILED in sources:
+        # A retry time belongs to one failure; leaving `failed` (by any path) ends it.
+        values["next_attempt_at"] = None
+    return values
+
+
+def move_set_sql(src: JobStatus, to: JobStatus, *, clock: str = "now()") -> str:
+    """`move_values(src → to)` as the SET list of a hand-written UPDATE of `jobs`, with
+    `clock` for the timestamps. Raises `IllegalMove` for a forbidden move, so a statement
+    rendered at import cannot drift from the state machine."""
+    return ", ".join(
+        f"{column} = {_sql_value(value, clock)}" for column, value in move_values([src], to).items()
+    )
+
+
+def move_event_sql(
+    src: JobStatus,
+    to: JobStatus,
+    *,
+    rows: str,
+    job_id: str,
+    reason: str,
+    actor: str,
+    attempt: str,
+) -> str:
+    """The `INSERT … SELECT` of a move's event rows, one per row of `rows` (a CTE, a
+    subquery), each column given as SQL over those rows or as a bind parameter."""
+    check_move(src, to)
+    picked = ", ".join(
+        (job_id, _sql_value(src.value, ""), _sql_value(to.value, ""), reason, actor, attempt)
+    )
+    return f"INSERT INTO job_events ({', '.join(EVENT_COLUMNS)}) SELECT {picked} FROM {rows}"
+
+
+_EVENT_SQL: dict[tuple[JobStatus, JobStatus], Any] = {}
+
+
+def _event_statement(src: JobStatus, to: JobStatus) -> Any:
+    """`transition`'s event insert: `move_event_sql` over a one-row source, cached."""
+    key = (src, to)
+    if key not in _EVENT_SQL:
+        _EVENT_SQL[key] = text(
+            move_event_sql(
+                src,
+                to,
+                rows="(SELECT 1) AS one",
+                job_id=":job_id",
+                reason=":reason",
+                actor=":actor",
+                attempt=":attempt",
+            )
+        )
+    return _EVENT_SQL[key]
+
+
+def _sql_value(value: Any, clock: str) -> str:
+    """A `move_values` value as SQL text: the clock, NULL, or a state name."""
+    if value is CLOCK:
+        return clock
+    if value is None:
+        return "NULL"
+    if isinstance(value, str) and value in {s.value for s in JobStatus}:
+        return f"'{value}'"
+    raise TypeError(f"not a move value: {value!r}")
 
 
 async def transition(
@@ -33,28 +136,26 @@ async def transition(
     wins; the loser gets False and must do nothing further. With `attempt`, it is guarded
     by the attempt too: news about an old attempt cannot move the job's next one. `values`
     sets more columns in the same statement. A move the state machine forbids raises
-    `IllegalMove`.
+    `IllegalMove`. A move into `failed` for a machine fault (`retry.is_machine_fault`)
+    counts one more in `machine_faults`.
     """
     sources = [JobStatus(expected)] if isinstance(expected, str) else list(expected)
-    for source in sources:
-        check_move(source, to)
     changes: dict[str, Any] = {
-        "status": to.value,
-        STATE_TIMESTAMP[to]: func.now(),
-        "updated_at": func.now(),
+        column: func.now() if value is CLOCK else value
+        for column, value in move_values(sources, to).items()
     }
-    if JobStatus.FAILED in sources and to != JobStatus.FAILED:
-        # A retry time belongs to one failure; leaving `failed` (by any path) ends it.
-        changes["next_attempt_at"] = None
     changes.update(values or {})
+    if to == JobStatus.FAILED and _is_machine_fault(changes):
+        changes["machine_faults"] = Job.machine_faults + 1
     if len(sources) == 1:
-        src: str | None = sources[0].value
+        src = sources[0]
     else:
         # Several possible sources: lock the row to learn which one the event records.
-        src = await session.scalar(select(Job.status).where(Job.id == job_id).with_for_update())
-        if src not in {source.value for source in sources}:
+        now = await session.scalar(select(Job.status).where(Job.id == job_id).with_for_update())
+        if now not in {source.value for source in sources}:
             return False
-    guard = [Job.id == job_id, Job.status == src]
+        src = JobStatus(now)
+    guard = [Job.id == job_id, Job.status == src.value]
     if attempt is not None:
         guard.append(Job.attempt == attempt)
     row = (
@@ -69,16 +170,19 @@ async def transition(
     if row is None:
         return False
     await session.execute(
-        insert(JobEvent).values(
-            job_id=job_id,
-            from_status=src,
-            to_status=to.value,
-            reason=reason,
-            actor=actor,
-            attempt=row.attempt,
-        )
+        _event_statement(src, to),
+        {"job_id": job_id, "reason": reason, "actor": actor, "attempt": row.attempt},
     )
     return True
+
+
+def _is_machine_fault(changes: Mapping[str, Any]) -> bool:
+    """Whether the failure a move records (`failure_reason`, `exit_code` among the values
+    it sets) is the VM's fault; values given as SQL expressions are not."""
+    reason, exit_code = changes.get("failure_reason"), changes.get("exit_code")
+    if not isinstance(reason, str) or not isinstance(exit_code, int | None):
+        return False
+    return is_machine_fault(reason, exit_code)
 
 
 async def create_job(session: AsyncSession, *, actor: str, **fields: Any) -> Job:
@@ -237,6 +341,8 @@ def job_to_dict(job: Job, *, events: bool = False) -> dict[str, Any]:
         "attempt_dir": job.attempt_dir,
         "completed_attempt": job.completed_attempt,
         "next_attempt_at": job.next_attempt_at,
+        "retry_decision": job.retry_decision,
+        "machine_faults": job.machine_faults,
         "submitted_at": job.submitted_at,
         "starting_at": job.starting_at,
         "running_at": job.running_at,

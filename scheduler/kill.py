@@ -1,5 +1,5 @@
-"""Kill one attempt on its VM over SSH: the one way cancel, the dispatcher and the requeue
-manager all do it, so they read the answer the same way.
+"""Kill one attempt on its VM over SSH: the one way cancel, the dispatcher and the leftover
+sweep (`scheduler.leftovers`) all do it, so they read the answer the same way.
 
 `KillResult.dead` is the only thing that may free an attempt's GPUs: it is true when the
 kill script reports that the attempt runs no process and never will (see

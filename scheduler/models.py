@@ -28,7 +28,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from scheduler.states import JobStatus
+from scheduler.states import JobStatus, RetryDecision
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -44,6 +44,7 @@ MAX_GPUS = 1024
 MAX_RETRIES = 1000
 """Most retries one job may ask for (`ck_jobs_counts_sane`)."""
 _JOB_STATUSES = ", ".join(f"'{s.value}'" for s in JobStatus)
+_RETRY_DECISIONS = ", ".join(f"'{d.value}'" for d in RetryDecision)
 
 DEFAULT_ENTRYPOINT = "training.train_grpo"
 """What a VM runs to train when it names nothing else: `python -m training.train_grpo`."""
@@ -223,6 +224,12 @@ class Job(Base):
     """While `starting`: when the claim may be taken back if the launch never confirmed."""
     next_attempt_at: Mapped[datetime | None] = mapped_column(_now())
     """While `failed` with retries left: not retried before this time."""
+    retry_decision: Mapped[str | None] = mapped_column(String(16))
+    """While `failed`: what the requeue manager decided about this failure, `retry` (at
+    `next_attempt_at`) or `give_up`; NULL: not decided yet. Every move clears it."""
+    machine_faults: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Failures of this job that were the VM's fault (`retry.is_machine_fault`: node lost,
+    VM removed, VM unable to start training), counted for the retry policy's cap."""
     published_at: Mapped[datetime | None] = mapped_column(_now())
     """Last publish to jobs.new; NULL means queued but never published."""
     submitted_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
@@ -257,6 +264,10 @@ class Job(Base):
             name="counts_sane",
         ),
         CheckConstraint(
+            f"retry_decision IN ({_RETRY_DECISIONS}) AND machine_faults >= 0",
+            name="retry_bookkeeping",
+        ),
+        CheckConstraint(
             "model <> '' AND dataset <> '' AND reward_function <> ''", name="spec_nonempty"
         ),
         Index("ix_jobs_status_priority", "status", text("priority DESC"), "id"),
@@ -282,9 +293,10 @@ class JobEvent(Base):
     job: Mapped[Job] = relationship(back_populates="events")
 
 
-class StaleProcess(Base):
-    """A job's process left behind on a VM that was lost: it must be killed when the VM
-    answers again, and the GPUs it held are not offered until then (invariant 2)."""
+class Leftover(Base):
+    """An attempt that may still run on its VM after its job moved on (`scheduler.leftovers`):
+    it must be killed when the VM answers, and the GPUs it held are not offered until then
+    (invariant 2). The table keeps its first name, `stale_processes`."""
 
     __tablename__ = "stale_processes"
 
@@ -317,3 +329,7 @@ class StaleProcess(Base):
         CheckConstraint(TOKEN_CHECK, name="launch_token_hex"),
         CheckConstraint(ATTEMPT_DIR_CHECK, name="attempt_dir_absolute"),
     )
+
+
+StaleProcess = Leftover
+"""`Leftover` by its table's name, for code written before the class was renamed."""

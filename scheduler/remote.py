@@ -125,6 +125,24 @@ class Attempt:
             return self
 
 
+def stored_attempt(
+    installation: str,
+    job_id: int,
+    attempt: int,
+    token: str | None,
+    attempt_dir: str | None = None,
+) -> Attempt | None:
+    """The `Attempt` a job or leftover row names, or None when the row has no (valid)
+    token: such an attempt has no directory anyone may look at."""
+    if token is None or attempt < 1:
+        return None
+    try:
+        run = Attempt(installation, job_id, attempt, token)
+    except ValueError:
+        return None
+    return run.located(attempt_dir)
+
+
 def job_base(installation: str, job_id: int) -> str:
     """The directory of every attempt of a job, relative to $HOME."""
     return f"{ROOT}/{check_installation(installation)}/jobs/{int(job_id)}"

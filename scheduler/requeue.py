@@ -3,18 +3,20 @@
 `rlfleet requeue` / `python -m scheduler.requeue`. Every `--interval` seconds one tick:
 
 1. **Expired claims** — `starting` jobs past their lease go back to `queued`, GPUs freed
-   (`scheduler.claims.expire_leases`, which records the attempt as possibly left over).
+   (`scheduler.claims.expire_leases`, which records the attempt as a leftover).
 2. **Lost nodes** — `running`/`starting` jobs on a VM the poller has found unreachable,
    and that has not answered for longer than `--node-lost-timeout` (counted from its last
-   answer), fail with `node_lost`; their GPUs are freed in the books and a
-   `stale_processes` row is written. A shorter blip restarts nothing. The timeout exceeds
-   the attempts' fence (`--fence-after` + grace), so the attempt has stopped itself by
-   then even if the VM never answers again.
-3. **Decisions** — a failed job that has no decision yet gets one from
-   `scheduler.retry.decide`: `next_attempt_at`, or a status_reason "gave up …" that stays.
-4. **Retries** — failed jobs whose `next_attempt_at` has come go back to `queued`
-   (`retry_count + 1`, except after a machine fault — `node_lost`, `vm_removed`, or
-   `launch_failed` with exit 126/127 — which does not count).
+   answer), fail with `node_lost`; their attempts are recorded as leftovers and their
+   GPUs freed in the books (`leftovers.abandon_attempt`). A shorter blip restarts
+   nothing. The timeout exceeds the attempts' fence (`--fence-after` + grace), so the
+   attempt has stopped itself by then even if the VM never answers again.
+3. **Decisions** — a failed job that has no decision yet (`retry_decision` NULL) gets
+   one from `scheduler.retry.decide`: `retry` at `next_attempt_at`, or `give_up` with a
+   status_reason "gave up …" that stays. The policy's cap on machine faults reads the
+   job's `machine_faults`, which `jobs.transition` counts.
+4. **Retries** — failed jobs decided `retry` whose `next_attempt_at` has come go back to
+   `queued` (`retry_count + 1`, except after a machine fault — `node_lost`,
+   `vm_removed`, or `launch_failed` with exit 126/127 — which does not count).
 5. **Pending jobs** — put back in the queue when the fleet reports free GPUs that fit
    them, in priority then submission order, or after `--pending-timeout` anyway.
    Anti-starvation (honest and simple): once a job that does not fit now, but fits on
@@ -23,12 +25,12 @@
    jobs finishing meanwhile free up accumulate for it. The dispatcher places greedily and fresh
    submissions still go straight to it; this rule only governs what the requeue manager
    announces again.
-6. **Stale processes** — for each `stale_processes` row not yet killed whose VM answers
-   SSH, the attempt's process group is killed (TERM, then KILL) over SSH; only then is
-   the row closed, and the claim query offers the GPUs again (it skips GPUs listed in an
-   open row). A VM marked `removing` by `vm remove --force` is deleted once none of its
-   rows is open (and its jobs are failed as `vm_removed`, should one have reached it). An
-   attempt its watchdog had fenced gets an event saying so.
+6. **Leftovers** — for each leftover not yet killed whose VM answers SSH, the attempt's
+   process group is killed (TERM, then KILL) over SSH; only then is its row closed, and
+   the claim query offers the GPUs again (it skips GPUs an open row lists): the sweep of
+   `scheduler.leftovers.LeftoverSweep`. A VM marked `removing` by `vm remove --force` is
+   deleted once none of its rows is open (and its jobs are failed as `vm_removed`, should
+   one have reached it). An attempt its watchdog had fenced gets an event saying so.
 7. **Announcements** — every queued job whose current queued spell was never announced
    (`published_at` NULL or older than `queued_at`: a row inserted straight into the
    database, a publish lost while NATS was down, any of the moves above) is published on
@@ -60,35 +62,23 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 import click
-from sqlalchemy import and_, func, insert, or_, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import bus, metrics
 from scheduler.aio import sleep_or_stop
-from scheduler.claims import (
-    FREE_BY_VM_SQL,
-    LARGEST_VM_SQL,
-    close_leftover,
-    expire_leases,
-    installation_id,
-    leftover_may_run,
-    record_leftover,
-    release_in_session,
-    stored_attempt,
-)
+from scheduler.claims import LARGEST_VM_SQL, expire_leases
 from scheduler.daemon import daemon_options, daemon_settings, run_service
 from scheduler.db import Database
 from scheduler.fleet import delete_removed_vms
+from scheduler.gpus import FREE_BY_VM_SQL
 from scheduler.jobs import transition
-from scheduler.kill import KillResult, kill_attempt
+from scheduler.leftovers import AttemptRecord, LeftoverSweep, abandon_attempt, leftover_may_run
 from scheduler.liveness import NODE_LOST_TIMEOUT_ENV, Liveness, checked_liveness, fence_options
 from scheduler.logging import get_logger
-from scheduler.models import VM, Job, JobEvent, StaleProcess
-from scheduler.remote import Attempt, fenced_script, parse_fenced
+from scheduler.models import VM, Job
 from scheduler.retry import (
     DEFAULT_POLICY,
-    GIVE_UP_PREFIX,
-    MACHINE_FAULT_PREFIXES,
     Failure,
     GiveUp,
     PendingJob,
@@ -99,8 +89,8 @@ from scheduler.retry import (
     plan_pending,
 )
 from scheduler.settings import Settings, redact_url
-from scheduler.states import FINAL_STATES, LIVE_STATES, FailureReason, JobStatus, VMStatus
-from scheduler.transport import Transport, TransportError, VMTarget
+from scheduler.states import FailureReason, JobStatus, RetryDecision, VMStatus
+from scheduler.transport import Transport
 
 log = get_logger("requeue")
 
@@ -195,18 +185,6 @@ class _Announce:
     published_at: datetime | None
 
 
-@dataclass(frozen=True)
-class _Leftover:
-    """An open `stale_processes` row, as the kill needs it."""
-
-    job_id: int
-    attempt: int
-    target: VMTarget
-    run: Attempt | None
-    pid: int | None
-    gpu_indices: list[int] | None
-
-
 def announce_msg_id(job_id: int, attempt: int, published_at: datetime | None) -> str:
     """The `Nats-Msg-Id` for announcing a job again: same state, same id."""
     generation = 0 if published_at is None else int(published_at.timestamp() * 1000)
@@ -255,8 +233,12 @@ class RequeueManager:
                 report.retried = await self._requeue_due(session)
                 report.unpended = await self._wake_pending(session)
                 announce = await self._to_announce(session)
-        if not report.skipped:  # the manager that holds the lock this tick does the kills
-            await self._kill_stale(report)
+        if not report.skipped and self.transport is not None:
+            # The manager that holds the lock this tick does the kills.
+            swept = await LeftoverSweep(
+                self.db, self.transport, grace_s=self.config.kill_grace_s, actor=self.actor
+            ).sweep()
+            report.killed, report.kill_failed = swept.killed, swept.kill_failed
         if announce:
             await self._announce(announce, report)
         return report
@@ -267,19 +249,7 @@ class RequeueManager:
         outage = func.extract("epoch", func.now() - VM.unreachable_since)
         rows = (
             await session.execute(
-                select(
-                    Job.id,
-                    Job.status,
-                    Job.vm_id,
-                    Job.attempt,
-                    Job.remote_pid,
-                    Job.gpu_indices,
-                    Job.launch_token,
-                    Job.attempt_dir,
-                    Job.gpu_uuids,
-                    VM.name,
-                    outage.label("outage_s"),
-                )
+                select(*AttemptRecord.columns(), Job.status, VM.name, outage.label("outage_s"))
                 .join(VM, VM.id == Job.vm_id)
                 .where(
                     Job.status.in_([JobStatus.RUNNING.value, JobStatus.STARTING.value]),
@@ -294,38 +264,20 @@ class RequeueManager:
         lost: list[int] = []
         for row in rows:
             why = f"{NODE_LOST}: VM {row.name} unreachable for {float(row.outage_s):.0f}s"
-            moved = await transition(
+            # The process may live on when the VM comes back: it is recorded as a leftover,
+            # to be killed then, and its GPUs stay out of every claim until that is done.
+            moved = await abandon_attempt(
                 session,
-                row.id,
+                AttemptRecord.from_row(row),
                 expected=JobStatus(row.status),
                 to=JobStatus.FAILED,
                 reason=why,
                 actor=self.actor,
-                values={
-                    "failure_reason": NODE_LOST,
-                    "exit_code": None,
-                    "status_reason": why,
-                    "lease_expires_at": None,
-                    "next_attempt_at": None,
-                },
+                leftover=NODE_LOST,
+                failure_reason=NODE_LOST,
             )
             if not moved:
                 continue
-            # The process may live on when the VM comes back: remember to kill it, and keep
-            # its GPUs out of every claim until then (the claim query skips open rows).
-            await record_leftover(
-                session,
-                vm_id=row.vm_id,
-                job_id=row.id,
-                attempt=row.attempt,
-                gpu_indices=row.gpu_indices,
-                gpu_uuids=row.gpu_uuids,
-                reason=NODE_LOST,
-                token=row.launch_token,
-                attempt_dir=row.attempt_dir,
-                pid=row.remote_pid,
-            )
-            await release_in_session(session, row.id)
             lost.append(row.id)
             metrics.count_failure(NODE_LOST)
             metrics.count_recovery(NODE_LOST)
@@ -342,17 +294,6 @@ class RequeueManager:
         self, session: AsyncSession, now: datetime
     ) -> tuple[list[int], list[int]]:
         """Stamp the retry decision on failed jobs that have none yet."""
-        lost_nodes = (
-            select(func.count())
-            .select_from(JobEvent)
-            .where(
-                JobEvent.job_id == Job.id,
-                JobEvent.to_status == JobStatus.FAILED.value,
-                or_(*(JobEvent.reason.like(f"{p}%") for p in MACHINE_FAULT_PREFIXES)),
-            )
-            .correlate(Job)
-            .scalar_subquery()
-        )
         rows = (
             await session.execute(
                 select(
@@ -362,16 +303,9 @@ class RequeueManager:
                     Job.max_retries,
                     Job.failure_reason,
                     Job.exit_code,
-                    lost_nodes.label("lost_nodes"),
+                    Job.machine_faults,
                 )
-                .where(
-                    Job.status == JobStatus.FAILED.value,
-                    _UNDECIDED,
-                    or_(
-                        Job.status_reason.is_(None),
-                        Job.status_reason.not_like(f"{GIVE_UP_PREFIX}%"),
-                    ),
-                )
+                .where(Job.status == JobStatus.FAILED.value, _UNDECIDED)
                 .order_by(Job.id)
                 .limit(BATCH)
                 .with_for_update(of=Job, skip_locked=True)
@@ -380,15 +314,19 @@ class RequeueManager:
         scheduled: list[int] = []
         gave_up: list[int] = []
         for row in rows:
-            failure = Failure(row.failure_reason, row.exit_code, int(row.lost_nodes))
+            failure = Failure(row.failure_reason, row.exit_code, row.machine_faults)
             decision = decide(row, failure, now, self.rng, self.config.policy)
             bound = log.bind(job_id=row.id, attempt=row.attempt, failure=failure.describe())
             if isinstance(decision, GiveUp):
-                values: dict[str, Any] = {"status_reason": decision.why}
+                values: dict[str, Any] = {
+                    "retry_decision": RetryDecision.GIVE_UP.value,
+                    "status_reason": decision.why,
+                }
                 gave_up.append(row.id)
                 bound.info("retry_gave_up", why=decision.why)
             else:
                 values = {
+                    "retry_decision": RetryDecision.RETRY.value,
                     "next_attempt_at": decision.at,
                     "status_reason": _retry_note(row, failure, decision.at, now, self.config),
                 }
@@ -422,8 +360,8 @@ class RequeueManager:
                 )
                 .where(
                     Job.status == JobStatus.FAILED.value,
+                    Job.retry_decision == RetryDecision.RETRY.value,
                     Job.next_attempt_at <= func.now(),
-                    ~_UNDECIDED,
                 )
                 .order_by(Job.next_attempt_at, Job.id)
                 .limit(BATCH)
@@ -581,201 +519,6 @@ class RequeueManager:
         report.published = [item.job_id for item in done]
         log.info("jobs_announced", count=len(done))
 
-    async def _kill_stale(self, report: TickReport) -> None:
-        """Kill leftover attempts on VMs that answer again; close their rows once dead.
-        A leftover that had already exited 0 may complete its job (`_late_success`)."""
-        if self.transport is None:
-            return
-        async with self.db.transaction() as session:
-            rows = (
-                await session.execute(
-                    select(StaleProcess, VM)
-                    .join(VM, VM.id == StaleProcess.vm_id)
-                    .where(
-                        StaleProcess.killed_at.is_(None),
-                        # Any VM that answers SSH (healthy, or GPUs in trouble).
-                        VM.status != VMStatus.UNREACHABLE.value,
-                    )
-                    # Fewest tries first: rows that keep failing cannot starve the rest.
-                    .order_by(StaleProcess.attempts, StaleProcess.id)
-                    .limit(BATCH)
-                )
-            ).all()
-            installation = await installation_id(session) if rows else ""
-            work = [
-                _Leftover(
-                    stale.job_id,
-                    stale.attempt,
-                    VMTarget.from_vm(vm),
-                    stored_attempt(
-                        installation,
-                        stale.job_id,
-                        stale.attempt,
-                        stale.launch_token,
-                        stale.attempt_dir,
-                    ),
-                    stale.pid,
-                    stale.gpu_indices,
-                )
-                for stale, vm in rows
-            ]
-        if not work:
-            return
-        results = await asyncio.gather(*(self._kill_one(item) for item in work))
-        async with self.db.transaction() as session:
-            for item, (kill, fenced) in zip(work, results, strict=True):
-                error = None if kill.dead else kill.describe()[:500]
-                await close_leftover(
-                    session,
-                    vm_id=item.target.id,
-                    job_id=item.job_id,
-                    attempt=item.attempt,
-                    error=error,
-                )
-                if error is None:
-                    report.killed.append(item.job_id)
-                    if fenced is not None:
-                        await self._note(
-                            session, item.job_id, item.attempt, item.target.name, fenced
-                        )
-                else:
-                    report.kill_failed += 1
-                if kill.outcome == "gone" and kill.exit_code == 0 and item.run is not None:
-                    await self._late_success(session, item, kill)
-
-    async def _kill_one(self, item: _Leftover) -> tuple[KillResult, str | None]:
-        """Kill one leftover attempt: its result, dead once it surely runs no more, and
-        then why its watchdog had fenced it, if it did."""
-        assert self.transport is not None
-        bound = log.bind(job_id=item.job_id, attempt=item.attempt, vm=item.target.name)
-        if item.run is None:
-            # No launch token: no directory of this installation can be the attempt's.
-            bound.info("stale_process_untraceable")
-            return KillResult("gone"), None
-        kill = await kill_attempt(
-            self.transport,
-            item.target,
-            item.run,
-            grace_s=self.config.kill_grace_s,
-            launched=item.pid is not None,
-        )
-        if not kill.dead:
-            bound.warning("stale_kill_failed", outcome=kill.describe()[:200])
-            return kill, None
-        bound.info("stale_process_killed", outcome=kill.outcome, exit_code=kill.exit_code)
-        return kill, await self._fenced(item)
-
-    async def _late_success(self, session: AsyncSession, item: _Leftover, kill: KillResult) -> None:
-        """One success is enough (docs/decisions.md): a leftover attempt that turns out to
-        have exited 0 completes its job, unless the job has ended meanwhile. A newer attempt
-        still starting or running is superseded: it becomes a leftover itself (its GPUs stay
-        blocked until the next tick has killed it), and the row names the VM and directory
-        of the attempt whose output is the result. Caller's transaction."""
-        assert item.run is not None
-        job = (
-            await session.execute(
-                select(
-                    Job.status,
-                    Job.attempt,
-                    Job.vm_id,
-                    Job.gpu_indices,
-                    Job.gpu_uuids,
-                    Job.launch_token,
-                    Job.attempt_dir,
-                    Job.remote_pid,
-                    Job.output_dir,
-                )
-                .where(Job.id == item.job_id)
-                .with_for_update()
-            )
-        ).one_or_none()
-        bound = log.bind(job_id=item.job_id, attempt=item.attempt, vm=item.target.name)
-        if job is None or JobStatus(job.status) in FINAL_STATES or job.attempt < item.attempt:
-            bound.info("late_success_ignored", status=job.status if job else None)
-            return
-        status = JobStatus(job.status)
-        newer = job.attempt > item.attempt and status in LIVE_STATES
-        where = kill.path or item.run.word()
-        reason = (
-            f"attempt {item.attempt} on {item.target.name} had exited 0 after it was given up"
-            f" for lost: its output is in {job.output_dir} on {item.target.name}"
-            f" (attempt directory {where})"
-        )
-        if newer:
-            reason += f"; attempt {job.attempt} stopped"
-        moved = await transition(
-            session,
-            item.job_id,
-            expected=status,
-            to=JobStatus.COMPLETED,
-            reason=reason,
-            actor=self.actor,
-            values={
-                "exit_code": 0,
-                "failure_reason": None,
-                "status_reason": reason,
-                "vm_id": item.target.id,
-                "gpu_indices": item.gpu_indices,
-                "remote_pid": item.pid,
-                "launch_token": item.run.token,
-                "attempt_dir": kill.path or item.run.path,
-                "completed_attempt": item.attempt,
-                "lease_expires_at": None,
-                "next_attempt_at": None,
-            },
-            attempt=job.attempt,
-        )
-        if not moved:
-            return
-        if newer and job.vm_id is not None:
-            await record_leftover(
-                session,
-                vm_id=job.vm_id,
-                job_id=item.job_id,
-                attempt=job.attempt,
-                gpu_indices=job.gpu_indices,
-                gpu_uuids=job.gpu_uuids,
-                reason="superseded",
-                token=job.launch_token,
-                attempt_dir=job.attempt_dir,
-                pid=job.remote_pid,
-            )
-        await release_in_session(session, item.job_id)
-        metrics.count_recovery("late_success")
-        bound.warning("late_success_completed", superseded=job.attempt if newer else None)
-
-    async def _fenced(self, item: _Leftover) -> str | None:
-        """Why the attempt's watchdog fenced it off, if it did (None: not fenced, or the
-        VM did not say)."""
-        assert self.transport is not None and item.run is not None
-        try:
-            result = await self.transport.run(
-                item.target, fenced_script(item.run), timeout=FENCED_READ_TIMEOUT_S
-            )
-        except TransportError:
-            return None
-        return parse_fenced(result.stdout).get((item.job_id, item.attempt))
-
-    async def _note(
-        self, session: AsyncSession, job_id: int, attempt: int, vm: str, why: str
-    ) -> None:
-        """Record in the job's history that its old attempt had fenced itself off (an event
-        that changes no state: from and to are the job's current state)."""
-        status = await session.scalar(select(Job.status).where(Job.id == job_id))
-        if status is None:
-            return
-        await session.execute(
-            insert(JobEvent).values(
-                job_id=job_id,
-                from_status=status,
-                to_status=status,
-                reason=f"fenced: attempt {attempt} on {vm} had stopped itself: {why}"[:500],
-                actor=self.actor,
-                attempt=attempt,
-            )
-        )
-        log.info("stale_attempt_was_fenced", job_id=job_id, attempt=attempt, vm=vm, why=why)
-
     # -- the loop -------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -811,9 +554,9 @@ class RequeueManager:
             await sleep_or_stop(stop, wait or self.config.interval_s)
 
 
-# A failed job has no decision yet while it has no retry time (`transition` clears it
-# whenever a job leaves `failed`, so a time never outlives the failure it was made for).
-_UNDECIDED = Job.next_attempt_at.is_(None)
+# A failed job has no decision yet while its `retry_decision` is NULL (every move clears
+# it, so a decision never outlives the failure it was made for).
+_UNDECIDED = Job.retry_decision.is_(None)
 
 
 def _retry_note(

@@ -18,7 +18,9 @@ Rules, as users of Slurm and SkyPilot would expect them:
   keeps that VM out of use until they work).
 
 `decide` is what the requeue manager calls when it first sees a failed job; the answer is
-stored on the job (`next_attempt_at`, or a `status_reason` starting with "gave up").
+stored on the job (`retry_decision`: `retry` at `next_attempt_at`, or `give_up` with a
+`status_reason` starting with "gave up"). The machine faults it caps are counted in the
+job's `machine_faults` column, by `jobs.transition` as the failure is recorded.
 """
 
 from __future__ import annotations
@@ -45,10 +47,9 @@ COUNTED = frozenset(
 )
 VM_FAULT_EXITS = frozenset({126, 127})
 """Exit codes of an attempt whose VM could not run its python or entrypoint."""
-MACHINE_FAULT_PREFIXES = ("node_lost", "vm_removed", "launch_failed: exit 12")
-"""How the reasons of machine-fault failures start in `job_events` (counted for the cap)."""
 GIVE_UP_PREFIX = "gave up"
-"""Every give-up reason starts with this, so a decided job is told from an undecided one."""
+"""Every give-up reason starts with this (the status_reason users read; the decision
+itself is stored in `jobs.retry_decision`)."""
 
 
 class RetryableJob(Protocol):

@@ -111,6 +111,13 @@ class VMStatus(StrEnum):
     UNREACHABLE = "unreachable"
 
 
+class RetryDecision(StrEnum):
+    """What the requeue manager decided about a failed job (`jobs.retry_decision`)."""
+
+    RETRY = "retry"  # at `next_attempt_at`
+    GIVE_UP = "give_up"  # stays failed; `status_reason` says why
+
+
 class FailureReason(StrEnum):
     """Why a job failed; the requeue policy decides from this whether to retry."""
 

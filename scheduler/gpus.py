@@ -1,0 +1,108 @@
+"""Which GPUs are free, giving a job's GPUs back, and recounting a VM's free GPUs.
+
+A GPU is free when nvidia-smi says it is healthy and idle, rlfleet has not given it to a
+job, its VM answers and is not draining, and no leftover (`scheduler.leftovers`: an
+attempt that may still run on its VM) may still hold it. The claim query, the pending
+planner and every recount use the SQL fragments here, so they all count alike.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from scheduler.db import Database
+
+LEFTOVER_GPUS = """
+    leftover_gpus AS MATERIALIZED (
+        SELECT s.vm_id, u AS uuid, NULL::int AS index
+        FROM stale_processes s, unnest(s.gpu_uuids) u WHERE s.killed_at IS NULL
+        UNION ALL
+        SELECT s.vm_id, NULL, i FROM stale_processes s, unnest(s.gpu_indices) i
+        WHERE s.killed_at IS NULL AND s.gpu_uuids IS NULL
+    )
+"""
+"""CTE `leftover_gpus`: the GPUs open leftover rows keep out of use (usually none: computed
+once, then hash anti-joined). A leftover blocks its GPUs by UUID (a renumbering cannot
+move them); rows written before UUIDs were recorded block by index. The table keeps its
+first name, `stale_processes`."""
+
+FREE_GPU = """
+    g.job_id IS NULL AND g.healthy AND NOT g.foreign_busy
+    AND NOT EXISTS (
+        SELECT 1 FROM leftover_gpus b
+        WHERE b.vm_id = g.vm_id AND (b.uuid = g.uuid OR b.index = g.index)
+    )
+"""
+"""The condition on GPU row `g` (with `LEFTOVER_GPUS` in the WITH list) that it is free."""
+
+USABLE_VM = "v.status = 'healthy' AND NOT v.draining"
+"""The condition on VM row `v` that its free GPUs may be claimed."""
+
+FREE_BY_VM_SQL = text(
+    f"""
+WITH {LEFTOVER_GPUS}
+SELECT g.vm_id, count(*) AS free FROM gpus g JOIN vms v ON v.id = g.vm_id
+WHERE {USABLE_VM} AND {FREE_GPU} GROUP BY g.vm_id
+"""
+)
+
+AVAILABLE_SQL = text(
+    f"""
+WITH {LEFTOVER_GPUS}, ordered AS MATERIALIZED (
+    -- A recount never waits for a VM row another transaction holds: it skips it. Waiting
+    -- could deadlock with a transaction that releases several jobs' GPUs (each release
+    -- recounts its VMs, in job order); the skipped count is redone within the second by
+    -- the dispatcher's and the poller's own recounts.
+    SELECT id FROM vms WHERE id = ANY(:ids) ORDER BY id FOR UPDATE SKIP LOCKED
+)
+UPDATE vms v SET available_gpus = (
+    SELECT count(*) FROM gpus g WHERE g.vm_id = v.id AND {FREE_GPU}
+)
+FROM ordered o WHERE v.id = o.id
+"""
+)
+
+RECOUNT_SQL = text(
+    f"""
+WITH {LEFTOVER_GPUS}
+UPDATE vms v SET available_gpus = (
+    SELECT count(*) FROM gpus g WHERE g.vm_id = v.id AND {FREE_GPU}
+)
+WHERE v.id = ANY(:ids)
+"""
+)
+"""AVAILABLE_SQL that waits for the VM rows: for a transaction that holds them already (the
+poller's, which has just written them), and that must not skip any."""
+
+
+async def release_in_session(session: AsyncSession, job_id: int) -> list[int]:
+    """Free every GPU allocated to `job_id` (caller's transaction); returns their indices."""
+    rows = (
+        await session.execute(
+            text(
+                "UPDATE gpus SET job_id = NULL, allocated_at = NULL, updated_at = now() "
+                "WHERE job_id = :job_id RETURNING vm_id, index"
+            ),
+            {"job_id": job_id},
+        )
+    ).all()
+    await refresh_available_in_session(session, {vm_id for vm_id, _index in rows})
+    return sorted(index for _vm, index in rows)
+
+
+async def refresh_available_in_session(session: AsyncSession, vm_ids: set[int]) -> None:
+    """Recount `vms.available_gpus` of these VMs from their GPU rows (caller's transaction).
+
+    Claims do not touch the `vms` row: every claim on a VM would queue on that one row lock
+    until the previous commit. The count is refreshed after the fact instead (dispatcher,
+    release, and every poll), so it is informational and never decides a claim.
+    """
+    if vm_ids:
+        await session.execute(AVAILABLE_SQL, {"ids": sorted(vm_ids)})
+
+
+async def refresh_available(db: Database, vm_ids: set[int]) -> None:
+    """`refresh_available_in_session` in a short transaction of its own."""
+    async with db.transaction() as session:
+        await refresh_available_in_session(session, vm_ids)
