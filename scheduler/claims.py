@@ -1,11 +1,13 @@
 """GPU claims: take free GPUs for jobs atomically, expire dead claims.
 
-A batch of jobs is claimed in one short transaction (invariant 4: no network I/O inside):
+A batch of jobs is claimed in one short transaction (docs/invariants.md, invariant 4: no network
+I/O inside):
 its job rows are locked (rows another transaction holds are skipped and retried), then for
 each job in turn one statement picks the best-fitting VM, takes its GPU rows with
 `FOR UPDATE SKIP LOCKED` and moves the job `queued → starting` with a lease; a job that
 fits nowhere moves `queued → pending` in the same transaction. Two dispatchers racing for
-the same GPUs can never both win a row (invariant 1); the same job delivered twice is
+the same GPUs can never both win a row (docs/invariants.md, invariant 1); the same job delivered
+twice is
 claimed once, because the second delivery finds it no longer queued. The launched jobs of
 a batch are then recorded `running` by one statement (`mark_running_batch`), again with
 their event rows.
@@ -208,7 +210,7 @@ class Claim:
 
     @property
     def run(self) -> Attempt:
-        """The claimed attempt and its directory name (invariant 6)."""
+        """The claimed attempt and its directory name (docs/invariants.md, invariant 6)."""
         return Attempt(self.installation, self.job_id, self.attempt, self.token)
     env: tuple[tuple[str, str], ...] = ()
 

@@ -63,7 +63,7 @@ class Database:
     async def transaction(self) -> AsyncIterator[AsyncSession]:
         """One short transaction: commits on success, rolls back on error.
 
-        Never await SSH or NATS inside it (invariant 4).
+        Never await SSH or NATS inside it (docs/invariants.md, invariant 4).
         """
         async with self.sessionmaker() as session, session.begin():
             yield session

@@ -6,7 +6,8 @@ Both can be stopped, killed and started again on the same port and data, which i
 the chaos tests need.
 
 Given a `password` (Postgres) or a `token` (NATS), the servers authenticate every client
-(invariant 7): Postgres with SCRAM for every connection (pg_hba.conf has no `trust` line
+(docs/invariants.md, invariant 7): Postgres with SCRAM for every connection (pg_hba.conf has no
+`trust` line
 left, a data directory made without a password is converted before it starts), NATS
 through a generated configuration file of mode 0600 (never on its command line, where `ps`
 shows it). Without one they trust every local client, which only the test suite uses.

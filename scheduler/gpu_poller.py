@@ -1,6 +1,7 @@
 """The GPU poller: every few seconds, one SSH round trip per VM, all VMs at once.
 
-A sweep is load → probe → apply (invariant 4: no transaction is open during SSH):
+A sweep is load → probe → apply (docs/invariants.md, invariant 4: no transaction is open during
+SSH):
 1. one short transaction reads every VM, its GPU rows and its live jobs;
 2. every VM runs `nvidia_smi.poll_command` concurrently (the transport bounds how many);
    the poll also renews the lease of each attempt it probes (the attempt's watchdog
@@ -305,7 +306,7 @@ RETURNING id
 # A GPU allocated to a job when the row is written is not foreign-busy: its processes are
 # the job's. The CASE reads the row's job_id at write time, not at load time. Rows are
 # matched by UUID, so a renumbered GPU keeps its row and its allocation; the index is
-# updated as information (invariant 8).
+# updated as information (docs/invariants.md, invariant 8).
 _GPU_UPSERT_SQL = text(
     """
 INSERT INTO gpus (vm_id, index, uuid, name, memory_total_mb, memory_used_mb,

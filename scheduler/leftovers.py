@@ -219,7 +219,8 @@ async def close_leftover(
 def leftover_may_run(job_id: Any) -> Exists:
     """Whether an earlier attempt of the job may still run on a VM that answers, and is
     still being killed. Such a job is neither claimed nor announced until the kill is done,
-    so that two attempts never run side by side (invariant 2). One on a VM that does not
+    so that two attempts never run side by side (docs/invariants.md, invariant 2). One on a VM that
+    does not
     answer cannot be waited for (`node_lost` retries it elsewhere)."""
     return (
         select(Leftover.id)

@@ -17,7 +17,8 @@ _configured = False
 def _scrub_event(
     _logger: object, _method: str, event: MutableMapping[str, Any]
 ) -> MutableMapping[str, Any]:
-    """Redact URLs and known secrets in every string of a log event (invariant 7)."""
+    """Redact URLs and known secrets in every string of a log event
+    (docs/invariants.md, invariant 7)."""
     return {k: scrub_urls(v) if isinstance(v, str) else v for k, v in event.items()}
 
 

@@ -67,7 +67,7 @@ ATTEMPT_DIR_CHECK = "attempt_dir LIKE '/%'"
 
 
 class Installation(Base):
-    """This database's identity: one row, created with the schema (invariant 6).
+    """This database's identity: one row, created with the schema (docs/invariants.md, invariant 6).
 
     Every attempt directory on a VM is named after it, so a recreated database or a second
     installation that shares a VM account never finds this one's files, nor this one theirs.
@@ -296,7 +296,7 @@ class JobEvent(Base):
 class Leftover(Base):
     """An attempt that may still run on its VM after its job moved on (`scheduler.leftovers`):
     it must be killed when the VM answers, and the GPUs it held are not offered until then
-    (invariant 2). The table keeps its first name, `stale_processes`."""
+    (docs/invariants.md, invariant 2). The table keeps its first name, `stale_processes`."""
 
     __tablename__ = "stale_processes"
 

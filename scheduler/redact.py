@@ -1,4 +1,4 @@
-"""Keeping credentials out of every line rlfleet prints or logs (invariant 7).
+"""Keeping credentials out of every line rlfleet prints or logs (docs/invariants.md, invariant 7).
 
 Two layers. `redact_url` hides the credentials of a database or NATS URL wherever one is
 shown on purpose (an error saying which server was unreachable). And every secret the

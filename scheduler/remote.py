@@ -1,8 +1,10 @@
 """Shell snippets run on a VM: launch an attempt, kill it, read its log and progress.
 
 Pure functions: they only BUILD POSIX `sh` text. Every value that could come from a user
-(model, dataset, reward names, extra args, paths) goes through `shlex.quote` (invariant 5).
-Layout on the VM (invariant 6): `~/.rlfleet/<installation>/jobs/<job_id>/<attempt>-<token>/`
+(model, dataset, reward names, extra args, paths) goes through `shlex.quote`
+(docs/invariants.md, invariant 5).
+Layout on the VM (docs/invariants.md, invariant 6):
+`~/.rlfleet/<installation>/jobs/<job_id>/<attempt>-<token>/`
 holds `train.log`, `pid`, `exit_code`, `progress.json` and `launch.sh` of one attempt;
 `<installation>` is the database's UUID and `<token>` is drawn when the attempt is claimed,
 so nothing another installation, an earlier database or another attempt left on the VM is
@@ -81,7 +83,7 @@ def check_installation(installation: str) -> str:
 
 @dataclass(frozen=True)
 class Attempt:
-    """One attempt of a job and where its files are on its VM (invariant 6).
+    """One attempt of a job and where its files are on its VM (docs/invariants.md, invariant 6).
 
     `path` is the absolute directory the launch reported (None until it did); then every
     script uses it, whatever $HOME the caller's shell has. Without it the directory is
@@ -165,7 +167,8 @@ def home_path(path: str) -> str:
     return '"$HOME"/' + shlex.quote(path)
 
 
-# --- the job's environment (invariant 7: no secret of the scheduler reaches a job)
+# --- the job's environment (docs/invariants.md, invariant 7: no secret of the scheduler reaches a
+# job)
 
 PASSED_ENV = (
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE",
@@ -273,7 +276,7 @@ class LaunchSpec:
 
 
 def entry_words(python: str, entrypoint: str, num_gpus: int) -> list[str]:
-    """How training starts on the VM (contract 5), as quoted shell words.
+    """How training starts on the VM (docs/invariants.md, contract 5), as quoted shell words.
 
     A `.py` entrypoint runs as a script, anything else as a module; more than one GPU puts
     `accelerate launch --num_processes N` in front.
@@ -687,7 +690,8 @@ def parse_tokens(stdout: str) -> list[str]:
     return found
 
 
-# --- job status probe (contract 2), run by the poller in the same round trip as nvidia-smi
+# --- job status probe (docs/invariants.md, contract 2), run by the poller in the same round trip
+# as nvidia-smi
 
 STATUS_MARK = "rlfleet-job"
 LOG_MARK = "rlfleet-log"

@@ -1,4 +1,5 @@
-"""The requeue manager: nothing submitted is lost, nothing runs twice (invariants 2 and 3).
+"""The requeue manager: nothing submitted is lost, nothing runs twice (docs/invariants.md,
+invariants 2 and 3).
 
 `rlfleet requeue` / `python -m scheduler.requeue`. Every `--interval` seconds one tick:
 
@@ -45,7 +46,7 @@
 Steps 2 to 5's database work, and the choice of what step 7 announces, is one short
 transaction under a Postgres advisory transaction lock, so several copies can run at once
 (one does the work, the others skip the tick); every SSH and NATS call happens after it
-committed (invariant 4).
+committed (docs/invariants.md, invariant 4).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """How commands reach a VM: one small interface, an SSH implementation and a local one.
 
 Every caller goes through `Transport.run(target, command, timeout=…)`. Commands are
-built by the caller with `shlex.quote` on every user-supplied piece (invariant 5).
+built by the caller with `shlex.quote` on every user-supplied piece
+(docs/invariants.md, invariant 5).
 """
 
 from __future__ import annotations

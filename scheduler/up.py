@@ -9,7 +9,8 @@ CPU-only machine can run real (CPU) training jobs through the scheduler.
 The state directory remembers the ports (`up.json`), so running `up` again reuses the
 data and, when the ports are still free, the same URLs.
 
-Nobody but the user who runs `up` reaches the services (invariant 7): the state directory
+Nobody but the user who runs `up` reaches the services (docs/invariants.md, invariant 7): the state
+directory
 is private (0700; 0710 with the PostgreSQL system user's group when run as root, so that
 user alone can pass through to its data), Postgres asks every client for a generated
 password (SCRAM), NATS for a generated token. The secrets live in files of mode 0600 in

@@ -271,7 +271,8 @@ def _group_alive(pgid: int) -> bool:
 
 
 def attempt_dir(home: Path, job: dict[str, Any]) -> Path | None:
-    """The job's current attempt directory on the local VM (contract 1), as its launch
+    """The job's current attempt directory on the local VM (docs/invariants.md, contract 1), as its
+    launch
     recorded it; None before the launch."""
     recorded = job.get("attempt_dir")
     return resolve_on_vm(home, recorded) if recorded else None

@@ -1,6 +1,6 @@
 """Secrets are never printed: the real CLI and a real daemon, pointed at unreachable
 services with credentials in their URLs, say what failed in one line and never show a
-password or a token (invariant 7)."""
+password or a token (docs/invariants.md, invariant 7)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Three dispatchers, one fleet, every message twice: no GPU is ever shared, no job
-launched twice (invariant 1 and 2, with the dispatcher's part of invariant 3). The real
+launched twice (docs/invariants.md, invariant 1 and 2, with the dispatcher's part of invariant 3).
+The real
 poller and requeue manager run beside them: finished jobs free their GPUs and pending jobs
 are woken the way they are in production."""
 

@@ -1,4 +1,5 @@
-"""A job's environment is clean and documented on every transport (invariant 7): none of
+"""A job's environment is clean and documented on every transport (docs/invariants.md, invariant
+7): none of
 the scheduler's variables reach it, only PATH, HOME, USER, LANG…, its RLFLEET_* job
 variables, CUDA_VISIBLE_DEVICES, the VM's ~/.rlfleet/env and its own `--env` values."""
 

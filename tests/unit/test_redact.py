@@ -1,5 +1,6 @@
 """No credential is ever shown: URLs are redacted, remembered secrets are scrubbed from any
-text, and a malformed database URL is one line that quotes no password (invariant 7)."""
+text, and a malformed database URL is one line that quotes no password (docs/invariants.md,
+invariant 7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""A stand-in for train_grpo.py in scheduler tests (contract 4): cheap, no torch.
+"""A stand-in for train_grpo.py in scheduler tests (docs/invariants.md, contract 4): cheap, no
+torch.
 
 It accepts and ignores train_grpo.py's flags and obeys a few of its own:
 `--fake_seconds S` sleeps (`--fake_retry_seconds S` instead on attempts after the first),
