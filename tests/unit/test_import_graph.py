@@ -41,13 +41,27 @@ def test_an_engine_does_not_import_the_command_line(engine: str) -> None:
     assert "click" not in loaded
 
 
+def test_building_the_cli_imports_no_engine_nor_ssh_nats_or_prometheus() -> None:
+    """Given a fresh interpreter, `rlfleet --help` (the whole command tree, built and
+    printed) loads no engine and none of asyncssh, nats and prometheus_client."""
+    loaded = modules_after(
+        "import contextlib, io\n"
+        "from scheduler.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])"
+    )
+    assert "scheduler.cli" in loaded
+    assert not loaded & set(ENGINES)
+    assert not top_level(loaded) & {"asyncssh", "nats", "prometheus_client"}
+
+
 def test_the_commands_defaults_are_the_engines_defaults() -> None:
     """The defaults the daemon commands repeat (so as not to import the engines) are the
     engines' own."""
     import inspect
 
-    from scheduler import claims, cli, dispatcher, gpu_poller, models
-    from scheduler.cli import daemons
+    from scheduler import claims, cli, control, dispatcher, gpu_poller, models
+    from scheduler.cli import daemons, job
 
     knobs = inspect.signature(dispatcher.GlobalJobDispatcher.__init__).parameters
     assert daemons.CLAIM_LEASE_S == claims.DEFAULT_LEASE_S
@@ -55,4 +69,20 @@ def test_the_commands_defaults_are_the_engines_defaults() -> None:
     assert knobs["max_in_flight"].default == daemons.MAX_IN_FLIGHT
     assert daemons.ENTRYPOINT == models.DEFAULT_ENTRYPOINT
     assert gpu_poller.DEFAULT_UNREACHABLE_AFTER == daemons.UNREACHABLE_AFTER_POLLS
+    assert job.CANCEL_GRACE_S == control.DEFAULT_GRACE_S
     assert cli.cli.get_command(None, "poller") is daemons.poller  # type: ignore[arg-type]
+
+
+def test_the_help_lines_of_the_commands_are_their_own() -> None:
+    """`rlfleet --help` lists every command with its own one-line help, though it imports
+    none of them to write it."""
+    import click
+
+    from scheduler import cli
+
+    ctx = click.Context(cli.cli)
+    for name, (_, line) in cli.COMMANDS.items():
+        command = cli.cli.get_command(ctx, name)
+        assert command is not None and command.name == name
+        assert command.get_short_help_str(limit=1000) == line, name
+
