@@ -5,7 +5,7 @@ command runs as a fresh process, as a user runs it, `--runs` times (median repor
 an embedded Postgres (migrated) and an embedded NATS for `list` and `submit`. The baseline
 is the interpreter's own start (`python -c pass`); the ratios say how much the CLI adds.
 
-    python bench/cli.py [--runs 5]
+    python bench/cli.py [--runs 5] [--module]
 
 prints `cli: help_s=… list_s=… submit_s=… python_s=… help_ratio=… submit_ratio=…`.
 """
@@ -28,10 +28,13 @@ from scheduler.embedded import EmbeddedNats, EmbeddedPostgres  # noqa: E402
 from scheduler.migrate import upgrade  # noqa: E402
 
 
-def rlfleet() -> list[str]:
-    """The `rlfleet` console script next to this interpreter, else `python -m scheduler.cli`."""
+def rlfleet(module: bool) -> list[str]:
+    """The `rlfleet` console script next to this interpreter, else (or with `module`)
+    `python -m scheduler.cli`, which runs the code in the current directory."""
     script = Path(sys.executable).with_name("rlfleet")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "scheduler.cli"]
+    if script.exists() and not module:
+        return [str(script)]
+    return [sys.executable, "-m", "scheduler.cli"]
 
 
 def timed(argv: Sequence[str], env: dict[str, str], runs: int) -> float:
@@ -50,8 +53,11 @@ def main() -> None:
     """Start the services, time the commands, print one line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="Runs per command (median).")
+    parser.add_argument(
+        "--module", action="store_true", help="Run `python -m scheduler.cli` from this checkout."
+    )
     args = parser.parse_args()
-    cli = rlfleet()
+    cli = rlfleet(args.module)
     submit = [
         *cli,
         "job",
