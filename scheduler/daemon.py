@@ -1,4 +1,7 @@
-"""What every daemon shares: signal handling, systemd notification, the stop event."""
+"""What every daemon shares: its loop, signal handling, systemd notification, the stop event.
+
+Nothing here knows the command line: the click commands live in `scheduler.cli.daemons`.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +9,107 @@ import asyncio
 import os
 import signal
 import socket
+import time
 from collections.abc import Awaitable, Callable
-from typing import Any
-
-import click
+from typing import Protocol
 
 from scheduler import metrics
-from scheduler.logging import configure, get_logger
+from scheduler.aio import sleep_or_stop
+from scheduler.logging import get_logger
 from scheduler.settings import Settings
-from scheduler.validate import check_database_url
 
 log = get_logger("daemon")
+
+
+class Backoff(Protocol):
+    """How long a daemon's loop waits after failed ticks (`bus.ReconnectBackoff` is one)."""
+
+    def failed(self) -> float:
+        """Count one more failure in a row; the seconds to wait before the next tick."""
+        ...
+
+    def reset(self) -> object:
+        """A tick made progress: the next failure is the first of a new run."""
+        ...
+
+
+class DoublingBackoff:
+    """`interval_s` doubled for each failure in a row, at most `cap` times the interval."""
+
+    def __init__(self, interval_s: float, cap: float = 8.0) -> None:
+        self.interval_s = interval_s
+        self.cap = cap
+        self.failures = 0
+
+    def failed(self) -> float:
+        """Count one failure: 2, 4, 8… times the interval, at most `cap` times."""
+        self.failures += 1
+        return self.interval_s * min(2 ** min(self.failures, 30), self.cap)
+
+    def reset(self) -> None:
+        """Back to no failures."""
+        self.failures = 0
+
+
+class NoBackoff:
+    """A failed tick waits like any other: the loop's own interval."""
+
+    failures = 0
+
+    def failed(self) -> float:
+        """Count one failure; no extra wait."""
+        self.failures += 1
+        return 0.0
+
+    def reset(self) -> None:
+        """Back to no failures."""
+        self.failures = 0
+
+
+Tick = Callable[[], Awaitable[object]]
+"""One step of a daemon. It returns False when it had nothing to do (a fetch that timed
+out): neither a success that ends a run of failures nor a failure."""
+
+
+async def run_loop(
+    tick: Tick,
+    stop: asyncio.Event,
+    *,
+    interval_s: float = 0.0,
+    from_start: bool = False,
+    backoff: Backoff | None = None,
+    on_error: Callable[[Exception, int], None],
+    ready: asyncio.Event | None = None,
+) -> None:
+    """Call `tick()` until `stop` is set: the one loop every daemon runs.
+
+    Between ticks it waits `interval_s` (counted from the tick's start when `from_start`, so
+    that ticks keep a steady rate; else from its end). A tick that raises is reported with
+    `on_error(exc, failures in a row)` and never ends the loop; the wait after it is
+    `backoff.failed()` (the interval when that is 0). A tick that returns resets the backoff
+    unless it returned False. `ready` is set after the first tick, whatever its outcome.
+    """
+    backoff = backoff or NoBackoff()
+    failures = 0
+    while not stop.is_set():
+        started = time.monotonic()
+        wait = 0.0
+        try:
+            outcome = await tick()
+        except Exception as exc:  # noqa: BLE001 - Postgres restarting, NATS down, a bug…
+            failures += 1
+            on_error(exc, failures)
+            wait = backoff.failed()
+        else:
+            if outcome is not False:
+                failures = 0
+                backoff.reset()
+        if ready is not None:
+            ready.set()
+        if not wait:
+            wait = interval_s - (time.monotonic() - started if from_start else 0.0)
+        if wait > 0:
+            await sleep_or_stop(stop, wait)
 
 
 def sd_notify(state: str) -> bool:
@@ -119,56 +212,6 @@ async def serve(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     log.info("daemon_stopped", daemon=name)
-
-
-def daemon_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The connection, metrics and logging flags every daemon command takes.
-
-    They repeat the global `rlfleet` options so `python -m scheduler.<daemon>` (with no
-    `rlfleet` group around it) accepts them too; `daemon_settings` resolves them.
-    """
-    decorators = [
-        click.option(
-            "--database-url",
-            envvar="RLFLEET_DATABASE_URL",
-            metavar="URL",
-            help="Overrides the global --database-url (env RLFLEET_DATABASE_URL).",
-        ),
-        click.option(
-            "--nats-url",
-            envvar="RLFLEET_NATS_URL",
-            metavar="URL[,URL…]",
-            help="Overrides the global --nats-url (env RLFLEET_NATS_URL).",
-        ),
-        metrics.metrics_option,
-        click.option(
-            "--log-level",
-            envvar="RLFLEET_LOG_LEVEL",
-            default=None,
-            type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-            help="Log verbosity (default: the rlfleet --log-level, else INFO).",
-        ),
-    ]
-    for decorate in reversed(decorators):
-        fn = decorate(fn)
-    return fn
-
-
-def daemon_settings(
-    ctx: click.Context, database_url: str | None, nats_url: str | None, log_level: str | None
-) -> Settings:
-    """Settings for a daemon command: its own flags, else the `rlfleet` group's, else the
-    environment; configures logging on the way."""
-    from scheduler.cli._common import CliContext  # here: the CLI package imports daemons
-
-    parent = ctx.find_object(CliContext)  # set when run as `rlfleet <daemon>`
-    settings = Settings.load(
-        database_url or (parent.settings.database_url if parent else None),
-        nats_url or (parent.settings.nats_url if parent else None),
-    )
-    check_database_url(settings.database_url)  # malformed: exit 2, one line
-    configure((log_level or (parent.log_level if parent else None) or "INFO").upper())
-    return settings
 
 
 def run_service(

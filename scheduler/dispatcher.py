@@ -27,13 +27,11 @@ import functools
 import os
 import random
 import socket
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-import click
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from sqlalchemy import select
@@ -49,13 +47,13 @@ from scheduler.claims import (
     claim_batch,
     mark_running_batch,
 )
-from scheduler.daemon import daemon_options, daemon_settings, run_service
+from scheduler.daemon import run_loop
 from scheduler.db import Database, is_unavailable
 from scheduler.errors import error_line
 from scheduler.gpus import refresh_available
 from scheduler.kill import kill_attempt
 from scheduler.leftovers import AttemptRecord, abandon_attempt
-from scheduler.liveness import Liveness, checked_liveness, fence_options
+from scheduler.liveness import Liveness
 from scheduler.logging import get_logger
 from scheduler.remote import (
     DEFAULT_FENCE_AFTER_S,
@@ -237,38 +235,26 @@ class GlobalJobDispatcher:
         """Fetch and handle messages until `stop` is set, then finish the ones in flight.
 
         `ready` is set once bound to the consumer."""
-        sub = await self._subscribe(stop)
-        if sub is None:
+        subscribed = await self._subscribe(stop)
+        if subscribed is None:
             return
+        sub: JetStreamContext.PullSubscription = subscribed
         # systemd's READY=1 and watchdog pings come from `serve`, driven by `ready`.
         if ready is not None:
             ready.set()
         log.info("dispatcher_ready", actor=self.actor, max_in_flight=self.max_in_flight)
         counter = asyncio.create_task(self._refresh_counts(stop))
-        backoff = bus.ReconnectBackoff()
-        while not stop.is_set():
-            room = self.max_in_flight - self._in_flight
-            if room <= 0:
-                await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
-                continue
-            try:
-                msgs = await sub.fetch(min(self.batch, room), timeout=self.fetch_timeout_s)
-            except TimeoutError:
-                continue
-            except Exception as exc:  # noqa: BLE001 - NATS down or reconnecting: wait
-                log.warning("fetch_failed", error=str(exc) or type(exc).__name__)
-                rebound = await self._rebind_if_gone(sub)
-                if rebound is not None:
-                    sub = rebound
-                    continue
-                await sleep_or_stop(stop, backoff.failed())
-                continue
-            backoff.reset()
-            # The batch is handled in a task of its own, so the next fetch overlaps it.
-            task = asyncio.create_task(self.handle_batch(msgs))
-            self._in_flight += len(msgs)
-            self._tasks.add(task)
-            task.add_done_callback(functools.partial(self._batch_done, len(msgs)))
+
+        async def fetch() -> bool:
+            nonlocal sub
+            fetched, sub = await self._fetch_once(sub)
+            return fetched
+
+        def failed(exc: Exception, failures: int) -> None:
+            # NATS down or reconnecting: the loop waits (backoff) and fetches again.
+            log.warning("fetch_failed", error=str(exc) or type(exc).__name__)
+
+        await run_loop(fetch, stop, backoff=bus.ReconnectBackoff(), on_error=failed)
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=self.launch_timeout_s + 5)
         counter.cancel()
@@ -277,6 +263,32 @@ class GlobalJobDispatcher:
         await self._flush_counts()
         with contextlib.suppress(Exception):  # closing anyway
             await sub.unsubscribe()
+
+    async def _fetch_once(
+        self, sub: JetStreamContext.PullSubscription
+    ) -> tuple[bool, JetStreamContext.PullSubscription]:
+        """One tick of the loop: wait for room, fetch a batch and hand it to a task of its
+        own, so that the next fetch overlaps it. Returns whether a batch came and the
+        binding to fetch from next (a new one when the consumer had been deleted); raises
+        when the fetch failed otherwise (the loop backs off)."""
+        room = self.max_in_flight - self._in_flight
+        if room <= 0:
+            await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+            return False, sub
+        try:
+            msgs = await sub.fetch(min(self.batch, room), timeout=self.fetch_timeout_s)
+        except TimeoutError:
+            return False, sub
+        except Exception:
+            rebound = await self._rebind_if_gone(sub)
+            if rebound is None:
+                raise
+            return False, rebound
+        task = asyncio.create_task(self.handle_batch(msgs))
+        self._in_flight += len(msgs)
+        self._tasks.add(task)
+        task.add_done_callback(functools.partial(self._batch_done, len(msgs)))
+        return True, sub
 
     def _batch_done(self, size: int, task: asyncio.Task[None]) -> None:
         self._in_flight -= size
@@ -684,90 +696,19 @@ async def run_dispatcher(
         await db.dispose()
 
 
-async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:
-    """The entry `rlfleet up` runs: dispatch until `stop`, set `ready` once subscribed."""
-    knobs = Liveness.from_env()
-    await run_dispatcher(
-        settings,
-        stop,
-        ready=ready,
-        fence_after_s=knobs.fence_after_s,
-        fence_grace_s=knobs.fence_grace_s,
-    )
-
-
-@click.command("dispatcher")
-@click.option(
-    "--max-in-flight",
-    default=64,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Messages handled at once by this dispatcher.",
-)
-@click.option(
-    "--lease",
-    "lease_s",
-    default=DEFAULT_LEASE_S,
-    show_default=True,
-    type=click.FloatRange(min=1),
-    help="Seconds a claim may stay unconfirmed before the requeue manager takes it back.",
-)
-@click.option(
-    "--launch-timeout",
-    "launch_timeout_s",
-    default=30.0,
-    show_default=True,
-    type=click.FloatRange(min=1),
-    help="Seconds a launch over SSH may take.",
-)
-@fence_options
-@daemon_options
-@click.pass_context
-def command(
-    ctx: click.Context,
-    max_in_flight: int,
-    lease_s: float,
-    launch_timeout_s: float,
-    fence_after: float,
-    fence_grace: float,
-    database_url: str | None,
-    nats_url: str | None,
-    metrics_port: int,
-    log_level: str | None,
+async def run(
+    settings: Settings, stop: asyncio.Event, ready: asyncio.Event, **options: Any
 ) -> None:
-    """Run the dispatcher: claim GPUs for new jobs and launch them over SSH."""
-    if lease_s < launch_timeout_s + LEASE_MARGIN_S:
-        # A lease that can run out during a launch hands the job to a second claim while
-        # the first may still start.
-        raise click.BadParameter(
-            f"must be at least --launch-timeout + {LEASE_MARGIN_S:g} s "
-            f"({launch_timeout_s + LEASE_MARGIN_S:g})",
-            param_hint="--lease",
-        )
-    checked_liveness(fence_after_s=fence_after, fence_grace_s=fence_grace)
-    settings = daemon_settings(ctx, database_url, nats_url, log_level)
-
-    async def entry(stop: asyncio.Event, ready: asyncio.Event) -> None:
-        await run_dispatcher(
-            settings,
-            stop,
-            ready=ready,
-            max_in_flight=max_in_flight,
-            lease_s=lease_s,
-            launch_timeout_s=launch_timeout_s,
-            fence_after_s=fence_after,
-            fence_grace_s=fence_grace,
-        )
-
-    run_service("dispatcher", settings, metrics_port, entry)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m scheduler.dispatcher [flags]`, the same as `rlfleet dispatcher`."""
-    from scheduler.cli._common import run_guarded
-
-    sys.exit(run_guarded(command, argv))
+    """The dispatcher daemon: dispatch until `stop`, `ready` set once subscribed.
+    `options` are `GlobalJobDispatcher`'s knobs; the fence knobs default to the
+    environment's (`Liveness.from_env`). `rlfleet dispatcher` and `rlfleet up` run this."""
+    knobs = Liveness.from_env()
+    options.setdefault("fence_after_s", knobs.fence_after_s)
+    options.setdefault("fence_grace_s", knobs.fence_grace_s)
+    await run_dispatcher(settings, stop, ready=ready, **options)
 
 
 if __name__ == "__main__":
-    main()
+    from scheduler.cli.daemons import dispatcher_main
+
+    dispatcher_main()

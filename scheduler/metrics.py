@@ -10,12 +10,9 @@ whichever daemon moved the job.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from datetime import datetime
-from typing import Any, TypeVar
 from wsgiref.simple_server import WSGIServer
 
-import click
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 from sqlalchemy import case, func, select
 
@@ -28,7 +25,6 @@ from scheduler.states import JobStatus, VMStatus
 
 log = get_logger("metrics")
 
-F = TypeVar("F", bound=Callable[..., Any])
 
 # Waits run from seconds (a free GPU) to hours (a busy fleet).
 _WAIT_BUCKETS = (0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600, 24 * 3600)
@@ -77,18 +73,6 @@ RECOVERIES = Counter(
 FAILURES = Counter("rlfleet_job_failures_total", "Jobs that failed, by failure reason.", ["reason"])
 
 DEFAULT_REFRESH_S = 5.0
-
-
-def metrics_option(fn: F) -> F:
-    """The `--metrics-port` flag every daemon command takes (0 or absent: no metrics)."""
-    return click.option(  # type: ignore[no-any-return]
-        "--metrics-port",
-        type=click.IntRange(min=0, max=65535),
-        default=0,
-        show_default=True,
-        envvar="RLFLEET_METRICS_PORT",
-        help="Serve Prometheus metrics on this port (0: off; env RLFLEET_METRICS_PORT).",
-    )(fn)
 
 
 def start_metrics_server(port: int | None, addr: str = "0.0.0.0") -> WSGIServer | None:

@@ -56,26 +56,23 @@ import contextlib
 import os
 import random
 import socket
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
-import click
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import bus, metrics
-from scheduler.aio import sleep_or_stop
 from scheduler.claims import LARGEST_VM_SQL, expire_leases
-from scheduler.daemon import daemon_options, daemon_settings, run_service
+from scheduler.daemon import DoublingBackoff, run_loop
 from scheduler.db import Database
 from scheduler.fleet import delete_removed_vms
 from scheduler.gpus import FREE_BY_VM_SQL
 from scheduler.jobs import transition
 from scheduler.leftovers import AttemptRecord, LeftoverSweep, abandon_attempt, leftover_may_run
-from scheduler.liveness import NODE_LOST_TIMEOUT_ENV, Liveness, checked_liveness, fence_options
+from scheduler.liveness import Liveness
 from scheduler.logging import get_logger
 from scheduler.models import VM, Job
 from scheduler.retry import (
@@ -523,36 +520,38 @@ class RequeueManager:
     # -- the loop -------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Tick every `interval` until `stop` is set; a failed tick is logged, not fatal."""
-        failures = 0
-        while not stop.is_set():
-            try:
-                report = await self.tick()
-            except Exception as exc:  # noqa: BLE001 - Postgres restarting, a bug in one row…
-                failures += 1
-                log.warning(
-                    "requeue_tick_failed",
-                    error=(str(exc).splitlines() or [type(exc).__name__])[0][:300],
-                    error_type=type(exc).__name__,
-                    failures=failures,
+        """Tick every `interval` until `stop` is set; a failed tick is logged, not fatal,
+        and failures in a row space the ticks out (2, 4, at most 8 intervals)."""
+
+        async def tick() -> None:
+            report = await self.tick()
+            if report.busy():
+                log.info(
+                    "requeue_tick",
+                    expired=len(report.expired),
+                    node_lost=len(report.node_lost),
+                    scheduled=len(report.scheduled),
+                    gave_up=len(report.gave_up),
+                    retried=len(report.retried),
+                    unpended=len(report.unpended),
+                    published=len(report.published),
+                    killed=len(report.killed),
+                    removed_vms=report.removed_vms,
                 )
-            else:
-                failures = 0
-                if report.busy():
-                    log.info(
-                        "requeue_tick",
-                        expired=len(report.expired),
-                        node_lost=len(report.node_lost),
-                        scheduled=len(report.scheduled),
-                        gave_up=len(report.gave_up),
-                        retried=len(report.retried),
-                        unpended=len(report.unpended),
-                        published=len(report.published),
-                        killed=len(report.killed),
-                        removed_vms=report.removed_vms,
-                    )
-            wait = self.config.interval_s * min(2 ** min(failures, 4), 8) if failures else 0
-            await sleep_or_stop(stop, wait or self.config.interval_s)
+
+        def failed(exc: Exception, failures: int) -> None:
+            # Postgres restarting, a bug in one row…: logged, and the next tick tries again.
+            log.warning(
+                "requeue_tick_failed",
+                error=(str(exc).splitlines() or [type(exc).__name__])[0][:300],
+                error_type=type(exc).__name__,
+                failures=failures,
+            )
+
+        interval = self.config.interval_s
+        await run_loop(
+            tick, stop, interval_s=interval, backoff=DoublingBackoff(interval), on_error=failed
+        )
 
 
 # A failed job has no decision yet while its `retry_decision` is NULL (every move clears
@@ -616,126 +615,20 @@ async def run_daemon(
         await db.dispose()
 
 
-async def run_in_process(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:
-    """The entry `rlfleet up` runs: the requeue manager with its default knobs (the
-    node-lost timeout from RLFLEET_NODE_LOST_TIMEOUT when set)."""
-    config = RequeueConfig(node_lost_timeout_s=Liveness.from_env().node_lost_timeout_s)
+async def run(
+    settings: Settings,
+    stop: asyncio.Event,
+    ready: asyncio.Event,
+    config: RequeueConfig | None = None,
+) -> None:
+    """The requeue manager daemon until `stop`, `ready` set once connected. Without a
+    `config`, the default knobs (the node-lost timeout from RLFLEET_NODE_LOST_TIMEOUT when
+    set). `rlfleet requeue` and `rlfleet up` run this."""
+    config = config or RequeueConfig(node_lost_timeout_s=Liveness.from_env().node_lost_timeout_s)
     await run_daemon(settings, config, stop, ready)
 
 
-@click.command("requeue")
-@click.option(
-    "--interval",
-    default=2.0,
-    show_default=True,
-    type=click.FloatRange(min=0.05),
-    help="Seconds between ticks.",
-)
-@click.option(
-    "--pending-timeout",
-    default=60.0,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="Re-announce a pending job after this many seconds even if no GPUs look free.",
-)
-@click.option(
-    "--node-lost-timeout",
-    default=Liveness.node_lost_timeout_s,
-    envvar=NODE_LOST_TIMEOUT_ENV,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="Seconds since an unreachable VM last answered after which its jobs fail as "
-    "node_lost and are retried; at least --fence-after + 2 + --fence-grace "
-    f"(env {NODE_LOST_TIMEOUT_ENV}).",
-)
-@click.option(
-    "--republish-after",
-    default=60.0,
-    show_default=True,
-    type=click.FloatRange(min=1),
-    help="Announce again a job still queued this many seconds after its last announcement.",
-)
-@click.option(
-    "--starvation-after",
-    default=300.0,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="After this many seconds waiting, a job that does not fit holds back smaller ones "
-    "(only a job that fits on some VM).",
-)
-@click.option(
-    "--retry-base-delay",
-    default=DEFAULT_POLICY.base_delay_s,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="Backoff before the first retry; doubles for each further retry.",
-)
-@click.option(
-    "--retry-max-delay",
-    default=DEFAULT_POLICY.max_delay_s,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="Longest backoff between retries.",
-)
-@click.option(
-    "--kill-grace",
-    default=10.0,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="Seconds between TERM and KILL for a leftover process.",
-)
-@fence_options
-@daemon_options
-@click.pass_context
-def requeue_command(
-    ctx: click.Context,
-    database_url: str | None,
-    nats_url: str | None,
-    interval: float,
-    pending_timeout: float,
-    node_lost_timeout: float,
-    republish_after: float,
-    starvation_after: float,
-    retry_base_delay: float,
-    retry_max_delay: float,
-    kill_grace: float,
-    fence_after: float,
-    fence_grace: float,
-    metrics_port: int,
-    log_level: str | None,
-) -> None:
-    """Run the requeue manager: retries, stuck jobs, lost VMs, unannounced jobs."""
-    checked_liveness(
-        node_lost_timeout_s=node_lost_timeout, fence_after_s=fence_after, fence_grace_s=fence_grace
-    )
-    settings = daemon_settings(ctx, database_url, nats_url, log_level)
-    config = RequeueConfig(
-        interval_s=interval,
-        pending_timeout_s=pending_timeout,
-        node_lost_timeout_s=node_lost_timeout,
-        republish_after_s=republish_after,
-        recheck_after_s=max(1.0, 2 * interval),
-        starvation_after_s=starvation_after,
-        kill_grace_s=kill_grace,
-        policy=RetryPolicy(base_delay_s=retry_base_delay, max_delay_s=retry_max_delay),
-    )
-
-    async def entry(stop: asyncio.Event, ready: asyncio.Event) -> None:
-        await run_daemon(settings, config, stop, ready)
-
-    run_service("requeue", settings, metrics_port, entry)
-
-
-command = requeue_command
-"""The click command `rlfleet requeue` (collected by scheduler.cli.daemons)."""
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m scheduler.requeue`."""
-    from scheduler.cli._common import run_guarded
-
-    sys.exit(run_guarded(requeue_command, argv))
-
-
 if __name__ == "__main__":
-    main()
+    from scheduler.cli.daemons import requeue_main
+
+    requeue_main()

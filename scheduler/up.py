@@ -38,8 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import click
-
 from scheduler import migrate, sim_gpu
 from scheduler.db import Database
 from scheduler.embedded import (
@@ -53,7 +51,6 @@ from scheduler.embedded import (
 from scheduler.errors import BadInput, RlfleetError, ServiceUnavailable
 from scheduler.fleet import VMSpec, add_vm
 from scheduler.logging import get_logger
-from scheduler.metrics import metrics_option
 from scheduler.models import DEFAULT_ENTRYPOINT
 from scheduler.redact import redact_url
 from scheduler.settings import Settings
@@ -323,14 +320,10 @@ DaemonMain = Callable[[Settings, asyncio.Event, asyncio.Event], Awaitable[None]]
 
 
 def daemon_entries() -> dict[str, DaemonMain]:
-    """The in-process entries of the three daemons: `run_in_process(settings, stop, ready)`."""
+    """The three daemons' entries, each `run(settings, stop, ready)`."""
     from scheduler import dispatcher, gpu_poller, requeue
 
-    return {
-        "poller": gpu_poller.run_in_process,
-        "dispatcher": dispatcher.run_in_process,
-        "requeue": requeue.run_in_process,
-    }
+    return {"poller": gpu_poller.run, "dispatcher": dispatcher.run, "requeue": requeue.run}
 
 
 async def run_daemons(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:
@@ -501,65 +494,3 @@ async def _register(settings: Settings, name: str, entrypoint: str) -> None:
             log.info("local_vm_registered", vm=name)
     finally:
         await db.dispose()
-
-
-@click.command("up")
-@click.option(
-    "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where Postgres, NATS and the remembered ports live "
-    "(default: $XDG_DATA_HOME/rlfleet or ~/.local/share/rlfleet).",
-)
-@click.option(
-    "--local-vm",
-    is_flag=True,
-    help="Register this machine as a VM (local transport) that jobs can run on.",
-)
-@click.option(
-    "--gpus",
-    type=click.IntRange(min=1),
-    default=None,
-    help="With --local-vm and no nvidia-smi: simulate N GPUs (jobs run on the CPU).",
-)
-@click.option(
-    "--vm-name", default="local", show_default=True, help="Name of the local VM (--local-vm)."
-)
-@click.option(
-    "--entrypoint",
-    default=DEFAULT_ENTRYPOINT,
-    show_default=True,
-    help="How the local VM trains: a module (run with -m) or a .py script.",
-)
-@metrics_option
-@click.pass_context
-def command(
-    ctx: click.Context,
-    state_dir: Path | None,
-    local_vm: bool,
-    gpus: int | None,
-    vm_name: str,
-    entrypoint: str,
-    metrics_port: int,
-) -> None:
-    """Run everything on this machine: embedded Postgres and NATS, the three daemons.
-
-    Postgres and NATS ask every client for generated credentials, kept in files only you
-    can read in the state directory; `source STATE_DIR/env` points the other commands at
-    them. Ctrl-C or SIGTERM stops everything; running it again reuses the data.
-    """
-    from scheduler.logging import configure
-
-    configure(getattr(ctx.obj, "log_level", None) or "INFO")
-    if gpus is not None and not local_vm:
-        raise BadInput("--gpus only makes sense with --local-vm")
-    run_up(
-        UpOptions(
-            state_dir=state_dir or default_state_dir(),
-            local_vm=local_vm,
-            gpus=gpus,
-            vm_name=vm_name,
-            entrypoint=entrypoint,
-            metrics_port=metrics_port,
-        )
-    )

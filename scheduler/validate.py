@@ -13,26 +13,29 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from sqlalchemy import BigInteger, Integer, SmallInteger, String
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
-
 from scheduler.errors import BadInput
-from scheduler.models import MAX_GPUS, MAX_RETRIES
 
-__all__ = ["MAX_GPUS", "MAX_RETRIES"]  # the schema's limits, re-exported for callers
+# SQLAlchemy and the models are imported where a check needs them, so that the command
+# line can check its arguments (`check_argv`) without loading the database layer.
+
+_LIMITS = ("MAX_GPUS", "MAX_RETRIES")
+"""The schema's limits, re-exported from `scheduler.models` for callers."""
+
+
+def __getattr__(name: str) -> Any:
+    """`MAX_GPUS` and `MAX_RETRIES`, the schema's limits, read from `scheduler.models`
+    when first asked for."""
+    if name in _LIMITS:
+        from scheduler import models
+
+        return getattr(models, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 TEXT_MAX = 4096
 """Longest value taken for an unbounded text column (a model, a path, an argument): the
 length of the longest Linux path, far beyond any real one."""
 MAX_EXTRA_ARGS = 1000
 """Most arguments after `--` one job may pass to train_grpo.py."""
-
-_INT_RANGES: list[tuple[type, tuple[int, int]]] = [
-    (BigInteger, (-(2**63), 2**63 - 1)),
-    (SmallInteger, (-(2**15), 2**15 - 1)),
-    (Integer, (-(2**31), 2**31 - 1)),
-]
 
 RESERVED_TRAIN_FLAGS: dict[str, str] = {
     "--model": "use `job submit --model`",
@@ -46,7 +49,14 @@ RESERVED_TRAIN_FLAGS: dict[str, str] = {
 
 def int_range(column: Any) -> tuple[int, int]:
     """The smallest and largest value an integer column (`Job.priority`…) can store."""
-    for kind, bounds in _INT_RANGES:
+    from sqlalchemy import BigInteger, Integer, SmallInteger
+
+    ranges: list[tuple[type, tuple[int, int]]] = [
+        (BigInteger, (-(2**63), 2**63 - 1)),
+        (SmallInteger, (-(2**15), 2**15 - 1)),
+        (Integer, (-(2**31), 2**31 - 1)),
+    ]
+    for kind, bounds in ranges:
         if isinstance(column.type, kind):
             return bounds
     raise TypeError(f"{column} is not an integer column")
@@ -54,6 +64,8 @@ def int_range(column: Any) -> tuple[int, int]:
 
 def max_length(column: Any) -> int:
     """The longest string a text column can take: its `String(n)` length, else TEXT_MAX."""
+    from sqlalchemy import String
+
     length = getattr(column.type, "length", None) if isinstance(column.type, String) else None
     return int(length) if length else TEXT_MAX
 
@@ -134,6 +146,9 @@ def check_argv(args: Iterable[str]) -> None:
 def check_database_url(url: str) -> str:
     """`url` if it is a well-formed PostgreSQL URL for psycopg; else `BadInput` saying what
     is wrong, without repeating the URL (it may hold a password)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
     what = "the database URL (--database-url / RLFLEET_DATABASE_URL)"
     if utf8_problem(url):
         raise BadInput(f"{what} is not valid UTF-8")
@@ -210,6 +225,8 @@ def job_row_problem(row: Any) -> str | None:
 
     Checks what the launch relies on: `extra_args` a JSON array of strings, a GPU count in
     range, non-empty model, dataset and reward functions."""
+    from scheduler.models import MAX_GPUS
+
     gpus = row.gpus_requested
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS:
         return f"gpus_requested must be between 1 and {MAX_GPUS}, not {gpus!r}"

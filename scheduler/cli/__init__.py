@@ -4,6 +4,7 @@ that cannot be reached."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
@@ -12,8 +13,67 @@ from scheduler import __version__
 from scheduler.cli._common import CliContext, run_guarded
 from scheduler.settings import Settings
 
+COMMANDS: dict[str, tuple[str, str]] = {
+    "db": ("scheduler.cli.db:group", "Create or upgrade the database schema (Alembic migrations)."),
+    "vm": ("scheduler.cli.vm:group", "Register, inspect, drain and remove VMs."),
+    "job": ("scheduler.cli.job:group", "Submit, list, inspect, follow, cancel and retry jobs."),
+    "up": (
+        "scheduler.cli.daemons:up",
+        "Run everything on this machine: embedded Postgres and NATS, the three daemons.",
+    ),
+    "poller": (
+        "scheduler.cli.daemons:poller",
+        "Poll every VM's GPUs and launched jobs over SSH (the GPU poller daemon).",
+    ),
+    "dispatcher": (
+        "scheduler.cli.daemons:dispatcher",
+        "Run the dispatcher: claim GPUs for new jobs and launch them over SSH.",
+    ),
+    "requeue": (
+        "scheduler.cli.daemons:requeue",
+        "Run the requeue manager: retries, stuck jobs, lost VMs, unannounced jobs.",
+    ),
+}
+"""Every subcommand: where it is defined, and its one-line help for `rlfleet --help`
+(tests/unit/test_import_graph.py checks the line is the command's own)."""
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+
+class LazyGroup(click.Group):
+    """A group that imports a subcommand's module only when that command runs, so that
+    `rlfleet --help` and each command load only what they use (a few hundredths of a
+    second, not a second of SQLAlchemy, SSH, NATS and Prometheus)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        """The subcommands, sorted."""
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        """Import the subcommand `cmd_name`; None when there is no such command."""
+        if cmd_name not in COMMANDS:
+            return None
+        module, _, name = COMMANDS[cmd_name][0].partition(":")
+        command = getattr(importlib.import_module(module), name)
+        assert isinstance(command, click.Command)
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list of `--help`, as click writes it, from `COMMANDS`: no subcommand
+        is imported."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(len(name) for name in names)
+        # A stand-in command with the same help shortens it exactly as click would.
+        rows = [
+            (name, click.Command(name, help=COMMANDS[name][1]).get_short_help_str(limit))
+            for name in names
+        ]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(
+    cls=LazyGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.option(
     "--database-url",
     envvar="RLFLEET_DATABASE_URL",
@@ -47,18 +107,6 @@ def cli(
     # whatever the environment says.
     level = log_level.upper() if log_level else None
     ctx.obj = CliContext(Settings.load(database_url, nats_url), level)
-
-
-def _register() -> None:
-    from scheduler.cli import daemons, db, job, vm
-
-    for module in (db, vm, job):
-        cli.add_command(module.group)
-    for command in daemons.COMMANDS:
-        cli.add_command(command)
-
-
-_register()
 
 
 def main(argv: list[str] | None = None) -> None:

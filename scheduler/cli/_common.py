@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from scheduler.db import Database, is_unavailable
 from scheduler.errors import BadInput, RlfleetError, ServiceUnavailable, error_line
-from scheduler.logging import configure
 from scheduler.redact import redact_url, scrub_urls
 from scheduler.settings import Settings
 from scheduler.validate import (
@@ -26,6 +23,12 @@ from scheduler.validate import (
     check_text,
     shown,
 )
+
+if TYPE_CHECKING:
+    from scheduler.db import Database
+
+# asyncio, the database layer (SQLAlchemy, psycopg) and structlog are imported when a
+# command uses them, not here: `rlfleet --help` and `--version` load none of them.
 
 T = TypeVar("T")
 
@@ -51,6 +54,11 @@ class CliContext:
     def run(self, fn: Callable[[Database], Awaitable[T]], *, nats: bool = False) -> T:
         """Run `fn(db)` on a fresh event loop with a database of its own; with `nats`, the
         NATS URL is checked first too. Nothing is touched before both are known sane."""
+        import asyncio
+
+        from scheduler.db import Database, is_unavailable
+        from scheduler.logging import configure
+
         url = self.database_url
         if nats:
             check_nats_url(self.settings.nats_url)
@@ -76,6 +84,10 @@ class CliContext:
 
     def run_coro(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine that needs no database handle."""
+        import asyncio
+
+        from scheduler.logging import configure
+
         configure(self.log_level or COMMAND_LOG_LEVEL)
         return asyncio.run(coro)
 

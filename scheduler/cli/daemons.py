@@ -1,19 +1,500 @@
-"""The daemon commands (`rlfleet up`, `poller`, `dispatcher`, `requeue`).
+"""The daemon commands: `rlfleet up`, `poller`, `dispatcher`, `requeue`.
 
-Each daemon module defines its click command; this module collects them for the CLI.
+The engines (scheduler/gpu_poller.py, dispatcher.py, requeue.py, up.py) know nothing of
+the command line: each exposes `run(settings, stop, ready, …)`. This module parses the
+flags, checks them, and runs that entry under `scheduler.daemon.run_service`. It imports
+an engine only when its command runs, so `rlfleet --help` and the one-shot commands do
+not load SSH, NATS or Prometheus. `python -m scheduler.<daemon>` comes here too
+(`poller_main`, `dispatcher_main`, `requeue_main`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import click
 
+from scheduler.liveness import (
+    FENCE_AFTER_ENV,
+    FENCE_GRACE_ENV,
+    NODE_LOST_TIMEOUT_ENV,
+    POLL_INTERVAL_ENV,
+    POLL_TIMEOUT_ENV,
+    UNREACHABLE_AFTER_POLLS,
+    UNREACHABLE_TIMEOUT_ENV,
+    Liveness,
+    SSHDeadlines,
+)
+from scheduler.retry import DEFAULT_POLICY, RetryPolicy
+from scheduler.settings import Settings
 
-def _collect() -> list[click.Command]:
-    # Imported here, not at the top: the daemon modules import the CLI's helpers, and
-    # importing them from the package's own initialisation would form a cycle.
-    from scheduler import dispatcher, gpu_poller, requeue, up
+# The engines' defaults, repeated here so that building the commands imports no engine
+# (tests/unit/test_import_graph.py checks they agree with the engines' own).
+CLAIM_LEASE_S = 60.0
+"""scheduler.claims.DEFAULT_LEASE_S"""
+LAUNCH_TIMEOUT_S = 30.0
+"""GlobalJobDispatcher's launch_timeout_s"""
+MAX_IN_FLIGHT = 64
+"""GlobalJobDispatcher's max_in_flight"""
+ENTRYPOINT = "training.train_grpo"
+"""scheduler.models.DEFAULT_ENTRYPOINT"""
 
-    return [up.command, gpu_poller.command, dispatcher.command, requeue.command]
+
+# --- what every daemon command shares ---------------------------------------------------
 
 
-COMMANDS: list[click.Command] = _collect()
+def metrics_option(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The `--metrics-port` flag every daemon command takes (0 or absent: no metrics)."""
+    return click.option(
+        "--metrics-port",
+        type=click.IntRange(min=0, max=65535),
+        default=0,
+        show_default=True,
+        envvar="RLFLEET_METRICS_PORT",
+        help="Serve Prometheus metrics on this port (0: off; env RLFLEET_METRICS_PORT).",
+    )(fn)
+
+
+def daemon_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The connection, metrics and logging flags every daemon command takes.
+
+    They repeat the global `rlfleet` options so `python -m scheduler.<daemon>` (with no
+    `rlfleet` group around it) accepts them too; `daemon_settings` resolves them.
+    """
+    decorators: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
+        click.option(
+            "--database-url",
+            envvar="RLFLEET_DATABASE_URL",
+            metavar="URL",
+            help="Overrides the global --database-url (env RLFLEET_DATABASE_URL).",
+        ),
+        click.option(
+            "--nats-url",
+            envvar="RLFLEET_NATS_URL",
+            metavar="URL[,URL…]",
+            help="Overrides the global --nats-url (env RLFLEET_NATS_URL).",
+        ),
+        metrics_option,
+        click.option(
+            "--log-level",
+            envvar="RLFLEET_LOG_LEVEL",
+            default=None,
+            type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+            help="Log verbosity (default: the rlfleet --log-level, else INFO).",
+        ),
+    ]
+    for decorate in reversed(decorators):
+        fn = decorate(fn)
+    return fn
+
+
+def fence_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`--fence-after` and `--fence-grace` (env RLFLEET_FENCE_AFTER / _GRACE), for the
+    dispatcher (it starts the watchdogs) and the requeue manager (it checks its timeout)."""
+    fn = click.option(
+        "--fence-grace",
+        type=click.FloatRange(min=0),
+        envvar=FENCE_GRACE_ENV,
+        default=Liveness.fence_grace_s,
+        show_default=True,
+        help=f"Seconds between a fenced attempt's TERM and its KILL (env {FENCE_GRACE_ENV}).",
+    )(fn)
+    return click.option(
+        "--fence-after",
+        type=click.FloatRange(min=0),
+        envvar=FENCE_AFTER_ENV,
+        default=Liveness.fence_after_s,
+        show_default=True,
+        help="An attempt whose lease the poller has not renewed for this many seconds (by "
+        f"the VM's clock) stops itself; 0 starts no watchdog (env {FENCE_AFTER_ENV}).",
+    )(fn)
+
+
+def checked_liveness(**given: float | None) -> Liveness:
+    """The knobs from flags (`given`) and the environment, for a daemon command: a usage
+    error (exit 2) when a value is bad or the knobs are unsafe together."""
+    try:
+        knobs = Liveness.from_env(given)
+        SSHDeadlines.from_env()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    problems = knobs.problems()
+    if problems:
+        raise click.UsageError("; ".join(problems))
+    return knobs
+
+
+def daemon_settings(
+    ctx: click.Context, database_url: str | None, nats_url: str | None, log_level: str | None
+) -> Settings:
+    """Settings for a daemon command: its own flags, else the `rlfleet` group's, else the
+    environment; configures logging on the way."""
+    from scheduler.cli._common import CliContext
+    from scheduler.logging import configure
+    from scheduler.validate import check_database_url
+
+    parent = ctx.find_object(CliContext)  # set when run as `rlfleet <daemon>`
+    settings = Settings.load(
+        database_url or (parent.settings.database_url if parent else None),
+        nats_url or (parent.settings.nats_url if parent else None),
+    )
+    check_database_url(settings.database_url)  # malformed: exit 2, one line
+    configure((log_level or (parent.log_level if parent else None) or "INFO").upper())
+    return settings
+
+
+Entry = Callable[[Settings, asyncio.Event, asyncio.Event], Any]
+
+
+def serve_daemon(name: str, settings: Settings, metrics_port: int, entry: Entry) -> None:
+    """Run an engine's `entry(settings, stop, ready)` as a service (signals, systemd)."""
+    from scheduler.daemon import run_service
+
+    async def main(stop: asyncio.Event, ready: asyncio.Event) -> None:
+        await entry(settings, stop, ready)
+
+    run_service(name, settings, metrics_port, main)
+
+
+# --- rlfleet poller ---------------------------------------------------------------------
+
+
+@click.command("poller")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.1),
+    envvar=POLL_INTERVAL_ENV,
+    default=Liveness.poll_interval_s,
+    show_default=True,
+    help=f"Seconds between sweeps of the fleet (env {POLL_INTERVAL_ENV}).",
+)
+@click.option(
+    "--unreachable-after",
+    type=click.IntRange(min=1),
+    default=UNREACHABLE_AFTER_POLLS,
+    show_default=True,
+    help="Consecutive failed polls after which a VM is marked unreachable.",
+)
+@click.option(
+    "--poll-timeout",
+    type=click.FloatRange(min=0.1),
+    envvar=POLL_TIMEOUT_ENV,
+    default=Liveness.poll_timeout_s,
+    show_default=True,
+    help=f"Seconds one VM's poll may take before it counts as failed (env {POLL_TIMEOUT_ENV}).",
+)
+@click.option(
+    "--unreachable-timeout",
+    type=click.FloatRange(min=0.1),
+    envvar=UNREACHABLE_TIMEOUT_ENV,
+    default=Liveness.unreachable_timeout_s,
+    show_default=True,
+    help="A VM that has not answered a poll for this many seconds is marked unreachable, "
+    f"however few polls failed (env {UNREACHABLE_TIMEOUT_ENV}).",
+)
+@daemon_options
+@click.pass_context
+def poller(
+    ctx: click.Context,
+    interval: float,
+    unreachable_after: int,
+    poll_timeout: float,
+    unreachable_timeout: float,
+    database_url: str | None,
+    nats_url: str | None,
+    metrics_port: int,
+    log_level: str | None,
+) -> None:
+    """Poll every VM's GPUs and launched jobs over SSH (the GPU poller daemon)."""
+    liveness = checked_liveness(
+        poll_interval_s=interval,
+        poll_timeout_s=poll_timeout,
+        unreachable_timeout_s=unreachable_timeout,
+    )
+    settings = daemon_settings(ctx, database_url, nats_url, log_level)
+    from scheduler import gpu_poller
+
+    async def entry(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:
+        await gpu_poller.run(
+            settings, stop, ready, liveness=liveness, unreachable_after=unreachable_after
+        )
+
+    serve_daemon("poller", settings, metrics_port, entry)
+
+
+# --- rlfleet dispatcher -----------------------------------------------------------------
+
+
+@click.command("dispatcher")
+@click.option(
+    "--max-in-flight",
+    default=MAX_IN_FLIGHT,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Messages handled at once by this dispatcher.",
+)
+@click.option(
+    "--lease",
+    "lease_s",
+    default=CLAIM_LEASE_S,
+    show_default=True,
+    type=click.FloatRange(min=1),
+    help="Seconds a claim may stay unconfirmed before the requeue manager takes it back.",
+)
+@click.option(
+    "--launch-timeout",
+    "launch_timeout_s",
+    default=LAUNCH_TIMEOUT_S,
+    show_default=True,
+    type=click.FloatRange(min=1),
+    help="Seconds a launch over SSH may take.",
+)
+@fence_options
+@daemon_options
+@click.pass_context
+def dispatcher(
+    ctx: click.Context,
+    max_in_flight: int,
+    lease_s: float,
+    launch_timeout_s: float,
+    fence_after: float,
+    fence_grace: float,
+    database_url: str | None,
+    nats_url: str | None,
+    metrics_port: int,
+    log_level: str | None,
+) -> None:
+    """Run the dispatcher: claim GPUs for new jobs and launch them over SSH."""
+    from scheduler import dispatcher as engine
+
+    margin = engine.LEASE_MARGIN_S
+    if lease_s < launch_timeout_s + margin:
+        # A lease that can run out during a launch hands the job to a second claim while
+        # the first may still start.
+        raise click.BadParameter(
+            f"must be at least --launch-timeout + {margin:g} s ({launch_timeout_s + margin:g})",
+            param_hint="--lease",
+        )
+    checked_liveness(fence_after_s=fence_after, fence_grace_s=fence_grace)
+    settings = daemon_settings(ctx, database_url, nats_url, log_level)
+
+    async def entry(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:
+        await engine.run(
+            settings,
+            stop,
+            ready,
+            max_in_flight=max_in_flight,
+            lease_s=lease_s,
+            launch_timeout_s=launch_timeout_s,
+            fence_after_s=fence_after,
+            fence_grace_s=fence_grace,
+        )
+
+    serve_daemon("dispatcher", settings, metrics_port, entry)
+
+
+# --- rlfleet requeue --------------------------------------------------------------------
+
+
+@click.command("requeue")
+@click.option(
+    "--interval",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(min=0.05),
+    help="Seconds between ticks.",
+)
+@click.option(
+    "--pending-timeout",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Re-announce a pending job after this many seconds even if no GPUs look free.",
+)
+@click.option(
+    "--node-lost-timeout",
+    default=Liveness.node_lost_timeout_s,
+    envvar=NODE_LOST_TIMEOUT_ENV,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds since an unreachable VM last answered after which its jobs fail as "
+    "node_lost and are retried; at least --fence-after + 2 + --fence-grace "
+    f"(env {NODE_LOST_TIMEOUT_ENV}).",
+)
+@click.option(
+    "--republish-after",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(min=1),
+    help="Announce again a job still queued this many seconds after its last announcement.",
+)
+@click.option(
+    "--starvation-after",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="After this many seconds waiting, a job that does not fit holds back smaller ones "
+    "(only a job that fits on some VM).",
+)
+@click.option(
+    "--retry-base-delay",
+    default=DEFAULT_POLICY.base_delay_s,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Backoff before the first retry; doubles for each further retry.",
+)
+@click.option(
+    "--retry-max-delay",
+    default=DEFAULT_POLICY.max_delay_s,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Longest backoff between retries.",
+)
+@click.option(
+    "--kill-grace",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help="Seconds between TERM and KILL for a leftover process.",
+)
+@fence_options
+@daemon_options
+@click.pass_context
+def requeue(
+    ctx: click.Context,
+    database_url: str | None,
+    nats_url: str | None,
+    interval: float,
+    pending_timeout: float,
+    node_lost_timeout: float,
+    republish_after: float,
+    starvation_after: float,
+    retry_base_delay: float,
+    retry_max_delay: float,
+    kill_grace: float,
+    fence_after: float,
+    fence_grace: float,
+    metrics_port: int,
+    log_level: str | None,
+) -> None:
+    """Run the requeue manager: retries, stuck jobs, lost VMs, unannounced jobs."""
+    checked_liveness(
+        node_lost_timeout_s=node_lost_timeout, fence_after_s=fence_after, fence_grace_s=fence_grace
+    )
+    settings = daemon_settings(ctx, database_url, nats_url, log_level)
+    from scheduler import requeue as engine
+
+    config = engine.RequeueConfig(
+        interval_s=interval,
+        pending_timeout_s=pending_timeout,
+        node_lost_timeout_s=node_lost_timeout,
+        republish_after_s=republish_after,
+        recheck_after_s=max(1.0, 2 * interval),
+        starvation_after_s=starvation_after,
+        kill_grace_s=kill_grace,
+        policy=RetryPolicy(base_delay_s=retry_base_delay, max_delay_s=retry_max_delay),
+    )
+
+    async def entry(settings: Settings, stop: asyncio.Event, ready: asyncio.Event) -> None:
+        await engine.run(settings, stop, ready, config)
+
+    serve_daemon("requeue", settings, metrics_port, entry)
+
+
+# --- rlfleet up -------------------------------------------------------------------------
+
+
+@click.command("up")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where Postgres, NATS and the remembered ports live "
+    "(default: $XDG_DATA_HOME/rlfleet or ~/.local/share/rlfleet).",
+)
+@click.option(
+    "--local-vm",
+    is_flag=True,
+    help="Register this machine as a VM (local transport) that jobs can run on.",
+)
+@click.option(
+    "--gpus",
+    type=click.IntRange(min=1),
+    default=None,
+    help="With --local-vm and no nvidia-smi: simulate N GPUs (jobs run on the CPU).",
+)
+@click.option(
+    "--vm-name", default="local", show_default=True, help="Name of the local VM (--local-vm)."
+)
+@click.option(
+    "--entrypoint",
+    default=ENTRYPOINT,
+    show_default=True,
+    help="How the local VM trains: a module (run with -m) or a .py script.",
+)
+@metrics_option
+@click.pass_context
+def up(
+    ctx: click.Context,
+    state_dir: Path | None,
+    local_vm: bool,
+    gpus: int | None,
+    vm_name: str,
+    entrypoint: str,
+    metrics_port: int,
+) -> None:
+    """Run everything on this machine: embedded Postgres and NATS, the three daemons.
+
+    Postgres and NATS ask every client for generated credentials, kept in files only you
+    can read in the state directory; `source STATE_DIR/env` points the other commands at
+    them. Ctrl-C or SIGTERM stops everything; running it again reuses the data.
+    """
+    from scheduler.errors import BadInput
+    from scheduler.logging import configure
+
+    configure(getattr(ctx.obj, "log_level", None) or "INFO")
+    if gpus is not None and not local_vm:
+        raise BadInput("--gpus only makes sense with --local-vm")
+    from scheduler.up import UpOptions, default_state_dir, run_up
+
+    run_up(
+        UpOptions(
+            state_dir=state_dir or default_state_dir(),
+            local_vm=local_vm,
+            gpus=gpus,
+            vm_name=vm_name,
+            entrypoint=entrypoint,
+            metrics_port=metrics_port,
+        )
+    )
+
+
+COMMANDS: list[click.Command] = [up, poller, dispatcher, requeue]
+
+
+# --- python -m scheduler.<daemon> -------------------------------------------------------
+
+
+def _main(command: click.Command, argv: list[str] | None) -> None:
+    from scheduler.cli._common import run_guarded
+
+    sys.exit(run_guarded(command, argv))
+
+
+def poller_main(argv: list[str] | None = None) -> None:
+    """`python -m scheduler.gpu_poller [flags]`, the same as `rlfleet poller`."""
+    _main(poller, argv)
+
+
+def dispatcher_main(argv: list[str] | None = None) -> None:
+    """`python -m scheduler.dispatcher [flags]`, the same as `rlfleet dispatcher`."""
+    _main(dispatcher, argv)
+
+
+def requeue_main(argv: list[str] | None = None) -> None:
+    """`python -m scheduler.requeue [flags]`, the same as `rlfleet requeue`."""
+    _main(requeue, argv)

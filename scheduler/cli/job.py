@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from scheduler.claims import installation_id
 from scheduler.cli._common import (
     CliContext,
     ColumnInt,
@@ -20,24 +19,20 @@ from scheduler.cli._common import (
     pass_cli,
     warn,
 )
-from scheduler.control import (
-    DEFAULT_GRACE_S,
-    CancelResult,
-    cancel_job,
-    place_of,
-    read_progress,
-    retry_job,
-    stream_log,
-)
-from scheduler.db import Database
 from scheduler.errors import BadInput, ServiceUnavailable
 from scheduler.jobs import JobSpec, get_job, job_to_dict, list_jobs
 from scheduler.models import Job
-from scheduler.remote import default_output_dir
 from scheduler.states import JobStatus
-from scheduler.submit import submit_job
-from scheduler.transport import make_transport
 from scheduler.validate import MAX_GPUS, MAX_RETRIES
+
+if TYPE_CHECKING:
+    from scheduler.db import Database
+
+# SSH (scheduler.transport, scheduler.control) and NATS (scheduler.submit) are imported by
+# the commands that use them: `job list` and `job submit` start without loading SSH.
+
+CANCEL_GRACE_S = 10.0
+"""scheduler.control.DEFAULT_GRACE_S (tests/unit/test_import_graph.py checks they agree)."""
 
 JOB_ID = ColumnInt(Job.id, lo=1)
 
@@ -136,6 +131,8 @@ def submit(
         env=parse_env_options(env),
     )
     spec.validate()
+    from scheduler.submit import submit_job
+
     result = ctx.run(lambda db: submit_job(db, ctx.settings, spec, actor="cli"), nats=True)
     if result.warning:
         warn(result.warning)
@@ -218,6 +215,10 @@ def list_(ctx: CliContext, status: str | None, limit: int, as_json: bool) -> Non
 def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None:
     """Show a job: where it runs, why it is in its state, its training progress (read from
     the VM, a few seconds at most) and its event history."""
+    from scheduler.claims import installation_id
+    from scheduler.control import place_of, read_progress
+    from scheduler.remote import default_output_dir
+    from scheduler.transport import make_transport
 
     async def go(db: Database) -> dict[str, Any]:
         async with db.transaction() as session:
@@ -280,7 +281,7 @@ def _progress_line(progress: dict[str, Any]) -> str:
 @click.argument("job_id", type=JOB_ID)
 @click.option(
     "--grace",
-    default=DEFAULT_GRACE_S,
+    default=CANCEL_GRACE_S,
     show_default=True,
     type=Seconds(),
     help="Seconds between TERM and KILL for a running job.",
@@ -288,6 +289,8 @@ def _progress_line(progress: dict[str, Any]) -> str:
 @pass_cli
 def cancel(ctx: CliContext, job_id: int, grace: float) -> None:
     """Cancel a job; a running one is killed on its VM (TERM, then KILL) and its GPUs freed."""
+    from scheduler.control import CancelResult, cancel_job
+    from scheduler.transport import make_transport
 
     async def go(db: Database) -> object:
         transport = make_transport()
@@ -324,6 +327,8 @@ _KILL_WORDS = {
 @pass_cli
 def retry(ctx: CliContext, job_id: int) -> None:
     """Queue a failed job again now (a manual retry)."""
+    from scheduler.control import retry_job
+
     published = ctx.run(lambda db: retry_job(db, ctx.settings, job_id), nats=True)
     click.echo(f"job {job_id} queued")
     if not published:
@@ -344,6 +349,8 @@ def retry(ctx: CliContext, job_id: int) -> None:
 @pass_cli
 def logs(ctx: CliContext, job_id: int, follow: bool, attempt: int | None) -> None:
     """Print a job's train.log from its VM (every attempt's log is kept)."""
+    from scheduler.control import stream_log
+    from scheduler.transport import make_transport
 
     def write(data: bytes) -> None:
         # The bytes as the job wrote them: a log is not always valid UTF-8.

