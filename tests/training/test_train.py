@@ -118,21 +118,29 @@ def test_resume_auto_continues_the_step_count(
 
 
 def test_lora_deepseek_run_with_weighted_rewards_saves_a_merged_model(
-    tiny_model: Path, tmp_path: Path
+    tiny_model: Path, user_dir: Path, tmp_path: Path
 ):
     out = tmp_path / "lora"
     args = tiny_run_args(
         tiny_model, out, "--max_steps", "1", "--lora_r", "4", "--preprocess", "deepseek"
     )
-    args += ["--reward_function", "xml_count", "--reward_weights", "1", "0.5"]
-    result = train_grpo(*args)
+    # `length` scores every completion above 0, so its weight shows in the logged total; the
+    # other two are often 0 for a tiny model and could not tell weighted from unweighted.
+    args += ["--reward_function", "xml_count", "lenmod:length", "--reward_weights", "1", "2", "0.5"]
+    result = train_grpo(*args, cwd=user_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "adapter" / "adapter_config.json").is_file()
     assert not (out / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in name for name, _ in merged.named_parameters())
     progress = json.loads((out / "progress.json").read_text())
-    assert set(progress["rewards"]) == {"keyword_match", "xml_count"}
+    rewards = progress["rewards"]
+    assert set(rewards) == {"keyword_match", "xml_count", "length"}
+    assert rewards["length"] > 0, progress
+    # TRL logs the weighted sum as `reward`: the weights reached the trainer.
+    weighted = rewards["keyword_match"] + 2 * rewards["xml_count"] + 0.5 * rewards["length"]
+    assert progress["reward"] == pytest.approx(weighted, rel=1e-4), progress
+    assert progress["reward"] != pytest.approx(sum(rewards.values()), rel=1e-4), progress
 
 
 def test_console_script_is_installed():
