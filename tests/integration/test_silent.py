@@ -36,7 +36,7 @@ from scheduler.settings import Settings
 from scheduler.submit import submit_job
 from scheduler.transport import SSHTransport, Transport, TransportError, make_transport
 from tests.fleet import FAKE_TRAIN, SimFleet, SimVM
-from tests.integration.test_sshd import SSHD, RealSshd, sshd  # noqa: F401 (the fixture)
+from tests.integration.test_sshd import RealSshd, sshd  # noqa: F401 (the fixture)
 from tests.workloads.support import attempt_dirs, installation, write_fake_python
 
 FleetFactory = Callable[..., Awaitable[SimFleet]]
@@ -456,10 +456,6 @@ def _frozen_sshd(server: RealSshd, python: str) -> Silenceable:
     return Silenceable(spec, server.home, freeze, thaw)
 
 
-needs_sshd = pytest.mark.skipif(SSHD is None, reason="OpenSSH sshd is not installed")
-
-
-@needs_sshd
 async def test_a_frozen_sshd_is_lost_in_bounded_time_and_its_attempt_fences_itself(
     sshd: RealSshd,  # noqa: F811
     sim_fleet: FleetFactory,
@@ -475,7 +471,6 @@ async def test_a_frozen_sshd_is_lost_in_bounded_time_and_its_attempt_fences_itse
     await partition(db, nats.url, _frozen_sshd(sshd, python), fleet[0], python)
 
 
-@needs_sshd
 async def test_a_10s_frozen_sshd_restarts_nothing(
     sshd: RealSshd,  # noqa: F811
     sim_fleet: FleetFactory,

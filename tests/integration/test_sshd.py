@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import getpass
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -31,11 +30,10 @@ from scheduler.models import GPU, VM
 from scheduler.sim_gpu import gpu_uuid
 from scheduler.transport import HostKeyMismatch, SSHTransport, TransportError, VMTarget
 from tests.fleet import PROCESS_MEMORY_MB
+from tests.requires import find_program, require_program
 
-SSHD = shutil.which("sshd") or ("/usr/sbin/sshd" if os.path.exists("/usr/sbin/sshd") else None)
-pytestmark = pytest.mark.skipif(
-    SSHD is None, reason="OpenSSH sshd is not installed (apt-get install openssh-server)"
-)
+# Missing sshd skips these tests, or fails them under CI (tests/requires.py).
+SSHD = find_program("sshd", "/usr/sbin/sshd")
 
 
 @dataclasses.dataclass
@@ -83,7 +81,7 @@ def _write_key(path: Path) -> asyncssh.SSHKey:
 @pytest.fixture
 def sshd(tmp_path: Path) -> Iterator[RealSshd]:
     """sshd on 127.0.0.1, with a simulated nvidia-smi (2 GPUs) first on the session PATH."""
-    assert SSHD is not None
+    sshd_path = require_program(SSHD, "OpenSSH sshd", "openssh-server")
     root = tmp_path / "sshd"
     (root / "bin").mkdir(parents=True)
     (root / "home").mkdir()
@@ -120,7 +118,7 @@ def sshd(tmp_path: Path) -> Iterator[RealSshd]:
     if os.geteuid() == 0:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege separation dir
     proc = subprocess.Popen(
-        [SSHD, "-D", "-e", "-f", str(root / "sshd_config")],
+        [sshd_path, "-D", "-e", "-f", str(root / "sshd_config")],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
