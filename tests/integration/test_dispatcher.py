@@ -22,6 +22,7 @@ from scheduler.models import GPU, Job, JobEvent, StaleProcess
 from scheduler.remote import job_base
 from scheduler.requeue import RequeueManager
 from scheduler.transport import CommandResult, Transport, VMTarget, make_transport
+from tests.backdate import age_lease
 from tests.fleet import SimFleet
 from tests.workloads.support import (
     FAKE_TRAIN,
@@ -229,7 +230,7 @@ async def test_a_dispatcher_dying_between_claim_and_launch_blocks_nothing_for_ev
     assert job.status == "starting" and job.lease_expires_at is not None
     assert job.lease_expires_at > job.starting_at
 
-    await asyncio.sleep(1.2)
+    await age_lease(db, job_id, 1.2)  # as 1.2 s later: the 1 s lease has run out
     async with db.transaction() as session:
         expired = (
             await session.scalars(
