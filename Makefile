@@ -35,11 +35,13 @@ sshd:
 	    || echo "could not install$$missing: their tests will be skipped (and fail under CI=true)"; \
 	  fi
 
+# Every test, slow ones included.
 test: venv sshd
 	$(PY) -m pytest
 
-test-fast: venv
-	$(PY) -m pytest tests/unit -q
+# Every test not marked slow, across the whole tree: the lane to run while working.
+test-fast: venv sshd
+	$(PY) -m pytest -m "not slow" -q
 
 lint: venv
 	$(VENV)/bin/ruff check scheduler training rewards tests bench

@@ -14,6 +14,9 @@ import pytest
 from scheduler.embedded import free_port
 from tests.workloads.support import RLFLEET
 
+# Every test here takes seconds (measured: CONTRIBUTING.md, "Test lanes").
+pytestmark = pytest.mark.slow
+
 SECRET = "Hunter2-xyz"
 
 

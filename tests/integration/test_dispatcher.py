@@ -141,6 +141,7 @@ async def test_a_job_that_fits_nowhere_is_pending_with_the_reason(
     assert job.status_reason == "needs 4 GPUs, largest free block is 2"
 
 
+@pytest.mark.slow
 async def test_a_multi_gpu_job_starts_through_accelerate(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
 ) -> None:
@@ -209,6 +210,7 @@ class StallingTransport:
         await self.inner.close()
 
 
+@pytest.mark.slow
 async def test_a_dispatcher_dying_between_claim_and_launch_blocks_nothing_for_ever(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
 ) -> None:
@@ -302,6 +304,7 @@ class AroundLaunch:
         await self.inner.close()
 
 
+@pytest.mark.slow
 async def test_cancelled_during_launch_is_killed_not_run(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, tmp_path: Path
 ) -> None:
@@ -366,6 +369,7 @@ async def test_a_cancel_that_beats_the_launch_fences_it_off(
         assert stale.killed_at is not None
 
 
+@pytest.mark.slow
 async def test_an_unreachable_database_naks_and_the_job_is_not_lost(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
 ) -> None:

@@ -47,6 +47,9 @@ from tests.workloads.support import (
     write_fake_python,
 )
 
+# Every test here takes seconds (measured: CONTRIBUTING.md, "Test lanes").
+pytestmark = pytest.mark.slow
+
 FleetFactory = Callable[..., Awaitable[SimFleet]]
 CONFIG = RequeueConfig(interval_s=0.2, node_lost_timeout_s=2.0, recheck_after_s=0.5)
 FINAL = {"completed", "failed", "cancelled"}

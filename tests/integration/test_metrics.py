@@ -11,6 +11,7 @@ import subprocess
 import time
 import urllib.request
 
+import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import insert
 
@@ -147,6 +148,7 @@ async def test_serve_refreshes_the_gauges_and_stops_serving_when_the_daemon_stop
     assert scrape_or_none(port) is None
 
 
+@pytest.mark.slow
 def test_a_daemon_started_with_metrics_port_serves_them(
     database_url: str, nats: EmbeddedNats
 ) -> None:

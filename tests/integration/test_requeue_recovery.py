@@ -71,6 +71,7 @@ async def sweep_until(poller: GpuPoller, db: Database, vm_id: int, status: str) 
     raise AssertionError(f"VM {vm_id} never became {status}")
 
 
+@pytest.mark.slow
 async def test_a_job_on_a_lost_vm_resumes_elsewhere_and_its_leftover_is_killed(
     sim_fleet: FleetFactory,
     db: Database,
@@ -164,6 +165,7 @@ async def test_a_job_on_a_lost_vm_resumes_elsewhere_and_its_leftover_is_killed(
     ]
 
 
+@pytest.mark.slow
 async def test_a_short_ssh_blip_never_restarts_a_healthy_job(
     sim_fleet: FleetFactory,
     db: Database,

@@ -149,6 +149,7 @@ async def test_a_command_past_its_timeout_fails_and_is_killed_on_the_vm(sim_flee
         await transport.close()
 
 
+@pytest.mark.slow
 async def test_global_bound_limits_concurrent_commands(sim_fleet) -> None:
     # Given two VMs and a transport allowing two commands at a time
     fleet = await sim_fleet(2)
