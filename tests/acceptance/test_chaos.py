@@ -96,8 +96,6 @@ def job_specs(outputs: Path, rng: random.Random) -> list[tuple[Kind, JobSpec]]:
         args = kind.args
         if kind.name == "ok":
             args = ("--fake_seconds", f"{rng.uniform(0.2, 2.0):.2f}")
-        # Outputs on storage every VM shares, as checkpoints for --resume would be.
-        args = (*args, "--output_dir", str(outputs / f"job{i}"))
         specs.append(
             (
                 kind,
@@ -110,6 +108,8 @@ def job_specs(outputs: Path, rng: random.Random) -> list[tuple[Kind, JobSpec]]:
                     priority=kind.priority or rng.choice((0, 0, 1, 2)),
                     name=f"{kind.name}-{i}",
                     extra_args=args,
+                    # On storage every VM shares, as checkpoints for --resume would be.
+                    output_dir=str(outputs / f"job{i}"),
                 ),
             )
         )
@@ -206,7 +206,8 @@ async def _submit_with_cli(spec: JobSpec, env: dict[str, str]) -> int:
     argv = [sys.executable, "-m", "scheduler.cli", "job", "submit", "--model", spec.model]
     argv += ["--dataset", spec.dataset, "--reward-function", spec.reward_functions[0]]
     argv += ["--gpus", str(spec.gpus), "--max-retries", str(spec.max_retries)]
-    argv += ["--priority", str(spec.priority), "--name", spec.name or "", "--", *spec.extra_args]
+    argv += ["--priority", str(spec.priority), "--name", spec.name or ""]
+    argv += ["--output-dir", spec.output_dir or "", "--", *spec.extra_args]
     proc = await asyncio.create_subprocess_exec(
         *argv, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
