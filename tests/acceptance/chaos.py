@@ -21,7 +21,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+
+from scheduler import bus
+
 REPO = Path(__file__).resolve().parents[2]
+
+
+# What a publish raises while nats-server is stopped, restarting or its JetStream not yet
+# ready: the request times out or finds no responder, the client is closed or reconnecting
+# (its buffer full), or JetStream answers 503. Any other error is a bug, not an outage.
+NATS_DOWN: tuple[type[Exception], ...] = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.StaleConnectionError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+)
+
+
+async def publish_unless_down(js: JetStreamContext, job_id: int, attempt: int) -> bool:
+    """Publish a job as `rlfleet job submit` does. False when NATS is down (the job stays
+    unannounced, for the requeue manager); any other error propagates and fails the test."""
+    try:
+        await bus.publish_job(js, job_id, dedupe_id=bus.msg_id(job_id, attempt))
+    except NATS_DOWN:
+        return False
+    return True
 
 
 class Daemon:

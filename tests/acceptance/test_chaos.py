@@ -37,6 +37,7 @@ from tests.acceptance.chaos import (
     LiveSampler,
     double_booked,
     duplicate_runs,
+    publish_unless_down,
     runs_from,
 )
 from tests.fleet import SimFleet
@@ -179,10 +180,8 @@ async def submit_all(
         kind_of[job_id] = kind
         if i % 12 == 5 or not nc.is_connected:
             return
-        try:
-            await bus.publish_job(js, job_id, dedupe_id=bus.msg_id(job_id, attempt))
-        except Exception:  # noqa: BLE001 - as the CLI: queued but not announced
-            return
+        if not await publish_unless_down(js, job_id, attempt):
+            return  # as the CLI: queued but not announced
         async with db.transaction() as session:
             await mark_published(session, job_id)
 
@@ -236,6 +235,38 @@ def settled(job: Job) -> bool:
     if job.status in ("completed", "cancelled"):
         return True
     return job.status == "failed" and (job.status_reason or "").startswith(GIVE_UP_PREFIX)
+
+
+async def test_only_a_nats_outage_counts_as_a_failed_publish(
+    nats: EmbeddedNats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chaos submitter leaves a job unannounced only when NATS is down; any other
+    error from a publish fails the test instead of passing as an outage."""
+    # No reconnect buffer: a publish while reconnecting fails at once instead of in 5 s.
+    nc = await nats_client.connect(
+        nats.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2, pending_size=0
+    )
+    try:
+        js = nc.jetstream()
+        await bus.ensure_stream(js)
+        assert await publish_unless_down(js, 1, 0)
+
+        async def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("a bug in the submit path")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(bus, "publish_job", broken)
+            with pytest.raises(RuntimeError, match="a bug"):
+                await publish_unless_down(js, 2, 0)
+
+        await asyncio.to_thread(nats.stop)
+        for _ in range(100):
+            if not nc.is_connected:
+                break
+            await asyncio.sleep(0.05)
+        assert not await publish_unless_down(js, 3, 0)
+    finally:
+        await nc.close()
 
 
 @pytest.mark.slow

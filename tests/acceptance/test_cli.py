@@ -14,6 +14,9 @@ import pytest
 
 from scheduler.embedded import EmbeddedNats, free_port
 
+# Every test here takes seconds (measured: CONTRIBUTING.md, "Test lanes").
+pytestmark = pytest.mark.slow
+
 
 def rlfleet(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(

@@ -107,6 +107,7 @@ BAD_INPUT: list[tuple[list[str | bytes], str]] = [
 
 
 @pytest.mark.parametrize(("args", "message"), BAD_INPUT)
+@pytest.mark.slow
 def test_bad_input_is_exit_2_one_line_and_changes_nothing(
     env: dict[str, str], args: list[str | bytes], message: str
 ) -> None:
@@ -117,6 +118,7 @@ def test_bad_input_is_exit_2_one_line_and_changes_nothing(
     assert snapshot(env["RLFLEET_DATABASE_URL"]) == before
 
 
+@pytest.mark.slow
 def test_a_malformed_database_url_from_the_environment_is_exit_2(env: dict[str, str]) -> None:
     env = {**env, "RLFLEET_DATABASE_URL": "postgresql://me:secret@[::1/x"}
     for args in (["job", "list"], ["db", "upgrade"], ["dispatcher"]):
@@ -125,6 +127,7 @@ def test_a_malformed_database_url_from_the_environment_is_exit_2(env: dict[str, 
         assert "secret" not in result.stderr
 
 
+@pytest.mark.slow
 def test_successful_commands_print_nothing_on_stderr(env: dict[str, str]) -> None:
     """Given no --log-level, a command that succeeds writes nothing on stderr; with
     `--log-level debug` its log lines are there."""
@@ -151,6 +154,7 @@ def test_successful_commands_print_nothing_on_stderr(env: dict[str, str]) -> Non
     assert '"event": "job_cancelled"' in debug.stderr
 
 
+@pytest.mark.slow
 def test_output_dir_is_stored_and_shown(env: dict[str, str]) -> None:
     add_polled_vm(env, "gpu-1", 1)
     submitted = rlfleet(env, *SUBMIT, "--output-dir", "/data/run 1", "--json")
@@ -160,6 +164,7 @@ def test_output_dir_is_stored_and_shown(env: dict[str, str]) -> None:
     assert shown["output_dir"] == "/data/run 1"
 
 
+@pytest.mark.slow
 def test_a_job_no_polled_vm_can_run_is_refused(env: dict[str, str]) -> None:
     """Given a polled fleet whose largest VM has 2 GPUs, `--gpus 9` is exit 2 and one line
     and nothing is inserted; `--gpus 2` is accepted."""
@@ -172,6 +177,7 @@ def test_a_job_no_polled_vm_can_run_is_refused(env: dict[str, str]) -> None:
     assert accepted.returncode == 0 and accepted.stderr == "", accepted.stderr
 
 
+@pytest.mark.slow
 def test_before_any_poll_a_big_job_is_accepted_with_a_warning(env: dict[str, str]) -> None:
     """A fresh installation submits before its VMs are polled: the job is accepted (exit 0)
     and one warning line says its size could not be checked."""
@@ -262,6 +268,7 @@ def _read(stream: io.TextIOWrapper) -> str:
     command=st.sampled_from(COMMANDS),
     words=st.lists(word, max_size=6).map(lambda ws: [w for pair in ws for w in pair]),
 )
+@pytest.mark.slow
 def test_arbitrary_argv_is_exit_0_1_or_2_with_at_most_one_error_line(
     database_url: str,
     nats: EmbeddedNats,

@@ -18,6 +18,7 @@ import pytest
 
 from scheduler.embedded import EmbeddedNats, nats_server_binary
 from scheduler.transport import make_transport
+from tests.requires import find_program, require_program
 from tests.workloads.support import RLFLEET
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,9 +55,9 @@ def _installed_copy(dest: Path, units: list[str]) -> Path:
     return dest
 
 
-def _verify(directory: Path, units: list[str]) -> subprocess.CompletedProcess[str]:
+def _verify(analyze: str, directory: Path, units: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["systemd-analyze", "verify", "--man=no", *(f"./{u}" for u in units)],
+        [analyze, "verify", "--man=no", *(f"./{u}" for u in units)],
         cwd=directory,
         capture_output=True,
         text=True,
@@ -64,13 +65,13 @@ def _verify(directory: Path, units: list[str]) -> subprocess.CompletedProcess[st
     )
 
 
-needs_systemd_analyze = pytest.mark.skipif(
-    shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed"
-)
+@pytest.fixture
+def systemd_analyze() -> str:
+    """systemd-analyze's path; missing, the test is skipped, or fails under CI."""
+    return require_program(find_program("systemd-analyze"), "systemd-analyze", "systemd")
 
 
-@needs_systemd_analyze
-def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+def test_units_pass_systemd_analyze_verify(systemd_analyze: str, tmp_path: Path) -> None:
     # Given the units as they would be installed (the template as instance 1)
     _installed_copy(tmp_path, [*SERVICES, "rlfleet.target"])
     units = [
@@ -80,20 +81,19 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         "rlfleet.target",
     ]
     # When systemd checks them
-    result = _verify(tmp_path, units)
+    result = _verify(systemd_analyze, tmp_path, units)
     # Then it finds nothing to say: no error, and no warning about any of our units
     complaints = [line for line in result.stderr.splitlines() if "rlfleet" in line]
     assert result.returncode == 0, result.stderr
     assert complaints == []
 
 
-@needs_systemd_analyze
-def test_verify_catches_a_broken_unit(tmp_path: Path) -> None:
+def test_verify_catches_a_broken_unit(systemd_analyze: str, tmp_path: Path) -> None:
     # The check above can fail: a misspelt key in the same unit is reported.
     _installed_copy(tmp_path, ["rlfleet-poller.service"])
     unit = tmp_path / "rlfleet-poller.service"
     unit.write_text(unit.read_text().replace("WatchdogSec=", "WatchdogSecs="))
-    result = _verify(tmp_path, ["rlfleet-poller.service"])
+    result = _verify(systemd_analyze, tmp_path, ["rlfleet-poller.service"])
     assert "WatchdogSecs" in result.stderr
 
 

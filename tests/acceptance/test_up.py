@@ -194,6 +194,7 @@ def test_up_runs_a_job_on_the_local_vm_stops_cleanly_and_restarts_on_the_same_da
     assert again.stop(signal.SIGINT) == 0, again.output()[-3000:]
 
 
+@pytest.mark.slow
 def test_a_second_up_on_the_same_state_dir_is_refused(tmp_path: Path, ups: list[Up]) -> None:
     state_dir = tmp_path / "state"
     first = Up(state_dir, tmp_path)
@@ -208,6 +209,7 @@ def test_a_second_up_on_the_same_state_dir_is_refused(tmp_path: Path, ups: list[
     assert first.stop() == 0
 
 
+@pytest.mark.slow
 def test_local_vm_without_nvidia_smi_needs_gpus(tmp_path: Path) -> None:
     path = f"{Path(sys.executable).parent}:/usr/bin:/bin"
     if shutil.which("nvidia-smi", path=path):

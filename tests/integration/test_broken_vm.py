@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import nats as nats_client
+import pytest
 from sqlalchemy import select, update
 
 from scheduler.db import Database
@@ -34,6 +35,9 @@ from tests.workloads.support import (
     wait_status,
     write_fake_python,
 )
+
+# Every test here takes seconds (measured: CONTRIBUTING.md, "Test lanes").
+pytestmark = pytest.mark.slow
 
 FleetFactory = Callable[..., Awaitable[SimFleet]]
 CONFIG = RequeueConfig(interval_s=0.2, recheck_after_s=0.3)

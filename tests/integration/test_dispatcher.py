@@ -22,6 +22,7 @@ from scheduler.models import GPU, Job, JobEvent, StaleProcess
 from scheduler.remote import job_base
 from scheduler.requeue import RequeueManager
 from scheduler.transport import CommandResult, Transport, VMTarget, make_transport
+from tests.backdate import age_lease
 from tests.fleet import SimFleet
 from tests.workloads.support import (
     FAKE_TRAIN,
@@ -140,6 +141,7 @@ async def test_a_job_that_fits_nowhere_is_pending_with_the_reason(
     assert job.status_reason == "needs 4 GPUs, largest free block is 2"
 
 
+@pytest.mark.slow
 async def test_a_multi_gpu_job_starts_through_accelerate(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
 ) -> None:
@@ -208,6 +210,7 @@ class StallingTransport:
         await self.inner.close()
 
 
+@pytest.mark.slow
 async def test_a_dispatcher_dying_between_claim_and_launch_blocks_nothing_for_ever(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
 ) -> None:
@@ -229,7 +232,7 @@ async def test_a_dispatcher_dying_between_claim_and_launch_blocks_nothing_for_ev
     assert job.status == "starting" and job.lease_expires_at is not None
     assert job.lease_expires_at > job.starting_at
 
-    await asyncio.sleep(1.2)
+    await age_lease(db, job_id, 1.2)  # as 1.2 s later: the 1 s lease has run out
     async with db.transaction() as session:
         expired = (
             await session.scalars(
@@ -301,6 +304,7 @@ class AroundLaunch:
         await self.inner.close()
 
 
+@pytest.mark.slow
 async def test_cancelled_during_launch_is_killed_not_run(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, tmp_path: Path
 ) -> None:
@@ -365,6 +369,7 @@ async def test_a_cancel_that_beats_the_launch_fences_it_off(
         assert stale.killed_at is not None
 
 
+@pytest.mark.slow
 async def test_an_unreachable_database_naks_and_the_job_is_not_lost(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
 ) -> None:

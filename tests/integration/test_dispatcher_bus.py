@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import nats as nats_client
+import pytest
 from nats.js.api import RetentionPolicy
 
 from scheduler import bus
@@ -57,6 +58,7 @@ async def test_stream_and_consumer_are_created_and_brought_up_to_date(
     await nc.close()
 
 
+@pytest.mark.slow
 async def test_a_daemon_connection_backs_off_while_nats_is_down_and_resets_after(
     tmp_path: Path,
 ) -> None:

@@ -8,6 +8,7 @@ import os
 from collections.abc import Awaitable, Callable
 
 import nats as nats_client
+import pytest
 from sqlalchemy import func, select
 
 from scheduler.claims import release_in_session
@@ -44,6 +45,7 @@ async def rlfleet(db: Database, nats: EmbeddedNats, *args: str) -> tuple[int, st
     return proc.returncode or 0, out.decode(), err.decode()
 
 
+@pytest.mark.slow
 async def test_cancel_kills_a_running_job_and_frees_its_gpus(
     sim_fleet: Callable[..., Awaitable[SimFleet]], db: Database, nats: EmbeddedNats
 ) -> None:
@@ -74,6 +76,7 @@ async def test_cancel_kills_a_running_job_and_frees_its_gpus(
     ]
 
 
+@pytest.mark.slow
 async def test_cancel_a_queued_job_and_an_unknown_one(db: Database, nats: EmbeddedNats) -> None:
     """A queued job is cancelled without any VM; an unknown id is exit 2."""
     job_id = await new_job(db)
@@ -84,6 +87,7 @@ async def test_cancel_a_queued_job_and_an_unknown_one(db: Database, nats: Embedd
     assert code == 2 and err.strip() == "Error: no job with id 424242"
 
 
+@pytest.mark.slow
 async def test_cancel_a_failed_job_stops_its_retries(db: Database, nats: EmbeddedNats) -> None:
     """A failed job waiting for its retry is cancelled (exit 0, one line, no traceback),
     and the requeue manager's later retry loses the guarded move."""
@@ -114,6 +118,7 @@ async def test_cancel_a_failed_job_stops_its_retries(db: Database, nats: Embedde
     assert (job.status, job.next_attempt_at) == ("cancelled", None)
 
 
+@pytest.mark.slow
 async def test_retry_logs_of_every_attempt_and_show(
     sim_fleet: Callable[..., Awaitable[SimFleet]], db: Database, nats: EmbeddedNats
 ) -> None:

@@ -36,6 +36,9 @@ from tests.workloads.support import (
     write_fake_python,
 )
 
+# Every test here takes seconds (measured: CONTRIBUTING.md, "Test lanes").
+pytestmark = pytest.mark.slow
+
 VMS, GPUS_PER_VM, JOBS, DISPATCHERS = 20, 4, 300, 3
 
 
@@ -49,7 +52,6 @@ def overlaps(intervals: list[tuple[float, float, object]]) -> list[tuple[object,
     return clashes
 
 
-@pytest.mark.slow
 async def test_three_dispatchers_never_share_a_gpu_or_launch_twice(
     sim_fleet: Callable[..., Awaitable[SimFleet]],
     db: Database,

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import nats as nats_client
+import pytest
 from sqlalchemy import select
 
 from scheduler.db import Database
@@ -29,6 +30,9 @@ from tests.workloads.support import (
     wait_status,
     write_fake_python,
 )
+
+# Every test here takes seconds (measured: CONTRIBUTING.md, "Test lanes").
+pytestmark = pytest.mark.slow
 
 FleetFactory = Callable[..., Awaitable[SimFleet]]
 # nvidia-smi's index order (PCI bus order); `speed` makes CUDA's default order H100,

@@ -31,6 +31,7 @@ from scheduler.migrate import upgrade
 from scheduler.models import GPU, VM, Job, JobEvent, StaleProcess
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.transport import Transport, make_transport
+from tests.backdate import age_outages
 from tests.fleet import SimFleet
 from tests.workloads.support import (
     FAKE_TRAIN,
@@ -45,6 +46,9 @@ from tests.workloads.support import (
     wait_status,
     write_fake_python,
 )
+
+# Every test here takes seconds (measured: CONTRIBUTING.md, "Test lanes").
+pytestmark = pytest.mark.slow
 
 FleetFactory = Callable[..., Awaitable[SimFleet]]
 CONFIG = RequeueConfig(interval_s=0.2, node_lost_timeout_s=2.0, recheck_after_s=0.5)
@@ -230,7 +234,7 @@ async def test_one_success_is_enough(
             lost_vm = by_id[first.vm_id]
             await lost_vm.stop()  # silent; its process lives on
             await sweep_until(poller, db, first.vm_id, "unreachable")
-            await asyncio.sleep(CONFIG.node_lost_timeout_s + 0.2)
+            await age_outages(db, CONFIG.node_lost_timeout_s + 1)
             report = await requeue.tick()
             assert report.node_lost == [job_id] and report.retried == [job_id]
             second = await wait_status(db, job_id, "running")

@@ -21,6 +21,9 @@ from scheduler.remote import PASSED_ENV, SCHEDULER_ENV
 from tests.fleet import SimFleet
 from tests.workloads.support import add_vm_row, mark_polled, new_job, publish, running_dispatcher
 
+# Every test here takes seconds (measured: CONTRIBUTING.md, "Test lanes").
+pytestmark = pytest.mark.slow
+
 DUMP_ENV = """
 import json, os, sys
 path = os.path.join(os.environ["HOME"], "env-" + os.environ["RLFLEET_JOB_ID"] + ".json")
@@ -51,7 +54,6 @@ async def wait_json(path: Path, timeout: float = 60) -> dict[str, str]:
     return json.loads(path.read_text())  # type: ignore[no-any-return]
 
 
-@pytest.mark.slow
 async def test_jobs_on_a_local_and_an_ssh_vm_see_a_clean_environment_and_their_env(
     sim_fleet: Callable[..., Awaitable[SimFleet]],
     db: Database,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from sqlalchemy import update
 
 from scheduler.control import stream_log
@@ -13,6 +14,9 @@ from scheduler.remote import new_token
 from scheduler.transport import make_transport
 from tests.fleet import SimFleet
 from tests.workloads.support import current_attempt, new_job
+
+# Every test here takes seconds (measured: CONTRIBUTING.md, "Test lanes").
+pytestmark = pytest.mark.slow
 
 
 async def test_following_a_log_written_mid_line_and_mid_character_loses_nothing(

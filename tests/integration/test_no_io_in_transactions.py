@@ -138,6 +138,7 @@ def _ssh_fields(vm: Any) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow
 async def test_poller_dispatcher_requeue_and_cancel_never_do_io_inside_a_transaction(
     db: Database,
     nats: EmbeddedNats,

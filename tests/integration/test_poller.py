@@ -146,6 +146,7 @@ async def test_free_allocated_and_foreign_busy_gpus_are_recorded(
     assert (await vm_row(db, vm_id)).available_gpus == 2
 
 
+@pytest.mark.slow
 async def test_a_process_left_on_a_finished_jobs_gpu_keeps_it_out_of_use(
     db: Database, sim_fleet, transport: SSHTransport
 ) -> None:
@@ -324,6 +325,7 @@ async def test_a_host_key_mismatch_is_a_failed_poll_and_no_command_runs(
     assert await gpus_of(db, ids["vm0"]) == []
 
 
+@pytest.mark.slow
 async def test_the_poller_daemon_runs_from_the_command_line(
     database_url: str, db: Database, sim_fleet
 ) -> None:

@@ -162,6 +162,7 @@ async def test_a_job_inserted_straight_into_the_database_is_announced_once(
     assert (await job(db, job_id)).published_at is not None
 
 
+@pytest.mark.slow
 async def test_a_retryable_failure_comes_back_after_backoff_until_retries_run_out(
     db: Database, nc: NATS, stream: Stream
 ) -> None:
@@ -365,6 +366,7 @@ async def test_several_managers_at_once_announce_each_job_once(
     assert delivered == Counter(ids)
 
 
+@pytest.mark.slow
 async def test_a_publish_lost_while_nats_is_down_is_made_once_it_is_back(
     db: Database, nats: EmbeddedNats
 ) -> None:

@@ -36,7 +36,7 @@ from scheduler.settings import Settings
 from scheduler.submit import submit_job
 from scheduler.transport import SSHTransport, Transport, TransportError, make_transport
 from tests.fleet import FAKE_TRAIN, SimFleet, SimVM
-from tests.integration.test_sshd import SSHD, RealSshd, sshd  # noqa: F401 (the fixture)
+from tests.integration.test_sshd import RealSshd, sshd  # noqa: F401 (the fixture)
 from tests.workloads.support import attempt_dirs, installation, write_fake_python
 
 FleetFactory = Callable[..., Awaitable[SimFleet]]
@@ -57,6 +57,7 @@ async def _bounded(coro: Awaitable[object], limit: float) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.slow
 async def test_every_ssh_step_to_a_silent_vm_has_a_deadline(sim_fleet: FleetFactory) -> None:
     """Given pooled connections to a VM, when it goes silent, then a command on the pooled
     shell, a command on a fresh channel and a fresh connect each fail within their own
@@ -96,6 +97,7 @@ async def test_every_ssh_step_to_a_silent_vm_has_a_deadline(sim_fleet: FleetFact
         await asyncio.wait_for(transport.close(), 10)
 
 
+@pytest.mark.slow
 async def test_keepalives_drop_an_idle_connection_to_a_silent_vm(sim_fleet: FleetFactory) -> None:
     """Given an idle pooled connection, when its VM goes silent, then the default
     keepalives find it dead and drop it within interval * (count + 1) seconds."""
@@ -120,6 +122,7 @@ async def test_keepalives_drop_an_idle_connection_to_a_silent_vm(sim_fleet: Flee
 # --- the poller -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_one_silent_vm_never_slows_the_sweep_of_the_others(
     sim_fleet: FleetFactory, db: Database
 ) -> None:
@@ -399,6 +402,7 @@ async def _blipped(db: Database, vm: Silenceable, job_id: int, vm_id: int, pgid:
     assert dirs and not any((d / FENCED_FILE).exists() for d in dirs)
 
 
+@pytest.mark.slow
 async def test_a_black_holed_vm_is_lost_in_bounded_time_and_its_attempt_fences_itself(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, tmp_path: Path
 ) -> None:
@@ -412,6 +416,7 @@ async def test_a_black_holed_vm_is_lost_in_bounded_time_and_its_attempt_fences_i
     await partition(db, nats.url, silent, fleet[1], python)
 
 
+@pytest.mark.slow
 async def test_a_10s_black_hole_restarts_nothing(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, tmp_path: Path
 ) -> None:
@@ -456,10 +461,7 @@ def _frozen_sshd(server: RealSshd, python: str) -> Silenceable:
     return Silenceable(spec, server.home, freeze, thaw)
 
 
-needs_sshd = pytest.mark.skipif(SSHD is None, reason="OpenSSH sshd is not installed")
-
-
-@needs_sshd
+@pytest.mark.slow
 async def test_a_frozen_sshd_is_lost_in_bounded_time_and_its_attempt_fences_itself(
     sshd: RealSshd,  # noqa: F811
     sim_fleet: FleetFactory,
@@ -475,7 +477,7 @@ async def test_a_frozen_sshd_is_lost_in_bounded_time_and_its_attempt_fences_itse
     await partition(db, nats.url, _frozen_sshd(sshd, python), fleet[0], python)
 
 
-@needs_sshd
+@pytest.mark.slow
 async def test_a_10s_frozen_sshd_restarts_nothing(
     sshd: RealSshd,  # noqa: F811
     sim_fleet: FleetFactory,

@@ -60,6 +60,7 @@ async def vm_names(db: Database) -> list[str]:
         return list((await session.scalars(select(VM.name).order_by(VM.name))).all())
 
 
+@pytest.mark.slow
 async def test_vm_remove_refuses_then_force_fails_kills_and_reruns_elsewhere(
     sim_fleet: FleetFactory,
     db: Database,

@@ -53,6 +53,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("extra", "message"), CASES, ids=[c[1][:40] for c in CASES])
+@pytest.mark.slow
 def test_bad_input_exits_64_with_one_line(
     extra: list[str], message: str, inputs: Path, tiny_model: Path, tmp_path: Path
 ):

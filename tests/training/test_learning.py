@@ -14,6 +14,9 @@ from tests.training.helpers import ARITHMETIC
 from training.args import parse_args
 from training.train_grpo import run
 
+# Every test here takes seconds (measured: CONTRIBUTING.md, "Test lanes").
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def one_torch_thread() -> Iterator[None]:

@@ -47,3 +47,20 @@ def test_the_trainer_gives_a_tokenizer_without_pad_token_one(tiny_model: Path, t
     reward = [lambda prompts, completions, **kwargs: [0.0] * len(completions)]
     build_trainer(args, load_model(str(tiny_model)), tokenizer, data, reward, [])
     assert tokenizer.pad_token == tokenizer.eos_token
+
+
+def test_reward_weights_reach_the_trainer(tiny_model: Path, tmp_path: Path):
+    from training.args import parse_args
+    from training.trainer import build_config, build_trainer
+
+    argv = ["--model", str(tiny_model), "--dataset", "d.jsonl", "--output_dir", str(tmp_path)]
+    argv += ["--reward_function", "a", "b", "--reward_weights", "1", "0.5"]
+    argv += ["--num_generations", "2", "--per_device_train_batch_size", "2"]
+    args = parse_args(argv)
+    assert build_config(args).reward_weights == [1.0, 0.5]
+    data = Dataset.from_list([{"prompt": "Say hi"}] * 4)
+    reward = [lambda prompts, completions, **kwargs: [0.0] * len(completions)] * 2
+    trainer = build_trainer(
+        args, load_model(str(tiny_model)), load_tokenizer(str(tiny_model)), data, reward, []
+    )
+    assert trainer.reward_weights.tolist() == [1.0, 0.5]

@@ -74,6 +74,7 @@ def user_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize(("reward", "code", "line", "steps"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.slow
 def test_a_broken_reward_ends_training_with_its_exit_code_and_one_line(
     reward: str, code: int, line: str, steps: int, tiny_model: Path, user_dir: Path, tmp_path: Path
 ):

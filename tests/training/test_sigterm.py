@@ -12,6 +12,9 @@ import pytest
 
 from tests.training.helpers import start_train_grpo, tiny_run_args, train_grpo
 
+# Every test here takes seconds (measured: CONTRIBUTING.md, "Test lanes").
+pytestmark = pytest.mark.slow
+
 # Slow enough (a fraction of a second per step) that the run is surely still training when the
 # test, which polls progress.json, sends TERM: the race is lost only if this process sleeps for
 # the remaining ~10 steps.

@@ -45,6 +45,7 @@ def _state(checkpoint: Path) -> dict:
     return json.loads((checkpoint / "trainer_state.json").read_text())
 
 
+@pytest.mark.slow
 def test_run_prints_a_one_line_summary(two_steps: tuple[Path, str]):
     out, stdout = two_steps
     summary = stdout.strip().splitlines()[-1]
@@ -52,6 +53,7 @@ def test_run_prints_a_one_line_summary(two_steps: tuple[Path, str]):
     assert summary.endswith(f"model saved to {out}")
 
 
+@pytest.mark.slow
 def test_progress_json_describes_the_finished_run(two_steps: tuple[Path, str]):
     progress = json.loads((two_steps[0] / "progress.json").read_text())
     assert progress["status"] == "finished"
@@ -63,11 +65,13 @@ def test_progress_json_describes_the_finished_run(two_steps: tuple[Path, str]):
     assert not list(two_steps[0].glob(".progress.json.*")), "temporary file left behind"
 
 
+@pytest.mark.slow
 def test_checkpoints_every_save_step(two_steps: tuple[Path, str]):
     out = two_steps[0]
     assert [_state(out / f"checkpoint-{n}")["global_step"] for n in (1, 2)] == [1, 2]
 
 
+@pytest.mark.slow
 def test_final_model_and_tokenizer_load_and_differ_from_the_start(
     two_steps: tuple[Path, str], tiny_model: Path
 ):
@@ -89,6 +93,7 @@ def test_final_model_and_tokenizer_load_and_differ_from_the_start(
     assert generated.shape[1] > ids.shape[1]
 
 
+@pytest.mark.slow
 def test_resume_auto_continues_the_step_count(
     two_steps: tuple[Path, str], tiny_model: Path, user_dir: Path, tmp_path: Path
 ):
@@ -117,22 +122,31 @@ def test_resume_auto_continues_the_step_count(
     assert "done after 4 steps" in result.stdout
 
 
+@pytest.mark.slow
 def test_lora_deepseek_run_with_weighted_rewards_saves_a_merged_model(
-    tiny_model: Path, tmp_path: Path
+    tiny_model: Path, user_dir: Path, tmp_path: Path
 ):
     out = tmp_path / "lora"
     args = tiny_run_args(
         tiny_model, out, "--max_steps", "1", "--lora_r", "4", "--preprocess", "deepseek"
     )
-    args += ["--reward_function", "xml_count", "--reward_weights", "1", "0.5"]
-    result = train_grpo(*args)
+    # `length` scores every completion above 0, so its weight shows in the logged total; the
+    # other two are often 0 for a tiny model and could not tell weighted from unweighted.
+    args += ["--reward_function", "xml_count", "lenmod:length", "--reward_weights", "1", "2", "0.5"]
+    result = train_grpo(*args, cwd=user_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "adapter" / "adapter_config.json").is_file()
     assert not (out / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in name for name, _ in merged.named_parameters())
     progress = json.loads((out / "progress.json").read_text())
-    assert set(progress["rewards"]) == {"keyword_match", "xml_count"}
+    rewards = progress["rewards"]
+    assert set(rewards) == {"keyword_match", "xml_count", "length"}
+    assert rewards["length"] > 0, progress
+    # TRL logs the weighted sum as `reward`: the weights reached the trainer.
+    weighted = rewards["keyword_match"] + 2 * rewards["xml_count"] + 0.5 * rewards["length"]
+    assert progress["reward"] == pytest.approx(weighted, rel=1e-4), progress
+    assert progress["reward"] != pytest.approx(sum(rewards.values()), rel=1e-4), progress
 
 
 def test_console_script_is_installed():

@@ -53,6 +53,7 @@ def test_flags_win_over_the_environment_which_wins_over_defaults() -> None:
     assert (ssh.keepalive_interval_s, ssh.dead_after_s) == (1.0, 4.0)
 
 
+@pytest.mark.slow
 def test_a_daemon_refuses_unsafe_settings_in_one_line() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "scheduler.requeue", "--node-lost-timeout", "10"],
@@ -137,6 +138,7 @@ def _wait(condition: object, timeout: float) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_a_lease_not_renewed_fences_the_attempt_term_then_kill(tmp_path: Path) -> None:
     # Given training that ignores TERM, and nobody renewing its lease
     proc = _attempt(tmp_path, "sh -c 'trap \"\" TERM; sleep 60'", fence_after=2, grace=1)
@@ -153,6 +155,7 @@ def test_a_lease_not_renewed_fences_the_attempt_term_then_kill(tmp_path: Path) -
         with_group_killed(proc)
 
 
+@pytest.mark.slow
 def test_a_renewed_lease_keeps_the_attempt_and_the_watchdog_ends_with_it(tmp_path: Path) -> None:
     # Given training of 4 s whose lease is renewed every 0.5 s, with a 2 s fence
     proc = _attempt(tmp_path, "sleep 4", fence_after=2, grace=1)

@@ -115,6 +115,7 @@ async def test_hostile_arguments_reach_the_program_verbatim(home: Path) -> None:
     assert not (home / "pwned").exists()
 
 
+@pytest.mark.slow
 async def test_launch_runs_detached_with_contract_files(home: Path) -> None:
     """Given a launch, then pid, train.log, progress.json, launch.sh and exit_code appear,
     CUDA_VISIBLE_DEVICES names the claimed GPUs and the pid leads its own process group."""
@@ -154,6 +155,7 @@ async def test_exit_code_is_recorded(home: Path) -> None:
     assert (await wait_file(home / run(7, 1).relative / "exit_code")).strip() == "3"
 
 
+@pytest.mark.slow
 async def test_kill_terminates_the_group_and_records_the_signal(home: Path) -> None:
     """Given a long attempt, when killed, then the group is gone, exit_code says 143
     (128 + TERM) and killing again is harmless."""
@@ -186,6 +188,7 @@ async def test_a_kill_before_the_launch_fences_it_off(home: Path) -> None:
     assert remote.parse_kill((await sh(remote.kill_script(run(7, 1))))[1]) == "fenced"
 
 
+@pytest.mark.slow
 async def test_a_kill_during_the_launch_waits_for_the_pid(home: Path) -> None:
     """Given a launch that holds the lock but has not written its pid yet, the kill waits
     for the pid and then kills the group: it never reports a launch as not started while
@@ -338,6 +341,7 @@ async def test_leftovers_of_other_installations_and_old_layouts_are_never_adopte
     assert probe[(7, 1)].state == "unknown", "another token's exit code was taken"
 
 
+@pytest.mark.slow
 async def test_kill_uses_the_recorded_directory_whatever_home_the_caller_has(
     home: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
