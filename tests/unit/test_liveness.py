@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.gpu_poller import LiveJob, job_verdict
 from scheduler.liveness import Liveness, SSHDeadlines
 from scheduler.remote import (
     FENCED_FILE,
@@ -26,6 +25,7 @@ from scheduler.remote import (
     watchdog_stop_lines,
 )
 from scheduler.states import FailureReason, JobStatus
+from scheduler.verdicts import LiveJob, job_verdict
 
 INSTALLATION = "1b4e28ba-2fa1-41d2-883f-0016d3cca427"
 TOKEN = "0123456789abcdef"

@@ -1,0 +1,120 @@
+"""What a probed attempt's state means for its job: pure decisions, no I/O.
+
+The GPU poller probes every live attempt (`scheduler.remote.RemoteJobState`) and asks
+`job_verdict` what to do with its job: leave it, complete it, or fail it with a
+`FailureReason` (`classify_failure`, from the exit code and the end of the log).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from scheduler.remote import ENTRY_BROKEN_MARK, Attempt, RemoteJobState
+from scheduler.retry import VM_FAULT_EXITS
+from scheduler.states import FailureReason, JobStatus
+from training.errors import EXIT_TRANSIENT, EXIT_USAGE
+
+_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError", re.IGNORECASE)
+_SIGNAL = re.compile(r"\b(SIG(KILL|TERM|INT|HUP|SEGV|ABRT|BUS)|Killed|Terminated)\b")
+
+
+def classify_failure(exit_code: int | None, log_tail: str = "") -> FailureReason | None:
+    """Why an attempt failed, from its exit code and the end of its log; None for success.
+
+    64 is permanent (bad arguments or input); 126/127 (the VM's python or entrypoint cannot
+    run) is `launch_failed`; 75 or an out-of-memory message is `oom`; an exit of 128+N or
+    a signal name at the end of the log is `killed`; no exit code at all is `vanished`;
+    anything else non-zero is `exit_nonzero`.
+    """
+    if exit_code is None:
+        return FailureReason.VANISHED
+    if exit_code == 0:
+        return None
+    if exit_code in VM_FAULT_EXITS:
+        return FailureReason.LAUNCH_FAILED
+    if exit_code == EXIT_USAGE:
+        return FailureReason.CONFIG_ERROR
+    if exit_code == EXIT_TRANSIENT or _OOM.search(log_tail):
+        return FailureReason.OOM
+    if exit_code >= 128 or exit_code < 0 or _SIGNAL.search(log_tail[-400:]):
+        return FailureReason.KILLED
+    return FailureReason.EXIT_NONZERO
+
+
+@dataclass(frozen=True)
+class LiveJob:
+    """A job in starting/running on a VM, as loaded at the start of a sweep."""
+
+    id: int
+    vm_id: int
+    status: str
+    attempt: int
+    remote_pid: int | None
+    run: Attempt | None = None
+    """Where the attempt's files are; None for a row with no launch token (not probed)."""
+
+
+@dataclass(frozen=True)
+class JobVerdict:
+    """What the poller will do with a live job: move it to `to` and why."""
+
+    job: LiveJob
+    to: JobStatus
+    exit_code: int | None
+    failure_reason: FailureReason | None
+    reason: str
+    vm_error: str | None = None
+    """Set when the VM cannot run training at all (exit 126/127): the VM is marked with it."""
+
+
+def launch_error_line(log_tail: str) -> str:
+    """The line of an attempt's log that says why training could not start: the wrapper's
+    own verdict, else the last line before its closing one."""
+    lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
+    marked = [line for line in lines if line.startswith(ENTRY_BROKEN_MARK)]
+    rest = [line for line in lines if not line.startswith("rlfleet: attempt ended")]
+    line = _SHELL_PREFIX.sub("", (marked or rest or ["no output"])[-1])
+    # The end says why ("Permission denied"); a long path in front may go.
+    return line if len(line) <= 300 else line[:80] + " … " + line[-217:]
+
+
+_SHELL_PREFIX = re.compile(r"\S*/launch\.sh: (?:line )?\d+: ")
+"""How sh starts its own error lines (`/home/u/.rlfleet/…/launch.sh: 61: `): noise."""
+
+
+def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None:
+    """The move a probed job needs, or None while it runs or is still being launched."""
+    if state is None or state.state == "running":
+        return None
+    if state.state == "unknown" and job.remote_pid is None:
+        return None  # launching: no pid file yet; the lease expiry handles a launch that died
+    if state.state == "exited" and state.fenced is not None:
+        # Its watchdog stopped it: the scheduler had lost contact, not the job's fault.
+        return JobVerdict(
+            job,
+            JobStatus.FAILED,
+            state.exit_code,
+            FailureReason.NODE_LOST,
+            fenced_reason(job.attempt, state.fenced),
+        )
+    if state.state == "exited":
+        failure = classify_failure(state.exit_code, state.log_tail)
+        if failure is None:
+            return JobVerdict(job, JobStatus.COMPLETED, 0, None, "exited 0")
+        if failure == FailureReason.LAUNCH_FAILED:
+            line = launch_error_line(state.log_tail)
+            why = f"{failure.value}: exit {state.exit_code}: {line}"
+            return JobVerdict(job, JobStatus.FAILED, state.exit_code, failure, why, line)
+        return JobVerdict(
+            job, JobStatus.FAILED, state.exit_code, failure, f"exited {state.exit_code}"
+        )
+    why = "no pid file" if state.state == "unknown" else "process gone without an exit code"
+    return JobVerdict(job, JobStatus.FAILED, None, FailureReason.VANISHED, why)
+
+
+def fenced_reason(attempt: int, why: str) -> str:
+    """The event reason of an attempt its watchdog fenced off. It starts with `node_lost`
+    so that it counts towards the job's lost-node limit like any other lost node."""
+    text = f"{FailureReason.NODE_LOST.value} (fenced): attempt {attempt} stopped by its watchdog"
+    return f"{text}: {why}"[:500] if why else text

@@ -1,0 +1,99 @@
+"""What a probed attempt's state means for its job, as tables: failure classes from exit
+codes and log tails, and the move each probed state asks for."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.remote import RemoteJobState
+from scheduler.states import FailureReason, JobStatus
+from scheduler.verdicts import LiveJob, classify_failure, job_verdict, launch_error_line
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "log", "expected"),
+    [
+        (0, "", None),
+        (0, "CUDA out of memory (recovered)", None),
+        (64, "unknown reward function", FailureReason.CONFIG_ERROR),
+        (64, "CUDA out of memory", FailureReason.CONFIG_ERROR),
+        (75, "", FailureReason.OOM),
+        (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate", FailureReason.OOM),
+        (137, "CUDA out of memory", FailureReason.OOM),
+        (137, "", FailureReason.KILLED),
+        (143, "", FailureReason.KILLED),
+        (-9, "", FailureReason.KILLED),
+        (1, "step 10\nKilled", FailureReason.KILLED),
+        (1, "Traceback ... ValueError", FailureReason.EXIT_NONZERO),
+        (2, "", FailureReason.EXIT_NONZERO),
+        (None, "", FailureReason.VANISHED),
+        (126, "sh: 1: /opt/py: Permission denied", FailureReason.LAUNCH_FAILED),
+        (
+            127,
+            "rlfleet: training cannot start on this VM (exit 127): x",
+            FailureReason.LAUNCH_FAILED,
+        ),
+    ],
+)
+def test_failure_classification(
+    exit_code: int | None, log: str, expected: FailureReason | None
+) -> None:
+    assert classify_failure(exit_code, log) == expected
+
+
+RUNNING = LiveJob(id=1, vm_id=1, status="running", attempt=1, remote_pid=4242)
+STARTING = LiveJob(id=1, vm_id=1, status="starting", attempt=1, remote_pid=None)
+
+
+@pytest.mark.parametrize(
+    ("job", "state", "to", "reason"),
+    [
+        (RUNNING, RemoteJobState("running"), None, None),
+        (RUNNING, None, None, None),
+        (STARTING, RemoteJobState("unknown"), None, None),
+        (RUNNING, RemoteJobState("exited", 0), JobStatus.COMPLETED, None),
+        (STARTING, RemoteJobState("exited", 0), JobStatus.COMPLETED, None),
+        (RUNNING, RemoteJobState("exited", 3), JobStatus.FAILED, FailureReason.EXIT_NONZERO),
+        (RUNNING, RemoteJobState("vanished"), JobStatus.FAILED, FailureReason.VANISHED),
+        (RUNNING, RemoteJobState("unknown"), JobStatus.FAILED, FailureReason.VANISHED),
+    ],
+)
+def test_job_verdicts(
+    job: LiveJob,
+    state: RemoteJobState | None,
+    to: JobStatus | None,
+    reason: FailureReason | None,
+) -> None:
+    verdict = job_verdict(job, state)
+    assert (verdict.to if verdict else None) == to
+    assert (verdict.failure_reason if verdict else None) == reason
+
+
+def test_an_attempt_that_could_not_start_names_the_vm_problem() -> None:
+    """Exit 127 with the wrapper's verdict: launch_failed, the verdict line as the reason,
+    and the same line for the VM (whose python or entrypoint is broken)."""
+    tail = (
+        "rlfleet: attempt started on vm0\n"
+        "rlfleet: training cannot start on this VM (exit 127): No module named 'training'\n"
+        "rlfleet: attempt ended with exit code 127\n"
+    )
+    verdict = job_verdict(RUNNING, RemoteJobState("exited", 127, tail))
+    assert verdict is not None and verdict.failure_reason == FailureReason.LAUNCH_FAILED
+    line = "rlfleet: training cannot start on this VM (exit 127): No module named 'training'"
+    assert verdict.vm_error == line
+    assert verdict.reason == f"launch_failed: exit 127: {line}"
+
+
+def test_a_broken_vms_reason_keeps_why_whatever_the_path_in_front() -> None:
+    """sh's own prefix (`…/launch.sh: 61: `) is dropped, and a line too long keeps its end,
+    which says why: a deep home directory must not cut "Permission denied" off."""
+    deep = "/home/" + "d" * 300
+    tail = (
+        f"rlfleet: training cannot start on this VM (exit 126): {deep}/.rlfleet/i/jobs/1/1-t/"
+        f"launch.sh: 61: {deep}/python: Permission denied\n"
+        "rlfleet: attempt ended with exit code 126"
+    )
+    line = launch_error_line(tail)
+    assert line.startswith("rlfleet: training cannot start on this VM (exit 126): ")
+    assert line.endswith("/python: Permission denied") and "launch.sh" not in line
+    assert len(line) <= 300
