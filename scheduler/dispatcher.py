@@ -149,10 +149,11 @@ In = TypeVar("In")
 Out = TypeVar("Out")
 
 
-class _GroupCommit(Generic[In, Out]):
+class GroupCommit(Generic[In, Out]):
     """Runs a batch operation one call at a time, and the items that arrive while a call
     runs together in the next one (a group commit). Under a steady trickle of messages
-    each fetch brings only one or two jobs; this keeps the transactions large anyway."""
+    each fetch brings only one or two jobs; this keeps the transactions large anyway.
+    The dispatcher has two: one for claim batches, one for marking launched jobs running."""
 
     def __init__(self, run: Callable[[list[In]], Awaitable[list[Out]]], *, most: int) -> None:
         self._run = run
@@ -226,8 +227,8 @@ class GlobalJobDispatcher:
         self._in_flight = 0  # messages fetched and not yet answered
         self._touched_vms: set[int] = set()
         self._vms_lock = asyncio.Lock()
-        self._claims = _GroupCommit(self._claim_batch, most=4 * batch)
-        self._runs = _GroupCommit(self._mark_running, most=4 * batch)
+        self._claims = GroupCommit(self._claim_batch, most=4 * batch)
+        self._runs = GroupCommit(self._mark_running, most=4 * batch)
 
     # ---------------------------------------------------------------- the loop
 

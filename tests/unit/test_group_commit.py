@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from scheduler.dispatcher import _GroupCommit
+from scheduler.dispatcher import GroupCommit
 
 
 async def test_batches_that_wait_are_run_together_and_answered_in_order() -> None:
@@ -19,7 +19,7 @@ async def test_batches_that_wait_are_run_together_and_answered_in_order() -> Non
             await gate.wait()  # the first call is slow: the others queue up behind it
         return [2 * i for i in items]
 
-    group: _GroupCommit[int, int] = _GroupCommit(double, most=10)
+    group: GroupCommit[int, int] = GroupCommit(double, most=10)
     first = asyncio.create_task(group.submit([1]))
     await asyncio.sleep(0)
     waiting = [asyncio.create_task(group.submit(b)) for b in ([2, 3], [4], [5, 6, 7])]
@@ -39,7 +39,7 @@ async def test_a_round_is_capped_at_most_items() -> None:
         await gate.wait()
         return items
 
-    group: _GroupCommit[int, int] = _GroupCommit(echo, most=3)
+    group: GroupCommit[int, int] = GroupCommit(echo, most=3)
     tasks = [asyncio.create_task(group.submit([i, i])) for i in range(3)]
     await asyncio.sleep(0)
     gate.set()
@@ -58,7 +58,7 @@ async def test_an_error_reaches_every_caller_of_its_round_only() -> None:
             raise ConnectionError("database went away")
         return items
 
-    group: _GroupCommit[int, int] = _GroupCommit(flaky, most=10)
+    group: GroupCommit[int, int] = GroupCommit(flaky, most=10)
     first = asyncio.create_task(group.submit([1]))
     await asyncio.sleep(0)
     second = asyncio.create_task(group.submit([2]))
