@@ -1,0 +1,74 @@
+"""Which pending jobs to put back in the queue, and which to hold back: pure, no I/O.
+
+The requeue manager loads the pending jobs and the free GPUs of each VM, asks
+`plan_pending`, and moves the jobs it names back to `queued` (anti-starvation included:
+see `plan_pending`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PendingJob:
+    """A pending job as the republish planner sees it (listed by priority, then id)."""
+
+    id: int
+    gpus: int
+    priority: int
+    waited_s: float
+    """Seconds since the job was submitted: the age anti-starvation looks at."""
+    since_pending_s: float
+    """Seconds since it last entered `pending` (it was last looked at by a dispatcher)."""
+
+
+@dataclass(frozen=True)
+class PendingPlan:
+    """Which pending jobs to announce again, why, and which are held back for a bigger one."""
+
+    republish: list[tuple[int, str]]
+    held_for: int | None = None
+    """The starving job the held-back ones wait behind; None when nothing is held."""
+    held: list[int] | None = None
+
+
+def plan_pending(
+    jobs: list[PendingJob],
+    free_by_vm: dict[int, int],
+    *,
+    recheck_after_s: float,
+    pending_timeout_s: float,
+    starvation_after_s: float,
+    largest_vm: int | None = None,
+) -> PendingPlan:
+    """Decide which pending jobs to put back in the queue this tick.
+
+    Walking jobs by priority then submission order, a job is announced again when some
+    VM has enough free GPUs for it (each fit uses up that VM's free count, so one free GPU
+    wakes one job, not all of them), or when it has been pending `pending_timeout_s`
+    whatever the reported capacity. Anti-starvation: once a job that does not fit has
+    waited `starvation_after_s`, every job after it (equal or lower priority, submitted
+    later) is held back, so finishing jobs free GPUs for it instead of being refilled by
+    smaller ones. A job is not re-announced within `recheck_after_s` of its last look.
+    Only a job that fits on some VM (`gpus <= largest_vm`, the most GPUs one VM has; None:
+    unknown, every job may fit) holds others back: waiting for one that can never run
+    would stall the whole queue.
+    """
+    free = dict(free_by_vm)
+    out: list[tuple[int, str]] = []
+    for i, job in enumerate(jobs):
+        fits = [vm for vm, n in free.items() if n >= job.gpus]
+        if fits:
+            best = min(fits, key=lambda vm: (free[vm], vm))
+            free[best] -= job.gpus
+            if job.since_pending_s >= recheck_after_s:
+                out.append((job.id, "capacity"))
+            continue
+        if job.since_pending_s >= pending_timeout_s:
+            out.append((job.id, "timeout"))
+        satisfiable = largest_vm is None or job.gpus <= largest_vm
+        if satisfiable and job.waited_s >= starvation_after_s:
+            held = [j.id for j in jobs[i + 1 :]]
+            return PendingPlan(out, held_for=job.id if held else None, held=held or None)
+    return PendingPlan(out)
