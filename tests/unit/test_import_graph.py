@@ -112,3 +112,15 @@ def test_finding_postgres_prints_no_runtime_dir_warning() -> None:
     assert done.stdout.strip() == "False"
     assert "RuntimeDirWarning" not in done.stderr, done.stderr
     assert done.stderr == ""
+
+
+@pytest.mark.parametrize(
+    "module", ["scheduler.verdicts", "scheduler.pending", "scheduler.retry", "scheduler.states"]
+)
+def test_a_pure_decision_module_loads_no_database_ssh_or_nats(module: str) -> None:
+    """Given a fresh interpreter, a module of pure decisions loads none of SQLAlchemy,
+    psycopg, asyncssh, NATS, Prometheus or click: it can do no I/O."""
+    modules = modules_after(f"import {module}")
+    assert module in modules
+    heavy = {"sqlalchemy", "psycopg", "asyncssh", "nats", "prometheus_client", "click"}
+    assert not top_level(modules) & heavy
