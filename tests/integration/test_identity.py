@@ -42,6 +42,7 @@ from tests.workloads.support import (
     new_job,
     publish,
     running_dispatcher,
+    sweep_until,
     wait_file,
     wait_status,
     write_fake_python,
@@ -289,12 +290,3 @@ async def test_one_success_is_enough(
         assert (superseded.reason, superseded.vm_id) == ("superseded", second.vm_id)
 
 
-async def sweep_until(poller: GpuPoller, db: Database, vm_id: int, status: str) -> None:
-    """Let the poller sweep until it has marked the VM `status`."""
-    for _ in range(100):
-        await poller.sweep()
-        async with db.transaction() as session:
-            if await session.scalar(select(VM.status).where(VM.id == vm_id)) == status:
-                return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"VM {vm_id} never became {status}")

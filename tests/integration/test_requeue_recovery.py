@@ -34,6 +34,7 @@ from tests.workloads.support import (
     job_attempt_dir,
     new_job,
     running_dispatcher,
+    sweep_until,
     wait_file,
     wait_status,
     write_fake_python,
@@ -58,17 +59,6 @@ async def fleet_of(
     fleet = await sim_fleet(n, gpus_per_vm=1)
     ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN), python=write_fake_python(tmp_path))
     return fleet, ids
-
-
-async def sweep_until(poller: GpuPoller, db: Database, vm_id: int, status: str) -> None:
-    """Let the poller sweep until it has marked the VM `status`."""
-    for _ in range(100):
-        await poller.sweep()
-        async with db.transaction() as session:
-            if await session.scalar(select(VM.status).where(VM.id == vm_id)) == status:
-                return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"VM {vm_id} never became {status}")
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from scheduler import bus
 from scheduler.claims import installation_id, stored_attempt
 from scheduler.db import Database
 from scheduler.dispatcher import GlobalJobDispatcher
+from scheduler.gpu_poller import GpuPoller
 from scheduler.jobs import JobSpec, insert_job
 from scheduler.models import GPU, VM, Job
 from scheduler.remote import Attempt, job_base
@@ -228,3 +229,14 @@ async def job_attempt_dir(db: Database, job_id: int, home: Path) -> Path:
 def attempt_dirs(home: Path, installation: str, job_id: int, attempt: int) -> list[Path]:
     """Every directory of attempt `attempt` of the job under `home` (one per claim of it)."""
     return sorted((home / job_base(installation, job_id)).glob(f"{int(attempt)}-*"))
+
+
+async def sweep_until(poller: GpuPoller, db: Database, vm_id: int, status: str) -> None:
+    """Let the poller sweep until it has marked the VM `status`."""
+    for _ in range(100):
+        await poller.sweep()
+        async with db.transaction() as session:
+            if await session.scalar(select(VM.status).where(VM.id == vm_id)) == status:
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"VM {vm_id} never became {status}")
