@@ -17,8 +17,7 @@ claim looks at a few VMs' rows instead of counting the whole fleet again; a clai
 misses there falls back to the whole fleet, which alone decides pending and contended.
 
 What a free GPU is, and giving GPUs back, is `scheduler.gpus`; attempts left behind on a
-VM are `scheduler.leftovers`. The names imported `as` themselves below are their homes'
-names, kept importable from here for callers written before they moved.
+VM are `scheduler.leftovers`.
 """
 
 from __future__ import annotations
@@ -33,21 +32,12 @@ from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from scheduler.db import Database
-from scheduler.db import installation_id as installation_id
-from scheduler.gpus import FREE_BY_VM_SQL as FREE_BY_VM_SQL
-from scheduler.gpus import FREE_GPU, LEFTOVER_GPUS, USABLE_VM
-from scheduler.gpus import RECOUNT_SQL as RECOUNT_SQL
-from scheduler.gpus import refresh_available as refresh_available
-from scheduler.gpus import refresh_available_in_session as refresh_available_in_session
-from scheduler.gpus import release_in_session as release_in_session
+from scheduler.gpus import FREE_BY_VM_SQL, FREE_GPU, LEFTOVER_GPUS, USABLE_VM
 from scheduler.jobs import move_event_sql, move_set_sql, transition
 from scheduler.leftovers import AttemptRecord, abandon_attempt, leftover_may_run
-from scheduler.leftovers import close_leftover as close_leftover
-from scheduler.leftovers import record_leftover as record_leftover
 from scheduler.logging import get_logger
 from scheduler.models import Job
 from scheduler.remote import ROOT, Attempt, new_token
-from scheduler.remote import stored_attempt as stored_attempt
 from scheduler.states import FailureReason, JobStatus
 from scheduler.validate import job_row_problem
 

@@ -329,7 +329,3 @@ class Leftover(Base):
         CheckConstraint(TOKEN_CHECK, name="launch_token_hex"),
         CheckConstraint(ATTEMPT_DIR_CHECK, name="attempt_dir_absolute"),
     )
-
-
-StaleProcess = Leftover
-"""`Leftover` by its table's name, for code written before the class was renamed."""

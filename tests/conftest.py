@@ -18,6 +18,7 @@ import pytest
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats, EmbeddedPostgres
 from scheduler.migrate import upgrade
+from scheduler.transport import SSHTransport
 from tests.fleet import SimFleet, start_fleet
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -78,3 +79,12 @@ async def sim_fleet(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Sim
     yield make
     for fleet in fleets:
         await fleet.close()
+
+
+@pytest.fixture
+async def transport() -> AsyncIterator[SSHTransport]:
+    """The SSH transport every piece of a test uses, with short connect and login
+    deadlines: the test fleet is on loopback, and a stopped VM must fail fast."""
+    t = SSHTransport(connect_timeout=2.0, login_timeout=2.0)
+    yield t
+    await t.close()

@@ -215,8 +215,8 @@ def list_(ctx: CliContext, status: str | None, limit: int, as_json: bool) -> Non
 def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None:
     """Show a job: where it runs, why it is in its state, its training progress (read from
     the VM, a few seconds at most) and its event history."""
-    from scheduler.claims import installation_id
     from scheduler.control import place_of, read_progress
+    from scheduler.db import installation_id
     from scheduler.remote import default_output_dir
     from scheduler.transport import make_transport
 

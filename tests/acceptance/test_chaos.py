@@ -30,7 +30,7 @@ from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats, EmbeddedPostgres
 from scheduler.jobs import JobSpec, insert_job, mark_published
 from scheduler.migrate import upgrade
-from scheduler.models import VM, Job, JobEvent, StaleProcess
+from scheduler.models import VM, Job, JobEvent, Leftover
 from scheduler.retry import DEFAULT_POLICY, GIVE_UP_PREFIX
 from tests.acceptance.chaos import (
     Daemon,
@@ -509,9 +509,9 @@ async def _open_leftovers(db: Database, lost_for_good: str) -> list[tuple[int, i
     """(job, attempt, VM) of leftovers not yet killed on VMs that answer again."""
     async with db.transaction() as session:
         rows = await session.execute(
-            select(StaleProcess.job_id, StaleProcess.attempt, VM.name)
-            .join(VM, VM.id == StaleProcess.vm_id)
-            .where(StaleProcess.killed_at.is_(None), VM.name != lost_for_good)
+            select(Leftover.job_id, Leftover.attempt, VM.name)
+            .join(VM, VM.id == Leftover.vm_id)
+            .where(Leftover.killed_at.is_(None), VM.name != lost_for_good)
         )
         return [(j, a, n) for j, a, n in rows]
 

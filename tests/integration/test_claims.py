@@ -15,16 +15,14 @@ from scheduler.claims import (
     NoClaim,
     claim_batch,
     claim_gpus,
-    close_leftover,
     expire_leases,
     mark_running_batch,
-    record_leftover,
-    refresh_available,
-    release_in_session,
 )
 from scheduler.db import Database
+from scheduler.gpus import refresh_available, release_in_session
 from scheduler.jobs import get_job
-from scheduler.models import GPU, VM, Job, StaleProcess
+from scheduler.leftovers import close_leftover, record_leftover
+from scheduler.models import GPU, VM, Job, Leftover
 from scheduler.remote import default_output_dir
 from tests.workloads.support import add_vm_row, new_job
 
@@ -95,7 +93,7 @@ async def test_unusable_gpus_and_vms_are_never_claimed(db: Database) -> None:
             update(GPU).where(GPU.vm_id == ok, GPU.index == 1).values(foreign_busy=True)
         )
         leftover = await new_job(db, 1)
-        session.add(StaleProcess(vm_id=ok, job_id=leftover, attempt=1, gpu_indices=[2], reason="t"))
+        session.add(Leftover(vm_id=ok, job_id=leftover, attempt=1, gpu_indices=[2], reason="t"))
     first, second = await new_job(db), await new_job(db)
     c1 = await claim_gpus(db, first, actor="test")
     c2 = await claim_gpus(db, second, actor="test")
@@ -234,7 +232,7 @@ async def test_an_expired_lease_frees_the_gpus_and_requeues(db: Database) -> Non
 
     async with db.transaction() as session:
         job = await get_job(session, dead)
-        stale = (await session.execute(select(StaleProcess))).scalars().one()
+        stale = (await session.execute(select(Leftover))).scalars().one()
         assert job.status == "queued" and job.lease_expires_at is None and job.attempt == 1
         assert (await get_job(session, alive)).status == "starting"
         assert (stale.vm_id, stale.job_id, stale.attempt, stale.gpu_indices) == (

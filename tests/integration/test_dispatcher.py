@@ -18,7 +18,7 @@ from scheduler.claims import expire_leases
 from scheduler.control import CancelResult, cancel_job
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats, free_port
-from scheduler.models import GPU, Job, JobEvent, StaleProcess
+from scheduler.models import GPU, Job, JobEvent, Leftover
 from scheduler.remote import job_base
 from scheduler.requeue import RequeueManager
 from scheduler.transport import CommandResult, Transport, VMTarget, make_transport
@@ -182,7 +182,7 @@ async def test_an_unreachable_vm_fails_the_launch_and_frees_the_claim(
     assert job.next_attempt_at is None and "launch failed" in (job.status_reason or "")
     async with db.transaction() as session:
         assert await session.scalar(select(func.count()).where(GPU.job_id.is_not(None))) == 0
-        stale = (await session.execute(select(StaleProcess))).scalars().one()
+        stale = (await session.execute(select(Leftover))).scalars().one()
     assert (stale.vm_id, stale.job_id, stale.attempt, stale.gpu_indices) == (
         ids["vm0"],
         job_id,
@@ -364,7 +364,7 @@ async def test_a_cancel_that_beats_the_launch_fences_it_off(
     assert job.status == "cancelled"
     async with db.transaction() as session:
         assert await session.scalar(select(func.count()).where(GPU.job_id.is_not(None))) == 0
-        stale = (await session.execute(select(StaleProcess))).scalars().one()
+        stale = (await session.execute(select(Leftover))).scalars().one()
         assert (stale.job_id, stale.reason) == (job_id, "cancelled")
         assert stale.killed_at is not None
 

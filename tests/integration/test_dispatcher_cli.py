@@ -11,9 +11,9 @@ import nats as nats_client
 import pytest
 from sqlalchemy import func, select
 
-from scheduler.claims import release_in_session
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
+from scheduler.gpus import release_in_session
 from scheduler.jobs import transition
 from scheduler.models import GPU
 from scheduler.states import JobStatus

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import nats as nats_client
@@ -28,9 +28,9 @@ from scheduler.embedded import EmbeddedNats, EmbeddedPostgres
 from scheduler.fleet import VMSpec, add_vm
 from scheduler.gpu_poller import GpuPoller
 from scheduler.migrate import upgrade
-from scheduler.models import GPU, VM, Job, JobEvent, StaleProcess
+from scheduler.models import GPU, VM, Job, JobEvent, Leftover
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
-from scheduler.transport import Transport, make_transport
+from scheduler.transport import Transport
 from tests.backdate import age_outages
 from tests.fleet import SimFleet
 from tests.workloads.support import (
@@ -54,14 +54,6 @@ pytestmark = pytest.mark.slow
 FleetFactory = Callable[..., Awaitable[SimFleet]]
 CONFIG = RequeueConfig(interval_s=0.2, node_lost_timeout_s=2.0, recheck_after_s=0.5)
 FINAL = {"completed", "failed", "cancelled"}
-
-
-@pytest.fixture
-async def transport() -> AsyncIterator[Transport]:
-    """The transport every piece uses (SSH for the fleet, local for a local VM)."""
-    t = make_transport(connect_timeout=2.0, login_timeout=2.0)
-    yield t
-    await t.close()
 
 
 def drop_database(postgres: EmbeddedPostgres, name: str) -> None:
@@ -281,11 +273,11 @@ async def test_one_success_is_enough(
         assert "attempt 2 stopped" in reason
         assert await session.scalar(select(func.count()).where(GPU.job_id.is_not(None))) == 0
         open_rows = await session.scalar(
-            select(func.count()).select_from(StaleProcess).where(StaleProcess.killed_at.is_(None))
+            select(func.count()).select_from(Leftover).where(Leftover.killed_at.is_(None))
         )
         assert open_rows == 0
         superseded = (
-            await session.execute(select(StaleProcess).where(StaleProcess.attempt == 2))
+            await session.execute(select(Leftover).where(Leftover.attempt == 2))
         ).scalar_one()
         assert (superseded.reason, superseded.vm_id) == ("superseded", second.vm_id)
 

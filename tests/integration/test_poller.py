@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -23,14 +23,6 @@ from scheduler.states import JobStatus
 from scheduler.transport import SSHTransport
 from tests.fleet import FAKE_TRAIN, SimFleet, SimVM
 from tests.workloads.support import current_attempt, job_attempt_dir, job_row
-
-
-@pytest.fixture
-async def transport() -> AsyncIterator[SSHTransport]:
-    """A pooled SSH transport, closed after the test."""
-    t = SSHTransport(connect_timeout=3, login_timeout=3)
-    yield t
-    await t.close()
 
 
 async def gpus_of(db: Database, vm_id: int) -> list[GPU]:

@@ -22,7 +22,7 @@ from scheduler import bus
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.jobs import get_job, transition
-from scheduler.models import GPU, VM, Job, StaleProcess
+from scheduler.models import GPU, VM, Job, Leftover
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.retry import RetryPolicy
 from scheduler.states import JobStatus
@@ -322,7 +322,7 @@ async def test_a_short_blip_restarts_nothing_but_a_lost_node_fails_its_jobs(
     ]
     async with db.transaction() as session:
         gpus = (await session.execute(select(GPU.index, GPU.job_id))).all()
-        stale = (await session.execute(select(StaleProcess))).scalars().all()
+        stale = (await session.execute(select(Leftover))).scalars().all()
     assert all(job_id_ is None for _, job_id_ in gpus)
     assert [(s.job_id, s.attempt, s.pid, s.gpu_indices, s.killed_at) for s in stale] == [
         (job_id, 1, 4242, [1], None)

@@ -9,7 +9,7 @@ killed as soon as the VM answers again, before its GPU is offered to anyone.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import nats as nats_client
@@ -21,11 +21,11 @@ from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
 from scheduler.jobs import transition
-from scheduler.models import GPU, VM, JobEvent, StaleProcess
+from scheduler.models import GPU, VM, JobEvent, Leftover
 from scheduler.remote import FENCED_EXIT, LaunchSpec, launch_script
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.states import JobStatus
-from scheduler.transport import Transport, VMTarget, make_transport
+from scheduler.transport import Transport, VMTarget
 from tests.backdate import age_lease, age_outages
 from tests.fleet import SimFleet
 from tests.workloads.support import (
@@ -42,14 +42,6 @@ from tests.workloads.support import (
 
 FleetFactory = Callable[..., Awaitable[SimFleet]]
 CONFIG = RequeueConfig(interval_s=0.2, node_lost_timeout_s=2.0, recheck_after_s=0.5)
-
-
-@pytest.fixture
-async def transport() -> AsyncIterator[Transport]:
-    """The SSH transport every piece uses."""
-    t = make_transport(connect_timeout=2.0, login_timeout=2.0)
-    yield t
-    await t.close()
 
 
 async def fleet_of(
@@ -133,7 +125,7 @@ async def test_a_job_on_a_lost_vm_resumes_elsewhere_and_its_leftover_is_killed(
         await nc.close()
 
     async with db.transaction() as session:
-        stale = (await session.execute(select(StaleProcess))).scalars().all()
+        stale = (await session.execute(select(Leftover))).scalars().all()
         moves = (
             await session.execute(
                 select(JobEvent.from_status, JobEvent.to_status, JobEvent.attempt)
@@ -229,7 +221,7 @@ async def test_a_launch_that_outlives_its_lease_is_fenced_off(
     async with db.transaction() as session:
         vm = (await session.execute(select(VM).where(VM.id == claim.vm_id))).scalar_one()
         target = VMTarget.from_vm(vm)
-        stale = (await session.execute(select(StaleProcess))).scalars().one()
+        stale = (await session.execute(select(Leftover))).scalars().one()
     assert (stale.reason, stale.attempt, stale.killed_at is not None) == (
         "lease_expired",
         claim.attempt,

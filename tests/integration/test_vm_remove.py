@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import nats as nats_client
@@ -19,9 +19,9 @@ from scheduler.embedded import EmbeddedNats
 from scheduler.errors import BadInput
 from scheduler.fleet import remove_vm
 from scheduler.gpu_poller import GpuPoller
-from scheduler.models import GPU, VM, Job, StaleProcess
+from scheduler.models import GPU, VM, Job, Leftover
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
-from scheduler.transport import Transport, make_transport
+from scheduler.transport import Transport
 from tests.fleet import SimFleet
 from tests.workloads.support import (
     FAKE_TRAIN,
@@ -36,14 +36,6 @@ from tests.workloads.support import (
 
 FleetFactory = Callable[..., Awaitable[SimFleet]]
 CONFIG = RequeueConfig(interval_s=0.2, recheck_after_s=0.3, kill_grace_s=2.0)
-
-
-@pytest.fixture
-async def transport() -> AsyncIterator[Transport]:
-    """The SSH transport every piece uses."""
-    t = make_transport(connect_timeout=5.0, login_timeout=5.0)
-    yield t
-    await t.close()
 
 
 def rlfleet(db: Database, *args: str) -> subprocess.CompletedProcess[str]:
@@ -124,7 +116,7 @@ async def test_vm_remove_refuses_then_force_fails_kills_and_reruns_elsewhere(
     async with db.transaction() as session:
         job = await session.get(Job, job_id)
         assert job is not None
-        stale = (await session.scalars(select(StaleProcess))).all()
+        stale = (await session.scalars(select(Leftover))).all()
     assert stale == [], "the leftover row went with the VM, after its kill"
 
 
@@ -136,7 +128,7 @@ async def test_unkilled_leftovers_refuse_a_plain_remove_and_force_twice_deletes(
     vm_id = await add_vm_row(db, "leftover-vm", 1, status="unreachable")
     job_id = await new_job(db, 1)
     async with db.transaction() as session:
-        session.add(StaleProcess(vm_id=vm_id, job_id=job_id, attempt=1, reason="node_lost"))
+        session.add(Leftover(vm_id=vm_id, job_id=job_id, attempt=1, reason="node_lost"))
     with pytest.raises(BadInput, match="1 process\\(es\\) of earlier attempts not yet killed"):
         async with db.transaction() as session:
             await remove_vm(session, "leftover-vm")

@@ -18,13 +18,12 @@ from nats.aio.client import Client as NATS
 from sqlalchemy import select, update
 
 from scheduler import bus
-from scheduler.claims import installation_id, stored_attempt
-from scheduler.db import Database
+from scheduler.db import Database, installation_id
 from scheduler.dispatcher import GlobalJobDispatcher
 from scheduler.gpu_poller import GpuPoller
 from scheduler.jobs import JobSpec, insert_job
 from scheduler.models import GPU, VM, Job
-from scheduler.remote import Attempt, job_base
+from scheduler.remote import Attempt, job_base, stored_attempt
 from scheduler.transport import Transport, make_transport
 from tests.fleet import FAKE_TRAIN, SimFleet
 
