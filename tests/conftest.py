@@ -18,7 +18,7 @@ import pytest
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats, EmbeddedPostgres
 from scheduler.migrate import upgrade
-from scheduler.transport import SSHTransport
+from scheduler.transport import Transport, make_transport
 from tests.fleet import SimFleet, start_fleet
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -82,9 +82,10 @@ async def sim_fleet(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Sim
 
 
 @pytest.fixture
-async def transport() -> AsyncIterator[SSHTransport]:
-    """The SSH transport every piece of a test uses, with short connect and login
-    deadlines: the test fleet is on loopback, and a stopped VM must fail fast."""
-    t = SSHTransport(connect_timeout=2.0, login_timeout=2.0)
+async def transport() -> AsyncIterator[Transport]:
+    """The transport every piece of a test uses (SSH, or a subprocess for a `local` VM),
+    with short connect and login deadlines: the test fleet is on loopback, and a stopped
+    VM must fail fast."""
+    t = make_transport(connect_timeout=2.0, login_timeout=2.0)
     yield t
     await t.close()

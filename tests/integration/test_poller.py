@@ -20,7 +20,7 @@ from scheduler.gpu_poller import GpuPoller, SweepStats
 from scheduler.jobs import JobSpec, insert_job, transition
 from scheduler.models import GPU, VM, JobEvent
 from scheduler.states import JobStatus
-from scheduler.transport import SSHTransport
+from scheduler.transport import Transport
 from tests.fleet import FAKE_TRAIN, SimFleet, SimVM
 from tests.workloads.support import current_attempt, job_attempt_dir, job_row
 
@@ -38,7 +38,7 @@ async def vm_row(db: Database, vm_id: int) -> VM:
 
 
 async def launch_job(
-    db: Database, transport: SSHTransport, vm: SimVM, vm_id: int, gpu: int, *fake_args: str
+    db: Database, transport: Transport, vm: SimVM, vm_id: int, gpu: int, *fake_args: str
 ) -> int:
     """A running job on `vm` holding GPU `gpu`, launched the way the dispatcher does."""
     async with db.transaction() as session:
@@ -98,7 +98,7 @@ async def wait_for_exit_code(db: Database, vm: SimVM, job_id: int, timeout: floa
 
 
 async def test_free_allocated_and_foreign_busy_gpus_are_recorded(
-    db: Database, sim_fleet, transport: SSHTransport
+    db: Database, sim_fleet, transport: Transport
 ) -> None:
     # Given a VM with three GPUs, polled once
     fleet: SimFleet = await sim_fleet(1, gpus_per_vm=3)
@@ -140,7 +140,7 @@ async def test_free_allocated_and_foreign_busy_gpus_are_recorded(
 
 @pytest.mark.slow
 async def test_a_process_left_on_a_finished_jobs_gpu_keeps_it_out_of_use(
-    db: Database, sim_fleet, transport: SSHTransport
+    db: Database, sim_fleet, transport: Transport
 ) -> None:
     """Given a job whose GPU also holds another process (a child it left behind, or
     someone else's), when the job ends, then the sweep that frees its GPU marks it
@@ -176,7 +176,7 @@ async def test_a_process_left_on_a_finished_jobs_gpu_keeps_it_out_of_use(
 
 
 async def test_a_vm_killed_mid_run_goes_unreachable_and_comes_back_healthy(
-    db: Database, sim_fleet, transport: SSHTransport
+    db: Database, sim_fleet, transport: Transport
 ) -> None:
     # Given two healthy VMs and a poller that gives up on a VM after 2 failed polls
     fleet: SimFleet = await sim_fleet(2, gpus_per_vm=2)
@@ -215,7 +215,7 @@ async def test_a_vm_killed_mid_run_goes_unreachable_and_comes_back_healthy(
 
 
 async def test_finished_jobs_are_moved_with_exit_code_and_reason_and_free_their_gpus(
-    db: Database, sim_fleet, transport: SSHTransport
+    db: Database, sim_fleet, transport: Transport
 ) -> None:
     # Given a VM with five GPUs and five jobs that end in five different ways
     fleet: SimFleet = await sim_fleet(1, gpus_per_vm=5)
@@ -273,7 +273,7 @@ async def test_finished_jobs_are_moved_with_exit_code_and_reason_and_free_their_
     ],
 )
 async def test_every_nvidia_smi_failure_marks_the_vm_unhealthy_and_the_poller_goes_on(
-    db: Database, sim_fleet, transport: SSHTransport, mode: str, reason: str
+    db: Database, sim_fleet, transport: Transport, mode: str, reason: str
 ) -> None:
     # Given two healthy VMs with two GPUs each, and a job running on vm0's GPU 0
     fleet: SimFleet = await sim_fleet(2, gpus_per_vm=2)
@@ -302,7 +302,7 @@ async def test_every_nvidia_smi_failure_marks_the_vm_unhealthy_and_the_poller_go
 
 
 async def test_a_host_key_mismatch_is_a_failed_poll_and_no_command_runs(
-    db: Database, sim_fleet, transport: SSHTransport
+    db: Database, sim_fleet, transport: Transport
 ) -> None:
     # Given a VM registered with another VM's host key in its known_hosts
     fleet: SimFleet = await sim_fleet(2)
@@ -367,7 +367,7 @@ async def wait_dead(pid: int, timeout: float = 10.0) -> None:
 
 
 async def test_a_poll_that_predates_a_broken_launch_does_not_undo_its_mark(
-    sim_fleet: Callable[..., Awaitable[SimFleet]], db: Database, transport: SSHTransport
+    sim_fleet: Callable[..., Awaitable[SimFleet]], db: Database, transport: Transport
 ) -> None:
     """A poll can land after a newer one (polls in flight outlive their sweep). Given a
     poll of a healthy VM that is still out, when meanwhile an attempt there fails to start
