@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import threading
@@ -84,7 +85,7 @@ def make_handler(keyword: str, ledger: Ledger) -> type[BaseHTTPRequestHandler]:
             texts = completions if isinstance(completions, list) else [None]
             if not all(isinstance(text, str) for text in texts):
                 raise ValueError("'completions' must be a list of strings")
-            return completions
+            return [str(text) for text in texts]
 
         def _send(self, status: int, payload: dict[str, Any]) -> None:
             data = json.dumps(payload).encode()
@@ -104,7 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     """Serve until interrupted (SIGTERM or Ctrl-C)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    parser.add_argument("--port", type=int, required=True, help="port to listen on")
+    injected = os.environ.get("RLFLEET_REWARD_HTTP", "")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(injected) if injected.isdigit() else None,
+        required=not injected.isdigit(),
+        help="port to listen on (default: $RLFLEET_REWARD_HTTP, the port the scheduler picked)",
+    )
     parser.add_argument("--keyword", default="hello", help="the word completions are scored on")
     args = parser.parse_args(argv)
     server = ThreadingHTTPServer((args.host, args.port), make_handler(args.keyword, Ledger()))
