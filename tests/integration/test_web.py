@@ -105,8 +105,8 @@ async def test_actions_need_the_token_and_a_wrong_one_is_refused(
     wrong = await web.post(f"/api/jobs/{job_id}/cancel", headers={"x-rlfleet-token": "x" * 26})
     assert wrong.status_code == 403
     # A token in a form field or a cookie is not a token: a forged cross-site form has none
-    forged = await web.post(
-        f"/api/jobs/{job_id}/cancel", data={"token": TOKEN}, cookies={"token": TOKEN}
+    forged = await client(cookies={"token": TOKEN}).post(
+        f"/api/jobs/{job_id}/cancel", data={"token": TOKEN}
     )
     assert forged.status_code == 401
     await wait_status(db, job_id, "queued", timeout=1)
