@@ -52,6 +52,8 @@ async def serve_web(
     from scheduler.transport import make_transport
     from scheduler.web.app import create_app
 
+    # uvicorn exits the process when it cannot bind: say why first, as one line.
+    check_bindable(host, port)
     db = Database(settings.database_url, pool_size=4)
     app = create_app(db, settings, token, make_transport)
     config = uvicorn.Config(
@@ -90,6 +92,18 @@ async def serve_web(
         with contextlib.suppress(Exception):
             await asyncio.wait_for(task, 10)
         await db.dispose()
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Raise `OSError` (address in use, not an address of this machine) unless host:port
+    can be listened on now."""
+    import socket
+
+    try:
+        with socket.create_server((host.strip("[]"), port), reuse_port=False):
+            pass
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
 
 
 def url_host(host: str) -> str:
