@@ -22,13 +22,16 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[train,dev]"
 	touch $(STAMP)
 
-# The programs the tests run for real: OpenSSH's sshd (the server users run) and
+# The programs the tests run for real: OpenSSH's sshd (the server users run),
 # systemd-analyze (package systemd, absent from minimal Debian images), for the unit
-# checks. Without them those tests are skipped, or fail when CI=true (tests/requires.py).
+# checks, and a headless Chromium with its driver, for the dashboard's browser tests.
+# Without them those tests are skipped, or fail when CI=true (tests/requires.py).
 sshd:
 	@missing=""; \
 	  { command -v sshd >/dev/null 2>&1 || test -x /usr/sbin/sshd; } || missing=" openssh-server"; \
 	  command -v systemd-analyze >/dev/null 2>&1 || missing="$$missing systemd"; \
+	  command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	  command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
 	  if [ -n "$$missing" ]; then \
 	    echo "installing$$missing"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \

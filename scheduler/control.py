@@ -15,7 +15,7 @@ from typing import Any
 from scheduler import bus
 from scheduler.db import Database, installation_id
 from scheduler.errors import BadInput, ServiceUnavailable
-from scheduler.jobs import get_job, transition
+from scheduler.jobs import get_job, job_to_dict, transition
 from scheduler.kill import kill_attempt
 from scheduler.leftovers import AttemptRecord, abandon_attempt, close_leftover
 from scheduler.logging import get_logger
@@ -23,6 +23,7 @@ from scheduler.remote import (
     NO_FILE_EXIT,
     READ_CHUNK_BYTES,
     Attempt,
+    default_output_dir,
     parse_tokens,
     read_file_script,
     stored_attempt,
@@ -80,6 +81,25 @@ def place_of(job: Any, installation: str) -> JobPlace:
         installation,
         job.gpu_uuids,
     )
+
+
+async def job_details(
+    db: Database, job_id: int, transport: Transport | None = None
+) -> dict[str, Any]:
+    """A job as `job show --json` prints it: its row, its events, where its outputs are,
+    and, with a `transport`, its training progress read from the VM (a few seconds at
+    most; `progress_error` says why there is none). `NotFound` if no such job."""
+    async with db.transaction() as session:
+        job = await get_job(session, job_id, with_events=True)
+        data = job_to_dict(job, events=True)
+        installation = await installation_id(session)
+        place = place_of(job, installation)
+    # Where the outputs are on the VM, also when the job named no --output-dir.
+    data["output_dir"] = data["output_dir"] or default_output_dir(installation, job_id)
+    data["progress"], data["progress_error"] = None, None
+    if transport is not None and place.attempt > 0 and place.target is not None:
+        data["progress"], data["progress_error"] = await read_progress(transport, place)
+    return data
 
 
 @dataclass(frozen=True)
@@ -315,6 +335,37 @@ async def stream_log(
         if run.path is None and now.run is not None and now.run.token == run.token:
             run = now.run  # the launch has recorded its directory meanwhile
         await asyncio.sleep(poll_s)
+
+
+@dataclass(frozen=True)
+class LogChunk:
+    """A piece of an attempt's train.log, for a page that follows it."""
+
+    attempt: int
+    offset: int
+    """Where the next read starts (bytes)."""
+    data: bytes
+    exists: bool
+    """Whether train.log exists (yet)."""
+    live: bool
+    """Whether the job is still starting or running, so that more may come."""
+
+
+async def read_log_chunk(
+    db: Database, transport: Transport, job_id: int, *, offset: int = 0, attempt: int | None = None
+) -> LogChunk:
+    """The attempt's train.log from byte `offset`, at most `READ_CHUNK_BYTES` (default:
+    the attempt `job logs` shows). `BadInput` when the job has no log."""
+    place = await load_place(db, job_id)
+    wanted = _pick_attempt(place, attempt)
+    if place.target is None:
+        raise BadInput(f"job {job_id} has no VM recorded; no log to read")
+    run = await _locate(transport, place, wanted)
+    data = await _read(transport, place, run, "train.log", offset, timeout=30)
+    live = place.status in LIVE_STATES and place.attempt == wanted
+    if data is None:
+        return LogChunk(wanted, offset, b"", False, live)
+    return LogChunk(wanted, offset + len(data), data, True, live)
 
 
 async def read_progress(

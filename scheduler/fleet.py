@@ -102,9 +102,27 @@ async def get_vm(session: AsyncSession, name: str, *, with_gpus: bool = False) -
     return vm
 
 
-async def list_vms(session: AsyncSession) -> list[VM]:
-    """Every VM, by name, with its GPUs."""
-    return list(await session.scalars(select(VM).options(selectinload(VM.gpus)).order_by(VM.name)))
+async def list_vms(
+    session: AsyncSession, *, name: str | None = None, limit: int | None = None, offset: int = 0
+) -> list[VM]:
+    """Every VM, by name, with its GPUs; with `name`, those whose name contains it
+    (case-insensitive, taken literally); `limit` and `offset` take one page of them."""
+    query = select(VM).options(selectinload(VM.gpus)).order_by(VM.name).offset(offset)
+    if name:
+        query = query.where(VM.name.icontains(name, autoescape=True))
+    if limit is not None:
+        query = query.limit(limit)
+    return list(await session.scalars(query))
+
+
+def gpu_state(gpu: GPU) -> str:
+    """What a GPU is to the scheduler now: `unhealthy`, `foreign` (a process rlfleet did
+    not start uses it), `allocated` (to a job) or `free`."""
+    if not gpu.healthy:
+        return "unhealthy"
+    if gpu.job_id is not None:
+        return "allocated"
+    return "foreign" if gpu.foreign_busy else "free"
 
 
 async def live_job_count(session: AsyncSession, vm_id: int) -> int:
@@ -272,4 +290,5 @@ def gpu_to_dict(gpu: GPU) -> dict[str, Any]:
         "healthy": gpu.healthy,
         "foreign_busy": gpu.foreign_busy,
         "job_id": gpu.job_id,
+        "state": gpu_state(gpu),
     }

@@ -39,6 +39,14 @@ from scheduler import metrics
 from scheduler.daemon import run_loop
 from scheduler.db import Database, installation_id
 from scheduler.gpus import RECOUNT_SQL, release_in_session
+from scheduler.history import (
+    PRUNE_EVERY_S,
+    GpuReading,
+    ProgressRow,
+    history_days,
+    prune,
+    record_samples,
+)
 from scheduler.jobs import transition
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
@@ -240,8 +248,12 @@ class GpuPoller:
         command_timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
         unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT_S,
         batch_size: int = 250,
+        history_days: float | None = None,
     ) -> None:
         self.db = db
+        self.history_days = history_days
+        """Samples older than this many days are pruned; None: never."""
+        self._pruned_at: float | None = None
         self.batch_size = batch_size
         self.transport = transport
         self.unreachable_after = max(1, unreachable_after)
@@ -317,6 +329,7 @@ class GpuPoller:
         if self._inflight:
             stats.silent = len(self._inflight)
             await self._mark_silent(list(self._inflight), names)
+        await self.prune_history()
         stats.seconds = time.monotonic() - started
         metrics.observe_poll_sweep(stats.seconds)
         log.debug("poll_sweep_done", **stats.__dict__)
@@ -344,6 +357,21 @@ class GpuPoller:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._inflight.clear()
+
+    async def prune_history(self, *, force: bool = False) -> int:
+        """Delete the samples older than the retention, at most once per `PRUNE_EVERY_S`
+        (or now, with `force`), in a short transaction of its own; how many went."""
+        now = time.monotonic()
+        if self.history_days is None:
+            return 0
+        if not force and self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY_S:
+            return 0
+        self._pruned_at = now
+        async with self.db.transaction() as session:
+            deleted = await prune(session, self.history_days)
+        if deleted:
+            log.info("history_pruned", rows=deleted, days=self.history_days)
+        return deleted
 
     async def _mark_silent(self, vm_ids: list[int], names: dict[int, str]) -> None:
         """VMs whose poll is still out: unreachable once they have been silent long enough
@@ -493,6 +521,8 @@ class GpuPoller:
         failed: list[dict[str, Any]] = []
         upserts: list[dict[str, Any]] = []
         lost_gpus: list[dict[str, Any]] = []
+        samples: list[GpuReading] = []
+        progress: list[ProgressRow] = []
         for outcome in outcomes:
             vm, result = outcome.vm, outcome.result
             if result is None:
@@ -500,6 +530,7 @@ class GpuPoller:
                 self._log_failure(vm, outcome.error or "")
                 continue
             stats.reachable += 1
+            progress += _progress_rows(outcome.vm, result)
             launch_error, launch_line = self._launch_error(outcome)
             decides = _decides_launch_error(outcome)
             if result.error is not None:
@@ -533,6 +564,12 @@ class GpuPoller:
             elif vm.status != VMStatus.HEALTHY:
                 log.info("vm_healthy", vm=vm.target.name, was=vm.status)
             upserts += _gpu_changes(vm, result, outcome.finished)
+            samples += [
+                GpuReading(
+                    vm.target.id, g.uuid, g.utilization_pct, g.memory_used_mb, g.memory_total_mb
+                )
+                for g in result.gpus
+            ]
             seen = {g.uuid for g in result.gpus}
             gone = [u for u, row in vm.gpus.items() if u not in seen and row.values[5]]
             if gone:
@@ -586,6 +623,8 @@ class GpuPoller:
                 )
             if ids:
                 await session.execute(RECOUNT_SQL, {"ids": ids})
+            # After the upserts: a GPU seen for the first time has its row by now.
+            await record_samples(session, progress, samples)
 
     @staticmethod
     def _launch_error(outcome: Outcome) -> tuple[str | None, str | None]:
@@ -625,6 +664,17 @@ async def _next(queue: asyncio.Queue[Outcome], timeout: float | None) -> Outcome
 def _columns(rows: Sequence[dict[str, Any]], **names: str) -> dict[str, list[Any]]:
     """Rows as columns: `names` maps each bind parameter to the row key it collects."""
     return {param: [row[key] for row in rows] for param, key in names.items()}
+
+
+def _progress_rows(vm: VMState, result: PollResult) -> list[ProgressRow]:
+    """The progress the poll read of the attempts this VM runs (a line for any other
+    attempt is not this sweep's to record)."""
+    wanted = {(j.id, j.attempt) for j in vm.jobs}
+    return [
+        ProgressRow(key[0], key[1], state.progress.step, state.progress.reward, state.progress.loss)
+        for key, state in result.jobs.items()
+        if key in wanted and state.progress is not None
+    ]
 
 
 def _gpu_changes(
@@ -704,14 +754,17 @@ async def run_poller(
     command_timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
     unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT_S,
     ready: asyncio.Event | None = None,
+    keep_days: float | None = None,
 ) -> None:
-    """Sweep every `interval` seconds until `stop`; a failed sweep is logged, never fatal."""
+    """Sweep every `interval` seconds until `stop`; a failed sweep is logged, never fatal.
+    `keep_days`: the history retention (default: `RLFLEET_HISTORY_DAYS`, else 7 days)."""
     poller = GpuPoller(
         db,
         transport,
         unreachable_after=unreachable_after,
         command_timeout=command_timeout,
         unreachable_timeout=unreachable_timeout,
+        history_days=keep_days if keep_days is not None else history_days(),
     )
     log.info(
         "poller_started",

@@ -8,7 +8,7 @@ that `transition` applies, so the two paths write the same rows
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -299,12 +299,21 @@ async def get_job(session: AsyncSession, job_id: int, *, with_events: bool = Fal
 
 
 async def list_jobs(
-    session: AsyncSession, *, status: JobStatus | None = None, limit: int = 100
+    session: AsyncSession,
+    *,
+    status: JobStatus | Collection[JobStatus] | None = None,
+    limit: int = 100,
+    name: str | None = None,
 ) -> list[Job]:
-    """The newest jobs first, optionally only those in `status`."""
+    """The newest jobs first, optionally only those in `status` (one or several) and those
+    whose name contains `name` (case-insensitive, taken literally)."""
     query = select(Job).options(selectinload(Job.vm)).order_by(Job.id.desc()).limit(limit)
-    if status is not None:
+    if isinstance(status, JobStatus):
         query = query.where(Job.status == status.value)
+    elif status is not None:
+        query = query.where(Job.status.in_([s.value for s in status]))
+    if name:
+        query = query.where(Job.name.icontains(name, autoescape=True))
     return list(await session.scalars(query))
 
 

@@ -267,6 +267,7 @@ class LaunchSpec:
     def attempt(self) -> int:
         """The attempt's number (1 for the first launch)."""
         return self.run.attempt
+
     env: Sequence[tuple[str, str]] = ()
     """The job's `--env` values: written to `job.env` from the launch's stdin."""
     fence_after_s: float = DEFAULT_FENCE_AFTER_S
@@ -695,6 +696,10 @@ def parse_tokens(stdout: str) -> list[str]:
 
 STATUS_MARK = "rlfleet-job"
 LOG_MARK = "rlfleet-log"
+PROGRESS_MARK = "rlfleet-progress"
+PROGRESS_BYTES = 2048
+"""At most this much of an attempt's progress.json is read by a poll (it is a few hundred
+bytes; a bigger one is cut and then ignored as unreadable)."""
 JOB_STATES = ("running", "exited", "vanished", "unknown")
 LOG_TAIL_LINES = 20
 LOG_TAIL_BYTES = 4096
@@ -714,6 +719,41 @@ class RemoteJobState:
     log_tail: str = ""
     fenced: str | None = None
     """Why the attempt's watchdog fenced it off, if it did."""
+    progress: ProgressPoint | None = None
+    """The attempt's progress.json as this poll read it; None: none, or unreadable."""
+
+
+@dataclass(frozen=True)
+class ProgressPoint:
+    """The training step an attempt has reached, with its reward and loss (for the curves)."""
+
+    step: int
+    reward: float | None = None
+    loss: float | None = None
+
+
+def parse_progress(text: str) -> ProgressPoint | None:
+    """A progress.json's step, reward and loss; None for anything that is not such a file
+    (half-written, cut, a step that is not a whole number, values that are not finite)."""
+    import json
+
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    step = data.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**31:
+        return None
+
+    def number(key: str) -> float | None:
+        value = data.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        return float(value) if math.isfinite(value) else None
+
+    return ProgressPoint(step, number("reward"), number("loss"))
 
 
 def status_probe(jobs: Sequence[Attempt]) -> str:
@@ -743,6 +783,9 @@ def status_probe(jobs: Sequence[Attempt]) -> str:
             f' | sed "s/^/{LOG_MARK} {j} {a} /"',
             "  echo",
             f'else echo "{STATUS_MARK} {j} {a} $s"; fi',
+            # One line: the JSON's own newlines are only whitespace between its tokens.
+            f'if [ -s "$d/progress.json" ]; then printf "%s " "{PROGRESS_MARK} {j} {a}";'
+            f' head -c {PROGRESS_BYTES} "$d/progress.json" 2>/dev/null | tr -d "\\n\\r"; echo; fi',
         ]
     return "\n".join(lines) + "\n"
 
@@ -751,7 +794,15 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
     """Read `status_probe` output; an unreadable line for an attempt makes it `unknown`."""
     states: dict[tuple[int, int], tuple[str, int | None]] = {}
     logs: dict[tuple[int, int], list[str]] = {}
+    progress: dict[tuple[int, int], ProgressPoint] = {}
     for line in output_lines(stdout):
+        if line.startswith(PROGRESS_MARK + " "):
+            parts = line.split(" ", 3)
+            key = tuple(as_int(p) for p in parts[1:3]) if len(parts) == 4 else (None, None)
+            point = parse_progress(parts[3]) if len(parts) == 4 else None
+            if key[0] is not None and key[1] is not None and point is not None:
+                progress[(key[0], key[1])] = point
+            continue
         if line.startswith(LOG_MARK + " "):
             parts = line.split(" ", 3)
             job_id, attempt = (as_int(p) for p in parts[1:3]) if len(parts) >= 3 else (None, None)
@@ -771,6 +822,8 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
             states[(job_id, attempt)] = (parts[3], None)
     fenced = parse_fenced(stdout)
     return {
-        key: RemoteJobState(state, code, "\n".join(logs.get(key, [])), fenced.get(key))
+        key: RemoteJobState(
+            state, code, "\n".join(logs.get(key, [])), fenced.get(key), progress.get(key)
+        )
         for key, (state, code) in states.items()
     }

@@ -97,6 +97,8 @@ class UpOptions:
     vm_name: str = "local"
     entrypoint: str = DEFAULT_ENTRYPOINT
     metrics_port: int = 0
+    web_port: int = 0
+    """Serve the dashboard on 127.0.0.1:web_port; 0: not at all."""
 
 
 @dataclass
@@ -387,7 +389,12 @@ def read_env_file(path: Path) -> dict[str, str]:
     return values
 
 
-def announce(options: UpOptions, settings: Settings, gpu_note: str | None) -> None:
+def announce(
+    options: UpOptions,
+    settings: Settings,
+    gpu_note: str | None,
+    web_token_where: str | None = None,
+) -> None:
     """Print what the user needs: the env file to source for the other commands, and how
     to stop. Never a secret: the URLs are shown redacted."""
     env_file = options.state_dir / ENV_FILE
@@ -401,6 +408,12 @@ def announce(options: UpOptions, settings: Settings, gpu_note: str | None) -> No
         lines.append(f"  local VM: {options.vm_name} ({gpu_note})")
     if options.metrics_port:
         lines.append(f"  metrics:  http://127.0.0.1:{options.metrics_port}/metrics")
+    if options.web_port:
+        # Where the token is, never its value.
+        lines.append(
+            f"  web:      http://127.0.0.1:{options.web_port}/ (actions need the token in "
+            f"{web_token_where or options.state_dir / 'web.token'})"
+        )
     lines += [
         "In another shell (the file sets RLFLEET_DATABASE_URL, RLFLEET_NATS_URL and "
         "RLFLEET_NATS_TOKEN; only you can read it):",
@@ -446,17 +459,49 @@ def run_up(options: UpOptions) -> None:
         )
 
         ready = asyncio.Event()
+        web_token = None
+        if options.web_port:
+            from scheduler.web.server import load_token
+
+            web_token = load_token(options.state_dir)
 
         async def main(stop: asyncio.Event) -> None:
+            daemons_ready, web_ready = asyncio.Event(), asyncio.Event()
+
             async def mark_ready() -> None:
-                await ready.wait()
+                await daemons_ready.wait()
+                if web_token is not None:
+                    await web_ready.wait()
+                ready.set()
                 state.write({**state.read(), "ready": True})
-                announce(options, settings, gpu_note)
+                announce(options, settings, gpu_note, web_token[1] if web_token else None)
 
             marker = asyncio.create_task(mark_ready())
+            tasks = [asyncio.ensure_future(run_daemons(settings, stop, daemons_ready))]
+            if web_token is not None:
+                from scheduler.web.server import serve_web
+
+                tasks.append(
+                    asyncio.ensure_future(
+                        serve_web(
+                            settings,
+                            host="127.0.0.1",
+                            port=options.web_port,
+                            token=web_token[0],
+                            stop=stop,
+                            ready=web_ready,
+                        )
+                    )
+                )
             try:
-                await run_daemons(settings, stop, ready)
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+                stop.set()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for task in done:
+                    if task.exception() is not None:
+                        raise task.exception()  # type: ignore[misc]
             finally:
+                stop.set()
                 marker.cancel()
 
         asyncio.run(

@@ -32,3 +32,17 @@ def require_program(path: str | None, name: str, package: str) -> str:
     if in_ci():
         pytest.fail(f"{message}; under CI=true its tests fail instead of skipping", pytrace=False)
     pytest.skip(message)
+
+
+CHROMIUM_PATHS = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
+CHROMEDRIVER_PATHS = ("/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver")
+
+
+def require_browser() -> tuple[str, str]:
+    """Debian's headless browser for the dashboard's tests: (chromium, chromedriver);
+    skipped where missing, failed under CI."""
+    chromium = require_program(find_program("chromium", *CHROMIUM_PATHS), "chromium", "chromium")
+    driver = require_program(
+        find_program("chromedriver", *CHROMEDRIVER_PATHS), "chromedriver", "chromium-driver"
+    )
+    return chromium, driver

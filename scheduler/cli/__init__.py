@@ -17,6 +17,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "db": ("scheduler.cli.db:group", "Create or upgrade the database schema (Alembic migrations)."),
     "vm": ("scheduler.cli.vm:group", "Register, inspect, drain and remove VMs."),
     "job": ("scheduler.cli.job:group", "Submit, list, inspect, follow, cancel and retry jobs."),
+    "web": (
+        "scheduler.cli.web:web",
+        "Serve the web dashboard and its JSON API (/api/…, as the CLI's --json).",
+    ),
     "up": (
         "scheduler.cli.daemons:up",
         "Run everything on this machine: embedded Postgres and NATS, the three daemons.",

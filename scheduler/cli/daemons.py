@@ -436,6 +436,13 @@ def requeue(
     show_default=True,
     help="How the local VM trains: a module (run with -m) or a .py script.",
 )
+@click.option(
+    "--web-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    help="Also serve the web dashboard on 127.0.0.1:PORT (0, the default: no dashboard); "
+    "actions need the token in STATE_DIR/web.token.",
+)
 @metrics_option
 @click.pass_context
 def up(
@@ -445,6 +452,7 @@ def up(
     gpus: int | None,
     vm_name: str,
     entrypoint: str,
+    web_port: int,
     metrics_port: int,
 ) -> None:
     """Run everything on this machine: embedded Postgres and NATS, the three daemons.
@@ -469,6 +477,7 @@ def up(
             vm_name=vm_name,
             entrypoint=entrypoint,
             metrics_port=metrics_port,
+            web_port=web_port,
         )
     )
 

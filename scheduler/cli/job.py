@@ -20,7 +20,7 @@ from scheduler.cli._common import (
     warn,
 )
 from scheduler.errors import BadInput, ServiceUnavailable
-from scheduler.jobs import JobSpec, get_job, job_to_dict, list_jobs
+from scheduler.jobs import JobSpec, job_to_dict, list_jobs
 from scheduler.models import Job
 from scheduler.states import JobStatus
 from scheduler.validate import MAX_GPUS, MAX_RETRIES
@@ -215,27 +215,17 @@ def list_(ctx: CliContext, status: str | None, limit: int, as_json: bool) -> Non
 def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None:
     """Show a job: where it runs, why it is in its state, its training progress (read from
     the VM, a few seconds at most) and its event history."""
-    from scheduler.control import place_of, read_progress
-    from scheduler.db import installation_id
-    from scheduler.remote import default_output_dir
+    from scheduler.control import job_details
     from scheduler.transport import make_transport
 
     async def go(db: Database) -> dict[str, Any]:
-        async with db.transaction() as session:
-            job = await get_job(session, job_id, with_events=True)
-            data = job_to_dict(job, events=True)
-            installation = await installation_id(session)
-            place = place_of(job, installation)
-        # Where the outputs are on the VM, also when the job named no --output-dir.
-        data["output_dir"] = data["output_dir"] or default_output_dir(installation, job_id)
-        data["progress"], data["progress_error"] = None, None
-        if not no_progress and place.attempt > 0 and place.target is not None:
-            transport = make_transport()
-            try:
-                data["progress"], data["progress_error"] = await read_progress(transport, place)
-            finally:
-                await transport.close()
-        return data
+        if no_progress:
+            return await job_details(db, job_id)
+        transport = make_transport()
+        try:
+            return await job_details(db, job_id, transport)
+        finally:
+            await transport.close()
 
     job = ctx.run(go)
     if as_json:

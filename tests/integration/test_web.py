@@ -1,0 +1,220 @@
+"""The dashboard's pages and API in-process (ASGI), against real Postgres and the SSH test
+fleet: what it shows, that nothing a user wrote is rendered as HTML, and who may act."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import httpx
+import pytest
+from sqlalchemy import select
+
+from scheduler.cli._common import to_jsonable
+from scheduler.db import Database
+from scheduler.fleet import list_vms, vm_to_dict
+from scheduler.gpu_poller import GpuPoller
+from scheduler.jobs import job_to_dict, list_jobs
+from scheduler.models import JobEvent
+from scheduler.settings import Settings
+from scheduler.transport import Transport
+from scheduler.web.app import create_app, host_is_loopback
+from tests.integration.test_poller import launch_job, wait_for_exit_code
+from tests.workloads.support import new_job, wait_status
+
+TOKEN = "test-token-0123456789abcdef"
+XSS = "<script>alert(1)</script>"
+
+Client = Callable[..., httpx.AsyncClient]
+
+
+@pytest.fixture
+async def client(db: Database, database_url: str, transport: Transport) -> AsyncIterator[Client]:
+    """Clients of one dashboard app; `client(host=…)` makes the request come from there."""
+    settings = Settings.load(database_url, "nats://127.0.0.1:4222")
+    app = create_app(db, settings, TOKEN, lambda: transport)
+    made: list[httpx.AsyncClient] = []
+
+    def make(host: str = "127.0.0.1", **kw: object) -> httpx.AsyncClient:
+        c = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app, client=(host, 50000)),
+            base_url="http://127.0.0.1:8080",
+            **kw,  # type: ignore[arg-type]
+        )
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        await c.aclose()
+
+
+async def test_a_job_name_with_html_is_shown_as_text_on_every_page(
+    db: Database, client: Client
+) -> None:
+    # Given a job named like a script
+    job_id = await new_job(db, name=XSS)
+    web = client()
+    for path in ("/queue", f"/jobs/{job_id}", f"/queue?name={XSS}"):
+        # When its pages are rendered
+        page = await web.get(path)
+        # Then the markup never holds the name as a tag, only escaped
+        assert page.status_code == 200, page.text
+        assert XSS not in page.text and "<script>alert" not in page.text
+        assert "\\u003cscript\\u003ealert(1)\\u003c/script\\u003e" in page.text or (
+            "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text
+        )
+        # And the page forbids inline scripts anyway
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+    # And the data block hands the script the name as it was typed
+    page = await web.get("/queue")
+    block = page.text.split('id="initial">', 1)[1].split("</script>", 1)[0]
+    names = [j["name"] for j in json.loads(block)["sections"]["pending"]]
+    assert names == [XSS]
+
+
+async def test_a_log_line_with_html_arrives_as_json_text(
+    db: Database, client: Client, sim_fleet, transport: Transport
+) -> None:
+    # Given a job on the SSH fleet whose log holds HTML (fake_train prints its arguments)
+    fleet = await sim_fleet(1, gpus_per_vm=1)
+    vm_id = (await fleet.register(db))["vm0"]
+    await GpuPoller(db, transport).sweep()
+    job_id = await launch_job(db, transport, fleet[0], vm_id, 0, "--note", "<b>bold</b>&amp;")
+    await wait_for_exit_code(db, fleet[0], job_id)
+    # When the log is read through the API, from the start and then from its end
+    web = client()
+    first = await web.get(f"/api/jobs/{job_id}/log")
+    body = first.json()
+    again = (await web.get(f"/api/jobs/{job_id}/log?offset={body['offset']}")).json()
+    # Then it is JSON text, byte for byte what the job wrote
+    assert first.headers["content-type"].startswith("application/json")
+    assert "<b>bold</b>&amp;" in body["text"] and body["exists"] and body["attempt"] == 1
+    assert again["text"] == "" and again["offset"] == body["offset"]
+
+
+async def test_actions_need_the_token_and_a_wrong_one_is_refused(
+    db: Database, client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    job_id = await new_job(db)
+    web = client()
+    caplog.set_level(logging.DEBUG)
+    # Without a token: 401; with a wrong one (even from loopback): 403; nothing moved
+    assert (await web.post(f"/api/jobs/{job_id}/cancel")).status_code == 401
+    wrong = await web.post(f"/api/jobs/{job_id}/cancel", headers={"x-rlfleet-token": "x" * 26})
+    assert wrong.status_code == 403
+    # A token in a form field or a cookie is not a token: a forged cross-site form has none
+    forged = await client(cookies={"token": TOKEN}).post(
+        f"/api/jobs/{job_id}/cancel", data={"token": TOKEN}
+    )
+    assert forged.status_code == 401
+    await wait_status(db, job_id, "queued", timeout=1)
+    # With the token: cancelled, and the event says the web did it
+    ok = await web.post(f"/api/jobs/{job_id}/cancel", headers={"x-rlfleet-token": TOKEN})
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["previous"] == "queued"
+    await wait_status(db, job_id, "cancelled", timeout=1)
+    async with db.transaction() as session:
+        actors = list(
+            await session.scalars(select(JobEvent.actor).where(JobEvent.job_id == job_id))
+        )
+    assert actors[-1] == "web"
+    # Retrying a cancelled job is bad input (400), as in the CLI (exit 2)
+    again = await web.post(f"/api/jobs/{job_id}/retry", headers={"x-rlfleet-token": TOKEN})
+    assert again.status_code == 400 and "only a failed job" in again.json()["error"]
+    # And the token was never written to a log record
+    assert TOKEN not in caplog.text
+
+
+async def test_reads_without_the_token_only_from_loopback(db: Database, client: Client) -> None:
+    await new_job(db)
+    # From another machine: refused without the token, served with it
+    remote = client(host="10.1.2.3")
+    for path in ("/queue", "/fleet", "/api/jobs", "/api/vms"):
+        assert (await remote.get(path)).status_code == 401, path
+        ok = await remote.get(path, headers={"x-rlfleet-token": TOKEN})
+        assert ok.status_code == 200, path
+    # From loopback, but naming another host (a rebound DNS name): refused too
+    rebound = client()
+    assert (
+        await rebound.get("/api/jobs", headers={"host": "evil.example:8080"})
+    ).status_code == 401
+    assert (await client().get("/queue")).status_code == 200
+    assert host_is_loopback("[::1]:8080") and host_is_loopback("localhost")
+    assert not host_is_loopback("127.0.0.1.evil.example")
+
+
+async def test_the_api_mirrors_the_clis_json(db: Database, client: Client, sim_fleet) -> None:
+    # Given jobs and a VM with GPUs
+    fleet = await sim_fleet(1, gpus_per_vm=2)
+    await fleet.register(db)
+    ids = [await new_job(db, name=f"job-{i}") for i in range(3)]
+    web = client()
+    # Then /api/jobs and /api/vms are what `job list --json` and `vm list --json` print
+    async with db.transaction() as session:
+        jobs = to_jsonable([job_to_dict(j) for j in await list_jobs(session)])
+        vms = to_jsonable([vm_to_dict(v) for v in await list_vms(session)])
+    assert (await web.get("/api/jobs")).json() == jobs
+    assert (await web.get("/api/vms")).json() == vms
+    # And the filters are the CLI's, plus a name filter taken literally
+    assert [j["id"] for j in (await web.get("/api/jobs?name=job-1")).json()] == [ids[1]]
+    assert (await web.get("/api/jobs?name=%25")).json() == []
+    assert (await web.get("/api/jobs?status=running")).json() == []
+    assert (await web.get("/api/jobs?status=nope")).status_code == 400
+    assert (await web.get("/api/jobs/999999")).status_code == 404
+    shown = (await web.get(f"/api/jobs/{ids[0]}")).json()
+    assert shown["id"] == ids[0] and shown["events"][0]["to"] == "queued"
+
+
+async def test_the_queue_groups_jobs_and_filters_by_state_and_name(
+    db: Database, client: Client
+) -> None:
+    a = await new_job(db, name="alpha")
+    b = await new_job(db, name="beta")
+    web = client()
+    async with db.transaction() as session:
+        from scheduler.jobs import transition
+        from scheduler.states import JobStatus
+
+        await transition(
+            session,
+            b,
+            expected=JobStatus.QUEUED,
+            to=JobStatus.CANCELLED,
+            reason="test",
+            actor="test",
+        )
+    data = (await web.get("/api/queue")).json()
+    assert [j["id"] for j in data["sections"]["pending"]] == [a]
+    assert [j["id"] for j in data["sections"]["finished"]] == [b]
+    assert data["counts"]["queued"] == 1 and data["counts"]["cancelled"] == 1
+    only = (await web.get("/api/queue?status=cancelled")).json()["sections"]
+    assert only["pending"] == [] and [j["id"] for j in only["finished"]] == [b]
+    named = (await web.get("/api/queue?name=ALP")).json()["sections"]
+    assert [j["id"] for j in named["pending"]] == [a] and named["finished"] == []
+
+
+async def test_the_fleet_page_shows_each_gpus_state_and_a_timeline(
+    db: Database, client: Client, sim_fleet, transport: Transport
+) -> None:
+    fleet = await sim_fleet(1, gpus_per_vm=3)
+    vm_id = (await fleet.register(db))["vm0"]
+    poller = GpuPoller(db, transport)
+    await poller.sweep()
+    job_id = await launch_job(db, transport, fleet[0], vm_id, 1, "--fake_seconds", "60")
+    fleet[0].add_foreign_process(2)
+    await poller.sweep()
+    web = client()
+    data = (await web.get("/api/fleet")).json()
+    gpus = data["vms"][0]["gpus"]
+    assert [(g["state"], g["job_id"]) for g in gpus] == [
+        ("free", None),
+        ("allocated", job_id),
+        ("foreign", None),
+    ]
+    assert data["gpu_states"] == {"free": 1, "allocated": 1, "foreign": 0 + 1, "unhealthy": 0}
+    assert data["vms"][0]["timeline"], "two polls recorded samples"
+    page = await web.get("/fleet")
+    assert page.status_code == 200 and 'class="gpu allocated"' in page.text
+    assert f'href="/jobs/{job_id}"' in page.text
