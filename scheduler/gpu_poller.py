@@ -395,6 +395,7 @@ class GpuPoller:
             log.warning("vm_unreachable", vm=names.get(vm_id, vm_id), error=error)
 
     async def _record(self, outcomes: Sequence[Outcome], stats: SweepStats) -> None:
+        outcomes = latest_per_vm(outcomes)
         for outcome in outcomes:
             if outcome.result is None:
                 self._failing.add(outcome.vm.target.id)
@@ -649,6 +650,14 @@ class GpuPoller:
             log.warning("vm_unreachable", vm=vm.target.name, failures=failures, error=error)
         else:
             log.info("vm_poll_failed", vm=vm.target.name, failures=failures, error=error)
+
+
+def latest_per_vm(outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """One outcome per VM, the last to land. A poll that one sweep left running lands in
+    the next sweep's batch beside that sweep's own poll of the same VM (a VM's next poll
+    starts only once the previous one landed, so the later is the newer), and the batch's
+    GPU upsert may touch each row once."""
+    return list({outcome.vm.target.id: outcome for outcome in outcomes}.values())
 
 
 async def _next(queue: asyncio.Queue[Outcome], timeout: float | None) -> Outcome | None:

@@ -395,3 +395,29 @@ async def test_a_poll_that_predates_a_broken_launch_does_not_undo_its_mark(
     await poller.sweep()
     vm = await vm_row(db, vm_id)
     assert (vm.status, vm.launch_error) == ("healthy", None)
+
+
+async def test_a_poll_left_running_by_one_sweep_and_the_next_sweeps_poll_land_together(
+    db: Database, sim_fleet, transport: Transport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a polled VM, and a sweep that ends before its poll lands (the daemon's deadline)
+    fleet: SimFleet = await sim_fleet(1, gpus_per_vm=2)
+    vm_id = (await fleet.register(db))["vm0"]
+    poller = GpuPoller(db, transport)
+    await poller.sweep()
+    # (a process appears on GPU 1, so that both late polls have a GPU row to change)
+    foreign = fleet[0].add_foreign_process(1)
+    await poller.sweep(wait_s=0.0)
+    deadline = time.monotonic() + 20
+    while poller.in_flight:
+        assert time.monotonic() < deadline, "the left poll never landed"
+        await asyncio.sleep(0.05)
+    # When the next sweep writes that late poll in one batch with its own poll of the VM
+    # (a long flush window makes the two land in one batch on any machine)
+    monkeypatch.setattr("scheduler.gpu_poller.FLUSH_AFTER_S", 30.0)
+    stats = await poller.sweep()
+    # Then the batch is written (each GPU row once), not refused by Postgres
+    assert stats.reachable == 1
+    assert [(g.index, g.foreign_busy) for g in await gpus_of(db, vm_id)] == [(0, False), (1, True)]
+    assert (await vm_row(db, vm_id)).status == "healthy"
+    foreign.stop()
