@@ -34,7 +34,7 @@ from typing import Any, Generic, TypeVar
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from scheduler import bus, metrics
 from scheduler.aio import sleep_or_stop
@@ -46,6 +46,7 @@ from scheduler.claims import (
     Running,
     claim_batch,
     mark_running_batch,
+    record_ranks,
 )
 from scheduler.daemon import run_loop
 from scheduler.db import Database, is_unavailable
@@ -55,13 +56,17 @@ from scheduler.kill import kill_attempt
 from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.liveness import Liveness
 from scheduler.logging import get_logger
+from scheduler.models import VM
 from scheduler.remote import (
     DEFAULT_FENCE_AFTER_S,
     DEFAULT_FENCE_GRACE_S,
     LaunchResult,
     LaunchSpec,
+    NodeRole,
+    free_port_script,
     launch_input,
     launch_script,
+    parse_free_port,
     parse_launch,
 )
 from scheduler.settings import Settings
@@ -466,14 +471,104 @@ class GlobalJobDispatcher:
             await self._record_running(launched, replies)
 
     async def _launch(self, claim: Claim, target: VMTarget) -> LaunchResult | str:
-        """Start the claimed attempt on its VM: its pid and directory, or why it did not
-        start."""
+        """Start the claimed attempt on its VM (every rank, for a multi-node job): its
+        (rank 0's) pid and directory, or why it did not start."""
+        if claim.nodes:
+            return await self._launch_gang(claim)
+        return await self._launch_rank(claim, target, claim.gpu_indices, claim.gpu_uuids)
+
+    async def _launch_gang(self, claim: Claim) -> LaunchResult | str:
+        """Launch every rank of a multi-node attempt concurrently, after choosing the
+        rendezvous port on rank 0's VM; record each rank's pid and directory (a short
+        transaction after the SSH calls). Any rank that does not start fails the whole
+        attempt: its caller abandons it, and every rank becomes a leftover to kill."""
+        try:
+            targets = [await self._target(node.vm_id) for node in claim.nodes]
+            addrs = await self._internal_addresses([node.vm_id for node in claim.nodes])
+        except (TransientError, RuntimeError) as exc:
+            return str(exc)
+        try:
+            probe = await self.transport.run(
+                targets[0], free_port_script(targets[0].python), timeout=self.launch_timeout_s
+            )
+        except TransportError as exc:
+            return f"rank 0 ({targets[0].name}): {exc or type(exc).__name__}"
+        port = parse_free_port(probe.stdout)
+        if port is None:
+            why = _last_line(probe.stderr) or f"exit {probe.exit_status}"
+            return f"rank 0 ({targets[0].name}): no free port: {why}"
+        outcomes = await asyncio.gather(
+            *(
+                self._launch_rank(
+                    claim,
+                    target,
+                    node.gpu_indices,
+                    node.gpu_uuids,
+                    NodeRole(node.rank, addrs, port),
+                )
+                for node, target in zip(claim.nodes, targets, strict=True)
+            )
+        )
+        errors = [
+            f"rank {node.rank} ({target.name}): {outcome}"
+            for node, target, outcome in zip(claim.nodes, targets, outcomes, strict=True)
+            if not isinstance(outcome, LaunchResult)
+        ]
+        if errors:
+            return "; ".join(errors)
+        launched = [o for o in outcomes if isinstance(o, LaunchResult)]
+        try:
+            async with self.db.engine.begin() as conn:
+                await record_ranks(
+                    conn,
+                    claim.job_id,
+                    claim.attempt,
+                    [(n.rank, o.pid, o.path) for n, o in zip(claim.nodes, launched, strict=True)],
+                )
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            return _db_error(exc)
+        return launched[0]
+
+    async def _internal_addresses(self, vm_ids: list[int]) -> tuple[str, ...]:
+        """Each VM's address for training traffic (`internal_address`, else `host`), in
+        the order given."""
+        try:
+            async with self.db.transaction() as session:
+                rows = dict(
+                    (
+                        await session.execute(
+                            select(VM.id, func.coalesce(VM.internal_address, VM.host)).where(
+                                VM.id.in_(vm_ids)
+                            )
+                        )
+                    ).all()
+                )
+        except Exception as exc:
+            if is_unavailable(exc):
+                raise TransientError(_db_error(exc)) from exc
+            raise
+        if set(vm_ids) - set(rows):
+            raise RuntimeError("a VM of the job vanished under its claim")
+        return tuple(str(rows[vm_id]) for vm_id in vm_ids)
+
+    async def _launch_rank(
+        self,
+        claim: Claim,
+        target: VMTarget,
+        gpu_indices: Sequence[int],
+        gpu_uuids: Sequence[str],
+        node: NodeRole | None = None,
+    ) -> LaunchResult | str:
+        """Start one rank of the claimed attempt on `target`: its pid and directory, or
+        why it did not start."""
         spec = LaunchSpec(
             run=claim.run,
             python=target.python,
             entrypoint=target.entrypoint,
-            gpu_indices=claim.gpu_indices,
-            gpu_uuids=claim.gpu_uuids,
+            gpu_indices=gpu_indices,
+            gpu_uuids=gpu_uuids,
             model=claim.model,
             dataset=claim.dataset,
             reward_functions=claim.reward_functions,
@@ -482,6 +577,7 @@ class GlobalJobDispatcher:
             env=claim.env,
             fence_after_s=self.fence_after_s,
             fence_grace_s=self.fence_grace_s,
+            node=node,
         )
         try:
             result = await self.transport.run(

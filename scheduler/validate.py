@@ -31,6 +31,7 @@ def __getattr__(name: str) -> Any:
         return getattr(models, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 TEXT_MAX = 4096
 """Longest value taken for an unbounded text column (a model, a path, an argument): the
 length of the longest Linux path, far beyond any real one."""
