@@ -463,21 +463,21 @@ class GpuPoller:
                     JobNode.rank > 0,
                 )
             )
-            for row in rank_rows:
-                if row.vm_id is not None and row.vm_id in vms:
+            for rank in rank_rows:
+                if rank.vm_id is not None and rank.vm_id in vms:
                     run = stored_attempt(
-                        installation, row.id, row.attempt, row.launch_token, row.attempt_dir
+                        installation, rank.id, rank.attempt, rank.launch_token, rank.attempt_dir
                     )
-                    vms[row.vm_id].jobs.append(
+                    vms[rank.vm_id].jobs.append(
                         LiveJob(
-                            row.id,
-                            row.vm_id,
-                            row.status,
-                            row.attempt,
-                            row.remote_pid,
+                            rank.id,
+                            rank.vm_id,
+                            rank.status,
+                            rank.attempt,
+                            rank.remote_pid,
                             run,
-                            rank=row.rank,
-                            nodes=row.nodes,
+                            rank=rank.rank,
+                            nodes=rank.nodes,
                         )
                     )
         return list(vms.values())

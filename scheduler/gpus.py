@@ -127,7 +127,8 @@ def place_nodes(free_by_vm: dict[int, int], nodes: int, per_node: int, job_id: i
     fits = [vm for vm, free in free_by_vm.items() if free >= per_node]
     if len(fits) < nodes:
         return []
-    return sorted(fits, key=lambda vm: (free_by_vm[vm], (vm * SPREAD + job_id) % 2**32, vm))
+    salt = job_id * SPREAD % 2**32
+    return sorted(fits, key=lambda vm: (free_by_vm[vm], (vm * SPREAD % 2**32) ^ salt, vm))
 
 
 LOCK_FREE_ON_VM_SQL = text(

@@ -20,7 +20,14 @@ from scheduler.errors import BadInput, NotFound
 from scheduler.models import Job, JobEvent
 from scheduler.retry import is_machine_fault
 from scheduler.states import STATE_TIMESTAMP, JobStatus, check_move
-from scheduler.validate import MAX_GPUS, MAX_RETRIES, check_int, check_text, extra_args_problem
+from scheduler.validate import (
+    MAX_GPUS,
+    MAX_NODES,
+    MAX_RETRIES,
+    check_int,
+    check_text,
+    extra_args_problem,
+)
 
 
 class _Clock:
@@ -208,6 +215,9 @@ class JobSpec:
     dataset: str
     reward_functions: tuple[str, ...]
     gpus: int = 1
+    """GPUs on each node."""
+    nodes: int = 1
+    """VMs the job spans (`--nodes`), `gpus` on each."""
     max_retries: int = 3
     priority: int = 0
     name: str | None = None
@@ -233,6 +243,7 @@ class JobSpec:
         if self.gpus < 1:
             raise BadInput(f"--gpus must be at least 1, not {self.gpus}")
         check_int(self.gpus, "--gpus", column=Job.gpus_requested, lo=1, hi=MAX_GPUS)
+        check_int(self.nodes, "--nodes", column=Job.nodes, lo=1, hi=MAX_NODES)
         if self.max_retries < 0:
             raise BadInput(f"--max-retries must not be negative, not {self.max_retries}")
         check_int(self.max_retries, "--max-retries", column=Job.max_retries, lo=0, hi=MAX_RETRIES)
@@ -257,6 +268,7 @@ async def insert_job(session: AsyncSession, spec: JobSpec, *, actor: str) -> Job
         dataset=spec.dataset,
         reward_function=",".join(spec.reward_functions),
         gpus_requested=spec.gpus,
+        nodes=spec.nodes,
         max_retries=spec.max_retries,
         priority=spec.priority,
         extra_args=list(spec.extra_args),

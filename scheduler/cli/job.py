@@ -23,7 +23,7 @@ from scheduler.errors import BadInput, ServiceUnavailable
 from scheduler.jobs import JobSpec, get_job, job_to_dict, list_jobs
 from scheduler.models import Job
 from scheduler.states import JobStatus
-from scheduler.validate import MAX_GPUS, MAX_RETRIES
+from scheduler.validate import MAX_GPUS, MAX_NODES, MAX_RETRIES
 
 if TYPE_CHECKING:
     from scheduler.db import Database
@@ -65,6 +65,15 @@ def group() -> None:
     help=f"GPUs on one VM (1-{MAX_GPUS}); refused when no polled VM has that many.",
 )
 @click.option(
+    "--nodes",
+    default=1,
+    show_default=True,
+    type=ColumnInt(Job.nodes, lo=1, hi=MAX_NODES),
+    help=f"VMs to run on (1-{MAX_NODES}), --gpus on each; every node gets its rank and the "
+    "rendezvous in RLFLEET_NODE_RANK, RLFLEET_NUM_NODES, RLFLEET_NODE_ADDRS, MASTER_ADDR, "
+    "MASTER_PORT, WORLD_SIZE. Refused when the polled fleet has fewer VMs that big.",
+)
+@click.option(
     "--max-retries",
     default=3,
     show_default=True,
@@ -102,6 +111,7 @@ def submit(
     dataset: str,
     reward_functions: tuple[str, ...],
     gpus: int,
+    nodes: int,
     max_retries: int,
     priority: int,
     name: str | None,
@@ -123,6 +133,7 @@ def submit(
         dataset=dataset,
         reward_functions=reward_functions,
         gpus=gpus,
+        nodes=nodes,
         max_retries=max_retries,
         priority=priority,
         name=name,
