@@ -34,7 +34,7 @@ from typing import Any, Generic, TypeVar
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from scheduler import bus, metrics
 from scheduler.aio import sleep_or_stop
@@ -56,7 +56,6 @@ from scheduler.kill import kill_attempt
 from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.liveness import Liveness
 from scheduler.logging import get_logger
-from scheduler.models import VM
 from scheduler.remote import (
     DEFAULT_FENCE_AFTER_S,
     DEFAULT_FENCE_GRACE_S,
@@ -484,7 +483,6 @@ class GlobalJobDispatcher:
         attempt: its caller abandons it, and every rank becomes a leftover to kill."""
         try:
             targets = [await self._target(node.vm_id) for node in claim.nodes]
-            addrs = await self._internal_addresses([node.vm_id for node in claim.nodes])
         except (TransientError, RuntimeError) as exc:
             return str(exc)
         try:
@@ -493,6 +491,7 @@ class GlobalJobDispatcher:
             )
         except TransportError as exc:
             return f"rank 0 ({targets[0].name}): {exc or type(exc).__name__}"
+        addrs = tuple(target.training_address for target in targets)
         port = parse_free_port(probe.stdout)
         if port is None:
             why = _last_line(probe.stderr) or f"exit {probe.exit_status}"
@@ -530,28 +529,6 @@ class GlobalJobDispatcher:
                 raise
             return _db_error(exc)
         return launched[0]
-
-    async def _internal_addresses(self, vm_ids: list[int]) -> tuple[str, ...]:
-        """Each VM's address for training traffic (`internal_address`, else `host`), in
-        the order given."""
-        try:
-            async with self.db.transaction() as session:
-                rows = dict(
-                    (
-                        await session.execute(
-                            select(VM.id, func.coalesce(VM.internal_address, VM.host)).where(
-                                VM.id.in_(vm_ids)
-                            )
-                        )
-                    ).all()
-                )
-        except Exception as exc:
-            if is_unavailable(exc):
-                raise TransientError(_db_error(exc)) from exc
-            raise
-        if set(vm_ids) - set(rows):
-            raise RuntimeError("a VM of the job vanished under its claim")
-        return tuple(str(rows[vm_id]) for vm_id in vm_ids)
 
     async def _launch_rank(
         self,

@@ -88,9 +88,7 @@ async def test_racing_gang_and_single_claimers_never_share_a_gpu_nor_claim_half(
     rng = random.Random(11)
     for i in range(12):
         await add_vm_row(db, f"vm{i}", rng.choice([2, 4, 8]))
-    jobs = [
-        await new_job(db, rng.randint(1, 4), nodes=rng.choice([1, 1, 2, 4])) for _ in range(90)
-    ]
+    jobs = [await new_job(db, rng.randint(1, 4), nodes=rng.choice([1, 1, 2, 4])) for _ in range(90)]
     ids = jobs * 2
     rng.shuffle(ids)
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -117,9 +115,7 @@ async def test_racing_gang_and_single_claimers_never_share_a_gpu_nor_claim_half(
         gangs = {
             row.job_id: row
             for row in (
-                await session.execute(
-                    select(JobNode.job_id, JobNode.vm_id, JobNode.gpu_uuids)
-                )
+                await session.execute(select(JobNode.job_id, JobNode.vm_id, JobNode.gpu_uuids))
             ).all()
         }
         free = dict(
