@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -124,6 +126,36 @@ class ScriptArguments:
             "to a running `trl vllm-serve`.",
             "choices": ("colocate", "server"),
         },
+    )
+    vllm_server_host: str = field(
+        default="0.0.0.0",
+        metadata={
+            "help": "With --vllm_mode server: host name or address of the `trl vllm-serve` server.",
+            "metavar": "HOST",
+        },
+    )
+    vllm_server_port: int = field(
+        default=8000,
+        metadata={"help": "With --vllm_mode server: the HTTP port of the vLLM server."},
+    )
+    vllm_group_port: int = field(
+        default=51216,
+        metadata={
+            "help": "With --vllm_mode server: the port of the NCCL group that sends the trained "
+            "weights to the vLLM server."
+        },
+    )
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "With --vllm_mode server: the server's base URL (http://host:port); replaces "
+            "--vllm_server_host and --vllm_server_port.",
+            "metavar": "URL",
+        },
+    )
+    vllm_server_timeout: float = field(
+        default=240.0,
+        metadata={"help": "With --vllm_mode server: seconds to wait for the server to be up."},
     )
     seed: int = field(
         default=42, metadata={"help": "Random seed for sampling, shuffling and init."}
@@ -259,4 +291,25 @@ def check_args(args: ScriptArguments) -> str | None:
     for name, minimum in _INTEGER_MINIMUMS:
         if getattr(args, name) < minimum:
             return f"--{name} must be at least {minimum}"
+    return check_vllm_args(args)
+
+
+# A host name or an IPv4/IPv6 address; nothing that could add a path, user or query to a URL.
+_HOST = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+$|^[0-9A-Fa-f:.]+$")
+
+
+def check_vllm_args(args: ScriptArguments) -> str | None:
+    """Return what is wrong with the vLLM server flags, or None."""
+    for name in ("vllm_server_port", "vllm_group_port"):
+        if not 1 <= getattr(args, name) <= 65535:
+            return f"--{name} must be a port number (1 to 65535)"
+    if not args.vllm_server_timeout > 0:
+        return "--vllm_server_timeout must be more than 0"
+    if len(args.vllm_server_host) > 253 or not _HOST.match(args.vllm_server_host):
+        return f"--vllm_server_host: not a host name or address: {args.vllm_server_host!r}"
+    url = args.vllm_server_base_url
+    if url is not None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.username:
+            return f"--vllm_server_base_url: expected http://HOST:PORT, got {url!r}"
     return None

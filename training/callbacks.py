@@ -1,17 +1,21 @@
-"""Trainer callbacks: stop with a checkpoint on SIGTERM, and stop when rewards score nothing.
+"""Trainer callbacks: stop with a checkpoint on SIGTERM, stop when rewards score nothing, and
+complete the checkpoints of the other nodes of a multi-node run.
 
 Imported only after Unsloth (when asked for), because importing transformers comes with it.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from training.reward_guard import ScoreTally
@@ -23,11 +27,22 @@ class ScoreCheckCallback(TrainerCallback):
     def __init__(self, tally: ScoreTally, reward_names: Sequence[str]) -> None:
         self.tally = tally
         self.reward_names = list(reward_names)
+        self.accelerator: Any = None  # set by the caller: several processes decide together
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        self.tally.end_step(self.reward_names)
+        self.tally.end_step(self.reward_names, self._across_processes)
+
+    def _across_processes(self, called: bool, scored: bool) -> tuple[bool, bool]:
+        # Each process scores only its own share of the completions: one whose share went
+        # unscored must not stop alone while the others wait for it in the next collective.
+        accelerator = self.accelerator
+        if accelerator is None or accelerator.num_processes == 1:
+            return called, scored
+        flags = torch.tensor([int(called), int(scored)], device=accelerator.device)
+        total = accelerator.reduce(flags, reduction="sum")
+        return bool(total[0].item()), bool(total[1].item())
 
 
 class StopOnSigterm(TrainerCallback):
@@ -92,3 +107,40 @@ class StopOnSigterm(TrainerCallback):
         if signalled:
             accelerator.set_trigger()
         return bool(accelerator.check_trigger())
+
+
+class NodeCheckpointCallback(TrainerCallback):
+    """Completes each checkpoint on the nodes other than rank 0's, whose disks are their own.
+
+    With `save_on_each_node` the trainer writes the optimizer, scheduler and trainer state on the
+    first process of every node, but transformers writes model weights from global rank 0 only,
+    which would leave the other nodes with checkpoints they cannot resume from. The weights are
+    the same on every process (data parallel), so each such node writes its own copy.
+    """
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        model = kw.get("model")
+        if model is None or state.is_world_process_zero:
+            return
+        if not (args.save_on_each_node and state.is_local_process_zero):
+            return
+        checkpoint = Path(str(args.output_dir)) / f"checkpoint-{state.global_step}"
+        save_weights(model, checkpoint)
+
+
+def save_weights(model: Any, directory: Path) -> None:
+    """Write `model`'s weights (or a PEFT model's adapter) and config where the trainer resumes
+    them from; the weights file appears complete or not at all."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if hasattr(model, "peft_config"):
+        # PEFT writes the adapter on whichever process asks.
+        model.save_pretrained(str(directory), is_main_process=True)
+        return
+    from safetensors.torch import save_model
+
+    model.config.to_json_file(str(directory / "config.json"))
+    partial = directory / ".model.safetensors.partial"
+    save_model(model, str(partial), metadata={"format": "pt"})  # Tied weights stored once.
+    os.replace(partial, directory / "model.safetensors")

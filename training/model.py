@@ -29,6 +29,12 @@ def require_unsloth() -> None:
         raise UsageError(f"--use_unsloth: unsloth cannot be used here: {one_line(exc)}") from exc
 
 
+def require_vllm() -> None:
+    """UsageError unless vllm can be imported, which TRL needs for --use_vllm in either mode."""
+    if importlib.util.find_spec("vllm") is None:
+        raise UsageError("--use_vllm: vllm is not installed (pip install vllm)")
+
+
 def _dtype() -> Any:
     import torch
 

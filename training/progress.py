@@ -45,7 +45,11 @@ def eta_seconds(elapsed: float, done: int, remaining: int) -> float | None:
 
 
 class ProgressCallback(TrainerCallback):
-    """Rewrites progress.json at every logging step, from the main process only.
+    """Rewrites progress.json at every logging step, from the main process of each node.
+
+    Every node of a multi-node run has its own attempt directory for the scheduler to read, so
+    each node's first process writes one; the metrics are already gathered over all processes,
+    so every node reports the same step and the same rewards.
 
     `status` is `running`, then `finished`, or `stopped` when `stopped()` says training ended
     early on a SIGTERM (its checkpoint is that of `step`).
@@ -94,7 +98,7 @@ class ProgressCallback(TrainerCallback):
         self._write(state, "stopped" if self.stopped() else "finished")
 
     def _write(self, state: TrainerState, status: str) -> None:
-        if not state.is_world_process_zero:
+        if not state.is_local_process_zero:
             return
         elapsed = time.monotonic() - self._started
         data = {

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 from rewards import RewardFunc
@@ -62,16 +62,25 @@ class ScoreTally:
             score is not None and not math.isnan(score) for score in scores
         )
 
-    def end_step(self, names: Sequence[str]) -> None:
+    def end_step(
+        self,
+        names: Sequence[str],
+        combine: Callable[[bool, bool], tuple[bool, bool]] | None = None,
+    ) -> None:
         """Close a training step; UsageError after too many unscored steps in a row.
 
         A step without reward calls (TRL reuses one generation batch for several steps) neither
-        counts nor resets.
+        counts nor resets. With several processes, `combine` turns this process's (called,
+        scored) into the whole run's (any process called, any scored), so that every process
+        counts the same steps and all of them stop together, or none does.
         """
-        if self._calls == 0:
-            return
-        self.unscored_steps = 0 if self._scored else self.unscored_steps + 1
+        called, scored = self._calls > 0, self._scored
         self._calls, self._scored = 0, False
+        if combine is not None:
+            called, scored = combine(called, scored)
+        if not called:
+            return
+        self.unscored_steps = 0 if scored else self.unscored_steps + 1
         if 0 < self.max_unscored_steps <= self.unscored_steps:
             raise UsageError(
                 f"reward functions {', '.join(names)} gave no score (None or NaN) to any "

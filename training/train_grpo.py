@@ -22,9 +22,9 @@ if __package__ in (None, ""):
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from training.args import ScriptArguments, parse_args  # noqa: E402
-from training.checkpoints import resolve_resume  # noqa: E402
+from training.checkpoints import agree_on_resume, resolve_resume  # noqa: E402
 from training.errors import EXIT_OK, EXIT_TERMINATED, exit_code_for, one_line  # noqa: E402
-from training.model import require_unsloth  # noqa: E402
+from training.model import require_unsloth, require_vllm  # noqa: E402
 from training.reward_guard import ScoreTally  # noqa: E402
 from training.reward_setup import build_rewards, reward_names  # noqa: E402
 
@@ -38,6 +38,7 @@ class TrainResult:
     rewards: list[float]  # Mean reward at each logging step of this run, oldest first.
     max_steps: int = 0
     stopped: bool = False  # By SIGTERM, after saving checkpoint-<global_step>; no final model.
+    saved_here: bool = True  # False on all but the first process of a distributed run.
 
     @property
     def final_reward(self) -> float | None:
@@ -77,6 +78,8 @@ def run(args: ScriptArguments) -> TrainResult:
     """Check the cheap things first (rewards, resume), then load data and model, train, save."""
     if args.use_unsloth:
         require_unsloth()  # Before anything imports trl or transformers.
+    if args.use_vllm:
+        require_vllm()
     tally = ScoreTally(args.max_unscored_steps)
     rewards, required_columns = build_rewards(args, tally)
     checkpoint = resolve_resume(args.resume, args.output_dir)
@@ -98,23 +101,38 @@ def run(args: ScriptArguments) -> TrainResult:
         if model is None:
             model = loading.load_model(args.model)
 
-        from training.callbacks import ScoreCheckCallback, StopOnSigterm
+        from training.callbacks import NodeCheckpointCallback, ScoreCheckCallback, StopOnSigterm
         from training.progress import ProgressCallback, progress_path
         from training.trainer import build_trainer, logged_rewards, save_final
 
         names = reward_names(rewards)
         stop = StopOnSigterm()
         progress = ProgressCallback(progress_path(args.output_dir), names, lambda: stop.stopped)
-        callbacks = [ScoreCheckCallback(tally, args.reward_function), stop, progress]
+        score_check = ScoreCheckCallback(tally, args.reward_function)
+        callbacks = [score_check, stop, progress, NodeCheckpointCallback()]
         trainer = build_trainer(args, model, tokenizer, dataset, rewards, callbacks, peft_config)
-        stop.accelerator = trainer.accelerator
+        stop.accelerator = score_check.accelerator = trainer.accelerator
+        if trainer.accelerator.num_processes > 1:
+            checkpoint = agree_on_resume(args.resume, args.output_dir, _gather)
     trainer.train(resume_from_checkpoint=checkpoint)
     if not stop.stopped:
         save_final(trainer, tokenizer, args.output_dir)
     state = trainer.state
     return TrainResult(
-        args.output_dir, state.global_step, logged_rewards(trainer), state.max_steps, stop.stopped
+        args.output_dir,
+        state.global_step,
+        logged_rewards(trainer),
+        state.max_steps,
+        stop.stopped,
+        saved_here=trainer.accelerator.is_main_process,
     )
+
+
+def _gather(value: object) -> list[object]:
+    """`value` from every process of the run, in rank order (a collective: all must call it)."""
+    from accelerate.utils import gather_object
+
+    return list(gather_object([value]))
 
 
 def summary(result: TrainResult) -> str:
@@ -126,10 +144,8 @@ def summary(result: TrainResult) -> str:
             f"{result.max_steps}; checkpoint saved to {checkpoint} (--resume auto continues)"
         )
     reward = "n/a" if result.final_reward is None else f"{result.final_reward:.3f}"
-    return (
-        f"train-grpo: done after {result.global_step} steps, final mean reward {reward}; "
-        f"model saved to {result.output_dir}"
-    )
+    where = f"model saved to {result.output_dir}" if result.saved_here else "model saved by rank 0"
+    return f"train-grpo: done after {result.global_step} steps, final mean reward {reward}; {where}"
 
 
 def close_progress_bars() -> None:

@@ -202,3 +202,23 @@ def test_within_gives_up_on_a_slow_score():
     assert within(0.2, lambda: time.sleep(5) or 1.0) == 0.0
     assert time.monotonic() - started < 2
     assert within(5, lambda: 1.0) == 1.0
+
+
+def test_with_several_processes_a_step_counts_as_scored_when_any_process_scored():
+    # This process scored nothing, another one did: the run's step was scored, and every
+    # process must reach the same verdict or one stops alone while the others wait for it.
+    tally = ScoreTally(max_unscored_steps=1)
+    seen: list[tuple[bool, bool]] = []
+
+    def another_process_scored(called: bool, scored: bool) -> tuple[bool, bool]:
+        seen.append((called, scored))
+        return True, True
+
+    tally.record([None, None])
+    tally.end_step(["f"], another_process_scored)
+    assert seen == [(True, False)] and tally.unscored_steps == 0
+
+    # A step with no reward calls here still takes part in the collective (every process
+    # calls it at every step) and counts when another process called its rewards.
+    with pytest.raises(UsageError, match="for 1 steps in a row"):
+        tally.end_step(["f"], lambda called, scored: (True, False))

@@ -1,0 +1,127 @@
+"""The reward-server example end to end: examples/reward_server.py scores over HTTP what
+train_grpo.py generates, through `rewards.http:remote_score` at the address the scheduler
+injects; a server that stops answering ends training with exit 75."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rewards.http import RewardServerError, server_url
+from tests.training.helpers import REPO, tiny_run_args, train_grpo
+
+REWARD = "rewards.http:remote_score"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _health(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture
+def reward_server() -> Iterator[int]:
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, str(REPO / "examples" / "reward_server.py"), "--host", "127.0.0.1",
+         "--port", str(port), "--keyword", "hello"],
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _health(port)
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(0.1)
+        yield port
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _env(port: int, **extra: str) -> dict[str, str]:
+    return {"RLFLEET_REWARD_ADDR": "127.0.0.1", "RLFLEET_REWARD_HTTP": str(port), **extra}
+
+
+def test_the_url_comes_from_the_role_s_injected_address_and_port():
+    env = {"RLFLEET_REWARD_ADDR": "10.0.0.7", "RLFLEET_REWARD_HTTP": "8321"}
+    assert server_url(env) == "http://10.0.0.7:8321/score"
+    judge = {
+        "RLFLEET_REWARD_ROLE": "judge",
+        "RLFLEET_JUDGE_ADDR": "fd00::1",
+        "RLFLEET_JUDGE_HTTP": "80",
+    }
+    assert server_url(judge) == "http://[fd00::1]:80/score"
+    assert server_url({**env, "RLFLEET_REWARD_ADDR": "reward-0.internal"}).startswith(
+        "http://reward-0.internal:8321/"
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RLFLEET_REWARD_HTTP": "8321"}, "RLFLEET_REWARD_ADDR is not set"),
+        ({"RLFLEET_REWARD_ADDR": "evil.host/x?token=1", "RLFLEET_REWARD_HTTP": "1"}, "not a host"),
+        ({"RLFLEET_REWARD_ADDR": "user@host", "RLFLEET_REWARD_HTTP": "1"}, "not a host"),
+        ({"RLFLEET_REWARD_ADDR": "h", "RLFLEET_REWARD_HTTP": "99999"}, "not a port"),
+        ({"RLFLEET_REWARD_ADDR": "h", "RLFLEET_REWARD_HTTP": "80/x"}, "not a port"),
+        ({"RLFLEET_REWARD_ROLE": "a-b;rm", "RLFLEET_REWARD_ADDR": "h"}, "not a role name"),
+    ],
+)
+def test_an_unusable_address_is_refused_before_any_request(env: dict[str, str], message: str):
+    with pytest.raises(RewardServerError, match=message):
+        server_url(env)
+
+
+@pytest.mark.slow
+def test_training_learns_from_scores_the_server_sent(
+    reward_server: int, tiny_model: Path, tmp_path: Path
+):
+    out = tmp_path / "out"
+    args = tiny_run_args(tiny_model, out, "--max_steps", "3", "--save_steps", "3")
+    args[args.index("keyword_match")] = REWARD
+    result = train_grpo(*args, cwd=tmp_path, env=_env(reward_server))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    served = _health(reward_server)
+    # One request per step, 4 completions each (--num_generations 4, one process).
+    assert served["requests"] == 3 and len(served["scores"]) == 12, served
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    logged = [e["rewards/remote_score/mean"] for e in state["log_history"] if "reward" in e]
+    per_step = [sum(served["scores"][i : i + 4]) / 4 for i in range(0, 12, 4)]
+    assert logged == pytest.approx(per_step, abs=1e-5)
+    assert any(score > 0 for score in served["scores"]), "nothing for the model to learn from"
+
+
+@pytest.mark.slow
+def test_a_server_that_stops_answering_ends_training_with_exit_75(tiny_model: Path, tmp_path: Path):
+    # Listening but never answering: the connection is accepted by the kernel, no reply comes.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+        args = tiny_run_args(tiny_model, tmp_path / "out", "--max_steps", "3")
+        args[args.index("keyword_match")] = REWARD
+        result = train_grpo(*args, cwd=tmp_path, env=_env(port, RLFLEET_REWARD_TIMEOUT="1"))
+    assert result.returncode == 75, result.stderr[-3000:]
+    assert result.stderr.rstrip("\n").splitlines()[-1] == (
+        f"train-grpo: error: reward function {REWARD} raised TimeoutError: reward server at "
+        f"http://127.0.0.1:{port}/score did not answer in 1 s"
+    )
+    assert "Traceback" not in result.stderr
