@@ -226,6 +226,9 @@ class JobSpec:
     """Where train_grpo.py writes on the VM; None means `remote.default_output_dir`."""
     env: tuple[tuple[str, str], ...] = ()
     """`--env KEY=VALUE` pairs for the job's environment."""
+    roles: tuple[dict[str, Any], ...] | None = None
+    """The roles of a job spec file (`scheduler.jobspec.GroupSpec.to_json`); None for a job
+    given by flags."""
 
     def validate(self) -> None:
         """Raise `BadInput` for a job that could never run or that the schema cannot hold
@@ -274,6 +277,7 @@ async def insert_job(session: AsyncSession, spec: JobSpec, *, actor: str) -> Job
         extra_args=list(spec.extra_args),
         output_dir=spec.output_dir,
         env=dict(spec.env),
+        roles=list(spec.roles) if spec.roles is not None else None,
     )
 
 
@@ -338,6 +342,7 @@ def job_to_dict(job: Job, *, events: bool = False) -> dict[str, Any]:
         "extra_args": job.extra_args,
         # The names only: the values may be secrets (tokens, keys).
         "env_keys": sorted(job.env or {}),
+        "roles": job.roles,
         "gpus": job.gpus_requested,
         "priority": job.priority,
         "attempt": job.attempt,

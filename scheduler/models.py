@@ -197,6 +197,10 @@ class Job(Base):
     """How many VMs the job spans (`job submit --nodes`); 1 is a single-node job, whose
     whole attempt the job row describes. For more, `job_nodes` holds one row per rank, and
     the job row's VM, GPU, pid and directory columns are rank 0's."""
+    roles: Mapped[list[dict[str, object]] | None] = mapped_column(JSONB(none_as_null=True))
+    """The roles of a job submitted with a spec file (`job submit -f`), as
+    `scheduler.jobspec.GroupSpec.to_json` wrote them (env values left out); NULL for a job
+    submitted with flags."""
     priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     """Higher runs first."""
     status: Mapped[str] = mapped_column(String(16), default="queued", server_default="queued")
@@ -270,6 +274,7 @@ class Job(Base):
         CheckConstraint(f"status IN ({_JOB_STATUSES})", name="status_known"),
         CheckConstraint(f"gpus_requested <= {MAX_GPUS}", name="gpus_sane"),
         CheckConstraint(f"nodes BETWEEN 1 AND {MAX_NODES}", name="nodes_range"),
+        CheckConstraint("roles IS NULL OR jsonb_typeof(roles) = 'array'", name="roles_array"),
         CheckConstraint(
             f"max_retries <= {MAX_RETRIES} AND retry_count >= 0 AND attempt >= 0",
             name="counts_sane",

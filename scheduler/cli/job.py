@@ -48,14 +48,24 @@ def group() -> None:
     epilog="Example: rlfleet job submit --model Qwen/Qwen2.5-0.5B-Instruct "
     "--dataset openai/gsm8k --reward-function correctness --gpus 2 -- --max_steps 500",
 )
-@click.option("--model", required=True, help="Model name on the hub, or a path on the VM.")
-@click.option("--dataset", required=True, help="Dataset name on the hub, or a file on the VM.")
+@click.option(
+    "-f",
+    "--file",
+    "spec_file",
+    type=click.Path(dir_okay=False),
+    help='A job spec file (YAML, see the README\'s "Job groups"): the whole job is read from '
+    "it, validated before anything is submitted; --model, --dataset, --reward-function, "
+    "--gpus, --nodes, --output-dir and train arguments then come from the file.",
+)
+@click.option("--model", help="Model name on the hub, or a path on the VM (required without -f).")
+@click.option(
+    "--dataset", help="Dataset name on the hub, or a file on the VM (required without -f)."
+)
 @click.option(
     "--reward-function",
     "reward_functions",
-    required=True,
     multiple=True,
-    help="Built-in reward name or module:function (repeatable).",
+    help="Built-in reward name or module:function (repeatable; required without -f).",
 )
 @click.option(
     "--gpus",
@@ -107,8 +117,9 @@ def group() -> None:
 @pass_cli
 def submit(
     ctx: CliContext,
-    model: str,
-    dataset: str,
+    spec_file: str | None,
+    model: str | None,
+    dataset: str | None,
     reward_functions: tuple[str, ...],
     gpus: int,
     nodes: int,
@@ -128,19 +139,27 @@ def submit(
     HOME, USER, LANG…, its RLFLEET_* variables, CUDA_VISIBLE_DEVICES), plus the VM's
     ~/.rlfleet/env and its own --env values.
     """
-    spec = JobSpec(
-        model=model,
-        dataset=dataset,
-        reward_functions=reward_functions,
-        gpus=gpus,
-        nodes=nodes,
-        max_retries=max_retries,
-        priority=priority,
-        name=name,
-        extra_args=extra_args,
-        output_dir=output_dir,
-        env=parse_env_options(env),
-    )
+    if spec_file is not None:
+        spec = spec_from_file(spec_file, parse_env_options(env))
+    else:
+        for flag, value in (("--model", model), ("--dataset", dataset)):
+            if value is None:
+                raise BadInput(f"missing option {flag} (or give a job spec file with -f)")
+        if not reward_functions:
+            raise BadInput("missing option --reward-function (or give a job spec file with -f)")
+        spec = JobSpec(
+            model=str(model),
+            dataset=str(dataset),
+            reward_functions=reward_functions,
+            gpus=gpus,
+            nodes=nodes,
+            max_retries=max_retries,
+            priority=priority,
+            name=name,
+            extra_args=extra_args,
+            output_dir=output_dir,
+            env=parse_env_options(env),
+        )
     spec.validate()
     from scheduler.submit import submit_job
 
@@ -156,6 +175,50 @@ def submit(
             f"job {result.job_id} is queued but not announced ({result.publish_error}); "
             "the requeue manager will publish it"
         )
+
+
+FILE_CONFLICTS = (
+    "model", "dataset", "reward_functions", "gpus", "nodes", "max_retries", "priority", "name",
+    "output_dir", "extra_args",
+)  # fmt: skip
+"""`job submit` parameters a spec file gives: refused beside `-f`, never silently mixed."""
+
+
+def spec_from_file(path: str, env: tuple[tuple[str, str], ...]) -> JobSpec:
+    """The job a spec file describes, validated whole (`BadInput` naming the field); `--env`
+    values are added to the role's own."""
+    from click.core import ParameterSource
+
+    from scheduler.jobspec import load_file
+
+    click_ctx = click.get_current_context()
+    for param in FILE_CONFLICTS:
+        if click_ctx.get_parameter_source(param) not in (None, ParameterSource.DEFAULT):
+            flag = "train arguments after --" if param == "extra_args" else param
+            raise BadInput(f"-f {path}: give {flag.replace('_', '-')} in the file, not as well")
+    group = load_file(path)
+    if len(group.roles) != 1 or group.roles[0].train is None:
+        raise BadInput(
+            f"{path}: roles: this version runs jobs of one training role (train:); groups of "
+            "several roles and command roles are validated but not launched yet"
+        )
+    role = group.roles[0]
+    train = role.train
+    assert train is not None  # checked above
+    return JobSpec(
+        model=train.model,
+        dataset=train.dataset,
+        reward_functions=train.reward_functions,
+        gpus=role.gpus,
+        nodes=role.nodes,
+        max_retries=group.max_retries,
+        priority=group.priority,
+        name=group.name,
+        extra_args=train.args,
+        output_dir=group.output_dir,
+        env=role.env + env,
+        roles=tuple(group.to_json()),
+    )
 
 
 def parse_env_options(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
