@@ -235,3 +235,13 @@ def test_an_unreadable_or_huge_file_is_refused(tmp_path: object) -> None:
     big.write_bytes(b"#" * (2 << 20))
     with pytest.raises(BadInput, match="larger than"):
         load_file(str(big))
+
+
+def test_the_readme_example_is_a_valid_file() -> None:
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("### Job spec files", 1)[1]
+    example = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    spec = parse_text(example.encode())
+    assert spec.name == "gsm8k-grpo" and spec.role("trainer").gpus == 2
