@@ -774,6 +774,14 @@ async def _finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str)
     ).first()
     if row is None:
         return False
+    if verdict.exit_code is not None:  # `job show` says which rank ended it, and how
+        await session.execute(
+            update(JobNode)
+            .where(
+                JobNode.job_id == job.id, JobNode.rank == job.rank, JobNode.attempt == job.attempt
+            )
+            .values(exit_code=verdict.exit_code)
+        )
     reason = f"rank {job.rank} on {vm_name}: {verdict.reason}"[:500]
     return await abandon_attempt(
         session,

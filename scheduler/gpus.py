@@ -151,3 +151,39 @@ that can never run."""
 
 VM_SIZES_SQL = text("SELECT count(*) FROM gpus GROUP BY vm_id")
 """The number of GPUs of each VM, whatever its state."""
+
+# -- audits (tests, benchmarks, operators): each counts what must always be 0 ------------
+
+PARTIAL_CLAIMS_SQL = text(
+    """
+SELECT count(*) FROM jobs j WHERE
+  (SELECT count(*) FROM gpus g WHERE g.job_id = j.id) NOT IN (0, j.nodes * j.gpus_requested)
+  OR (j.status IN ('starting', 'running')
+      AND (SELECT count(*) FROM gpus g WHERE g.job_id = j.id) <> j.nodes * j.gpus_requested)
+  OR (j.nodes > 1 AND (SELECT count(DISTINCT g.vm_id) FROM gpus g WHERE g.job_id = j.id)
+      NOT IN (0, j.nodes))
+"""
+)
+"""Jobs holding some but not all of their GPUs, live jobs holding fewer than they asked
+for, or a gang with two ranks on one VM (docs/invariants.md, invariant 1)."""
+
+_LIVE_HELD = """
+SELECT j.id AS job_id, j.vm_id, i FROM jobs j, unnest(j.gpu_indices) i
+WHERE j.status IN ('starting', 'running') AND j.nodes = 1
+UNION ALL
+SELECT j.id, n.vm_id, i FROM jobs j JOIN job_nodes n ON n.job_id = j.id AND n.attempt = j.attempt,
+  unnest(n.gpu_indices) i
+WHERE j.status IN ('starting', 'running') AND j.nodes > 1
+"""
+
+DOUBLE_BOOKED_SQL = text(
+    f"""
+SELECT
+  (SELECT count(*) FROM (SELECT vm_id, i FROM ({_LIVE_HELD}) h
+                         GROUP BY vm_id, i HAVING count(*) > 1) d)
+  + (SELECT count(*) FROM ({_LIVE_HELD}) h WHERE NOT EXISTS (
+       SELECT 1 FROM gpus g WHERE g.vm_id = h.vm_id AND g.index = h.i AND g.job_id = h.job_id))
+"""
+)
+"""GPUs that two live jobs (or ranks) name at once, plus GPUs a live job or rank names
+whose row is not held by it: double bookings, counted from the jobs' own records."""

@@ -258,6 +258,8 @@ class Job(Base):
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", cascade="all, delete-orphan", order_by="JobEvent.id"
     )
+    ranks: Mapped[list[JobNode]] = relationship(order_by="JobNode.rank", viewonly=True)
+    """The `job_nodes` rows of a multi-node job, rank 0 first (load with `selectinload`)."""
 
     __table_args__ = (
         CheckConstraint("gpus_requested >= 1", name="gpus_positive"),
@@ -312,7 +314,10 @@ class JobNode(Base):
     attempt_dir: Mapped[str | None] = mapped_column(Text)
     """Absolute attempt directory on this rank's VM; NULL until its launch is recorded."""
     exit_code: Mapped[int | None] = mapped_column(Integer)
-    """Set when the poller saw this rank exit 0; NULL while it runs."""
+    """Set when the poller saw this rank exit (0, or the failure that ended the attempt);
+    NULL while it runs, or when it was killed for another rank's sake."""
+
+    vm: Mapped[VM | None] = relationship()
 
     __table_args__ = (
         CheckConstraint("rank >= 0", name="rank_nonnegative"),

@@ -20,8 +20,8 @@ from scheduler.cli._common import (
     warn,
 )
 from scheduler.errors import BadInput, ServiceUnavailable
-from scheduler.jobs import JobSpec, get_job, job_to_dict, list_jobs
-from scheduler.models import Job
+from scheduler.jobs import JobSpec, get_job, job_to_dict, list_jobs, show_job
+from scheduler.models import Job, JobNode
 from scheduler.states import JobStatus
 from scheduler.validate import MAX_GPUS, MAX_NODES, MAX_RETRIES
 
@@ -296,8 +296,8 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
 
     async def go(db: Database) -> dict[str, Any]:
         async with db.transaction() as session:
-            job = await get_job(session, job_id, with_events=True)
-            data = job_to_dict(job, events=True)
+            data = await show_job(session, job_id)
+            job = await get_job(session, job_id)
             installation = await installation_id(session)
             place = place_of(job, installation)
         # Where the outputs are on the VM, also when the job named no --output-dir.
@@ -316,13 +316,30 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
         echo_json(job)
         return
     for key, value in job.items():
-        if key not in ("events", "progress", "progress_error"):
+        if key not in ("events", "progress", "progress_error", "ranks"):
             click.echo(f"{key + ':':18}{'-' if value in (None, []) else value}")
     progress = job["progress"]
     if isinstance(progress, dict):
         click.echo(f"{'progress:':18}{_progress_line(progress)}")
     elif job["progress_error"] and job["progress_error"] != "not started":
         click.echo(f"{'progress:':18}unavailable ({job['progress_error']})")
+    if job["nodes"] > 1:
+        click.echo("\nnodes:")
+        echo_table(
+            ["RANK", "VM", "GPUS", "UUIDS", "PID", "STATE", "EXIT"],
+            [
+                (
+                    r["rank"],
+                    r["vm"] or "-",
+                    ",".join(str(i) for i in r["gpu_indices"] or ()) or "-",
+                    ",".join(r["gpu_uuids"] or ()) or "-",
+                    "-" if r["pid"] is None else r["pid"],
+                    r["state"],
+                    "-" if r["exit_code"] is None else r["exit_code"],
+                )
+                for r in job["ranks"]
+            ],
+        )
     click.echo("\nevents:")
     echo_table(
         ["AT", "FROM", "TO", "ATTEMPT", "ACTOR", "REASON"],
@@ -420,9 +437,17 @@ def retry(ctx: CliContext, job_id: int) -> None:
     type=ColumnInt(Job.attempt, lo=1),
     help="Which attempt's log (default: the latest).",
 )
+@click.option(
+    "--node",
+    default=0,
+    show_default=True,
+    type=ColumnInt(JobNode.rank, lo=0, hi=MAX_NODES - 1),
+    help="Which rank of a multi-node job: its log is read on its own VM.",
+)
 @pass_cli
-def logs(ctx: CliContext, job_id: int, follow: bool, attempt: int | None) -> None:
-    """Print a job's train.log from its VM (every attempt's log is kept)."""
+def logs(ctx: CliContext, job_id: int, follow: bool, attempt: int | None, node: int) -> None:
+    """Print a job's train.log from its VM (every attempt's log is kept); for a multi-node
+    job, rank 0's unless --node says another."""
     from scheduler.control import stream_log
     from scheduler.transport import make_transport
 
@@ -434,7 +459,9 @@ def logs(ctx: CliContext, job_id: int, follow: bool, attempt: int | None) -> Non
     async def go(db: Database) -> None:
         transport = make_transport()
         try:
-            await stream_log(db, transport, job_id, write, attempt=attempt, follow=follow)
+            await stream_log(
+                db, transport, job_id, write, attempt=attempt, follow=follow, node=node
+            )
         finally:
             await transport.close()
 

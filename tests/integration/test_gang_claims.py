@@ -11,23 +11,12 @@ from sqlalchemy import select, text
 
 from scheduler.claims import Claim, NoClaim, claim_gpus
 from scheduler.db import Database
+from scheduler.gpus import DOUBLE_BOOKED_SQL, PARTIAL_CLAIMS_SQL
 from scheduler.jobs import get_job
 from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.models import GPU, Job, JobNode, Leftover
 from scheduler.states import JobStatus
 from tests.workloads.support import add_vm_row, new_job
-
-PARTIAL_CLAIMS_SQL = text(
-    """
-SELECT count(*) FROM jobs j WHERE
-  (SELECT count(*) FROM gpus g WHERE g.job_id = j.id) NOT IN (0, j.nodes * j.gpus_requested)
-  OR (j.status IN ('starting', 'running')
-      AND (SELECT count(*) FROM gpus g WHERE g.job_id = j.id) <> j.nodes * j.gpus_requested)
-  OR (j.nodes > 1 AND (SELECT count(DISTINCT g.vm_id) FROM gpus g WHERE g.job_id = j.id)
-      NOT IN (0, j.nodes))
-"""
-)
-"""Jobs holding some but not all of their GPUs, or a gang with two ranks on one VM."""
 
 
 async def test_a_gang_takes_k_distinct_vms_fullest_first(db: Database) -> None:
@@ -111,6 +100,7 @@ async def test_racing_gang_and_single_claimers_never_share_a_gpu_nor_claim_half(
     assert any(c.nodes for c in claims) and any(not c.nodes for c in claims)
     async with db.transaction() as session:
         partial = await session.scalar(PARTIAL_CLAIMS_SQL)
+        double = await session.scalar(DOUBLE_BOOKED_SQL)
         held = (await session.execute(select(GPU.id, GPU.job_id))).all()
         gangs = {
             row.job_id: row
@@ -130,7 +120,7 @@ async def test_racing_gang_and_single_claimers_never_share_a_gpu_nor_claim_half(
                 select(Job.gpus_requested, Job.nodes).where(Job.status == "pending")
             )
         ).all()
-    assert partial == 0
+    assert partial == 0 and double == 0
     claimed_uuids = [
         u for c in claims for u in ([u for n in c.nodes for u in n.gpu_uuids] or c.gpu_uuids)
     ]

@@ -6,6 +6,9 @@ job runs again as a whole elsewhere. Only the GPUs are simulated."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -26,6 +29,7 @@ from tests.workloads.support import (
     alive,
     job_row,
     new_job,
+    publish,
     running_dispatcher,
     sweep_until,
     wait_file,
@@ -164,3 +168,109 @@ async def test_a_lost_node_kills_the_other_rank_and_the_job_runs_again_as_a_whol
     assert held is None
     assert {vm for vm, _k in left} == {r.vm_id for r in first}
     assert [k is not None for vm, k in left if vm == first[0].vm_id] == [True]
+
+
+def group_alive(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`: a rank's whole tree."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+async def cli(env: dict[str, str], *args: str) -> tuple[int, str, str]:
+    """Run the real `rlfleet` CLI as a subprocess without blocking the loop that serves
+    the SSH test fleet: exit code, stdout, stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "scheduler.cli",
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=90)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_show_logs_and_cancel_reach_every_rank(
+    sim_fleet: FleetFactory,
+    db: Database,
+    database_url: str,
+    nats: EmbeddedNats,
+    transport: Transport,
+    tmp_path: Path,
+) -> None:
+    """Through the real CLI, on a running 2 × 1 job: `job show --json` lists both ranks
+    with their VM, GPUs and pid, and the text form a nodes table; `job logs --node R`
+    reads rank R's log on its own VM (a rank the job lacks is exit 2 and one line);
+    `job cancel` kills both ranks at once: when it returns, no process of either rank is
+    alive, and a `--follow` of rank 1 has ended."""
+    fleet = await sim_fleet(2, gpus_per_vm=1)
+    await fleet.register(db, entrypoint=str(FAKE_TRAIN), python=write_fake_python(tmp_path))
+    poller = GpuPoller(db, transport, unreachable_after=1)
+    await poller.sweep()
+    job_id = await new_job(db, 1, ("--fake_seconds", "300"), nodes=2)
+    env = {
+        **os.environ,
+        "RLFLEET_DATABASE_URL": database_url,
+        "RLFLEET_NATS_URL": nats.url,
+        "RLFLEET_LOG_LEVEL": "WARNING",
+    }
+    nc = await nats_client.connect(nats.url)
+    try:
+        async with running_dispatcher(db, nats.url, transport=transport):
+            await publish(nc, job_id)
+            await wait_status(db, job_id, "running")
+    finally:
+        await nc.close()
+    rows = await ranks(db, job_id)
+    for r in rows:
+        assert r.attempt_dir is not None
+        await wait_file(Path(r.attempt_dir) / "train.log", needle="node RLFLEET")
+    code, out, err = await cli(env, "job", "show", str(job_id), "--json", "--no-progress")
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["nodes"] == 2
+    assert [
+        (n["rank"], n["pid"], n["gpu_uuids"], n["gpu_indices"], n["state"]) for n in shown["ranks"]
+    ] == [(r.rank, r.remote_pid, r.gpu_uuids, r.gpu_indices, "running") for r in rows]
+    assert len({n["vm"] for n in shown["ranks"]}) == 2 and all(n["vm"] for n in shown["ranks"])
+    code, out, err = await cli(env, "job", "show", str(job_id), "--no-progress")
+    assert code == 0, err
+    table = out.split("\nnodes:\n")[1].split("\nevents:")[0]
+    assert all(n["vm"] in table and str(n["pid"]) in table for n in shown["ranks"])
+    for rank in (0, 1):
+        code, out, err = await cli(env, "job", "logs", str(job_id), "--node", str(rank))
+        assert code == 0, err
+        assert f"RLFLEET_NODE_RANK={rank} " in out
+    code, out, err = await cli(env, "job", "logs", str(job_id), "--node", "2")
+    assert code == 2 and "Traceback" not in err
+    assert [ln for ln in err.splitlines() if ln.strip()] == [
+        f"Error: job {job_id} has 2 nodes (ranks 0-1); there is no rank 2"
+    ]
+    follow = asyncio.create_task(cli(env, "job", "logs", str(job_id), "--node", "1", "--follow"))
+    await asyncio.sleep(1)  # let it start reading; its end is what is checked
+    assert not follow.done()
+    code, out, err = await cli(env, "job", "cancel", str(job_id), "--grace", "2")
+    assert code == 0, err
+    pids = [r.remote_pid for r in rows]
+    assert all(pid is not None for pid in pids)
+    assert [group_alive(pid) for pid in pids if pid is not None] == [[], []]
+    code, out, err = await asyncio.wait_for(follow, timeout=30)
+    assert code == 0 and "RLFLEET_NODE_RANK=1 " in out, err
+    async with db.transaction() as session:
+        held = await session.scalar(select(GPU.id).where(GPU.job_id.is_not(None)).limit(1))
+        open_leftovers = (
+            await session.execute(select(Leftover.vm_id).where(Leftover.killed_at.is_(None)))
+        ).all()
+    assert held is None and open_leftovers == []
+    code, out, err = await cli(env, "job", "show", str(job_id), "--json", "--no-progress")
+    assert [n["state"] for n in json.loads(out)["ranks"]] == ["cancelled", "cancelled"]

@@ -106,3 +106,42 @@ def test_free_port_parsing() -> None:
     """Only a well-formed port line counts."""
     assert parse_free_port("noise\nrlfleet-port 40000\n") == 40000
     assert parse_free_port("rlfleet-port 0\nrlfleet-port 70000\nrlfleet-port x") is None
+
+
+def test_rank_state_says_exited_running_starting_or_the_jobs_state() -> None:
+    """A rank that recorded an exit has exited; a live job's rank runs once it has a pid;
+    a rank of a final job with no exit of its own shares the job's fate."""
+    from scheduler.jobs import rank_state
+
+    assert rank_state("running", 0, 12) == "exited"
+    assert rank_state("failed", 3, 12) == "exited"
+    assert rank_state("running", None, 12) == "running"
+    assert rank_state("starting", None, None) == "starting"
+    assert rank_state("cancelled", None, 12) == "cancelled"
+
+
+def test_ranks_of_a_single_node_job_are_its_row_and_none_before_a_claim() -> None:
+    """`job show` lists one node for a single-node job (the row itself), none for a job
+    never claimed, and every `job_nodes` row of a multi-node job, rank order."""
+    from types import SimpleNamespace
+
+    from scheduler.jobs import ranks_to_dicts
+
+    vm = SimpleNamespace(name="vm0")
+    single = SimpleNamespace(
+        nodes=1, attempt=1, vm_id=7, vm=vm, status="running", gpu_indices=[0],
+        gpu_uuids=["GPU-a"], remote_pid=42, attempt_dir="/h/d", exit_code=None, ranks=[],
+    )  # fmt: skip
+    assert [(r["rank"], r["vm"], r["pid"], r["state"]) for r in ranks_to_dicts(single)] == [  # type: ignore[arg-type]
+        (0, "vm0", 42, "running")
+    ]
+    queued = SimpleNamespace(nodes=1, attempt=0, vm_id=None, ranks=[])
+    assert ranks_to_dicts(queued) == []  # type: ignore[arg-type]
+    node = SimpleNamespace(
+        rank=1, vm=SimpleNamespace(name="vm1"), gpu_indices=[2], gpu_uuids=["GPU-b"],
+        remote_pid=None, attempt=1, attempt_dir=None, exit_code=None,
+    )  # fmt: skip
+    multi = SimpleNamespace(nodes=2, status="starting", ranks=[node])
+    assert [(r["rank"], r["vm"], r["state"]) for r in ranks_to_dicts(multi)] == [  # type: ignore[arg-type]
+        (1, "vm1", "starting")
+    ]
