@@ -45,7 +45,9 @@ from sqlalchemy import text  # noqa: E402
 
 from scheduler.db import Database  # noqa: E402
 from scheduler.embedded import EmbeddedNats, EmbeddedPostgres  # noqa: E402
+from scheduler.gpus import DOUBLE_BOOKED_SQL, PARTIAL_CLAIMS_SQL  # noqa: E402
 from scheduler.migrate import upgrade  # noqa: E402
+from scheduler.remote import FREE_PORT_MARK  # noqa: E402
 from scheduler.transport import CommandResult, VMTarget  # noqa: E402
 
 GPUS_PER_VM = 8
@@ -63,6 +65,8 @@ class AckingTransport:
     ) -> CommandResult:
         """Acknowledge the command; launches get `rlfleet-pid <n>`."""
         await asyncio.sleep(self.latency_s)
+        if FREE_PORT_MARK in command:  # rank 0's rendezvous port of a multi-node job
+            return CommandResult(0, f"{FREE_PORT_MARK} 29500\n", "")
         if ".launch.lock" in command:
             return CommandResult(0, f"rlfleet-pid {next(self._pids)}\n", "")
         return CommandResult(0, "rlfleet-kill gone\n", "")
@@ -107,8 +111,12 @@ async def worker(database_url: str, nats_url: str, launch_ms: float, ready_file:
     await db.dispose()
 
 
-async def prepare(db: Database, n_vms: int, n_jobs: int) -> list[int]:
-    """Polled healthy VMs with idle GPUs, and `n_jobs` queued one-GPU jobs."""
+async def prepare(
+    db: Database, n_vms: int, n_jobs: int, shapes: list[tuple[int, int]] | None = None
+) -> list[int]:
+    """Polled healthy VMs with idle GPUs, and `n_jobs` queued jobs: one-GPU jobs, or job
+    i of the shape `shapes[i]` (nodes, GPUs per node)."""
+    shapes = shapes or [(1, 1)] * n_jobs
     async with db.transaction() as session:
         await session.execute(
             text(
@@ -130,11 +138,11 @@ async def prepare(db: Database, n_vms: int, n_jobs: int) -> list[int]:
             await session.execute(
                 text(
                     "INSERT INTO jobs (model, dataset, reward_function, gpus_requested, "
-                    "status, queued_at) SELECT 'Qwen/Qwen2.5-0.5B-Instruct', 'openai/gsm8k', "
-                    "'correctness', 1, 'queued', now() FROM generate_series(1, :n) "
-                    "RETURNING id"
+                    "nodes, status, queued_at) SELECT 'Qwen/Qwen2.5-0.5B-Instruct', "
+                    "'openai/gsm8k', 'correctness', g, k, 'queued', now() "
+                    "FROM unnest(CAST(:k AS int[]), CAST(:g AS int[])) AS s(k, g) RETURNING id"
                 ),
-                {"n": n_jobs},
+                {"k": [k for k, _g in shapes], "g": [g for _k, g in shapes]},
             )
         ).scalars()
         job_ids = sorted(ids)
@@ -157,13 +165,14 @@ async def measure(
     dispatchers: int,
     run: int,
     rate: float | None = None,
+    shapes: list[tuple[int, int]] | None = None,
 ) -> dict[str, float]:
     """One burst (or, with `rate`, a stream of that many publishes per second) with
-    `dispatchers` worker processes on a fresh database."""
+    `dispatchers` worker processes on a fresh database; `shapes`: see `prepare`."""
     url = pg.create_database(f"bench_dispatch_{run}")
     upgrade(url)
     db = Database(url)
-    job_ids = await prepare(db, args.vms, args.jobs)
+    job_ids = await prepare(db, args.vms, args.jobs, shapes)
     # A fresh stream per run, so that no message of the previous run is left.
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
@@ -218,35 +227,29 @@ async def measure(
     async with db.transaction() as session:
         rows = (
             await session.execute(
-                text("SELECT id, extract(epoch FROM running_at) FROM jobs WHERE status = 'running'")
+                text(
+                    "SELECT id, extract(epoch FROM running_at), extract(epoch FROM starting_at) "
+                    "FROM jobs WHERE status = 'running'"
+                )
             )
         ).all()
-        double_booked = await session.scalar(
-            text(
-                "SELECT count(*) FROM ("
-                " SELECT j.vm_id, i FROM jobs j, unnest(j.gpu_indices) i"
-                " WHERE j.status IN ('starting', 'running')"
-                " GROUP BY j.vm_id, i HAVING count(*) > 1) d"
-            )
-        )
-        mismatched = await session.scalar(
-            text(
-                "SELECT count(*) FROM jobs j, unnest(j.gpu_indices) i WHERE j.status = 'running'"
-                " AND NOT EXISTS (SELECT 1 FROM gpus g WHERE g.vm_id = j.vm_id"
-                " AND g.index = i AND g.job_id = j.id)"
-            )
-        )
+        double_booked = await session.scalar(DOUBLE_BOOKED_SQL)
+        partial = await session.scalar(PARTIAL_CLAIMS_SQL)
     await db.dispose()
     if len(rows) != len(job_ids):
         raise SystemExit(f"only {len(rows)} of {len(job_ids)} jobs reached running")
-    latencies = sorted((float(t) - published[job_id]) * 1000 for job_id, t in rows)
-    last = max(float(t) for _, t in rows)
+    latencies = sorted((float(t) - published[job_id]) * 1000 for job_id, t, _c in rows)
+    claims = sorted((float(c) - published[job_id]) * 1000 for job_id, _t, c in rows)
+    last = max(float(t) for _, t, _c in rows)
     print(f"postgres: cpu_ms_per_job={pg_cpu * 1000 / len(job_ids):.1f}", flush=True)
     return {
         "jobs_per_s": len(rows) / (last - start),
         "p50_ms": statistics.median(latencies),
         "p99_ms": latencies[int(len(latencies) * 0.99) - 1],
-        "double_booked": double_booked + mismatched,
+        "claim_p99_ms": claims[int(len(claims) * 0.99) - 1],
+        "gpus_per_s": sum(k * g for k, g in (shapes or [(1, 1)] * len(rows))) / (last - start),
+        "double_booked": double_booked,
+        "partial_claims": partial,
     }
 
 

@@ -28,16 +28,24 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, text
+from sqlalchemy import delete, func, insert, literal_column, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from scheduler.db import Database
-from scheduler.gpus import FREE_BY_VM_SQL, FREE_GPU, LEFTOVER_GPUS, USABLE_VM
+from scheduler.db import Database, installation_id
+from scheduler.gpus import (
+    FREE_BY_VM_SQL,
+    FREE_GPU,
+    LEFTOVER_GPUS,
+    LOCK_FREE_ON_VM_SQL,
+    USABLE_VM,
+    VMS_WITH_SQL,
+    place_nodes,
+)
 from scheduler.jobs import move_event_sql, move_set_sql, transition
 from scheduler.leftovers import AttemptRecord, abandon_attempt, leftover_may_run
 from scheduler.logging import get_logger
-from scheduler.models import Job
-from scheduler.remote import ROOT, Attempt, new_token
+from scheduler.models import Job, JobNode
+from scheduler.remote import ROOT, Attempt, default_output_dir, new_token
 from scheduler.states import FailureReason, JobStatus
 from scheduler.validate import job_row_problem
 
@@ -140,6 +148,19 @@ def unsatisfiable_reason(need: int, largest_vm: int) -> str:
     return f"no VM has {need} {unit} (the largest has {largest_vm})"
 
 
+def unsatisfiable_gang_reason(nodes: int, need: int, big_enough: int) -> str:
+    """Why a multi-node job can never run on the fleet as it is."""
+    unit = "GPU" if need == 1 else "GPUs"
+    return f"needs {nodes} VMs with {need} {unit} each; only {big_enough} VM(s) have that many"
+
+
+def gang_pending_reason(nodes: int, need: int, fitting: int) -> str:
+    """Why a multi-node job waits, in the words `job list` shows."""
+    unit = "GPU" if need == 1 else "GPUs"
+    verb = "has" if fitting == 1 else "have"
+    return f"needs {nodes} VMs with {need} free {unit}; {fitting} {verb} them"
+
+
 JOBS_EXISTING_SQL = text("SELECT id FROM jobs WHERE id = ANY(:ids)")
 
 _RUNNING_MOVE = move_set_sql(JobStatus.STARTING, JobStatus.RUNNING)
@@ -181,6 +202,16 @@ SELECT id, attempt, queued_at, starting_at, submitted_at, running_at FROM moved
 
 
 @dataclass(frozen=True)
+class NodeClaim:
+    """One rank of a gang claim: the VM and GPUs it runs on."""
+
+    rank: int
+    vm_id: int
+    gpu_indices: tuple[int, ...]
+    gpu_uuids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Claim:
     """GPUs taken for a job that is now `starting`, and what its launch needs."""
 
@@ -202,7 +233,11 @@ class Claim:
     def run(self) -> Attempt:
         """The claimed attempt and its directory name (docs/invariants.md, invariant 6)."""
         return Attempt(self.installation, self.job_id, self.attempt, self.token)
+
     env: tuple[tuple[str, str], ...] = ()
+    nodes: tuple[NodeClaim, ...] = ()
+    """Every rank of a multi-node job, rank 0 first (its VM and GPUs are `vm_id`,
+    `gpu_indices`, `gpu_uuids`); empty for a single-node job."""
 
 
 @dataclass(frozen=True)
@@ -269,6 +304,7 @@ async def claim_batch_in_session(
             Job.id,
             Job.status,
             Job.gpus_requested,
+            Job.nodes,
             Job.model,
             Job.dataset,
             Job.reward_function,
@@ -291,7 +327,8 @@ async def claim_batch_in_session(
     queued = [
         row for row in jobs.values() if row.status == JobStatus.QUEUED and not unusable[row.id]
     ]
-    shortlist = await _shortlist(conn, queued, candidates) if len(queued) > 1 else None
+    single = [row for row in queued if row.nodes == 1]
+    shortlist = await _shortlist(conn, single, candidates) if len(single) > 1 else None
     results: list[Claim | NoClaim] = []
     seen: set[int] = set()
     for job_id in job_ids:
@@ -310,6 +347,8 @@ async def claim_batch_in_session(
             results.append(NoClaim(job_id, row.status, reason, waiting=True))
         elif unusable[job_id]:
             results.append(await _fail_unusable(conn, job_id, unusable[job_id] or "", actor))
+        elif row.nodes > 1:
+            results.append(await _claim_gang(conn, row, actor, lease_s))
         else:
             results.append(await _claim_one(conn, row, actor, lease_s, candidates, shortlist))
         seen.add(job_id)
@@ -425,6 +464,132 @@ async def _claim_one(
     return NoClaim(job_id, JobStatus.PENDING.value, reason, moved_to_pending=moved)
 
 
+async def _claim_gang(
+    conn: AsyncConnection, row: Any, actor: str, lease_s: float
+) -> Claim | NoClaim:
+    """Claim `nodes` × `gpus_requested` GPUs for one queued, locked multi-node job, all in
+    the caller's transaction or none (docs/invariants.md, invariant 1): lock N free GPU rows
+    on each of K VMs in `place_nodes` order (SKIP LOCKED), and only once all K are locked
+    take them and move the job `queued → starting`; else take nothing and say why."""
+    job_id, need, nodes = row.id, row.gpus_requested, row.nodes
+    free = {int(vm): int(n) for vm, n in (await conn.execute(FREE_BY_VM_SQL)).all()}
+    chosen: list[tuple[int, list[Any]]] = []
+    for vm_id in place_nodes(free, nodes, need, job_id):
+        gpus = (await conn.execute(LOCK_FREE_ON_VM_SQL, {"vm_id": vm_id, "need": need})).all()
+        if len(gpus) == need:
+            chosen.append((vm_id, list(gpus)))
+            if len(chosen) == nodes:
+                break
+    if len(chosen) < nodes:
+        fitting = sum(1 for n in free.values() if n >= need)
+        if fitting >= nodes:
+            # Enough VMs fit, but other claimers hold their rows: not a reason to wait.
+            return NoClaim(job_id, row.status, "contended", contended=True)
+        return await _park_gang(conn, row, actor, fitting)
+    ranks = tuple(
+        NodeClaim(
+            rank,
+            vm_id,
+            tuple(int(g.index) for g in gpus),
+            tuple(str(g.uuid) for g in gpus),
+        )
+        for rank, (vm_id, gpus) in enumerate(chosen)
+    )
+    ids = [g.id for _vm, gpus in chosen for g in gpus]
+    taken = await conn.execute(
+        text(
+            "UPDATE gpus SET job_id = :job_id, allocated_at = clock_timestamp(), "
+            "updated_at = clock_timestamp() WHERE id = ANY(:ids) AND job_id IS NULL "
+            "RETURNING id"
+        ),
+        {"job_id": job_id, "ids": ids},
+    )
+    if len(taken.all()) != len(ids):  # cannot happen under the row locks; never half
+        raise RuntimeError(f"gang claim of job {job_id} lost a locked GPU row")
+    installation = await installation_id(conn)
+    token = new_token()
+    first = ranks[0]
+    moved = await transition(
+        AsyncSession(bind=conn),
+        job_id,
+        expected=JobStatus.QUEUED,
+        to=JobStatus.STARTING,
+        reason=f"claimed {nodes} × {need} GPUs on VMs " + ",".join(str(r.vm_id) for r in ranks),
+        actor=actor,
+        values={
+            "attempt": Job.attempt + 1,
+            "vm_id": first.vm_id,
+            "gpu_indices": list(first.gpu_indices),
+            "gpu_uuids": list(first.gpu_uuids),
+            "output_dir": func.coalesce(Job.output_dir, default_output_dir(installation, job_id)),
+            "lease_expires_at": func.clock_timestamp()
+            + literal_column(f"make_interval(secs => {float(lease_s)!r})"),
+            "launch_token": token,
+            "attempt_dir": None,
+            "completed_attempt": None,
+            "status_reason": None,
+            "failure_reason": None,
+            "exit_code": None,
+            "remote_pid": None,
+        },
+    )
+    if not moved:  # the row is locked and queued: cannot happen; take nothing
+        raise RuntimeError(f"gang claim of job {job_id} could not move it")
+    job = (await conn.execute(select(Job.attempt, Job.output_dir).where(Job.id == job_id))).one()
+    await conn.execute(delete(JobNode).where(JobNode.job_id == job_id))
+    await conn.execute(
+        insert(JobNode),
+        [
+            {
+                "job_id": job_id,
+                "rank": r.rank,
+                "attempt": job.attempt,
+                "vm_id": r.vm_id,
+                "gpu_indices": list(r.gpu_indices),
+                "gpu_uuids": list(r.gpu_uuids),
+            }
+            for r in ranks
+        ],
+    )
+    return Claim(
+        job_id,
+        job.attempt,
+        first.vm_id,
+        list(first.gpu_indices),
+        job.output_dir,
+        model=row.model,
+        dataset=row.dataset,
+        reward_functions=tuple(r for r in row.reward_function.split(",") if r),
+        extra_args=tuple(str(a) for a in row.extra_args or ()),
+        gpu_uuids=first.gpu_uuids,
+        installation=installation,
+        token=token,
+        env=job_env_pairs(row.env),
+        nodes=ranks,
+    )
+
+
+async def _park_gang(conn: AsyncConnection, row: Any, actor: str, fitting: int) -> NoClaim:
+    """`queued → pending` for a multi-node job that fits nowhere now, with the reason."""
+    need, nodes = row.gpus_requested, row.nodes
+    big_enough = int(await conn.scalar(VMS_WITH_SQL, {"need": need}) or 0)
+    reason = (
+        unsatisfiable_gang_reason(nodes, need, big_enough)
+        if big_enough < nodes
+        else gang_pending_reason(nodes, need, fitting)
+    )
+    moved = await transition(
+        AsyncSession(bind=conn),
+        row.id,
+        expected=JobStatus.QUEUED,
+        to=JobStatus.PENDING,
+        reason=reason,
+        actor=actor,
+        values={"status_reason": reason},
+    )
+    return NoClaim(row.id, JobStatus.PENDING.value, reason, moved_to_pending=moved)
+
+
 async def claim_batch(
     db: Database, job_ids: Sequence[int], *, actor: str, lease_s: float = DEFAULT_LEASE_S
 ) -> list[Claim | NoClaim]:
@@ -490,6 +655,19 @@ async def mark_running_batch(
         },
     )
     return {row.id: Running(*row[1:]) for row in rows}
+
+
+async def record_ranks(
+    conn: AsyncConnection, job_id: int, attempt: int, ranks: Sequence[tuple[int, int, str | None]]
+) -> None:
+    """Record each launched rank's (rank, pid, absolute directory) of a multi-node attempt
+    (caller's transaction); rows of another attempt are left alone."""
+    for rank, pid, path in ranks:
+        await conn.execute(
+            update(JobNode)
+            .where(JobNode.job_id == job_id, JobNode.rank == rank, JobNode.attempt == attempt)
+            .values(remote_pid=pid, attempt_dir=path)
+        )
 
 
 async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:

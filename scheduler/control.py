@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from scheduler import bus
 from scheduler.db import Database, installation_id
 from scheduler.errors import BadInput, ServiceUnavailable
-from scheduler.jobs import get_job, job_to_dict, transition
+from scheduler.jobs import get_job, show_job, transition
 from scheduler.kill import kill_attempt
 from scheduler.leftovers import AttemptRecord, abandon_attempt, close_leftover
 from scheduler.logging import get_logger
@@ -64,6 +64,54 @@ async def load_place(db: Database, job_id: int) -> JobPlace:
         return place_of(job, await installation_id(session))
 
 
+async def load_rank_place(db: Database, job_id: int, rank: int) -> JobPlace:
+    """Where rank `rank` of the job's current attempt is: its own VM, directory and pid
+    (`NotFound` if no such job, `BadInput` if the job has no such rank). Rank 0 is the job
+    row itself; the other ranks of a multi-node job come from `job_nodes`."""
+    async with db.transaction() as session:
+        job = await get_job(session, job_id, with_ranks=rank > 0)
+        installation = await installation_id(session)
+        place = place_of(job, installation)
+        if rank == 0:
+            return place
+        return _rank_place(job, place, installation, rank)
+
+
+async def load_all_places(db: Database, job_id: int) -> list[JobPlace]:
+    """Where every rank of the job's current attempt is, rank 0 first (one for a
+    single-node job); a rank whose row is of another attempt is left out."""
+    async with db.transaction() as session:
+        job = await get_job(session, job_id, with_ranks=True)
+        installation = await installation_id(session)
+        place = place_of(job, installation)
+        others = [
+            _rank_place(job, place, installation, node.rank)
+            for node in job.ranks
+            if node.rank > 0 and node.attempt == job.attempt
+        ]
+        return [place, *others]
+
+
+def _rank_place(job: Any, place: JobPlace, installation: str, rank: int) -> JobPlace:
+    """Rank `rank`'s place, from the job's loaded `ranks` and rank 0's `place`."""
+    if not 0 <= rank < job.nodes:
+        nodes = (
+            "1 node (rank 0)" if job.nodes == 1 else f"{job.nodes} nodes (ranks 0-{job.nodes - 1})"
+        )
+        raise BadInput(f"job {job.id} has {nodes}; there is no rank {rank}")
+    node = next((n for n in job.ranks if n.rank == rank), None)
+    if node is None or node.attempt != job.attempt:
+        raise BadInput(f"job {job.id} has not been placed yet ({job.status}): no rank {rank}")
+    return replace(
+        place,
+        target=VMTarget.from_vm(node.vm) if node.vm is not None else None,
+        gpu_indices=node.gpu_indices,
+        gpu_uuids=node.gpu_uuids,
+        run=stored_attempt(installation, job.id, node.attempt, job.launch_token, node.attempt_dir),
+        remote_pid=node.remote_pid,
+    )
+
+
 def place_of(job: Any, installation: str) -> JobPlace:
     """A loaded job row as a `JobPlace`. A completed job names the attempt that completed
     it (its VM and directory are the row's), which need not be the newest."""
@@ -90,8 +138,8 @@ async def job_details(
     and, with a `transport`, its training progress read from the VM (a few seconds at
     most; `progress_error` says why there is none). `NotFound` if no such job."""
     async with db.transaction() as session:
-        job = await get_job(session, job_id, with_events=True)
-        data = job_to_dict(job, events=True)
+        data = await show_job(session, job_id)
+        job = await get_job(session, job_id)
         installation = await installation_id(session)
         place = place_of(job, installation)
     # Where the outputs are on the VM, also when the job named no --output-dir.
@@ -135,7 +183,8 @@ async def cancel_job(
     nobody to free them.
     """
     for _ in range(5):
-        place = await load_place(db, job_id)
+        places = await load_all_places(db, job_id)
+        place = places[0]
         status = JobStatus(place.status)
         if status in FINAL_STATES:
             raise BadInput(f"job {job_id} is already {status}; there is nothing to cancel")
@@ -167,33 +216,62 @@ async def cancel_job(
         if not live:
             log.info("job_cancelled", job_id=job_id, previous=status.value)
             return CancelResult(job_id, status.value)
-        assert place.target is not None
         if place.run is None:  # a live job always has a token; a row without one has no dir
             return CancelResult(job_id, status.value, "no launch token recorded")
-        kill = await kill_attempt(
-            transport,
-            place.target,
-            place.run,
-            grace_s=grace_s,
-            # A recorded pid: the attempt started, so it is never "stopped before it started".
-            launched=place.remote_pid is not None,
-        )
-        if kill.dead:
-            async with db.transaction() as session:
-                await close_leftover(
-                    session, vm_id=place.target.id, job_id=job_id, attempt=place.attempt
-                )
-        log.info(
-            "job_cancelled",
-            job_id=job_id,
-            vm=place.target.name,
-            attempt=place.attempt,
-            previous=status.value,
-            kill=kill.describe(),
-            gpus_blocked=not kill.dead,
-        )
-        return CancelResult(job_id, status.value, kill.describe(), kill.dead)
+        return await _kill_ranks(db, transport, places, status, grace_s)
     raise ServiceUnavailable(f"job {job_id} kept changing state; try again")
+
+
+async def _kill_ranks(
+    db: Database,
+    transport: Transport,
+    places: list[JobPlace],
+    previous: JobStatus,
+    grace_s: float,
+) -> CancelResult:
+    """Kill every rank of a cancelled attempt at once, each on its own VM (no transaction
+    open), then close in one short transaction the leftover of each rank proven dead. A
+    rank whose VM row is gone has no leftover to close and is not waited for."""
+    ranks = [p for p in places if p.target is not None and p.run is not None]
+    kills = await asyncio.gather(
+        *(
+            kill_attempt(
+                transport,
+                p.target,
+                p.run,
+                grace_s=grace_s,
+                # A recorded pid: the rank started, so it is never "stopped before it started".
+                launched=p.remote_pid is not None,
+            )
+            for p in ranks
+            if p.target is not None and p.run is not None
+        )
+    )
+    dead = [(p, k) for p, k in zip(ranks, kills, strict=True) if k.dead]
+    if dead:
+        async with db.transaction() as session:
+            for p, _kill in dead:
+                assert p.target is not None
+                await close_leftover(session, vm_id=p.target.id, job_id=p.job_id, attempt=p.attempt)
+    words = [k.describe() for k in kills]
+    first = places[0]
+    described = (
+        words[0]
+        if len(set(words)) == 1
+        else "; ".join(
+            f"{p.target.name if p.target else '?'}: {w}" for p, w in zip(ranks, words, strict=True)
+        )
+    )
+    log.info(
+        "job_cancelled",
+        job_id=first.job_id,
+        vms=[p.target.name for p in ranks if p.target is not None],
+        attempt=first.attempt,
+        previous=previous.value,
+        kill=described,
+        gpus_blocked=len(dead) < len(ranks),
+    )
+    return CancelResult(first.job_id, previous.value, described, len(dead) == len(ranks))
 
 
 async def retry_job(db: Database, settings: Settings, job_id: int, *, actor: str = "cli") -> bool:
@@ -308,17 +386,25 @@ async def stream_log(
     attempt: int | None = None,
     follow: bool = False,
     poll_s: float = 1.0,
+    node: int = 0,
 ) -> None:
     """Write the attempt's `train.log` (default: the current attempt) with `write`, byte
     for byte as the job wrote it (offsets count bytes; invalid UTF-8 is passed on as is).
+    `node` picks the rank of a multi-node job: its log is read on its own VM.
 
     With `follow`, keep writing what is appended until the job is no longer live, like
     `tail -f` that knows when to stop.
     """
-    place = await load_place(db, job_id)
+    place = await load_rank_place(db, job_id, node)
     wanted = _pick_attempt(place, attempt)
     if place.target is None:
         raise BadInput(f"job {job_id} has no VM recorded; no log to read")
+    if node > 0 and wanted != place.attempt:
+        # Only the current attempt's ranks are recorded; an earlier one's VMs are not.
+        raise BadInput(
+            f"job {job_id}: only the current attempt ({place.attempt}) of rank {node} is "
+            "known; earlier attempts can be read for rank 0 only"
+        )
     run = await _locate(transport, place, wanted)
     offset = 0
     while True:
@@ -327,7 +413,7 @@ async def stream_log(
             return
         if not exists and offset == 0 and place.status not in LIVE_STATES:
             return
-        now = await load_place(db, job_id)
+        now = await load_rank_place(db, job_id, node)
         if now.status not in LIVE_STATES or now.attempt != wanted:
             # One last read: what the process wrote just before it ended.
             await _read_all(transport, place, run, offset, write)

@@ -46,6 +46,7 @@ from scheduler.claims import (
     Running,
     claim_batch,
     mark_running_batch,
+    record_ranks,
 )
 from scheduler.daemon import run_loop
 from scheduler.db import Database, is_unavailable
@@ -60,8 +61,11 @@ from scheduler.remote import (
     DEFAULT_FENCE_GRACE_S,
     LaunchResult,
     LaunchSpec,
+    NodeRole,
+    free_port_script,
     launch_input,
     launch_script,
+    parse_free_port,
     parse_launch,
 )
 from scheduler.settings import Settings
@@ -466,14 +470,82 @@ class GlobalJobDispatcher:
             await self._record_running(launched, replies)
 
     async def _launch(self, claim: Claim, target: VMTarget) -> LaunchResult | str:
-        """Start the claimed attempt on its VM: its pid and directory, or why it did not
-        start."""
+        """Start the claimed attempt on its VM (every rank, for a multi-node job): its
+        (rank 0's) pid and directory, or why it did not start."""
+        if claim.nodes:
+            return await self._launch_gang(claim)
+        return await self._launch_rank(claim, target, claim.gpu_indices, claim.gpu_uuids)
+
+    async def _launch_gang(self, claim: Claim) -> LaunchResult | str:
+        """Launch every rank of a multi-node attempt concurrently, after choosing the
+        rendezvous port on rank 0's VM; record each rank's pid and directory (a short
+        transaction after the SSH calls). Any rank that does not start fails the whole
+        attempt: its caller abandons it, and every rank becomes a leftover to kill."""
+        try:
+            targets = [await self._target(node.vm_id) for node in claim.nodes]
+        except (TransientError, RuntimeError) as exc:
+            return str(exc)
+        try:
+            probe = await self.transport.run(
+                targets[0], free_port_script(targets[0].python), timeout=self.launch_timeout_s
+            )
+        except TransportError as exc:
+            return f"rank 0 ({targets[0].name}): {exc or type(exc).__name__}"
+        addrs = tuple(target.training_address for target in targets)
+        port = parse_free_port(probe.stdout)
+        if port is None:
+            why = _last_line(probe.stderr) or f"exit {probe.exit_status}"
+            return f"rank 0 ({targets[0].name}): no free port: {why}"
+        outcomes = await asyncio.gather(
+            *(
+                self._launch_rank(
+                    claim,
+                    target,
+                    node.gpu_indices,
+                    node.gpu_uuids,
+                    NodeRole(node.rank, addrs, port),
+                )
+                for node, target in zip(claim.nodes, targets, strict=True)
+            )
+        )
+        errors = [
+            f"rank {node.rank} ({target.name}): {outcome}"
+            for node, target, outcome in zip(claim.nodes, targets, outcomes, strict=True)
+            if not isinstance(outcome, LaunchResult)
+        ]
+        if errors:
+            return "; ".join(errors)
+        launched = [o for o in outcomes if isinstance(o, LaunchResult)]
+        try:
+            async with self.db.engine.begin() as conn:
+                await record_ranks(
+                    conn,
+                    claim.job_id,
+                    claim.attempt,
+                    [(n.rank, o.pid, o.path) for n, o in zip(claim.nodes, launched, strict=True)],
+                )
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            return _db_error(exc)
+        return launched[0]
+
+    async def _launch_rank(
+        self,
+        claim: Claim,
+        target: VMTarget,
+        gpu_indices: Sequence[int],
+        gpu_uuids: Sequence[str],
+        node: NodeRole | None = None,
+    ) -> LaunchResult | str:
+        """Start one rank of the claimed attempt on `target`: its pid and directory, or
+        why it did not start."""
         spec = LaunchSpec(
             run=claim.run,
             python=target.python,
             entrypoint=target.entrypoint,
-            gpu_indices=claim.gpu_indices,
-            gpu_uuids=claim.gpu_uuids,
+            gpu_indices=gpu_indices,
+            gpu_uuids=gpu_uuids,
             model=claim.model,
             dataset=claim.dataset,
             reward_functions=claim.reward_functions,
@@ -482,6 +554,7 @@ class GlobalJobDispatcher:
             env=claim.env,
             fence_after_s=self.fence_after_s,
             fence_grace_s=self.fence_grace_s,
+            node=node,
         )
         try:
             result = await self.transport.run(

@@ -39,6 +39,8 @@ class VMSpec:
     transport: str = "ssh"
     python: str = "python3"
     entrypoint: str = DEFAULT_ENTRYPOINT
+    internal_address: str | None = None
+    """Where the other nodes of a multi-node job reach this VM; None: `host`."""
 
     def validate(self) -> None:
         """Raise `BadInput` for a spec no VM row may hold."""
@@ -63,6 +65,13 @@ class VMSpec:
             raise BadInput("--host must not be empty")
         if any(c.isspace() for c in self.host):
             raise BadInput(f"invalid host {self.host!r}: it contains whitespace")
+        if self.internal_address is not None:
+            check_text(self.internal_address, "--internal-address", column=VM.internal_address)
+            if not self.internal_address.strip() or any(c.isspace() for c in self.internal_address):
+                raise BadInput(
+                    f"invalid internal address {self.internal_address!r}: it must be a "
+                    "hostname or IP address without whitespace"
+                )
         if not 1 <= self.port <= 65535:
             raise BadInput(f"invalid port {self.port}: must be between 1 and 65535")
         if self.transport not in ("ssh", "local"):
@@ -255,6 +264,7 @@ def vm_to_dict(vm: VM, *, gpus: bool = True) -> dict[str, Any]:
     data: dict[str, Any] = {
         "name": vm.name,
         "host": vm.host,
+        "internal_address": vm.internal_address,
         "port": vm.port,
         "user": vm.user,
         "transport": vm.transport,

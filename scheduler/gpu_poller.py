@@ -32,7 +32,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
@@ -48,9 +48,10 @@ from scheduler.history import (
     record_samples,
 )
 from scheduler.jobs import transition
+from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
-from scheduler.models import GPU, VM, Job
+from scheduler.models import GPU, VM, Job, JobNode
 from scheduler.nvidia_smi import PollResult, parse_poll, poll_command
 from scheduler.remote import entry_check_words, stored_attempt
 from scheduler.settings import Settings
@@ -446,6 +447,7 @@ class GpuPoller:
                     Job.remote_pid,
                     Job.launch_token,
                     Job.attempt_dir,
+                    Job.nodes,
                 ).where(
                     Job.status.in_([s.value for s in LIVE_STATES]),
                     Job.vm_id.is_not(None),
@@ -458,7 +460,54 @@ class GpuPoller:
                         installation, row.id, row.attempt, row.launch_token, row.attempt_dir
                     )
                     vms[row.vm_id].jobs.append(
-                        LiveJob(row.id, row.vm_id, row.status, row.attempt, row.remote_pid, run)
+                        LiveJob(
+                            row.id,
+                            row.vm_id,
+                            row.status,
+                            row.attempt,
+                            row.remote_pid,
+                            run,
+                            nodes=row.nodes,
+                        )
+                    )
+            # The other ranks of multi-node jobs, probed (and their leases renewed) on
+            # their own VMs like any attempt.
+            rank_rows = await session.execute(
+                select(
+                    Job.id,
+                    Job.status,
+                    Job.attempt,
+                    Job.launch_token,
+                    Job.nodes,
+                    JobNode.rank,
+                    JobNode.vm_id,
+                    JobNode.remote_pid,
+                    JobNode.attempt_dir,
+                )
+                .join(JobNode, JobNode.job_id == Job.id)
+                .where(
+                    Job.status.in_([s.value for s in LIVE_STATES]),
+                    Job.nodes > 1,
+                    JobNode.attempt == Job.attempt,
+                    JobNode.rank > 0,
+                )
+            )
+            for rank in rank_rows:
+                if rank.vm_id is not None and rank.vm_id in vms:
+                    run = stored_attempt(
+                        installation, rank.id, rank.attempt, rank.launch_token, rank.attempt_dir
+                    )
+                    vms[rank.vm_id].jobs.append(
+                        LiveJob(
+                            rank.id,
+                            rank.vm_id,
+                            rank.status,
+                            rank.attempt,
+                            rank.remote_pid,
+                            run,
+                            rank=rank.rank,
+                            nodes=rank.nodes,
+                        )
                     )
         return list(vms.values())
 
@@ -496,7 +545,10 @@ class GpuPoller:
     async def _finish(self, vm: VMState, verdict: JobVerdict) -> bool:
         job = verdict.job
         async with self.db.transaction() as session:
-            moved = await _finish_job(session, verdict)
+            if job.nodes > 1:
+                moved = await _finish_rank(session, verdict, vm.target.name)
+            else:
+                moved = await _finish_job(session, verdict)
             if moved and verdict.vm_error is not None:
                 await session.execute(
                     _VM_LAUNCH_BROKEN_SQL, {"vm_id": vm.target.id, "error": verdict.vm_error}
@@ -748,6 +800,59 @@ async def _finish_job(session: AsyncSession, verdict: JobVerdict) -> bool:
     if moved:
         await release_in_session(session, job.id)
     return moved
+
+
+async def _finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str) -> bool:
+    """One rank of a multi-node job ended (caller's transaction). Shared fate: a rank
+    that failed fails the whole attempt, and every rank still running becomes a leftover
+    to kill (`leftovers.abandon_attempt`); a rank that exited 0 is noted, and the job
+    completes when every rank has. Returns whether the job moved."""
+    job = verdict.job
+    if verdict.to == JobStatus.COMPLETED:
+        await session.execute(
+            update(JobNode)
+            .where(
+                JobNode.job_id == job.id, JobNode.rank == job.rank, JobNode.attempt == job.attempt
+            )
+            .values(exit_code=0)
+        )
+        left = await session.scalar(
+            select(func.count())
+            .select_from(JobNode)
+            .where(
+                JobNode.job_id == job.id,
+                JobNode.attempt == job.attempt,
+                JobNode.exit_code.is_distinct_from(0),
+            )
+        )
+        return not left and await _finish_job(session, verdict)
+    row = (
+        await session.execute(
+            select(*AttemptRecord.columns()).where(Job.id == job.id, Job.attempt == job.attempt)
+        )
+    ).first()
+    if row is None:
+        return False
+    if verdict.exit_code is not None:  # `job show` says which rank ended it, and how
+        await session.execute(
+            update(JobNode)
+            .where(
+                JobNode.job_id == job.id, JobNode.rank == job.rank, JobNode.attempt == job.attempt
+            )
+            .values(exit_code=verdict.exit_code)
+        )
+    reason = f"rank {job.rank} on {vm_name}: {verdict.reason}"[:500]
+    return await abandon_attempt(
+        session,
+        AttemptRecord.from_row(row),
+        expected=LIVE_STATES,
+        to=JobStatus.FAILED,
+        reason=reason,
+        actor=ACTOR,
+        leftover="rank_failed",
+        failure_reason=verdict.failure_reason.value if verdict.failure_reason else None,
+        values={"exit_code": verdict.exit_code},
+    )
 
 
 # --- the daemon -------------------------------------------------------------------------

@@ -106,3 +106,84 @@ async def refresh_available(db: Database, vm_ids: set[int]) -> None:
     """`refresh_available_in_session` in a short transaction of its own."""
     async with db.transaction() as session:
         await refresh_available_in_session(session, vm_ids)
+
+
+SPREAD = 2654435761
+"""Knuth's multiplicative hash constant: ties between equally full VMs are broken per job,
+so concurrent claimers spread over them instead of queueing on one (as the single-node
+claim does)."""
+
+
+def place_nodes(free_by_vm: dict[int, int], nodes: int, per_node: int, job_id: int) -> list[int]:
+    """The VMs a `nodes` × `per_node` gang claim tries, best first; empty when fewer than
+    `nodes` VMs have `per_node` free GPUs (the job cannot be placed now).
+
+    Each rank runs on its own VM, so every placement uses exactly `nodes` VMs; among the
+    VMs with at least `per_node` free GPUs the fullest come first (fewest free GPUs, so big
+    free blocks stay whole for big jobs), ties broken by a per-job hash of the VM id. The
+    claim takes the first `nodes` of the list whose GPU rows it can lock, moving down the
+    list past VMs another claimer holds right now (docs/decisions.md, "Gang placement").
+    """
+    fits = [vm for vm, free in free_by_vm.items() if free >= per_node]
+    if len(fits) < nodes:
+        return []
+    salt = job_id * SPREAD % 2**32
+    return sorted(fits, key=lambda vm: (free_by_vm[vm], (vm * SPREAD % 2**32) ^ salt, vm))
+
+
+LOCK_FREE_ON_VM_SQL = text(
+    f"""
+WITH {LEFTOVER_GPUS}
+SELECT g.id, g.index, g.uuid FROM gpus g JOIN vms v ON v.id = g.vm_id
+WHERE g.vm_id = :vm_id AND {USABLE_VM} AND {FREE_GPU}
+ORDER BY g.index LIMIT :need
+FOR UPDATE OF g SKIP LOCKED
+"""
+)
+"""Lock up to `need` free GPU rows of one VM for a gang claim; rows another claimer holds
+are skipped, never waited for (docs/invariants.md, invariant 1)."""
+
+VMS_WITH_SQL = text(
+    "SELECT count(*) FROM (SELECT vm_id FROM gpus GROUP BY vm_id HAVING count(*) >= :need) c"
+)
+"""How many VMs have at least `need` GPUs, whatever their state: a gang of more nodes than
+that can never run."""
+
+VM_SIZES_SQL = text("SELECT count(*) FROM gpus GROUP BY vm_id")
+"""The number of GPUs of each VM, whatever its state."""
+
+# -- audits (tests, benchmarks, operators): each counts what must always be 0 ------------
+
+PARTIAL_CLAIMS_SQL = text(
+    """
+SELECT count(*) FROM jobs j WHERE
+  (SELECT count(*) FROM gpus g WHERE g.job_id = j.id) NOT IN (0, j.nodes * j.gpus_requested)
+  OR (j.status IN ('starting', 'running')
+      AND (SELECT count(*) FROM gpus g WHERE g.job_id = j.id) <> j.nodes * j.gpus_requested)
+  OR (j.nodes > 1 AND (SELECT count(DISTINCT g.vm_id) FROM gpus g WHERE g.job_id = j.id)
+      NOT IN (0, j.nodes))
+"""
+)
+"""Jobs holding some but not all of their GPUs, live jobs holding fewer than they asked
+for, or a gang with two ranks on one VM (docs/invariants.md, invariant 1)."""
+
+_LIVE_HELD = """
+SELECT j.id AS job_id, j.vm_id, i FROM jobs j, unnest(j.gpu_indices) i
+WHERE j.status IN ('starting', 'running') AND j.nodes = 1
+UNION ALL
+SELECT j.id, n.vm_id, i FROM jobs j JOIN job_nodes n ON n.job_id = j.id AND n.attempt = j.attempt,
+  unnest(n.gpu_indices) i
+WHERE j.status IN ('starting', 'running') AND j.nodes > 1
+"""
+
+DOUBLE_BOOKED_SQL = text(
+    f"""
+SELECT
+  (SELECT count(*) FROM (SELECT vm_id, i FROM ({_LIVE_HELD}) h
+                         GROUP BY vm_id, i HAVING count(*) > 1) d)
+  + (SELECT count(*) FROM ({_LIVE_HELD}) h WHERE NOT EXISTS (
+       SELECT 1 FROM gpus g WHERE g.vm_id = h.vm_id AND g.index = h.i AND g.job_id = h.job_id))
+"""
+)
+"""GPUs that two live jobs (or ranks) name at once, plus GPUs a live job or rank names
+whose row is not held by it: double bookings, counted from the jobs' own records."""

@@ -17,10 +17,17 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
 from scheduler.errors import BadInput, NotFound
-from scheduler.models import Job, JobEvent
+from scheduler.models import Job, JobEvent, JobNode
 from scheduler.retry import is_machine_fault
 from scheduler.states import STATE_TIMESTAMP, JobStatus, check_move
-from scheduler.validate import MAX_GPUS, MAX_RETRIES, check_int, check_text, extra_args_problem
+from scheduler.validate import (
+    MAX_GPUS,
+    MAX_NODES,
+    MAX_RETRIES,
+    check_int,
+    check_text,
+    extra_args_problem,
+)
 
 
 class _Clock:
@@ -208,6 +215,9 @@ class JobSpec:
     dataset: str
     reward_functions: tuple[str, ...]
     gpus: int = 1
+    """GPUs on each node."""
+    nodes: int = 1
+    """VMs the job spans (`--nodes`), `gpus` on each."""
     max_retries: int = 3
     priority: int = 0
     name: str | None = None
@@ -233,6 +243,7 @@ class JobSpec:
         if self.gpus < 1:
             raise BadInput(f"--gpus must be at least 1, not {self.gpus}")
         check_int(self.gpus, "--gpus", column=Job.gpus_requested, lo=1, hi=MAX_GPUS)
+        check_int(self.nodes, "--nodes", column=Job.nodes, lo=1, hi=MAX_NODES)
         if self.max_retries < 0:
             raise BadInput(f"--max-retries must not be negative, not {self.max_retries}")
         check_int(self.max_retries, "--max-retries", column=Job.max_retries, lo=0, hi=MAX_RETRIES)
@@ -257,6 +268,7 @@ async def insert_job(session: AsyncSession, spec: JobSpec, *, actor: str) -> Job
         dataset=spec.dataset,
         reward_function=",".join(spec.reward_functions),
         gpus_requested=spec.gpus,
+        nodes=spec.nodes,
         max_retries=spec.max_retries,
         priority=spec.priority,
         extra_args=list(spec.extra_args),
@@ -287,11 +299,15 @@ def validate_job_env(env: Iterable[tuple[str, str]]) -> None:
             raise BadInput(f"--env {key}: the value is longer than {MAX_ENV_VALUE} characters")
 
 
-async def get_job(session: AsyncSession, job_id: int, *, with_events: bool = False) -> Job:
-    """The job with id `job_id`, or `NotFound`."""
+async def get_job(
+    session: AsyncSession, job_id: int, *, with_events: bool = False, with_ranks: bool = False
+) -> Job:
+    """The job with id `job_id`, or `NotFound`; `with_ranks` loads its `job_nodes` rows."""
     query = select(Job).where(Job.id == job_id).options(selectinload(Job.vm))
     if with_events:
         query = query.options(selectinload(Job.events))
+    if with_ranks:
+        query = query.options(selectinload(Job.ranks).selectinload(JobNode.vm))
     job = await session.scalar(query)
     if job is None:
         raise NotFound(f"no job with id {job_id}")
@@ -322,8 +338,54 @@ async def mark_published(session: AsyncSession, job_id: int) -> None:
     await session.execute(update(Job).where(Job.id == job_id).values(published_at=func.now()))
 
 
-def job_to_dict(job: Job, *, events: bool = False) -> dict[str, Any]:
-    """A job as plain data, for `--json` and for display."""
+async def show_job(session: AsyncSession, job_id: int) -> dict[str, Any]:
+    """Everything `job show` (and any other viewer) shows of one job, as plain data: the
+    row, its event history and every node it runs on (`NotFound` if no such job)."""
+    job = await get_job(session, job_id, with_events=True, with_ranks=True)
+    return job_to_dict(job, events=True, ranks=True)
+
+
+def rank_state(job_status: str, exit_code: int | None, pid: int | None) -> str:
+    """What one node of a job is doing, from what the scheduler recorded: `exited` (with
+    its exit code), `running` or `starting` while the job is live, else the job's state
+    (a rank that recorded no exit was killed with the rest)."""
+    if exit_code is not None:
+        return "exited"
+    if job_status in (JobStatus.STARTING.value, JobStatus.RUNNING.value):
+        return "running" if pid is not None else "starting"
+    return job_status
+
+
+def ranks_to_dicts(job: Job) -> list[dict[str, Any]]:
+    """Every node of the job's current (or completing) attempt, rank 0 first: its VM, GPUs,
+    pid, directory and state. A single-node job's one node is its row; a job that was
+    never claimed has none. `job.ranks` must be loaded (`get_job(with_ranks=True)`)."""
+    if job.nodes > 1:
+        rows: list[Any] = list(job.ranks)
+    elif job.attempt > 0 and job.vm_id is not None:
+        rows = [job]
+    else:
+        return []
+    single = job.nodes == 1
+    return [
+        {
+            "rank": 0 if single else row.rank,
+            "vm": row.vm.name if row.vm is not None else None,
+            "gpu_indices": row.gpu_indices,
+            "gpu_uuids": row.gpu_uuids,
+            "pid": row.remote_pid,
+            "attempt": row.attempt,
+            "attempt_dir": row.attempt_dir,
+            "state": rank_state(job.status, row.exit_code, row.remote_pid),
+            "exit_code": row.exit_code,
+        }
+        for row in rows
+    ]
+
+
+def job_to_dict(job: Job, *, events: bool = False, ranks: bool = False) -> dict[str, Any]:
+    """A job as plain data, for `--json` and for display; `ranks` adds its nodes
+    (`ranks_to_dicts`)."""
     data: dict[str, Any] = {
         "id": job.id,
         "name": job.name,
@@ -336,6 +398,7 @@ def job_to_dict(job: Job, *, events: bool = False) -> dict[str, Any]:
         # The names only: the values may be secrets (tokens, keys).
         "env_keys": sorted(job.env or {}),
         "gpus": job.gpus_requested,
+        "nodes": job.nodes,
         "priority": job.priority,
         "attempt": job.attempt,
         "retry_count": job.retry_count,
@@ -357,6 +420,8 @@ def job_to_dict(job: Job, *, events: bool = False) -> dict[str, Any]:
         "running_at": job.running_at,
         "finished_at": job.finished_at,
     }
+    if ranks:
+        data["ranks"] = ranks_to_dicts(job)
     if events:
         data["events"] = [
             {

@@ -37,7 +37,7 @@ from scheduler.gpus import release_in_session
 from scheduler.jobs import transition
 from scheduler.kill import KillResult, kill_attempt
 from scheduler.logging import get_logger
-from scheduler.models import VM, Job, JobEvent, Leftover
+from scheduler.models import VM, Job, JobEvent, JobNode, Leftover
 from scheduler.remote import Attempt, fenced_script, parse_fenced, stored_attempt
 from scheduler.states import FINAL_STATES, LIVE_STATES, JobStatus, VMStatus
 from scheduler.transport import Transport, TransportError, VMTarget
@@ -154,8 +154,42 @@ async def abandon_attempt(
             attempt_dir=record.attempt_dir,
             pid=record.pid,
         )
+    if leftover is not None:
+        await _record_other_ranks(session, record, leftover)
     await release_in_session(session, record.job_id)
     return True
+
+
+async def _record_other_ranks(session: AsyncSession, record: AttemptRecord, reason: str) -> None:
+    """Shared fate: every other rank of a multi-node attempt (`job_nodes`, ranks on VMs
+    other than the record's) is a leftover too, killed by the sweep when its VM answers and
+    its GPUs blocked until then. A single-node job has no such rows."""
+    ranks = (
+        await session.execute(
+            select(
+                JobNode.vm_id, JobNode.gpu_indices, JobNode.gpu_uuids, JobNode.attempt_dir,
+                JobNode.remote_pid,
+            ).where(
+                JobNode.job_id == record.job_id,
+                JobNode.attempt == record.attempt,
+                JobNode.vm_id.is_not(None),
+                JobNode.vm_id != (record.vm_id if record.vm_id is not None else -1),
+            )
+        )
+    ).all()  # fmt: skip
+    for rank in ranks:
+        await record_leftover(
+            session,
+            vm_id=rank.vm_id,
+            job_id=record.job_id,
+            attempt=record.attempt,
+            gpu_indices=rank.gpu_indices,
+            gpu_uuids=rank.gpu_uuids,
+            reason=reason,
+            token=record.token,
+            attempt_dir=rank.attempt_dir,
+            pid=rank.remote_pid,
+        )
 
 
 # -- the ledger ---------------------------------------------------------------------------

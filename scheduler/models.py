@@ -43,6 +43,8 @@ NAMING_CONVENTION = {
 
 MAX_GPUS = 1024
 """Most GPUs one job may ask for (`ck_jobs_gpus_sane`)."""
+MAX_NODES = 64
+"""Most nodes (VMs) one job may span (`ck_jobs_nodes_range`)."""
 MAX_RETRIES = 1000
 """Most retries one job may ask for (`ck_jobs_counts_sane`)."""
 _JOB_STATUSES = ", ".join(f"'{s.value}'" for s in JobStatus)
@@ -112,6 +114,9 @@ class VM(Base):
         Text, default=DEFAULT_ENTRYPOINT, server_default=DEFAULT_ENTRYPOINT
     )
     """Module run with `python -m`, or a path to a `.py` script, that trains."""
+    internal_address: Mapped[str | None] = mapped_column(String(255))
+    """Address the other nodes of a multi-node job reach this VM at (training traffic);
+    NULL means `host`."""
     status: Mapped[str] = mapped_column(String(16), default="unknown", server_default="unknown")
     """See `VMStatus`: unknown (never polled), healthy, unhealthy, unreachable."""
     draining: Mapped[bool] = mapped_column(Boolean, default=False, server_default="false")
@@ -189,6 +194,11 @@ class Job(Base):
     """The job's own environment variables (`job submit --env`): values are secrets to
     show nowhere; the launch writes them to a mode-0600 file in the attempt directory."""
     gpus_requested: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    """GPUs per node: a multi-node job has this many on each of its `nodes` VMs."""
+    nodes: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    """How many VMs the job spans (`job submit --nodes`); 1 is a single-node job, whose
+    whole attempt the job row describes. For more, `job_nodes` holds one row per rank, and
+    the job row's VM, GPU, pid and directory columns are rank 0's."""
     priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     """Higher runs first."""
     status: Mapped[str] = mapped_column(String(16), default="queued", server_default="queued")
@@ -246,6 +256,8 @@ class Job(Base):
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", cascade="all, delete-orphan", order_by="JobEvent.id"
     )
+    ranks: Mapped[list[JobNode]] = relationship(order_by="JobNode.rank", viewonly=True)
+    """The `job_nodes` rows of a multi-node job, rank 0 first (load with `selectinload`)."""
 
     __table_args__ = (
         CheckConstraint("gpus_requested >= 1", name="gpus_positive"),
@@ -261,6 +273,7 @@ class Job(Base):
         ),
         CheckConstraint(f"status IN ({_JOB_STATUSES})", name="status_known"),
         CheckConstraint(f"gpus_requested <= {MAX_GPUS}", name="gpus_sane"),
+        CheckConstraint(f"nodes BETWEEN 1 AND {MAX_NODES}", name="nodes_range"),
         CheckConstraint(
             f"max_retries <= {MAX_RETRIES} AND retry_count >= 0 AND attempt >= 0",
             name="counts_sane",
@@ -273,6 +286,39 @@ class Job(Base):
             "model <> '' AND dataset <> '' AND reward_function <> ''", name="spec_nonempty"
         ),
         Index("ix_jobs_status_priority", "status", text("priority DESC"), "id"),
+    )
+
+
+class JobNode(Base):
+    """One node (rank) of a multi-node job's current attempt: its VM, GPUs and process.
+
+    Written with the gang claim (every rank in the claim's transaction), the pid and
+    directory when the launch is recorded, the exit code when the poller sees the rank end.
+    Rank 0 repeats the job row's columns. Rows of an earlier attempt are replaced by the
+    next claim; single-node jobs have none."""
+
+    __tablename__ = "job_nodes"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    vm_id: Mapped[int | None] = mapped_column(ForeignKey("vms.id", ondelete="SET NULL"), index=True)
+    """NULL only once the VM row was removed."""
+    gpu_indices: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    gpu_uuids: Mapped[list[str]] = mapped_column(ARRAY(String(96)))
+    remote_pid: Mapped[int | None] = mapped_column(Integer)
+    """Process-group leader of this rank; NULL until its launch is recorded."""
+    attempt_dir: Mapped[str | None] = mapped_column(Text)
+    """Absolute attempt directory on this rank's VM; NULL until its launch is recorded."""
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    """Set when the poller saw this rank exit (0, or the failure that ended the attempt);
+    NULL while it runs, or when it was killed for another rank's sake."""
+
+    vm: Mapped[VM | None] = relationship()
+
+    __table_args__ = (
+        CheckConstraint("rank >= 0", name="rank_nonnegative"),
+        CheckConstraint(ATTEMPT_DIR_CHECK, name="attempt_dir_absolute"),
     )
 
 

@@ -21,6 +21,8 @@ class PendingJob:
     """Seconds since the job was submitted: the age anti-starvation looks at."""
     since_pending_s: float
     """Seconds since it last entered `pending` (it was last looked at by a dispatcher)."""
+    nodes: int = 1
+    """VMs the job spans, `gpus` on each."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ def plan_pending(
     pending_timeout_s: float,
     starvation_after_s: float,
     largest_vm: int | None = None,
+    vm_sizes: list[int] | None = None,
 ) -> PendingPlan:
     """Decide which pending jobs to put back in the queue this tick.
 
@@ -54,21 +57,32 @@ def plan_pending(
     Only a job that fits on some VM (`gpus <= largest_vm`, the most GPUs one VM has; None:
     unknown, every job may fit) holds others back: waiting for one that can never run
     would stall the whole queue.
+
+    A multi-node job (`nodes` > 1) fits when `nodes` different VMs have `gpus` free each
+    (the fullest are used up, as the gang claim would); it holds others back only when
+    `vm_sizes` (the GPU count of every VM; None: unknown) has `nodes` VMs big enough.
     """
     free = dict(free_by_vm)
     out: list[tuple[int, str]] = []
     for i, job in enumerate(jobs):
-        fits = [vm for vm, n in free.items() if n >= job.gpus]
-        if fits:
-            best = min(fits, key=lambda vm: (free[vm], vm))
-            free[best] -= job.gpus
+        fits = sorted((vm for vm, n in free.items() if n >= job.gpus), key=lambda v: (free[v], v))
+        if len(fits) >= job.nodes:
+            for vm in fits[: job.nodes]:
+                free[vm] -= job.gpus
             if job.since_pending_s >= recheck_after_s:
                 out.append((job.id, "capacity"))
             continue
         if job.since_pending_s >= pending_timeout_s:
             out.append((job.id, "timeout"))
-        satisfiable = largest_vm is None or job.gpus <= largest_vm
+        satisfiable = _satisfiable(job, largest_vm, vm_sizes)
         if satisfiable and job.waited_s >= starvation_after_s:
             held = [j.id for j in jobs[i + 1 :]]
             return PendingPlan(out, held_for=job.id if held else None, held=held or None)
     return PendingPlan(out)
+
+
+def _satisfiable(job: PendingJob, largest_vm: int | None, vm_sizes: list[int] | None) -> bool:
+    """Whether the fleet as it is could ever run `job` (unknown sizes: assume it could)."""
+    if vm_sizes is not None:
+        return sum(1 for n in vm_sizes if n >= job.gpus) >= job.nodes
+    return largest_vm is None or (job.nodes == 1 and job.gpus <= largest_vm)

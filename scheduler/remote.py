@@ -183,7 +183,8 @@ JOB_ENV_FILE = "job.env"
 """The job's own `--env` values, in its attempt directory (mode 0600)."""
 SCHEDULER_ENV = (
     "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "RLFLEET_JOB_ID", "RLFLEET_ATTEMPT",
-    "RLFLEET_PROGRESS_FILE",
+    "RLFLEET_PROGRESS_FILE", "RLFLEET_NODE_RANK", "RLFLEET_NUM_NODES",
+    "RLFLEET_GPUS_PER_NODE", "RLFLEET_NODE_ADDRS", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE",
 )  # fmt: skip
 """Set by the scheduler for every job: no env file sets them (`--env` refuses every
 `RLFLEET_*` name: that namespace is the scheduler's)."""
@@ -242,6 +243,21 @@ def load_env_lines(files: Sequence[str]) -> list[str]:
 
 
 @dataclass(frozen=True)
+class NodeRole:
+    """Where one rank of a multi-node job stands: its rank, every node's internal address
+    (rank order; rank 0's is the rendezvous host) and the rendezvous port on rank 0."""
+
+    rank: int
+    addrs: tuple[str, ...]
+    master_port: int
+
+    @property
+    def num_nodes(self) -> int:
+        """How many nodes the job spans."""
+        return len(self.addrs)
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     """Everything a launch needs, copied out of the job and VM rows."""
 
@@ -274,16 +290,32 @@ class LaunchSpec:
     """The watchdog stops the attempt once its lease is this old (0: no watchdog)."""
     fence_grace_s: float = DEFAULT_FENCE_GRACE_S
     """Seconds between the watchdog's TERM and its KILL."""
+    node: NodeRole | None = None
+    """This rank's place in a multi-node job; None for a single-node job."""
 
 
-def entry_words(python: str, entrypoint: str, num_gpus: int) -> list[str]:
+def entry_words(
+    python: str, entrypoint: str, num_gpus: int, node: NodeRole | None = None
+) -> list[str]:
     """How training starts on the VM (docs/invariants.md, contract 5), as quoted shell words.
 
     A `.py` entrypoint runs as a script, anything else as a module; more than one GPU puts
-    `accelerate launch --num_processes N` in front.
+    `accelerate launch --num_processes N` in front. A rank of a multi-node job always
+    starts through accelerate's multi-process launcher (torchrun underneath, which gives
+    every process its RANK and WORLD_SIZE; on a VM without CUDA torch then uses gloo on the
+    CPU), with `--num_machines`, `--machine_rank` and rank 0's address and port.
     """
     words = [shlex.quote(python)]
-    if num_gpus > 1:
+    if node is not None:
+        words += [
+            "-m", "accelerate.commands.launch", "--multi_gpu",
+            "--num_machines", str(int(node.num_nodes)),
+            "--machine_rank", str(int(node.rank)),
+            "--main_process_ip", shlex.quote(node.addrs[0]),
+            "--main_process_port", str(int(node.master_port)),
+            "--num_processes", str(int(node.num_nodes) * int(num_gpus)),
+        ]  # fmt: skip
+    elif num_gpus > 1:
         words += ["-m", "accelerate.commands.launch", "--num_processes", str(int(num_gpus))]
     if entrypoint.endswith(".py"):
         words.append(shlex.quote(entrypoint))
@@ -326,7 +358,7 @@ def entry_check_words(python: str, entrypoint: str) -> list[str]:
 
 def train_words(spec: LaunchSpec) -> list[str]:
     """The full, quoted training command of one attempt."""
-    words = entry_words(spec.python, spec.entrypoint, len(spec.gpu_indices))
+    words = entry_words(spec.python, spec.entrypoint, len(spec.gpu_indices), spec.node)
     words += ["--model", shlex.quote(spec.model), "--dataset", shlex.quote(spec.dataset)]
     for reward in spec.reward_functions:
         words += ["--reward_function", shlex.quote(reward)]
@@ -363,6 +395,7 @@ def wrapper_script(spec: LaunchSpec) -> str:
             f"export CUDA_DEVICE_ORDER={DEVICE_ORDER}",
             'export RLFLEET_PROGRESS_FILE="$d/progress.json"',
             f"export RLFLEET_JOB_ID={int(spec.job_id)} RLFLEET_ATTEMPT={int(spec.attempt)}",
+            *rendezvous_lines(spec),
             f"mkdir -p {home_path(spec.output_dir)}",
             'echo "rlfleet: attempt started on $(hostname) at $(date -u +%FT%TZ)'
             ' CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"',
@@ -387,6 +420,46 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "",
         ]
     )
+
+
+def rendezvous_lines(spec: LaunchSpec) -> list[str]:
+    """The exports that tell a rank of a multi-node job where it stands (none for a
+    single-node job): RLFLEET_NODE_RANK, RLFLEET_NUM_NODES, RLFLEET_GPUS_PER_NODE,
+    RLFLEET_NODE_ADDRS (rank order), MASTER_ADDR (rank 0), MASTER_PORT, WORLD_SIZE."""
+    node = spec.node
+    if node is None:
+        return []
+    per_node = len(spec.gpu_indices)
+    return [
+        f"export RLFLEET_NODE_RANK={int(node.rank)} RLFLEET_NUM_NODES={int(node.num_nodes)}"
+        f" RLFLEET_GPUS_PER_NODE={int(per_node)}",
+        f"export RLFLEET_NODE_ADDRS={shlex.quote(','.join(node.addrs))}",
+        f"export MASTER_ADDR={shlex.quote(node.addrs[0])} MASTER_PORT={int(node.master_port)}"
+        f" WORLD_SIZE={int(node.num_nodes) * int(per_node)}",
+    ]
+
+
+FREE_PORT_MARK = "rlfleet-port"
+
+
+def free_port_script(python: str) -> str:
+    """Ask the VM for a TCP port free right now (bind port 0): the rendezvous port of a
+    multi-node job, chosen on rank 0's VM at launch time. Prints `rlfleet-port <port>`."""
+    code = (
+        "import socket; s = socket.socket(); s.bind(('', 0)); "
+        f"print('{FREE_PORT_MARK}', s.getsockname()[1])"
+    )
+    return f"{shlex.quote(python)} -c {shlex.quote(code)}"
+
+
+def parse_free_port(stdout: str) -> int | None:
+    """The port `free_port_script` printed, or None."""
+    for line in output_lines(stdout):
+        word, _, value = line.partition(" ")
+        port = as_int(value) if word == FREE_PORT_MARK else None
+        if port is not None and 0 < port < 65536:
+            return port
+    return None
 
 
 def watchdog_lines(fence_after_s: float, grace_s: float) -> list[str]:

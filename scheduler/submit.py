@@ -8,9 +8,10 @@ from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import bus
-from scheduler.claims import LARGEST_VM_SQL, unsatisfiable_reason
+from scheduler.claims import LARGEST_VM_SQL, unsatisfiable_gang_reason, unsatisfiable_reason
 from scheduler.db import Database
 from scheduler.errors import BadInput
+from scheduler.gpus import VMS_WITH_SQL
 from scheduler.jobs import JobSpec, insert_job, mark_published
 from scheduler.models import VM
 from scheduler.settings import Settings, redact_url
@@ -32,20 +33,32 @@ UNPOLLED_VMS_SQL = text(
 )
 
 
-async def check_fits(session: AsyncSession, gpus: int) -> str | None:
-    """Refuse (`BadInput`) a job that asks for more GPUs than any VM of the polled fleet has.
+async def check_fits(session: AsyncSession, gpus: int, nodes: int = 1) -> str | None:
+    """Refuse (`BadInput`) a job that asks for more GPUs than any VM of the polled fleet has
+    (for `nodes` > 1: than `nodes` different VMs have).
 
     A VM that was never polled may have any number: when one exists, or when no VM is
     registered yet (a fresh installation), the job is accepted and the returned warning
     says that its size could not be checked."""
     largest = int(await session.scalar(LARGEST_VM_SQL) or 0)
-    if gpus <= largest:
+    big_enough = int(await session.scalar(VMS_WITH_SQL, {"need": gpus}) or 0)
+    if gpus <= largest and big_enough >= nodes:
         return None
     unpolled = list((await session.execute(UNPOLLED_VMS_SQL)).scalars())
     total = await session.scalar(select(func.count()).select_from(VM))
     unit = "GPU" if gpus == 1 else "GPUs"
     if not total:
         return f"no VM is registered yet, so nobody knows whether {gpus} {unit} will fit"
+    if nodes > 1 and gpus <= largest:
+        if unpolled:
+            return (
+                f"only {big_enough} polled VM(s) have {gpus} {unit}, {nodes} are needed; "
+                f"accepted because VM(s) {', '.join(unpolled[:3])} have not been polled yet"
+            )
+        raise BadInput(
+            f"{unsatisfiable_gang_reason(nodes, gpus, big_enough)}: the job could never run; "
+            "ask for fewer nodes or GPUs, or add VMs"
+        )
     if unpolled:
         names = ", ".join(unpolled[:3]) + (" …" if len(unpolled) > 3 else "")
         return (
@@ -67,7 +80,7 @@ async def submit_job(db: Database, settings: Settings, spec: JobSpec, *, actor: 
     """
     spec.validate()
     async with db.transaction() as session:
-        warning = await check_fits(session, spec.gpus)
+        warning = await check_fits(session, spec.gpus, spec.nodes)
         job = await insert_job(session, spec, actor=actor)
         job_id, attempt = job.id, job.attempt
     published = await announce(db, settings, job_id, bus.msg_id(job_id, attempt))

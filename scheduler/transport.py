@@ -43,6 +43,13 @@ class VMTarget:
     transport: str = "ssh"
     python: str = "python3"
     entrypoint: str = DEFAULT_ENTRYPOINT
+    internal_address: str | None = None
+    """Where the other nodes of a multi-node job reach this VM; None: `host`."""
+
+    @property
+    def training_address(self) -> str:
+        """The address for training traffic: `internal_address`, else `host`."""
+        return self.internal_address or self.host
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from scheduler.errors import BadInput
 # SQLAlchemy and the models are imported where a check needs them, so that the command
 # line can check its arguments (`check_argv`) without loading the database layer.
 
-_LIMITS = ("MAX_GPUS", "MAX_RETRIES")
+_LIMITS = ("MAX_GPUS", "MAX_NODES", "MAX_RETRIES")
 """The schema's limits, re-exported from `scheduler.models` for callers."""
 
 
@@ -30,6 +30,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(models, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 TEXT_MAX = 4096
 """Longest value taken for an unbounded text column (a model, a path, an argument): the

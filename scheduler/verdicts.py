@@ -53,6 +53,10 @@ class LiveJob:
     remote_pid: int | None
     run: Attempt | None = None
     """Where the attempt's files are; None for a row with no launch token (not probed)."""
+    rank: int = 0
+    """Which node of a multi-node job this is (0 for a single-node job)."""
+    nodes: int = 1
+    """How many nodes the job spans: above 1, this attempt is one rank of several."""
 
 
 @dataclass(frozen=True)

@@ -243,6 +243,7 @@ class SimVM:
             return []
         env = dict(v.decode(errors="replace").split("=", 1) for v in raw.split(b"\0") if b"=" in v)
         return sim_gpu.devices_of(self._config["gpus"], env)
+
     def silent(self) -> bool:
         """Whether the VM is silenced (see `silence`)."""
         return self._gate is not None and not self._gate.open.is_set()

@@ -24,8 +24,7 @@ CHECKS = {
         "NOT jsonb_path_exists(extra_args, '$[*] ? (@.type() != \"string\")')"
     ),
     "status_known": (
-        "status IN ('queued', 'pending', 'starting', 'running', 'completed', 'failed', "
-        "'cancelled')"
+        "status IN ('queued', 'pending', 'starting', 'running', 'completed', 'failed', 'cancelled')"
     ),
     "gpus_sane": "gpus_requested <= 1024",
     "counts_sane": "max_retries <= 1000 AND retry_count >= 0 AND attempt >= 0",

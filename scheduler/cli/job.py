@@ -21,9 +21,9 @@ from scheduler.cli._common import (
 )
 from scheduler.errors import BadInput, ServiceUnavailable
 from scheduler.jobs import JobSpec, job_to_dict, list_jobs
-from scheduler.models import Job
+from scheduler.models import Job, JobNode
 from scheduler.states import JobStatus
-from scheduler.validate import MAX_GPUS, MAX_RETRIES
+from scheduler.validate import MAX_GPUS, MAX_NODES, MAX_RETRIES
 
 if TYPE_CHECKING:
     from scheduler.db import Database
@@ -48,14 +48,24 @@ def group() -> None:
     epilog="Example: rlfleet job submit --model Qwen/Qwen2.5-0.5B-Instruct "
     "--dataset openai/gsm8k --reward-function correctness --gpus 2 -- --max_steps 500",
 )
-@click.option("--model", required=True, help="Model name on the hub, or a path on the VM.")
-@click.option("--dataset", required=True, help="Dataset name on the hub, or a file on the VM.")
+@click.option(
+    "-f",
+    "--file",
+    "spec_file",
+    type=click.Path(dir_okay=False),
+    help='A job spec file (YAML, see the README\'s "Job groups"): the whole job is read from '
+    "it, validated before anything is submitted; --model, --dataset, --reward-function, "
+    "--gpus, --nodes, --output-dir and train arguments then come from the file.",
+)
+@click.option("--model", help="Model name on the hub, or a path on the VM (required without -f).")
+@click.option(
+    "--dataset", help="Dataset name on the hub, or a file on the VM (required without -f)."
+)
 @click.option(
     "--reward-function",
     "reward_functions",
-    required=True,
     multiple=True,
-    help="Built-in reward name or module:function (repeatable).",
+    help="Built-in reward name or module:function (repeatable; required without -f).",
 )
 @click.option(
     "--gpus",
@@ -63,6 +73,15 @@ def group() -> None:
     show_default=True,
     type=ColumnInt(Job.gpus_requested, hi=MAX_GPUS),
     help=f"GPUs on one VM (1-{MAX_GPUS}); refused when no polled VM has that many.",
+)
+@click.option(
+    "--nodes",
+    default=1,
+    show_default=True,
+    type=ColumnInt(Job.nodes, lo=1, hi=MAX_NODES),
+    help=f"VMs to run on (1-{MAX_NODES}), --gpus on each; every node gets its rank and the "
+    "rendezvous in RLFLEET_NODE_RANK, RLFLEET_NUM_NODES, RLFLEET_NODE_ADDRS, MASTER_ADDR, "
+    "MASTER_PORT, WORLD_SIZE. Refused when the polled fleet has fewer VMs that big.",
 )
 @click.option(
     "--max-retries",
@@ -98,10 +117,12 @@ def group() -> None:
 @pass_cli
 def submit(
     ctx: CliContext,
-    model: str,
-    dataset: str,
+    spec_file: str | None,
+    model: str | None,
+    dataset: str | None,
     reward_functions: tuple[str, ...],
     gpus: int,
+    nodes: int,
     max_retries: int,
     priority: int,
     name: str | None,
@@ -118,18 +139,27 @@ def submit(
     HOME, USER, LANG…, its RLFLEET_* variables, CUDA_VISIBLE_DEVICES), plus the VM's
     ~/.rlfleet/env and its own --env values.
     """
-    spec = JobSpec(
-        model=model,
-        dataset=dataset,
-        reward_functions=reward_functions,
-        gpus=gpus,
-        max_retries=max_retries,
-        priority=priority,
-        name=name,
-        extra_args=extra_args,
-        output_dir=output_dir,
-        env=parse_env_options(env),
-    )
+    if spec_file is not None:
+        spec = spec_from_file(spec_file, parse_env_options(env))
+    else:
+        for flag, value in (("--model", model), ("--dataset", dataset)):
+            if value is None:
+                raise BadInput(f"missing option {flag} (or give a job spec file with -f)")
+        if not reward_functions:
+            raise BadInput("missing option --reward-function (or give a job spec file with -f)")
+        spec = JobSpec(
+            model=str(model),
+            dataset=str(dataset),
+            reward_functions=reward_functions,
+            gpus=gpus,
+            nodes=nodes,
+            max_retries=max_retries,
+            priority=priority,
+            name=name,
+            extra_args=extra_args,
+            output_dir=output_dir,
+            env=parse_env_options(env),
+        )
     spec.validate()
     from scheduler.submit import submit_job
 
@@ -145,6 +175,49 @@ def submit(
             f"job {result.job_id} is queued but not announced ({result.publish_error}); "
             "the requeue manager will publish it"
         )
+
+
+FILE_CONFLICTS = (
+    "model", "dataset", "reward_functions", "gpus", "nodes", "max_retries", "priority", "name",
+    "output_dir", "extra_args",
+)  # fmt: skip
+"""`job submit` parameters a spec file gives: refused beside `-f`, never silently mixed."""
+
+
+def spec_from_file(path: str, env: tuple[tuple[str, str], ...]) -> JobSpec:
+    """The job a spec file describes, validated whole (`BadInput` naming the field); `--env`
+    values are added to the role's own."""
+    from click.core import ParameterSource
+
+    from scheduler.jobspec import load_file
+
+    click_ctx = click.get_current_context()
+    for param in FILE_CONFLICTS:
+        if click_ctx.get_parameter_source(param) not in (None, ParameterSource.DEFAULT):
+            flag = "train arguments after --" if param == "extra_args" else param
+            raise BadInput(f"-f {path}: give {flag.replace('_', '-')} in the file, not as well")
+    group = load_file(path)
+    if len(group.roles) != 1 or group.roles[0].train is None:
+        raise BadInput(
+            f"{path}: roles: this version runs jobs of one training role (train:); groups of "
+            "several roles and command roles are validated but not launched yet"
+        )
+    role = group.roles[0]
+    train = role.train
+    assert train is not None  # checked above
+    return JobSpec(
+        model=train.model,
+        dataset=train.dataset,
+        reward_functions=train.reward_functions,
+        gpus=role.gpus,
+        nodes=role.nodes,
+        max_retries=group.max_retries,
+        priority=group.priority,
+        name=group.name,
+        extra_args=train.args,
+        output_dir=group.output_dir,
+        env=role.env + env,
+    )
 
 
 def parse_env_options(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
@@ -232,13 +305,30 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
         echo_json(job)
         return
     for key, value in job.items():
-        if key not in ("events", "progress", "progress_error"):
+        if key not in ("events", "progress", "progress_error", "ranks"):
             click.echo(f"{key + ':':18}{'-' if value in (None, []) else value}")
     progress = job["progress"]
     if isinstance(progress, dict):
         click.echo(f"{'progress:':18}{_progress_line(progress)}")
     elif job["progress_error"] and job["progress_error"] != "not started":
         click.echo(f"{'progress:':18}unavailable ({job['progress_error']})")
+    if job["nodes"] > 1:
+        click.echo("\nnodes:")
+        echo_table(
+            ["RANK", "VM", "GPUS", "UUIDS", "PID", "STATE", "EXIT"],
+            [
+                (
+                    r["rank"],
+                    r["vm"] or "-",
+                    ",".join(str(i) for i in r["gpu_indices"] or ()) or "-",
+                    ",".join(r["gpu_uuids"] or ()) or "-",
+                    "-" if r["pid"] is None else r["pid"],
+                    r["state"],
+                    "-" if r["exit_code"] is None else r["exit_code"],
+                )
+                for r in job["ranks"]
+            ],
+        )
     click.echo("\nevents:")
     echo_table(
         ["AT", "FROM", "TO", "ATTEMPT", "ACTOR", "REASON"],
@@ -336,9 +426,17 @@ def retry(ctx: CliContext, job_id: int) -> None:
     type=ColumnInt(Job.attempt, lo=1),
     help="Which attempt's log (default: the latest).",
 )
+@click.option(
+    "--node",
+    default=0,
+    show_default=True,
+    type=ColumnInt(JobNode.rank, lo=0, hi=MAX_NODES - 1),
+    help="Which rank of a multi-node job: its log is read on its own VM.",
+)
 @pass_cli
-def logs(ctx: CliContext, job_id: int, follow: bool, attempt: int | None) -> None:
-    """Print a job's train.log from its VM (every attempt's log is kept)."""
+def logs(ctx: CliContext, job_id: int, follow: bool, attempt: int | None, node: int) -> None:
+    """Print a job's train.log from its VM (every attempt's log is kept); for a multi-node
+    job, rank 0's unless --node says another."""
     from scheduler.control import stream_log
     from scheduler.transport import make_transport
 
@@ -350,7 +448,9 @@ def logs(ctx: CliContext, job_id: int, follow: bool, attempt: int | None) -> Non
     async def go(db: Database) -> None:
         transport = make_transport()
         try:
-            await stream_log(db, transport, job_id, write, attempt=attempt, follow=follow)
+            await stream_log(
+                db, transport, job_id, write, attempt=attempt, follow=follow, node=node
+            )
         finally:
             await transport.close()
 

@@ -83,6 +83,12 @@ def group() -> None:
     type=ColumnText(VM.entrypoint),
     help="Module (run with -m) or .py script that trains.",
 )
+@click.option(
+    "--internal-address",
+    type=ColumnText(VM.internal_address),
+    help="Address the other nodes of a multi-node job reach this VM at (training traffic), "
+    "when it differs from --host (default: --host).",
+)
 @json_option
 @pass_cli
 def add(
@@ -97,6 +103,7 @@ def add(
     transport: str,
     python: str,
     entrypoint: str,
+    internal_address: str | None,
     as_json: bool,
 ) -> None:
     """Register VM NAME, reachable at --host. The poller finds its GPUs."""
@@ -111,6 +118,7 @@ def add(
         transport=transport,
         python=python,
         entrypoint=entrypoint,
+        internal_address=internal_address,
     )
     spec.validate()
     if insecure_no_host_key_check:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
 from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.logging import get_logger
-from scheduler.models import VM, Job
+from scheduler.models import VM, Job, JobNode
 from scheduler.requeue_steps import BATCH
 from scheduler.states import FailureReason, JobStatus, VMStatus
 
@@ -20,12 +20,20 @@ NODE_LOST = FailureReason.NODE_LOST.value
 
 
 async def fail_lost_nodes(session: AsyncSession, *, timeout_s: float, actor: str) -> list[int]:
-    """Fail live jobs of VMs unreachable for longer than `timeout_s`; their ids."""
+    """Fail live jobs of VMs unreachable for longer than `timeout_s`; their ids. A
+    multi-node job fails when the VM of any of its ranks is lost (shared fate: every rank
+    becomes a leftover, `leftovers.abandon_attempt`)."""
+    on_vm = or_(
+        VM.id == Job.vm_id,
+        VM.id.in_(
+            select(JobNode.vm_id).where(JobNode.job_id == Job.id, JobNode.attempt == Job.attempt)
+        ),
+    )
     outage = func.extract("epoch", func.now() - VM.unreachable_since)
     rows = (
         await session.execute(
             select(*AttemptRecord.columns(), Job.status, VM.name, outage.label("outage_s"))
-            .join(VM, VM.id == Job.vm_id)
+            .join(VM, on_vm)
             .where(
                 Job.status.in_([JobStatus.RUNNING.value, JobStatus.STARTING.value]),
                 VM.status == VMStatus.UNREACHABLE.value,

@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
 from scheduler.claims import LARGEST_VM_SQL
-from scheduler.gpus import FREE_BY_VM_SQL
+from scheduler.gpus import FREE_BY_VM_SQL, VM_SIZES_SQL
 from scheduler.jobs import transition
 from scheduler.logging import get_logger
 from scheduler.models import Job
@@ -40,6 +40,7 @@ async def wake_pending(
             select(
                 Job.id,
                 Job.gpus_requested,
+                Job.nodes,
                 Job.priority,
                 waited.label("waited"),
                 since_pending.label("since_pending"),
@@ -55,9 +56,17 @@ async def wake_pending(
     counts = (await session.execute(FREE_BY_VM_SQL)).all()
     free = {vm_id: int(n) for vm_id, n in counts}
     largest_vm = int(await session.scalar(LARGEST_VM_SQL) or 0)
+    sizes = [int(n) for n in (await session.execute(VM_SIZES_SQL)).scalars()]
     plan = plan_pending(
         [
-            PendingJob(r.id, r.gpus_requested, r.priority, float(r.waited), float(r.since_pending))
+            PendingJob(
+                r.id,
+                r.gpus_requested,
+                r.priority,
+                float(r.waited),
+                float(r.since_pending),
+                nodes=r.nodes,
+            )
             for r in rows
         ],
         free,
@@ -65,6 +74,7 @@ async def wake_pending(
         pending_timeout_s=pending_timeout_s,
         starvation_after_s=starvation_after_s,
         largest_vm=largest_vm,
+        vm_sizes=sizes,
     )
     if plan.held:
         log.info("pending_held_back", held_for=plan.held_for, held=len(plan.held))

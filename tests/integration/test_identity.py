@@ -280,5 +280,3 @@ async def test_one_success_is_enough(
             await session.execute(select(Leftover).where(Leftover.attempt == 2))
         ).scalar_one()
         assert (superseded.reason, superseded.vm_id) == ("superseded", second.vm_id)
-
-

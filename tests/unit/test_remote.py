@@ -395,6 +395,8 @@ async def test_tokens_of_an_attempt_are_listed_for_this_installation_only(home: 
     out = (await sh(remote.tokens_script(INSTALLATION, 7, 1)))[1]
     assert remote.parse_tokens(out) == [TOKEN]
     assert remote.parse_tokens((await sh(remote.tokens_script(INSTALLATION, 8, 1)))[1]) == []
+
+
 @pytest.mark.parametrize(
     ("python", "entrypoint", "code", "says"),
     [

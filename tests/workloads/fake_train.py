@@ -59,6 +59,7 @@ def record(event: str, **fields: object) -> None:
         "attempt": os.environ.get("RLFLEET_ATTEMPT"),
         "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
         "num_processes": os.environ.get("RLFLEET_FAKE_NUM_PROCESSES"),
+        "node_rank": os.environ.get("RLFLEET_NODE_RANK"),
         "pid": os.getpid(),
         "t": time.time(),
         **fields,
@@ -72,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     print(f"fake_train: args={sys.argv[1:]}", flush=True)
     print(f"fake_train: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
+    if os.environ.get("RLFLEET_NODE_RANK") is not None:
+        names = ("RLFLEET_NODE_RANK", "RLFLEET_NUM_NODES", "RLFLEET_GPUS_PER_NODE")
+        names += ("RLFLEET_NODE_ADDRS", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
+        node = " ".join(f"{n}={os.environ.get(n)}" for n in names)
+        print(f"fake_train: node {node}", flush=True)
     record("start")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -34,13 +34,18 @@ RLFLEET = Path(sys.executable).parent / "rlfleet"
 def write_fake_python(folder: Path) -> str:
     """A stand-in VM interpreter that runs `-m accelerate.commands.launch --num_processes N
     SCRIPT …` as one cheap `python SCRIPT …` (exporting N), so that tests with many
-    multi-GPU jobs do not pay for importing torch. Anything else runs unchanged."""
+    multi-GPU jobs do not pay for importing torch; a rank of a multi-node job
+    (`--multi_gpu --num_machines K … --num_processes N SCRIPT`) likewise. Anything else runs
+    unchanged."""
     path = folder / "fake-python"
     path.write_text(
         "#!/bin/sh\n"
         'if [ "$1" = "-m" ] && [ "$2" = "accelerate.commands.launch" ] '
         '&& [ "$3" = "--num_processes" ]; then\n'
         '  RLFLEET_FAKE_NUM_PROCESSES="$4"; export RLFLEET_FAKE_NUM_PROCESSES; shift 4\n'
+        'elif [ "$1" = "-m" ] && [ "$2" = "accelerate.commands.launch" ] '
+        '&& [ "$3" = "--multi_gpu" ] && [ "${12}" = "--num_processes" ]; then\n'
+        '  RLFLEET_FAKE_NUM_PROCESSES="${13}"; export RLFLEET_FAKE_NUM_PROCESSES; shift 13\n'
         "fi\n"
         f'exec {sys.executable} -S "$@"\n'
     )

@@ -1,0 +1,474 @@
+"""Job spec files (`rlfleet job submit -f job.yaml`): parse and validate the whole file
+before anything is inserted.
+
+A job is one or more named roles. Each role runs either a command (an argv list, or a
+string split with `shlex.split`, never a shell) or the training entrypoint (`train:` with
+the model, dataset, reward functions and train_grpo.py arguments, as `job submit`'s
+flags give them). A bad file is `BadInput` with one line that names the field, e.g.
+`roles.vllm.gpus: must be an integer 0..64`.
+
+Pure: no database, no network; `scheduler.cli.job` turns a `GroupSpec` into a job row.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.errors import BadInput
+
+MAX_FILE_BYTES = 1 << 20
+"""Largest spec file read (1 MiB): a job description is a few hundred bytes."""
+MAX_ROLES = 16
+MAX_PORTS = 16
+MAX_ROLE_GPUS = 64
+MAX_ROLE_NODES = 64
+MAX_READY_TIMEOUT_S = 3600
+DEFAULT_READY_TIMEOUT_S = 120
+NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+"""Role and port names: they become parts of variable names (`RLFLEET_<ROLE>_<PORT>`)."""
+MAX_PRIORITY = 2**31 - 1
+MAX_RETRIES = 1000
+TEXT_MAX = 4096
+
+TOP_KEYS = ("name", "priority", "max_retries", "output_dir", "roles")
+ROLE_KEYS = (
+    "gpus", "nodes", "command", "train", "env", "ports", "ready", "depends_on", "primary",
+    "same_vm_as",
+)  # fmt: skip
+TRAIN_KEYS = ("model", "dataset", "reward_functions", "args")
+READY_KEYS = ("http", "tcp", "port", "timeout")
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A readiness check: an HTTP GET of `path` on `port` (2xx passes), or a TCP connect to
+    `port` when `path` is None; failing for `timeout_s` seconds fails the attempt."""
+
+    port: str
+    path: str | None
+    timeout_s: int
+
+    def to_json(self) -> dict[str, Any]:
+        """As plain data."""
+        return {"port": self.port, "path": self.path, "timeout_s": self.timeout_s}
+
+
+@dataclass(frozen=True)
+class Train:
+    """The training entrypoint's inputs, as `job submit`'s flags give them."""
+
+    model: str
+    dataset: str
+    reward_functions: tuple[str, ...]
+    args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Role:
+    """One role of a job: what it runs, on how many GPUs, its ports and its readiness."""
+
+    name: str
+    gpus: int
+    nodes: int = 1
+    command: tuple[str, ...] | None = None
+    train: Train | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    ports: tuple[str, ...] = ()
+    ready: Ready | None = None
+    depends_on: tuple[str, ...] = ()
+    primary: bool = False
+    same_vm_as: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """As plain data (env values are left out: they may be secrets)."""
+        return {
+            "name": self.name,
+            "gpus": self.gpus,
+            "nodes": self.nodes,
+            "command": list(self.command) if self.command is not None else None,
+            "train": None
+            if self.train is None
+            else {
+                "model": self.train.model,
+                "dataset": self.train.dataset,
+                "reward_functions": list(self.train.reward_functions),
+                "args": list(self.train.args),
+            },
+            "env_keys": [k for k, _ in self.env],
+            "ports": list(self.ports),
+            "ready": self.ready.to_json() if self.ready else None,
+            "depends_on": list(self.depends_on),
+            "primary": self.primary,
+            "same_vm_as": self.same_vm_as,
+        }
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A whole, validated job spec file."""
+
+    roles: tuple[Role, ...]
+    name: str | None = None
+    priority: int = 0
+    max_retries: int = 3
+    output_dir: str | None = None
+    _order: tuple[str, ...] = field(default=(), repr=False)
+
+    def role(self, name: str) -> Role:
+        """The role called `name`."""
+        return next(r for r in self.roles if r.name == name)
+
+    def start_order(self) -> tuple[str, ...]:
+        """Role names so that every role comes after those it depends on."""
+        return self._order
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """The roles as plain data, in start order."""
+        return [self.role(name).to_json() for name in self._order]
+
+
+# -- reading ------------------------------------------------------------------------------
+
+
+def load_file(path: str) -> GroupSpec:
+    """Read and validate the spec file at `path`; `BadInput` (one line) if it is bad."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise BadInput(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise BadInput(f"{path}: larger than {MAX_FILE_BYTES} bytes")
+    return parse_text(raw, path)
+
+
+def parse_text(raw: bytes, where: str = "job file") -> GroupSpec:
+    """Validate the bytes of a spec file (YAML, read with the safe loader only)."""
+    import yaml
+
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{where}: not valid UTF-8 (byte {exc.start})") from None
+    if "\x00" in text:
+        raise BadInput(f"{where}: contains a NUL character")
+    try:
+        # Aliases are refused before anything is built: nested aliases expand
+        # exponentially when walked, and a job file has no use for them.
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent):
+                raise BadInput(f"{where}: YAML aliases (*name) are not allowed")
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}:" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise BadInput(f"{where}:{line} not valid YAML ({problem})") from None
+    except RecursionError:
+        raise BadInput(f"{where}: nested too deeply") from None
+    return parse_data(data)
+
+
+def parse_data(data: Any) -> GroupSpec:
+    """Validate an already loaded spec (a mapping)."""
+    top = _mapping(data, "job file", TOP_KEYS)
+    roles_data = _mapping(top.get("roles"), "roles", None)
+    if not roles_data:
+        raise BadInput("roles: at least one role is needed")
+    if len(roles_data) > MAX_ROLES:
+        raise BadInput(f"roles: at most {MAX_ROLES} roles")
+    roles = [_role(name, value) for name, value in roles_data.items()]
+    roles = _with_primary(roles)
+    _check_references(roles)
+    order = _start_order(roles)
+    return GroupSpec(
+        roles=tuple(roles),
+        name=_opt_text(top.get("name"), "name", 255),
+        priority=_int(top.get("priority", 0), "priority", -MAX_PRIORITY - 1, MAX_PRIORITY),
+        max_retries=_int(top.get("max_retries", 3), "max_retries", 0, MAX_RETRIES),
+        output_dir=_opt_text(top.get("output_dir"), "output_dir", TEXT_MAX),
+        _order=order,
+    )
+
+
+# -- fields -------------------------------------------------------------------------------
+
+
+def _mapping(value: Any, where: str, keys: tuple[str, ...] | None) -> dict[str, Any]:
+    """`value` as a mapping with text keys, only `keys` when given."""
+    if not isinstance(value, Mapping):
+        raise BadInput(f"{where}: must be a mapping")
+    for key in value:
+        if not isinstance(key, str):
+            raise BadInput(f"{where}: keys must be text, not {_shown(key)}")
+        if keys is not None and key not in keys:
+            raise BadInput(f"{where}.{_shown(key)}: unknown key (known: {', '.join(keys)})")
+    return dict(value)
+
+
+def _shown(value: Any, limit: int = 40) -> str:
+    """A short printable quote of a value for an error line."""
+    text = value if isinstance(value, str) else repr(value)
+    text = text if len(text) <= limit else text[:limit] + "…"
+    return ascii(text) if not text.isprintable() else text
+
+
+def _int(value: Any, where: str, lo: int, hi: int) -> int:
+    """`value` if it is an integer in lo..hi (booleans are not integers here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise BadInput(f"{where}: must be an integer {lo}..{hi}")
+    return value
+
+
+def _text(value: Any, where: str, limit: int = TEXT_MAX) -> str:
+    """`value` if it is non-empty, one-piece text that a database and a shell word can hold."""
+    if not isinstance(value, str):
+        raise BadInput(f"{where}: must be text")
+    if not value.strip():
+        raise BadInput(f"{where}: must not be empty")
+    if "\x00" in value:
+        raise BadInput(f"{where}: contains a NUL character")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadInput(f"{where}: is not valid UTF-8") from None
+    if len(value) > limit:
+        raise BadInput(f"{where}: too long ({len(value)} characters, at most {limit})")
+    return value
+
+
+def _opt_text(value: Any, where: str, limit: int) -> str | None:
+    """`_text`, or None when absent."""
+    return None if value is None else _text(value, where, limit)
+
+
+def _name(value: Any, where: str) -> str:
+    """A role or port name: `[a-z][a-z0-9_]*`, at most 32 characters."""
+    if not isinstance(value, str) or not NAME_RE.match(value):
+        raise BadInput(f"{where}: {_shown(value)} is not a name ([a-z][a-z0-9_]*, ≤ 32)")
+    return value
+
+
+def _words(value: Any, where: str, *, allow_empty: bool = False) -> tuple[str, ...]:
+    """A list of text words; a string is one word for `reward_functions`-like fields."""
+    if not isinstance(value, list):
+        raise BadInput(f"{where}: must be a list")
+    if not value and not allow_empty:
+        raise BadInput(f"{where}: must not be empty")
+    if len(value) > 1000:
+        raise BadInput(f"{where}: at most 1000 items")
+    words = []
+    for i, word in enumerate(value):
+        if isinstance(word, bool) or not isinstance(word, str | int | float):
+            raise BadInput(f"{where}[{i}]: must be text")
+        if isinstance(word, float) and not math.isfinite(word):
+            raise BadInput(f"{where}[{i}]: must be text")
+        text = word if isinstance(word, str) else str(word)
+        if not text:
+            raise BadInput(f"{where}[{i}]: must not be empty")
+        words.append(_text(text, f"{where}[{i}]"))
+    return tuple(words)
+
+
+def _command(value: Any, where: str) -> tuple[str, ...]:
+    """A command as argv: a list of words, or a string split like a shell would split it
+    (no shell ever runs it)."""
+    if isinstance(value, str):
+        _text(value, where)
+        try:
+            value = shlex.split(value)
+        except ValueError as exc:
+            raise BadInput(f"{where}: cannot split it into words ({exc})") from None
+    return _words(value, where)
+
+
+def _train(value: Any, where: str) -> Train:
+    """The training entrypoint's inputs."""
+    data = _mapping(value, where, TRAIN_KEYS)
+    for key in ("model", "dataset", "reward_functions"):
+        if key not in data:
+            raise BadInput(f"{where}.{key}: required")
+    rewards_value = data["reward_functions"]
+    if isinstance(rewards_value, str):
+        rewards_value = [rewards_value]
+    rewards = _words(rewards_value, f"{where}.reward_functions")
+    for i, reward in enumerate(rewards):
+        if "," in reward:
+            raise BadInput(f"{where}.reward_functions[{i}]: must not contain a comma")
+    args = _words(data.get("args", []), f"{where}.args", allow_empty=True)
+    from scheduler.validate import extra_args_problem
+
+    problem = extra_args_problem(args)
+    if problem:
+        raise BadInput(f"{where}.args: {problem.replace('after --', 'in args')}")
+    return Train(
+        model=_text(data["model"], f"{where}.model"),
+        dataset=_text(data["dataset"], f"{where}.dataset"),
+        reward_functions=rewards,
+        args=args,
+    )
+
+
+def _env(value: Any, where: str) -> tuple[tuple[str, str], ...]:
+    """The role's own variables: names a job may set, one-line values."""
+    from scheduler.remote import env_key_problem
+
+    data = _mapping(value, where, None)
+    pairs = []
+    for key, raw in data.items():
+        problem = env_key_problem(key)
+        if problem:
+            raise BadInput(f"{where}.{_shown(key)}: {problem}")
+        if isinstance(raw, bool) or not isinstance(raw, str | int | float):
+            raise BadInput(f"{where}.{key}: must be text")
+        text = raw if isinstance(raw, str) else str(raw)
+        if any(c in text for c in "\n\r\x00"):
+            raise BadInput(f"{where}.{key}: the value must be one line")
+        if len(text) > 32768:
+            raise BadInput(f"{where}.{key}: longer than 32768 characters")
+        pairs.append((key, text))
+    return tuple(pairs)
+
+
+def _ports(value: Any, where: str) -> tuple[str, ...]:
+    """Named ports: distinct names, at most MAX_PORTS."""
+    if not isinstance(value, list):
+        raise BadInput(f"{where}: must be a list of port names")
+    if len(value) > MAX_PORTS:
+        raise BadInput(f"{where}: at most {MAX_PORTS} ports")
+    names = [_name(p, f"{where}[{i}]") for i, p in enumerate(value)]
+    if len(set(names)) != len(names):
+        raise BadInput(f"{where}: a port name is given twice")
+    return tuple(names)
+
+
+def _ready(value: Any, where: str, ports: tuple[str, ...]) -> Ready:
+    """`{http: /path[, port: name]}` or `{tcp: name}`, with an optional `timeout` (s)."""
+    data = _mapping(value, where, READY_KEYS)
+    if ("http" in data) == ("tcp" in data):
+        raise BadInput(f"{where}: give exactly one of http (a path) or tcp (a port name)")
+    timeout = _int(
+        data.get("timeout", DEFAULT_READY_TIMEOUT_S), f"{where}.timeout", 1, MAX_READY_TIMEOUT_S
+    )
+    if "tcp" in data:
+        if "port" in data:
+            raise BadInput(f"{where}.port: only with http (tcp names its port)")
+        port = _name(data["tcp"], f"{where}.tcp")
+        path = None
+    else:
+        path = _text(data["http"], f"{where}.http", 1024)
+        if not path.startswith("/") or any(c.isspace() or not c.isprintable() for c in path):
+            raise BadInput(f"{where}.http: must be a path starting with / (no spaces)")
+        if "port" in data:
+            port = _name(data["port"], f"{where}.port")
+        elif ports:
+            port = ports[0]
+        else:
+            raise BadInput(f"{where}: the role has no ports to check")
+    if port not in ports:
+        raise BadInput(f"{where}: {port} is not one of the role's ports")
+    return Ready(port=port, path=path, timeout_s=timeout)
+
+
+def _role(name: Any, value: Any) -> Role:
+    """One role, validated."""
+    where = f"roles.{_shown(name)}"
+    role_name = _name(name, where)
+    data = _mapping(value, where, ROLE_KEYS)
+    if ("command" in data) == ("train" in data):
+        raise BadInput(f"{where}: give exactly one of command or train")
+    train = _train(data["train"], f"{where}.train") if "train" in data else None
+    command = _command(data["command"], f"{where}.command") if "command" in data else None
+    lo = 1 if train is not None else 0
+    gpus = _int(data.get("gpus", 1 if train else 0), f"{where}.gpus", lo, MAX_ROLE_GPUS)
+    nodes = _int(data.get("nodes", 1), f"{where}.nodes", 1, MAX_ROLE_NODES)
+    ports = _ports(data.get("ports", []), f"{where}.ports")
+    ready = _ready(data["ready"], f"{where}.ready", ports) if "ready" in data else None
+    depends = data.get("depends_on", [])
+    if not isinstance(depends, list):
+        raise BadInput(f"{where}.depends_on: must be a list of role names")
+    depends_on = tuple(_name(d, f"{where}.depends_on[{i}]") for i, d in enumerate(depends))
+    primary = data.get("primary", train is not None)
+    if not isinstance(primary, bool):
+        raise BadInput(f"{where}.primary: must be true or false")
+    same_vm = data.get("same_vm_as")
+    return Role(
+        name=role_name,
+        gpus=gpus,
+        nodes=nodes,
+        command=command,
+        train=train,
+        env=_env(data.get("env", {}), f"{where}.env"),
+        ports=ports,
+        ready=ready,
+        depends_on=depends_on,
+        primary=primary,
+        same_vm_as=None if same_vm is None else _name(same_vm, f"{where}.same_vm_as"),
+    )
+
+
+def _with_primary(roles: list[Role]) -> list[Role]:
+    """A job needs a primary role (its end is the job's end); a lone role always is one."""
+    if len(roles) == 1 and not roles[0].primary:
+        from dataclasses import replace
+
+        return [replace(roles[0], primary=True)]
+    if not any(r.primary for r in roles):
+        raise BadInput("roles: no primary role (mark the role whose end ends the job primary)")
+    return roles
+
+
+def _check_references(roles: list[Role]) -> None:
+    """Every `depends_on` and `same_vm_as` names another role of the job."""
+    names = {r.name for r in roles}
+    for role in roles:
+        for i, dep in enumerate(role.depends_on):
+            if dep not in names or dep == role.name:
+                raise BadInput(f"roles.{role.name}.depends_on[{i}]: no other role {dep}")
+        if role.same_vm_as is not None:
+            if role.same_vm_as not in names or role.same_vm_as == role.name:
+                raise BadInput(f"roles.{role.name}.same_vm_as: no other role {role.same_vm_as}")
+            if role.nodes != 1:
+                raise BadInput(f"roles.{role.name}.same_vm_as: only for a one-node role")
+        if role.nodes > 1 and len(roles) > 1:
+            raise BadInput(f"roles.{role.name}.nodes: several nodes only in a one-role job")
+    seen: dict[str, str] = {addr_variable(r.name): f"roles.{r.name}" for r in roles}
+    for role in roles:
+        for i, port in enumerate(role.ports):
+            variable, where = port_variable(role.name, port), f"roles.{role.name}.ports[{i}]"
+            if variable in seen:
+                raise BadInput(f"{where}: {variable} would also name {seen[variable]}")
+            seen[variable] = where
+
+
+def _start_order(roles: list[Role]) -> tuple[str, ...]:
+    """Roles in dependency order (Kahn's algorithm, file order among equals); a cycle is
+    `BadInput` naming a role on it."""
+    waiting = {r.name: set(r.depends_on) for r in roles}
+    order: list[str] = []
+    while waiting:
+        ready = [name for name, deps in waiting.items() if not deps]
+        if not ready:
+            stuck = sorted(waiting)[0]
+            raise BadInput(f"roles.{stuck}.depends_on: a dependency cycle")
+        for name in ready:
+            order.append(name)
+            del waiting[name]
+        for deps in waiting.values():
+            deps.difference_update(ready)
+    return tuple(order)
+
+
+def port_variable(role: str, port: str) -> str:
+    """The variable that carries a role's port to every role: `RLFLEET_<ROLE>_<PORT>`."""
+    return f"RLFLEET_{role.upper()}_{port.upper()}"
+
+
+def addr_variable(role: str) -> str:
+    """The variable that carries a role's internal address: `RLFLEET_<ROLE>_ADDR`."""
+    return f"RLFLEET_{role.upper()}_ADDR"

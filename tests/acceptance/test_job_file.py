@@ -1,0 +1,96 @@
+"""`rlfleet job submit -f job.yaml`: the real CLI as a subprocess, real Postgres and NATS. A
+bad file is exit 2 with one line naming the field and inserts nothing; a good one-role file
+is the job its flags would give."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from tests.acceptance.test_cli import snapshot
+from tests.acceptance.test_cli_input import add_polled_vm, assert_one_line, env, rlfleet
+
+__all__ = ["env"]
+
+ONE_ROLE = """
+name: from-a-file
+priority: 5
+max_retries: 1
+roles:
+  trainer:
+    gpus: 2
+    train:
+      model: Qwen/Qwen2.5-0.5B-Instruct
+      dataset: data/train.jsonl
+      reward_functions: [correctness, format]
+      args: [--max_steps, 7]
+    env: {WANDB_MODE: offline}
+"""
+
+
+def write(tmp_path: pathlib.Path, text: str | bytes) -> str:
+    """The spec file of a test."""
+    path = tmp_path / "job.yaml"
+    path.write_bytes(text.encode() if isinstance(text, str) else text)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_a_one_role_file_is_the_job_its_flags_give(
+    env: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    add_polled_vm(env, "gpu-1", 2)
+    submitted = rlfleet(env, "job", "submit", "-f", write(tmp_path, ONE_ROLE), "--json")
+    assert submitted.returncode == 0 and submitted.stderr == "", submitted.stderr
+    job_id = str(json.loads(submitted.stdout)["id"])
+    shown = json.loads(rlfleet(env, "job", "show", job_id, "--json", "--no-progress").stdout)
+    assert (shown["name"], shown["gpus"], shown["max_retries"]) == ("from-a-file", 2, 1)
+    assert shown["model"] == "Qwen/Qwen2.5-0.5B-Instruct" and shown["dataset"] == "data/train.jsonl"
+    assert shown["reward_function"] == "correctness,format"
+    assert shown["extra_args"] == ["--max_steps", "7"] and shown["env_keys"] == ["WANDB_MODE"]
+
+
+BAD_FILES = [
+    (ONE_ROLE.replace("gpus: 2", "gpus: 65"), "roles.trainer.gpus: must be an integer 1..64"),
+    (ONE_ROLE.replace("gpus: 2", "gpus: 99999999999999999999999"), "roles.trainer.gpus:"),
+    (
+        ONE_ROLE.replace("    gpus: 2", "    gpus: 2\n    colour: red"),
+        "roles.trainer.colour: unknown key",
+    ),
+    (ONE_ROLE.replace("trainer:", "Trainer:"), "roles.Trainer: Trainer is not a name"),
+    (b"roles: {a: {command: [\xff]}}", "not valid UTF-8"),
+    (
+        "roles:\n  a: {command: [x], depends_on: [b], primary: true}\n"
+        "  b: {command: [y], depends_on: [a]}\n",
+        "roles.a.depends_on: a dependency cycle",
+    ),
+    (
+        "roles:\n  srv: {command: [x], ports: [http]}\n  t: {command: [y], primary: true}\n",
+        "groups of several roles and command roles are validated but not launched yet",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), BAD_FILES)
+@pytest.mark.slow
+def test_a_bad_file_is_exit_2_one_line_and_inserts_nothing(
+    env: dict[str, str], tmp_path: pathlib.Path, text: str | bytes, message: str
+) -> None:
+    before = snapshot(env["RLFLEET_DATABASE_URL"])
+    result = rlfleet(env, "job", "submit", "-f", write(tmp_path, text))
+    assert_one_line(result, 2, message)
+    assert snapshot(env["RLFLEET_DATABASE_URL"]) == before
+
+
+@pytest.mark.slow
+def test_flags_a_file_gives_are_refused_beside_it(
+    env: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    path = write(tmp_path, ONE_ROLE)
+    assert_one_line(
+        rlfleet(env, "job", "submit", "-f", path, "--gpus", "1"), 2, "give gpus in the file"
+    )
+    assert_one_line(rlfleet(env, "job", "submit", "-f", path, "--", "--x"), 2, "train arguments")
+    assert_one_line(rlfleet(env, "job", "submit", "--model", "m"), 2, "missing option --dataset")

@@ -1,0 +1,247 @@
+"""Job spec files: the whole file is validated, and every error is one line naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.errors import BadInput
+from scheduler.jobspec import load_file, parse_data, parse_text
+
+GROUP = b"""
+name: grpo-with-reward
+max_retries: 2
+roles:
+  trainer:
+    gpus: 2
+    train:
+      model: Qwen/Qwen2.5-0.5B-Instruct
+      dataset: openai/gsm8k
+      reward_functions: [rewards.http:remote_score, format]
+      args: ["--max_steps", 50]
+    depends_on: [reward]
+    same_vm_as: reward
+    env: {WANDB_MODE: offline}
+  reward:
+    command: python examples/reward_server.py --port "$PORT"
+    ports: [http]
+    ready: {http: /health, timeout: 30}
+"""
+
+
+def test_a_group_file_is_read_whole_with_its_defaults() -> None:
+    spec = parse_text(GROUP)
+    assert spec.name == "grpo-with-reward" and spec.max_retries == 2 and spec.priority == 0
+    assert spec.start_order() == ("reward", "trainer")
+    trainer, reward = spec.role("trainer"), spec.role("reward")
+    assert trainer.primary and not reward.primary  # the training role is primary by default
+    assert trainer.gpus == 2 and reward.gpus == 0
+    assert trainer.train is not None and trainer.train.args == ("--max_steps", "50")
+    assert trainer.train.reward_functions == ("rewards.http:remote_score", "format")
+    # A command string is split into words, never given to a shell.
+    assert reward.command == ("python", "examples/reward_server.py", "--port", "$PORT")
+    assert reward.ready is not None and reward.ready.port == "http"
+    assert reward.ready.path == "/health" and reward.ready.timeout_s == 30
+    assert [r["name"] for r in spec.to_json()] == ["reward", "trainer"]
+    # Env values are secrets: the stored roles keep their names only.
+    assert spec.to_json()[1]["env_keys"] == ["WANDB_MODE"] and "offline" not in str(spec.to_json())
+
+
+def test_a_lone_command_role_is_primary() -> None:
+    spec = parse_data({"roles": {"job": {"command": ["python", "x.py"], "gpus": 1}}})
+    assert spec.roles[0].primary
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"roles": {"vllm": {"command": ["x"], "gpus": 65}}},
+            "roles.vllm.gpus: must be an integer 0..64",
+        ),
+        (
+            {"roles": {"vllm": {"command": ["x"], "gpus": 10**100}}},
+            "roles.vllm.gpus: must be an integer",
+        ),
+        (
+            {"roles": {"vllm": {"command": ["x"], "gpus": True}}},
+            "roles.vllm.gpus: must be an integer",
+        ),
+        (
+            {
+                "roles": {
+                    "t": {
+                        "train": {"model": "m", "dataset": "d", "reward_functions": "r"},
+                        "gpus": 0,
+                    }
+                }
+            },
+            "roles.t.gpus: must be an integer 1..64",
+        ),
+        ({"roles": {"Bad": {"command": ["x"]}}}, "roles.Bad: Bad is not a name"),
+        ({"roles": {"a": {"command": ["x"], "colour": 1}}}, "roles.a.colour: unknown key"),
+        ({"roles": {"a": {"command": ["x"]}}, "extra": 1}, "job file.extra: unknown key"),
+        (
+            {"roles": {"a": {"command": ["x"], "train": {}}}},
+            "roles.a: give exactly one of command or train",
+        ),
+        ({"roles": {"a": {}}}, "roles.a: give exactly one of command or train"),
+        ({"roles": {}}, "roles: at least one role is needed"),
+        ({"roles": {"a": {"command": []}}}, "roles.a.command: must not be empty"),
+        ({"roles": {"a": {"command": "x 'unclosed"}}}, "roles.a.command: cannot split it"),
+        (
+            {"roles": {"a": {"command": ["x"], "ports": ["HTTP"]}}},
+            "roles.a.ports[0]: HTTP is not a name",
+        ),
+        (
+            {"roles": {"a": {"command": ["x"], "ports": ["p", "p"]}}},
+            "roles.a.ports: a port name is given twice",
+        ),
+        (
+            {"roles": {"a": {"command": ["x"], "ready": {"http": "/h"}}}},
+            "roles.a.ready: the role has no ports",
+        ),
+        (
+            {"roles": {"a": {"command": ["x"], "ports": ["p"], "ready": {"tcp": "q"}}}},
+            "roles.a.ready: q is not one of",
+        ),
+        (
+            {"roles": {"a": {"command": ["x"], "ports": ["p"], "ready": {"http": "h"}}}},
+            "roles.a.ready.http: must be a path",
+        ),
+        (
+            {
+                "roles": {
+                    "a": {"command": ["x"], "ports": ["p"], "ready": {"tcp": "p", "timeout": 0}}
+                }
+            },
+            "roles.a.ready.timeout: must be an integer 1..3600",
+        ),
+        (
+            {"roles": {"a": {"command": ["x"], "depends_on": ["b"]}}},
+            "roles.a.depends_on[0]: no other role b",
+        ),
+        (
+            {"roles": {"a": {"command": ["x"], "same_vm_as": "a"}}},
+            "roles.a.same_vm_as: no other role a",
+        ),
+        (
+            {
+                "roles": {
+                    "a": {"command": ["x"], "depends_on": ["b"], "primary": True},
+                    "b": {"command": ["y"], "depends_on": ["a"]},
+                }
+            },
+            "roles.a.depends_on: a dependency cycle",
+        ),
+        ({"roles": {"a": {"command": ["x"]}, "b": {"command": ["y"]}}}, "roles: no primary role"),
+        ({"roles": {"a": {"command": ["x"], "env": {"RLFLEET_X": "1"}}}}, "roles.a.env.RLFLEET_X:"),
+        (
+            {"roles": {"a": {"command": ["x"], "env": {"K": "a\nb"}}}},
+            "roles.a.env.K: the value must be one line",
+        ),
+        (
+            {"roles": {"a": {"command": ["x"], "primary": "yes"}}},
+            "roles.a.primary: must be true or false",
+        ),
+        (
+            {
+                "roles": {
+                    "a": {"command": ["x"], "ports": ["b_c"], "primary": True},
+                    "a_b": {"command": ["y"], "ports": ["c"]},
+                }
+            },
+            "roles.a_b.ports[0]: RLFLEET_A_B_C would also name roles.a.ports[0]",
+        ),
+        (
+            {"roles": {"a": {"command": ["x"], "ports": ["addr"]}}},
+            "roles.a.ports[0]: RLFLEET_A_ADDR would also name roles.a",
+        ),
+        (
+            {
+                "roles": {
+                    "a": {"train": {"model": "m", "dataset": "d", "reward_functions": ["x,y"]}}
+                }
+            },
+            "roles.a.train.reward_functions[0]: must not contain a comma",
+        ),
+        (
+            {
+                "roles": {
+                    "a": {
+                        "train": {
+                            "model": "m",
+                            "dataset": "d",
+                            "reward_functions": ["r"],
+                            "args": ["--model", "x"],
+                        }
+                    }
+                }
+            },
+            "roles.a.train.args: --model in args sets --model",
+        ),
+        (
+            {"roles": {"a": {"train": {"model": "m", "reward_functions": ["r"]}}}},
+            "roles.a.train.dataset: required",
+        ),
+        (
+            {"roles": {"a": {"command": ["x"]}}, "max_retries": 1001},
+            "max_retries: must be an integer 0..1000",
+        ),
+        ({"roles": {"a": {"command": ["x\udcff"]}}}, "roles.a.command[0]: is not valid UTF-8"),
+        (
+            {
+                "roles": {
+                    "a": {"command": ["x"], "nodes": 2, "primary": True},
+                    "b": {"command": ["y"]},
+                }
+            },
+            "roles.a.nodes: several nodes only in a one-role job",
+        ),
+        ("just text", "job file: must be a mapping"),
+    ],
+)
+def test_errors_name_the_field(data: object, message: str) -> None:
+    with pytest.raises(BadInput) as caught:
+        parse_data(data)
+    assert str(caught.value).startswith(message), str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"roles: {a: {command: [\xff]}}", "job file: not valid UTF-8"),
+        (b"roles: [unclosed", "job file: line 1: not valid YAML"),
+        (b"a: &x [1]\nroles: *x\n", "job file: YAML aliases"),
+        (
+            b"roles:\n  a: !!python/object/apply:os.system [echo hi]\n",
+            "job file: line 2: not valid YAML",
+        ),
+    ],
+)
+def test_bad_files_are_one_line(raw: bytes, message: str) -> None:
+    with pytest.raises(BadInput) as caught:
+        parse_text(raw)
+    assert str(caught.value).startswith(message), str(caught.value)
+
+
+def test_an_unreadable_or_huge_file_is_refused(tmp_path: object) -> None:
+    import pathlib
+
+    base = pathlib.Path(str(tmp_path))
+    with pytest.raises(BadInput, match="cannot read it"):
+        load_file(str(base / "missing.yaml"))
+    big = base / "big.yaml"
+    big.write_bytes(b"#" * (2 << 20))
+    with pytest.raises(BadInput, match="larger than"):
+        load_file(str(big))
+
+
+def test_the_readme_example_is_a_valid_file() -> None:
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("### Job spec files", 1)[1]
+    example = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    spec = parse_text(example.encode())
+    assert spec.name == "gsm8k-grpo" and spec.role("trainer").gpus == 2
