@@ -83,6 +83,34 @@ def launch_error_line(log_tail: str) -> str:
     return line if len(line) <= 300 else line[:80] + " … " + line[-217:]
 
 
+_ROOT_CAUSE = re.compile(
+    r"Root Cause \(first observed failure\):.*?exitcode\s*:\s*(-?\d{1,4})\b", re.DOTALL
+)
+"""The first failed process's exit code in torch's launcher report at the end of the log."""
+
+
+def launcher_exit(exit_code: int | None, log_tail: str = "") -> int | None:
+    """The exit code an attempt ended with, as the training meant it.
+
+    Several processes (`accelerate launch`, torchrun underneath) exit 1 whenever one of them
+    fails, and name the first failure's own code in the report that ends the log ("Root
+    Cause (first observed failure): … exitcode : 64"). That code is the attempt's, so that
+    a bad argument is still a config error (never retried) and 75 still retryable; a
+    process killed by signal N (reported as -N) is 128+N. Anything else is kept as it is:
+    a VM fault (126/127) comes from the wrapper's own check, never from a process."""
+    if exit_code != 1:
+        return exit_code
+    found = _ROOT_CAUSE.search(log_tail)
+    if found is None:
+        return exit_code
+    code = int(found.group(1))
+    if code < 0:
+        code = 128 - code
+    if not 1 < code < 256 or code in VM_FAULT_EXITS:
+        return exit_code
+    return code
+
+
 _SHELL_PREFIX = re.compile(r"\S*/launch\.sh: (?:line )?\d+: ")
 """How sh starts its own error lines (`/home/u/.rlfleet/…/launch.sh: 61: `): noise."""
 
@@ -103,16 +131,18 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
             fenced_reason(job.attempt, state.fenced),
         )
     if state.state == "exited":
-        failure = classify_failure(state.exit_code, state.log_tail)
+        code = launcher_exit(state.exit_code, state.log_tail)
+        failure = classify_failure(code, state.log_tail)
         if failure is None:
             return JobVerdict(job, JobStatus.COMPLETED, 0, None, "exited 0")
         if failure == FailureReason.LAUNCH_FAILED:
             line = launch_error_line(state.log_tail)
-            why = f"{failure.value}: exit {state.exit_code}: {line}"
-            return JobVerdict(job, JobStatus.FAILED, state.exit_code, failure, why, line)
-        return JobVerdict(
-            job, JobStatus.FAILED, state.exit_code, failure, f"exited {state.exit_code}"
-        )
+            why = f"{failure.value}: exit {code}: {line}"
+            return JobVerdict(job, JobStatus.FAILED, code, failure, why, line)
+        how = f"exited {code}"
+        if code != state.exit_code:
+            how = f"exited {state.exit_code}: its first failed process exited {code}"
+        return JobVerdict(job, JobStatus.FAILED, code, failure, how)
     why = "no pid file" if state.state == "unknown" else "process gone without an exit code"
     return JobVerdict(job, JobStatus.FAILED, None, FailureReason.VANISHED, why)
 

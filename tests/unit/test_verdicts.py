@@ -97,3 +97,62 @@ def test_a_broken_vms_reason_keeps_why_whatever_the_path_in_front() -> None:
     assert line.startswith("rlfleet: training cannot start on this VM (exit 126): ")
     assert line.endswith("/python: Permission denied") and "launch.sh" not in line
     assert len(line) <= 300
+
+
+# The end of a log where torch's launcher (under `accelerate launch`) reports that one of
+# its two processes exited 64 and it stopped the other, as torch 2.13 prints it.
+LAUNCHER_REPORT = """torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+training/train_grpo.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-22_22:51:18
+  host      : gpu-1
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 8509)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 8509
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_22:51:18
+  host      : gpu-1
+  rank      : 1 (local_rank: 1)
+  exitcode  : {code} (pid: 8510)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "first", "counted", "reason"),
+    [
+        (1, "64", 64, FailureReason.CONFIG_ERROR),
+        (1, "75", 75, FailureReason.OOM),
+        (1, "3", 3, FailureReason.EXIT_NONZERO),
+        (1, "-9", 137, FailureReason.KILLED),
+        # A process's 127 is not the VM's fault: only the wrapper's own check says that.
+        (1, "127", 1, FailureReason.EXIT_NONZERO),
+        (1, "99999", 1, FailureReason.EXIT_NONZERO),
+        # Only the launcher's own exit 1 is read through: the wrapper's codes stand.
+        (143, "64", 143, FailureReason.KILLED),
+    ],
+)
+def test_a_launchers_exit_1_counts_as_its_first_failed_process(
+    exit_code: int, first: str, counted: int, reason: FailureReason
+) -> None:
+    tail = LAUNCHER_REPORT.replace("{code}", first)
+    verdict = job_verdict(
+        LiveJob(7, 1, "running", 2, 4242), RemoteJobState("exited", exit_code, tail)
+    )
+    assert verdict is not None and verdict.to == JobStatus.FAILED
+    assert (verdict.exit_code, verdict.failure_reason) == (counted, reason)
+
+
+def test_a_plain_exit_1_stays_1() -> None:
+    verdict = job_verdict(
+        LiveJob(7, 1, "running", 2, 4242), RemoteJobState("exited", 1, "Traceback …\nValueError")
+    )
+    assert verdict is not None and (verdict.exit_code, verdict.reason) == (1, "exited 1")
