@@ -303,7 +303,8 @@ def entry_words(
     `accelerate launch --num_processes N` in front. A rank of a multi-node job always
     starts through accelerate's multi-process launcher (torchrun underneath, which gives
     every process its RANK and WORLD_SIZE; on a VM without CUDA torch then uses gloo on the
-    CPU), with `--num_machines`, `--machine_rank` and rank 0's address and port.
+    CPU), with `--num_machines`, `--machine_rank` and rank 0's address and port;
+    `--multi_gpu` is needed on CPUs too (without it accelerate starts one rank-less process).
     """
     words = [shlex.quote(python)]
     if node is not None:
@@ -314,6 +315,9 @@ def entry_words(
             "--main_process_ip", shlex.quote(node.addrs[0]),
             "--main_process_port", str(int(node.master_port)),
             "--num_processes", str(int(node.num_nodes) * int(num_gpus)),
+            # accelerate's defaults, passed so that a stray accelerate config file on one
+            # VM cannot make its rank differ from the others (training/README.md).
+            "--mixed_precision", "no", "--dynamo_backend", "no",
         ]  # fmt: skip
     elif num_gpus > 1:
         words += ["-m", "accelerate.commands.launch", "--num_processes", str(int(num_gpus))]

@@ -88,6 +88,7 @@ def test_a_rank_starts_through_accelerate_with_the_rendezvous() -> None:
     line = " ".join(words)
     assert "--num_machines 2 --machine_rank 1" in line
     assert "--main_process_ip 10.0.0.1 --main_process_port 41234 --num_processes 4" in line
+    assert "--multi_gpu" in words and "--mixed_precision no --dynamo_backend no" in line
     script = wrapper_script(_spec(1, 2))
     assert "export RLFLEET_NODE_RANK=1 RLFLEET_NUM_NODES=2 RLFLEET_GPUS_PER_NODE=2" in script
     assert f"export RLFLEET_NODE_ADDRS={shlex.quote('10.0.0.1,10.0.0.2 ;rm -rf /')}" in script

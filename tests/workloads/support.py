@@ -35,7 +35,8 @@ def write_fake_python(folder: Path) -> str:
     """A stand-in VM interpreter that runs `-m accelerate.commands.launch --num_processes N
     SCRIPT …` as one cheap `python SCRIPT …` (exporting N), so that tests with many
     multi-GPU jobs do not pay for importing torch; a rank of a multi-node job
-    (`--multi_gpu --num_machines K … --num_processes N SCRIPT`) likewise. Anything else runs
+    (`--multi_gpu --num_machines K … --num_processes N [--mixed_precision no --dynamo_backend
+    no] SCRIPT`) likewise. Anything else runs
     unchanged."""
     path = folder / "fake-python"
     path.write_text(
@@ -46,6 +47,7 @@ def write_fake_python(folder: Path) -> str:
         'elif [ "$1" = "-m" ] && [ "$2" = "accelerate.commands.launch" ] '
         '&& [ "$3" = "--multi_gpu" ] && [ "${12}" = "--num_processes" ]; then\n'
         '  RLFLEET_FAKE_NUM_PROCESSES="${13}"; export RLFLEET_FAKE_NUM_PROCESSES; shift 13\n'
+        '  if [ "$1" = "--mixed_precision" ] && [ "$3" = "--dynamo_backend" ]; then shift 4; fi\n'
         "fi\n"
         f'exec {sys.executable} -S "$@"\n'
     )
