@@ -16,7 +16,6 @@ from pathlib import Path
 import nats as nats_client
 import pytest
 
-import training.trainer
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
@@ -36,18 +35,6 @@ NOT_ONE_GROUP = "parallel_mode != ParallelMode.DISTRIBUTED"
 it then trains alone, as rank 0."""
 
 
-@pytest.mark.xfail(
-    not hasattr(training.trainer, "node_count"),
-    strict=True,
-    reason=(
-        "training/ of this branch does not set use_cpu on a machine without CUDA: under "
-        "`accelerate launch --multi_gpu` on CPUs each process warns 'torch.distributed "
-        "process group is initialized, but parallel_mode != ParallelMode.DISTRIBUTED' and "
-        "trains alone as rank 0, and rank 1 prints 'model saved to <its output dir>'; the "
-        "fix (use_cpu, save_on_each_node, the rank-0-only summary) is on the training "
-        "branch (training/trainer.py, node_count)"
-    ),
-)
 async def test_train_grpo_runs_as_one_run_across_two_vms(
     sim_fleet: FleetFactory,
     db: Database,
