@@ -110,11 +110,29 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
             line = launch_error_line(state.log_tail)
             why = f"{failure.value}: exit {state.exit_code}: {line}"
             return JobVerdict(job, JobStatus.FAILED, state.exit_code, failure, why, line)
-        return JobVerdict(
-            job, JobStatus.FAILED, state.exit_code, failure, f"exited {state.exit_code}"
-        )
+        why = f"exited {state.exit_code}"
+        group_line = group_failure_line(state.log_tail)
+        if group_line:
+            why = f"{why}: {group_line}"
+        return JobVerdict(job, JobStatus.FAILED, state.exit_code, failure, why)
     why = "no pid file" if state.state == "unknown" else "process gone without an exit code"
     return JobVerdict(job, JobStatus.FAILED, None, FailureReason.VANISHED, why)
+
+
+_GROUP_WHY = re.compile(
+    r"^rlfleet-group: (role \S+ (?:not ready after \d+s|failed \(exit -?\d+\)|cannot start: .*"
+    r"|exited while a primary role runs))"
+)
+
+
+def group_failure_line(log_tail: str) -> str | None:
+    """Why a job group's supervisor stopped the group, from the end of its log (the first
+    such line: the cause, not the roles it stopped after it), cut to 300 characters."""
+    for line in log_tail.splitlines():
+        match = _GROUP_WHY.match(line.strip())
+        if match:
+            return match.group(1).split("; stopping")[0][:300]
+    return None
 
 
 def fenced_reason(attempt: int, why: str) -> str:

@@ -68,7 +68,7 @@ BAD_FILES = [
     ),
     (
         "roles:\n  srv: {command: [x], ports: [http]}\n  t: {command: [y], primary: true}\n",
-        "groups of several roles and command roles are validated but not launched yet",
+        "roles: a job needs at least one GPU",
     ),
 ]
 
