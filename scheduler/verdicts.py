@@ -135,6 +135,16 @@ def group_failure_line(log_tail: str) -> str | None:
     return None
 
 
+_GROUP_DETAIL = re.compile(r"^exited -?\d+: (role \S+ .*)$")
+
+
+def group_reason_detail(reason: str | None) -> str | None:
+    """The role part of a failed job group's reason (`exited 94: role reward not ready
+    after 120s` → `role reward not ready after 120s`), or None."""
+    match = _GROUP_DETAIL.match(reason or "")
+    return match.group(1) if match else None
+
+
 def fenced_reason(attempt: int, why: str) -> str:
     """The event reason of an attempt its watchdog fenced off. It starts with `node_lost`
     so that it counts towards the job's lost-node limit like any other lost node."""

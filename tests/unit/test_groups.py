@@ -325,3 +325,19 @@ def test_a_stopped_supervisor_stops_every_role(tmp_path: Path) -> None:
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 143, out
     assert not alive(client) and not alive(server)
+
+
+def test_a_failed_groups_reason_keeps_the_role_and_why() -> None:
+    """The poller's reason names the role (from the supervisor's line); the retry step keeps
+    that part when it rewrites the status reason."""
+    from scheduler.remote import RemoteJobState
+    from scheduler.verdicts import LiveJob, group_reason_detail, job_verdict
+
+    tail = "rlfleet-group: role srv started, pid 9\nrlfleet-group: role srv not ready after 120s\n"
+    verdict = job_verdict(LiveJob(1, 1, "running", 1, 42), RemoteJobState("exited", 94, tail))
+    assert verdict is not None and verdict.reason == "exited 94: role srv not ready after 120s"
+    assert group_reason_detail(verdict.reason) == "role srv not ready after 120s"
+    assert group_reason_detail("exited 1") is None
+    assert group_failure_line("rlfleet-group: role t failed (exit 3); stopping the group") == (
+        "role t failed (exit 3)"
+    )
