@@ -293,3 +293,84 @@ async def test_a_server_never_ready_fails_the_attempt_with_the_reason(
     assert not (Path(job.attempt_dir or "") / "trainer.log").exists()  # never started
     await nothing_left(fleet)
     await no_gpu_or_port_held(db)
+
+
+def write_vllm_python(folder: Path) -> str:
+    """A VM interpreter on which `-m trl.cli.main …` runs the vLLM stand-in
+    (tests/workloads/fake_vllm.py, which is not vLLM); anything else runs unchanged."""
+    fake = ROOT / "tests" / "workloads" / "fake_vllm.py"
+    path = folder / "vllm-python"
+    path.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "-m" ] && [ "$2" = "trl.cli.main" ]; then shift 2;'
+        f' exec {sys.executable} {fake} "$@"; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    path.chmod(0o755)
+    return str(path)
+
+
+async def test_vllm_server_mode_starts_the_server_then_the_trainer_with_its_address(
+    sim_fleet: FleetFactory,
+    db: Database,
+    nats: EmbeddedNats,
+    transport: Transport,
+    tmp_path: Path,
+) -> None:
+    """`--vllm-server-gpus 1` beside a one-GPU trainer on a two-GPU VM: the `vllm` role
+    (a stand-in answering /health, not vLLM) gets `trl vllm-serve` with the model, the
+    VM's address, its port and one GPU; the trainer starts after it answers, on the other
+    GPU, in server mode with the same address and ports; the job completes and the server
+    is stopped."""
+    from scheduler.cli.job import with_vllm_server
+    from scheduler.jobs import JobSpec
+
+    fleet = await sim_fleet(1, gpus_per_vm=2)
+    await fleet.register(db, python=write_vllm_python(tmp_path))
+    poller = GpuPoller(db, transport, unreachable_after=1)
+    await poller.sweep()
+    spec = with_vllm_server(
+        JobSpec(model="Qwen/Qwen2.5-0.5B", dataset="d.jsonl", reward_functions=("format",)), 1
+    )
+    job_id = await new_job(
+        db,
+        spec.gpus,
+        roles=spec.roles,
+        model=spec.model,
+        dataset=spec.dataset,
+        reward_functions=spec.reward_functions,
+    )
+    nc = await nats_client.connect(nats.url)
+    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
+    try:
+        async with running_dispatcher(db, nats.url, transport=transport):
+            await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
+    finally:
+        await nc.close()
+    folder = Path((await job_row(db, job_id)).attempt_dir or "")
+    line = next(
+        x for x in (folder / "vllm.log").read_text().splitlines() if x.startswith("fake_vllm: ")
+    )
+    server = json.loads(line.split(": ", 1)[1])
+    port = server["argv"][server["argv"].index("--port") + 1]
+    assert server["argv"] == [
+        "vllm-serve", "--model", "Qwen/Qwen2.5-0.5B", "--host", "127.0.0.1", "--port", port,
+        "--tensor_parallel_size", "1",
+    ]  # fmt: skip
+    assert server["role"] == "vllm" and server["gpus"] == fleet[0].gpu_uuids[0]
+    trainer = (folder / "trainer.log").read_text()
+    args = trainer.split("fake_train: args=", 1)[1].splitlines()[0]
+    expected = [
+        "--use_vllm", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1",
+        "--vllm_server_port", port, "--vllm_group_port", server["nccl"],
+    ]  # fmt: skip
+    assert args.endswith(repr(expected)[1:]), args
+    assert f"CUDA_VISIBLE_DEVICES={fleet[0].gpu_uuids[1]}" in trainer
+    train_log = (folder / "train.log").read_text()
+    lines = train_log.splitlines()
+    assert lines.index("rlfleet-group: role vllm ready") < next(
+        i for i, x in enumerate(lines) if x.startswith("rlfleet-group: role trainer started")
+    )
+    assert not alive(role_pid(train_log, "vllm"))
+    await nothing_left(fleet)
+    await no_gpu_or_port_held(db)
