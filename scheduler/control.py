@@ -151,7 +151,37 @@ async def job_details(
     data["progress"], data["progress_error"] = None, None
     if transport is not None and place.attempt > 0 and place.target is not None:
         data["progress"], data["progress_error"] = await read_progress(transport, place)
+        if data.get("roles") and place.run is not None and place.run.attempt == job.attempt:
+            merge_role_states(data["roles"], await read_role_states(transport, place))
     return data
+
+
+ROLE_STATES = frozenset({"waiting", "running", "exited", "stopped"})
+
+
+async def read_role_states(transport: Transport, place: JobPlace) -> dict[str, Any]:
+    """The group supervisor's `roles.json` of the current attempt ({} when unreadable)."""
+    assert place.run is not None
+    try:
+        text = await _read(transport, place, place.run, "roles.json", 0, PROGRESS_TIMEOUT_S)
+        data = json.loads(text) if text else {}
+    except (ServiceUnavailable, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def merge_role_states(roles: list[dict[str, Any]], seen: dict[str, Any]) -> None:
+    """Put each role's pid, state and exit code, as its supervisor wrote them, into `job
+    show`'s roles; values that are not what the supervisor writes are ignored."""
+    for role in roles:
+        entry = seen.get(role["name"])
+        if not isinstance(entry, dict) or entry.get("state") not in ROLE_STATES:
+            continue
+        role["state"] = entry["state"]
+        for key in ("pid", "exit_code"):
+            value = entry.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and -1 < value < 2**31:
+                role[key] = value
 
 
 @dataclass(frozen=True)

@@ -390,7 +390,8 @@ def ranks_to_dicts(job: Job) -> list[dict[str, Any]]:
 def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
     """A job group's roles (empty for a job of one training role): each one's VM (the
     group's), GPUs (its slice of the claim), ports this attempt got, the pid of the
-    group's supervisor and the state. `job.ports` must be loaded."""
+    group's supervisor and a state from the job's (`control.job_details` puts in each
+    role's own pid, state and exit code, read from the VM). `job.ports` must be loaded."""
     from scheduler.errors import BadInput
     from scheduler.jobspec import parse_data
 
@@ -420,6 +421,8 @@ def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
                 "gpu_uuids": uuids[take] if claimed else [],
                 "ports": {name: ports.get((role.name, name)) for name in role.ports},
                 "supervisor_pid": job.remote_pid,
+                "pid": None,
+                "exit_code": None,
                 "state": rank_state(job.status, job.exit_code, job.remote_pid)
                 if claimed
                 else job.status,

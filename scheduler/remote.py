@@ -798,7 +798,9 @@ def parse_kill(stdout: str) -> str | None:
     return None
 
 
-ATTEMPT_FILES = frozenset({"train.log", "progress.json", "pid", "exit_code", "launch.sh"})
+ATTEMPT_FILES = frozenset(
+    {"train.log", "progress.json", "pid", "exit_code", "launch.sh", "roles.json"}
+)
 _ROLE_LOG = re.compile(r"[a-z][a-z0-9_]{0,31}\.log")
 """`<role>.log`: the output of one role of a job group (role names as `jobspec.NAME_RE`)."""
 

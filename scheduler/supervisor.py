@@ -42,6 +42,8 @@ CANNOT_START_EXIT = 64
 EARLY_SERVICE_EXIT = 1
 """A non-primary role exited 0 while a primary still ran: a failure of the group."""
 MARK = "rlfleet-group:"
+ROLES_FILE = "roles.json"
+"""Each role's pid, state (`waiting`, `running`, `exited`, `stopped`) and exit code."""
 POLL_S = 0.2
 
 
@@ -72,6 +74,23 @@ class Group:
         self.codes: dict[str, int] = {}
         self.started_at: dict[str, float] = {}
         self.signalled: int | None = None
+        self.states: dict[str, dict[str, Any]] = {
+            r["name"]: {"pid": None, "state": "waiting", "exit_code": None} for r in self.roles
+        }
+        self.write_states()
+
+    def note(self, name: str, **fields: Any) -> None:
+        """Record what a role is doing now in `roles.json` (what `job show` prints)."""
+        self.states[name].update(fields)
+        self.write_states()
+
+    def write_states(self) -> None:
+        """`roles.json`, atomically: each role's pid, state and exit code."""
+        path = os.path.join(self.directory, ROLES_FILE)
+        with contextlib.suppress(OSError):  # only informational: the group runs on
+            with open(path + ".tmp", "w", encoding="utf-8") as handle:
+                json.dump(self.states, handle)
+            os.replace(path + ".tmp", path)
 
     # -- starting -------------------------------------------------------------------------
 
@@ -105,6 +124,7 @@ class Group:
                 raise Stop(CANNOT_START_EXIT) from None
         self.procs[name] = proc
         self.started_at[name] = time.monotonic()
+        self.note(name, pid=proc.pid, state="running")
         say(f"role {name} started, pid {proc.pid}")
 
     def wait_ready(self, name: str) -> None:
@@ -140,6 +160,7 @@ class Group:
                 continue
             code = 128 - code if code < 0 else code  # killed by a signal: 128 + N
             self.codes[name] = code
+            self.note(name, state="exited", exit_code=code)
             say(f"role {name} exited with {code}")
             role = self.role(name)
             if code != 0:
@@ -173,6 +194,8 @@ class Group:
             signal_group(proc.pid, signal.SIGKILL)
             if proc.poll() is None:
                 proc.wait()
+            code = proc.returncode
+            self.note(name, state="stopped", exit_code=128 - code if code < 0 else code)
             say(f"role {name} stopped")
         for proc in self.procs.values():
             # A group may outlive its leader (workers it forked): nothing of a role stays.

@@ -405,7 +405,7 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
     if job.get("roles"):
         click.echo("\nroles:")
         echo_table(
-            ["ROLE", "PRIMARY", "VM", "GPUS", "PORTS", "PID", "STATE"],
+            ["ROLE", "PRIMARY", "VM", "GPUS", "PORTS", "PID", "STATE", "EXIT"],
             [
                 (
                     r["name"],
@@ -414,8 +414,9 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
                     ",".join(str(i) for i in r["gpu_indices"]) or "-",
                     ",".join(f"{k}={v if v is not None else '-'}" for k, v in r["ports"].items())
                     or "-",
-                    "-" if r["supervisor_pid"] is None else r["supervisor_pid"],
+                    r["pid"] or "-",
                     r["state"],
+                    "-" if r["exit_code"] is None else r["exit_code"],
                 )
                 for r in job["roles"]
             ],

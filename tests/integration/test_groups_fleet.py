@@ -22,10 +22,10 @@ import nats as nats_client
 import pytest
 from sqlalchemy import select
 
+from scheduler.control import job_details
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
-from scheduler.jobs import show_job
 from scheduler.jobspec import parse_data
 from scheduler.models import GPU, JobEvent, JobPort
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
@@ -154,14 +154,15 @@ async def test_the_trainer_starts_after_readiness_and_its_end_stops_the_server(
     await fleet.register(db)
     poller = GpuPoller(db, transport, unreachable_after=1)
     await poller.sweep()
-    job_id = await new_group(db, group_roles(first_s=1))
+    job_id = await new_group(db, group_roles(first_s=4))
     nc = await nats_client.connect(nats.url)
     requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
     try:
         async with running_dispatcher(db, nats.url, transport=transport):
             await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
-            async with db.transaction() as session:
-                shown = await show_job(session, job_id)
+            folder = Path((await job_row(db, job_id)).attempt_dir or "")
+            await wait_file(folder / "trainer.log", needle="{")
+            shown = await job_details(db, job_id, transport)
             await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
     finally:
         await nc.close()
@@ -183,7 +184,11 @@ async def test_the_trainer_starts_after_readiness_and_its_end_stops_the_server(
     roles = {r["name"]: r for r in shown["roles"]}
     assert roles["reward"]["ports"] == {"http": report["port"]} and not roles["reward"]["primary"]
     assert roles["trainer"]["gpu_uuids"] == [fleet[0].gpu_uuids[0]]
-    assert roles["trainer"]["state"] == "running" and roles["trainer"]["supervisor_pid"]
+    assert roles["reward"]["gpu_uuids"] == [] and roles["trainer"]["supervisor_pid"]
+    # Each role's own pid and state, as its supervisor wrote them on the VM.
+    assert (roles["trainer"]["pid"], roles["trainer"]["state"]) == (report["pid"], "running")
+    assert roles["reward"]["pid"] == role_pid(train_log, "reward")
+    assert roles["reward"]["state"] == "running"
     await nothing_left(fleet)
     await no_gpu_or_port_held(db)
 

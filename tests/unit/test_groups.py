@@ -293,6 +293,10 @@ def test_the_client_starts_after_readiness_and_its_end_stops_the_server(tmp_path
     )
     assert "rlfleet-group: role srv stopped" in lines
     assert not alive(int((tmp_path / "server.pid").read_text()))
+    states = json.loads((tmp_path / "roles.json").read_text())
+    assert states["client"]["state"] == "exited" and states["client"]["exit_code"] == 0
+    assert states["srv"]["state"] == "stopped"
+    assert states["srv"]["pid"] == int((tmp_path / "server.pid").read_text())
 
 
 def test_a_dead_server_stops_the_client_and_fails_with_its_code(tmp_path: Path) -> None:
