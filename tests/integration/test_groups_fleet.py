@@ -379,3 +379,33 @@ async def test_vllm_server_mode_starts_the_server_then_the_trainer_with_its_addr
     assert not alive(role_pid(train_log, "vllm"))
     await nothing_left(fleet)
     await no_gpu_or_port_held(db)
+
+
+async def test_cancelling_a_group_stops_every_role(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
+) -> None:
+    """`job cancel` of a running group: the kill reaches the supervisor, which stops the
+    server and the trainer (each with its process group) before the kill's grace is over."""
+    from scheduler.control import cancel_job
+
+    fleet = await sim_fleet(1, gpus_per_vm=1)
+    await fleet.register(db)
+    poller = GpuPoller(db, transport, unreachable_after=1)
+    await poller.sweep()
+    job_id = await new_group(db, group_roles(first_s=300))
+    nc = await nats_client.connect(nats.url)
+    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
+    try:
+        async with running_dispatcher(db, nats.url, transport=transport):
+            await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+            folder = Path((await job_row(db, job_id)).attempt_dir or "")
+            trainer = client_report(await wait_file(folder / "trainer.log", needle="{"))["pid"]
+            server = role_pid((folder / "train.log").read_text(), "reward")
+            result = await cancel_job(db, transport, job_id, grace_s=10.0)
+    finally:
+        await nc.close()
+    assert result.kill == "terminated", result  # the supervisor ended within the grace
+    assert not alive(trainer) and not alive(server)
+    assert (await job_row(db, job_id)).status == "cancelled"
+    await nothing_left(fleet)
+    await no_gpu_or_port_held(db)
