@@ -41,6 +41,9 @@ CANNOT_START_EXIT = 64
 """A role's command cannot be started at all (not found, not executable): permanent."""
 EARLY_SERVICE_EXIT = 1
 """A non-primary role exited 0 while a primary still ran: a failure of the group."""
+ROLE_EXIT_MAP = {126: 1, 127: 1}
+"""A role's exit codes the attempt must not pass on as they are: 126/127 from the attempt
+mean the VM's python cannot run at all (the VM is marked), not a role's own failure."""
 MARK = "rlfleet-group:"
 ROLES_FILE = "roles.json"
 """Each role's pid, state (`waiting`, `running`, `exited`, `stopped`) and exit code."""
@@ -165,7 +168,7 @@ class Group:
             role = self.role(name)
             if code != 0:
                 say(f"role {name} failed (exit {code}); stopping the group")
-                raise Stop(code)
+                raise Stop(ROLE_EXIT_MAP.get(code, code))
             if not role.get("primary") and not self.primaries_done():
                 say(f"role {name} exited while a primary role runs; stopping the group")
                 raise Stop(EARLY_SERVICE_EXIT)

@@ -345,3 +345,26 @@ def test_a_failed_groups_reason_keeps_the_role_and_why() -> None:
     assert group_failure_line("rlfleet-group: role t failed (exit 3); stopping the group") == (
         "role t failed (exit 3)"
     )
+
+
+def test_a_roles_exit_127_is_not_passed_on_as_a_broken_vm(tmp_path: Path) -> None:
+    """126/127 from an attempt mark its VM unusable; a role's own 127 (a command its shell
+    did not find) fails the group with 1, the reason still saying 127."""
+    config = {
+        "roles": [
+            {
+                "name": "t",
+                "argv": [sys.executable, "-c", "raise SystemExit(127)"],
+                "env": {},
+                "primary": True,
+                "depends_on": [],
+            }
+        ],
+        "checks": {},
+        "env": {},
+    }
+    (tmp_path / "group.json").write_text(json.dumps(config))
+    proc = supervise(tmp_path / "group.json")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out
+    assert group_failure_line(out) == "role t failed (exit 127)"
