@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -275,7 +276,13 @@ def with_vllm_server(spec: JobSpec, gpus: int) -> JobSpec:
     try:
         group = parse_data(data)
     except BadInput as exc:
-        raise BadInput(str(exc).replace("roles.trainer.train.args", "after --")) from None
+        # The group's field names mean nothing to someone who typed flags.
+        text = re.sub(
+            r"^roles\.trainer\.train\.args\[(\d+)\]",
+            lambda m: f"argument {int(m.group(1)) + 1} after --",
+            str(exc),
+        )
+        raise BadInput(text) from None
     group = replace_top(group, spec)
     return group_job_spec(group, spec.env)
 

@@ -111,7 +111,7 @@ def test_the_vllm_flag_submits_a_group_of_the_server_and_the_trainer(
         env, "job", "submit", "--model", "m", "--dataset", "d", "--reward-function", "format",
         "--vllm-server-gpus", "1", "--", "--vllm_mode", "colocate",
     )  # fmt: skip
-    assert_one_line(refused, 2, "after --[0]: --vllm_mode is set by the vLLM server mode")
+    assert_one_line(refused, 2, "argument 1 after --: --vllm_mode is set by the vLLM server mode")
 
 
 BAD_FILES = [
