@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -115,15 +116,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--keyword", default="hello", help="the word completions are scored on")
     args = parser.parse_args(argv)
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(args.keyword, Ledger()))
+    ledger = Ledger()
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(args.keyword, ledger))
     print(f"reward server listening on {args.host}:{args.port}", flush=True)
+    # A job group stops its services with SIGTERM: end the way Ctrl-C does, with a summary.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.server_close()
+        print(f"reward server stopped after {ledger.requests} score requests", flush=True)
     return 0
+
+
+def _interrupt(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

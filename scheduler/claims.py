@@ -44,7 +44,7 @@ from scheduler.gpus import (
 from scheduler.jobs import move_event_sql, move_set_sql, transition
 from scheduler.leftovers import AttemptRecord, abandon_attempt, leftover_may_run
 from scheduler.logging import get_logger
-from scheduler.models import Job, JobNode
+from scheduler.models import Job, JobNode, JobPort
 from scheduler.remote import ROOT, Attempt, default_output_dir, new_token
 from scheduler.states import FailureReason, JobStatus
 from scheduler.validate import job_row_problem
@@ -238,6 +238,9 @@ class Claim:
     nodes: tuple[NodeClaim, ...] = ()
     """Every rank of a multi-node job, rank 0 first (its VM and GPUs are `vm_id`,
     `gpu_indices`, `gpu_uuids`); empty for a single-node job."""
+    roles: dict[str, Any] | None = None
+    """A job group's roles (`jobs.roles`, checked by `job_row_problem`); None for a job of
+    one training role."""
 
 
 @dataclass(frozen=True)
@@ -310,6 +313,7 @@ async def claim_batch_in_session(
             Job.reward_function,
             Job.extra_args,
             Job.env,
+            Job.roles,
             leftover_may_run(Job.id).label("leftover"),
         )
         .where(Job.id.in_(ids))
@@ -442,6 +446,7 @@ async def _claim_one(
             installation=result.installation,
             token=result.launch_token,
             env=job_env_pairs(row.env),
+            roles=row.roles,
         )
     if result.largest_free >= need:
         # Free GPUs exist but other claimers hold them: not a reason to wait.
@@ -668,6 +673,36 @@ async def record_ranks(
             .where(JobNode.job_id == job_id, JobNode.rank == rank, JobNode.attempt == attempt)
             .values(remote_pid=pid, attempt_dir=path)
         )
+
+
+class PortCollision(Exception):
+    """A port a VM said was free is recorded for another live attempt there: ask again."""
+
+
+async def record_ports(
+    conn: AsyncConnection,
+    job_id: int,
+    attempt: int,
+    vm_id: int,
+    ports: Sequence[tuple[str, str, int]],
+) -> None:
+    """Record the (role, name, port) a job group's attempt got on its VM (caller's
+    transaction), replacing the job's earlier rows; `PortCollision` (roll back) when
+    another attempt holds one of them on that VM."""
+    await conn.execute(delete(JobPort).where(JobPort.job_id == job_id))
+    if not ports:
+        return
+    rows = [
+        {"vm_id": vm_id, "port": port, "job_id": job_id, "attempt": attempt, "role": r, "name": n}
+        for r, n, port in ports
+    ]
+    from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+    taken = await conn.execute(
+        pg_insert(JobPort).values(rows).on_conflict_do_nothing().returning(JobPort.port)
+    )
+    if len(taken.all()) != len(rows):
+        raise PortCollision(f"a port of job {job_id} is held by another attempt on VM {vm_id}")
 
 
 async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:

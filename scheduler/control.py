@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from sqlalchemy import select
+
 from scheduler import bus
 from scheduler.db import Database, installation_id
 from scheduler.errors import BadInput, ServiceUnavailable
@@ -19,6 +21,7 @@ from scheduler.jobs import get_job, show_job, transition
 from scheduler.kill import kill_attempt
 from scheduler.leftovers import AttemptRecord, abandon_attempt, close_leftover
 from scheduler.logging import get_logger
+from scheduler.models import Job
 from scheduler.remote import (
     NO_FILE_EXIT,
     READ_CHUNK_BYTES,
@@ -26,6 +29,7 @@ from scheduler.remote import (
     default_output_dir,
     parse_tokens,
     read_file_script,
+    role_log,
     stored_attempt,
     tokens_script,
 )
@@ -147,7 +151,37 @@ async def job_details(
     data["progress"], data["progress_error"] = None, None
     if transport is not None and place.attempt > 0 and place.target is not None:
         data["progress"], data["progress_error"] = await read_progress(transport, place)
+        if data.get("roles") and place.run is not None and place.run.attempt == job.attempt:
+            merge_role_states(data["roles"], await read_role_states(transport, place))
     return data
+
+
+ROLE_STATES = frozenset({"waiting", "running", "exited", "stopped"})
+
+
+async def read_role_states(transport: Transport, place: JobPlace) -> dict[str, Any]:
+    """The group supervisor's `roles.json` of the current attempt ({} when unreadable)."""
+    assert place.run is not None
+    try:
+        text = await _read(transport, place, place.run, "roles.json", 0, PROGRESS_TIMEOUT_S)
+        data = json.loads(text) if text else {}
+    except (ServiceUnavailable, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def merge_role_states(roles: list[dict[str, Any]], seen: dict[str, Any]) -> None:
+    """Put each role's pid, state and exit code, as its supervisor wrote them, into `job
+    show`'s roles; values that are not what the supervisor writes are ignored."""
+    for role in roles:
+        entry = seen.get(role["name"])
+        if not isinstance(entry, dict) or entry.get("state") not in ROLE_STATES:
+            continue
+        role["state"] = entry["state"]
+        for key in ("pid", "exit_code"):
+            value = entry.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and -1 < value < 2**31:
+                role[key] = value
 
 
 @dataclass(frozen=True)
@@ -362,12 +396,17 @@ async def _read(
 
 
 async def _read_all(
-    transport: Transport, place: JobPlace, run: Attempt, offset: int, write: Callable[[bytes], Any]
+    transport: Transport,
+    place: JobPlace,
+    run: Attempt,
+    offset: int,
+    write: Callable[[bytes], Any],
+    name: str = "train.log",
 ) -> tuple[int, bool]:
-    """Write train.log from `offset` to its current end; the new offset, and whether the
-    file exists."""
+    """Write the log `name` from `offset` to its current end; the new offset, and whether
+    the file exists."""
     while True:
-        chunk = await _read(transport, place, run, "train.log", offset, timeout=30)
+        chunk = await _read(transport, place, run, name, offset, timeout=30)
         if chunk is None:
             return offset, False
         if chunk:
@@ -387,6 +426,7 @@ async def stream_log(
     follow: bool = False,
     poll_s: float = 1.0,
     node: int = 0,
+    role: str | None = None,
 ) -> None:
     """Write the attempt's `train.log` (default: the current attempt) with `write`, byte
     for byte as the job wrote it (offsets count bytes; invalid UTF-8 is passed on as is).
@@ -396,6 +436,7 @@ async def stream_log(
     `tail -f` that knows when to stop.
     """
     place = await load_rank_place(db, job_id, node)
+    name = await _log_name(db, job_id, role)
     wanted = _pick_attempt(place, attempt)
     if place.target is None:
         raise BadInput(f"job {job_id} has no VM recorded; no log to read")
@@ -408,7 +449,7 @@ async def stream_log(
     run = await _locate(transport, place, wanted)
     offset = 0
     while True:
-        offset, exists = await _read_all(transport, place, run, offset, write)
+        offset, exists = await _read_all(transport, place, run, offset, write, name)
         if not follow:
             return
         if not exists and offset == 0 and place.status not in LIVE_STATES:
@@ -416,11 +457,30 @@ async def stream_log(
         now = await load_rank_place(db, job_id, node)
         if now.status not in LIVE_STATES or now.attempt != wanted:
             # One last read: what the process wrote just before it ended.
-            await _read_all(transport, place, run, offset, write)
+            await _read_all(transport, place, run, offset, write, name)
             return
         if run.path is None and now.run is not None and now.run.token == run.token:
             run = now.run  # the launch has recorded its directory meanwhile
         await asyncio.sleep(poll_s)
+
+
+async def _log_name(db: Database, job_id: int, role: str | None) -> str:
+    """The attempt file `job logs` reads: train.log (the supervisor's, for a job group),
+    or `<role>.log` of one role of a job group (`BadInput` when the job has no such role)."""
+    if role is None:
+        return "train.log"
+    from scheduler.jobspec import parse_data
+
+    async with db.transaction() as session:
+        roles = await session.scalar(select(Job.roles).where(Job.id == job_id))
+    try:
+        names = [r.name for r in parse_data(roles).roles] if roles is not None else []
+    except BadInput:
+        names = []
+    if role not in names:
+        known = ", ".join(names) if names else "none: it is not a job group"
+        raise BadInput(f"job {job_id} has no role {role} (roles: {known})")
+    return role_log(role)
 
 
 @dataclass(frozen=True)

@@ -43,15 +43,19 @@ from scheduler.claims import (
     Claim,
     Launched,
     NoClaim,
+    PortCollision,
     Running,
     claim_batch,
     mark_running_batch,
+    record_ports,
     record_ranks,
 )
 from scheduler.daemon import run_loop
 from scheduler.db import Database, is_unavailable
 from scheduler.errors import error_line
 from scheduler.gpus import refresh_available
+from scheduler.groups import GroupPlace, group_launch, port_needs
+from scheduler.jobspec import parse_data
 from scheduler.kill import kill_attempt
 from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.liveness import Liveness
@@ -59,13 +63,16 @@ from scheduler.logging import get_logger
 from scheduler.remote import (
     DEFAULT_FENCE_AFTER_S,
     DEFAULT_FENCE_GRACE_S,
+    GroupLaunch,
     LaunchResult,
     LaunchSpec,
     NodeRole,
     free_port_script,
+    free_ports_script,
     launch_input,
     launch_script,
     parse_free_port,
+    parse_free_ports,
     parse_launch,
 )
 from scheduler.settings import Settings
@@ -78,6 +85,9 @@ CONTENDED_RETRIES = 20
 VM_CACHE_TTL_S = 15.0
 DB_NAK_DELAY_S = 2.0
 LEASE_MARGIN_S = 2.0
+PORT_TRIES = 5
+"""Port probes a group launch makes before it fails: each collision is another attempt's
+port chosen on the same VM between our probe and our record."""
 
 
 class TransientError(Exception):
@@ -474,7 +484,71 @@ class GlobalJobDispatcher:
         (rank 0's) pid and directory, or why it did not start."""
         if claim.nodes:
             return await self._launch_gang(claim)
+        if claim.roles is not None:
+            return await self._launch_group(claim, target)
         return await self._launch_rank(claim, target, claim.gpu_indices, claim.gpu_uuids)
+
+    async def _launch_group(self, claim: Claim, target: VMTarget) -> LaunchResult | str:
+        """Launch a job group's attempt: choose its roles' ports on the VM (recorded, unique
+        per VM; a probe whose answer collides with another attempt's is asked again), then
+        start the supervisor that runs the roles (`scheduler/supervisor.py`)."""
+        group = parse_data(claim.roles)  # checked by the claim (validate.job_row_problem)
+        needs = port_needs(group)
+        ports: dict[tuple[str, str], int] = {}
+        if needs:
+            chosen = await self._choose_ports(claim, target, needs)
+            if isinstance(chosen, str):
+                return chosen
+            ports = chosen
+        place = GroupPlace(
+            python=target.python,
+            entrypoint=target.entrypoint,
+            address=target.training_address,
+            gpus=list(claim.gpu_uuids) or [str(i) for i in claim.gpu_indices],
+            output_dir=claim.output_dir,
+            attempt=claim.attempt,
+        )
+        launch = group_launch(group, place, ports)
+        return await self._launch_rank(
+            claim, target, claim.gpu_indices, claim.gpu_uuids, group=launch
+        )
+
+    async def _choose_ports(
+        self, claim: Claim, target: VMTarget, needs: list[tuple[str, str]]
+    ) -> dict[tuple[str, str], int] | str:
+        """Free ports for every (role, name) on the VM, recorded for this attempt; or why
+        none could be had."""
+        for _try in range(PORT_TRIES):
+            try:
+                probe = await self.transport.run(
+                    target,
+                    free_ports_script(target.python, len(needs)),
+                    timeout=self.launch_timeout_s,
+                )
+            except TransportError as exc:
+                return f"choosing ports: {exc or type(exc).__name__}"
+            found = parse_free_ports(probe.stdout)
+            if len(found) < len(needs):
+                why = _last_line(probe.stderr) or f"exit {probe.exit_status}"
+                return f"no free ports: {why}"
+            chosen = dict(zip(needs, found, strict=False))
+            try:
+                async with self.db.engine.begin() as conn:
+                    await record_ports(
+                        conn,
+                        claim.job_id,
+                        claim.attempt,
+                        target.id,
+                        [(role, name, port) for (role, name), port in chosen.items()],
+                    )
+            except PortCollision:
+                continue
+            except Exception as exc:
+                if not is_unavailable(exc):
+                    raise
+                return _db_error(exc)
+            return chosen
+        return f"no free ports: {PORT_TRIES} probes collided with other attempts' ports"
 
     async def _launch_gang(self, claim: Claim) -> LaunchResult | str:
         """Launch every rank of a multi-node attempt concurrently, after choosing the
@@ -537,6 +611,8 @@ class GlobalJobDispatcher:
         gpu_indices: Sequence[int],
         gpu_uuids: Sequence[str],
         node: NodeRole | None = None,
+        *,
+        group: GroupLaunch | None = None,
     ) -> LaunchResult | str:
         """Start one rank of the claimed attempt on `target`: its pid and directory, or
         why it did not start."""
@@ -555,6 +631,7 @@ class GlobalJobDispatcher:
             fence_after_s=self.fence_after_s,
             fence_grace_s=self.fence_grace_s,
             node=node,
+            group=group,
         )
         try:
             result = await self.transport.run(

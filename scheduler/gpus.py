@@ -87,6 +87,8 @@ async def release_in_session(session: AsyncSession, job_id: int) -> list[int]:
             {"job_id": job_id},
         )
     ).all()
+    # A job group's ports go with its GPUs: the attempt that used them is over.
+    await session.execute(text("DELETE FROM job_ports WHERE job_id = :job_id"), {"job_id": job_id})
     await refresh_available_in_session(session, {vm_id for vm_id, _index in rows})
     return sorted(index for _vm, index in rows)
 

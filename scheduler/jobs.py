@@ -226,6 +226,8 @@ class JobSpec:
     """Where train_grpo.py writes on the VM; None means `remote.default_output_dir`."""
     env: tuple[tuple[str, str], ...] = ()
     """`--env KEY=VALUE` pairs for the job's environment."""
+    roles: dict[str, Any] | None = None
+    """A job group's roles (`jobspec.GroupSpec.to_data`); None for one training role."""
 
     def validate(self) -> None:
         """Raise `BadInput` for a job that could never run or that the schema cannot hold
@@ -274,6 +276,7 @@ async def insert_job(session: AsyncSession, spec: JobSpec, *, actor: str) -> Job
         extra_args=list(spec.extra_args),
         output_dir=spec.output_dir,
         env=dict(spec.env),
+        roles=spec.roles,
     )
 
 
@@ -308,6 +311,7 @@ async def get_job(
         query = query.options(selectinload(Job.events))
     if with_ranks:
         query = query.options(selectinload(Job.ranks).selectinload(JobNode.vm))
+        query = query.options(selectinload(Job.ports))
     job = await session.scalar(query)
     if job is None:
         raise NotFound(f"no job with id {job_id}")
@@ -383,6 +387,50 @@ def ranks_to_dicts(job: Job) -> list[dict[str, Any]]:
     ]
 
 
+def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
+    """A job group's roles (empty for a job of one training role): each one's VM (the
+    group's), GPUs (its slice of the claim), ports this attempt got, the pid of the
+    group's supervisor and a state from the job's (`control.job_details` puts in each
+    role's own pid, state and exit code, read from the VM). `job.ports` must be loaded."""
+    from scheduler.errors import BadInput
+    from scheduler.jobspec import parse_data
+
+    if job.roles is None:
+        return []
+    try:
+        group = parse_data(job.roles)
+    except BadInput:
+        return []
+    claimed = job.attempt > 0 and job.vm_id is not None and job.gpu_indices is not None
+    indices = list(job.gpu_indices or [])
+    uuids = list(job.gpu_uuids or [])
+    ports = {(p.role, p.name): p.port for p in job.ports if p.attempt == job.attempt}
+    out, start = [], 0
+    for role in group.roles:
+        take = slice(start, start + role.gpus)
+        start += role.gpus
+        out.append(
+            {
+                "name": role.name,
+                "primary": role.primary,
+                "command": list(role.command) if role.command is not None else None,
+                "train": role.train is not None,
+                "depends_on": list(role.depends_on),
+                "vm": job.vm.name if claimed and job.vm is not None else None,
+                "gpu_indices": indices[take] if claimed else [],
+                "gpu_uuids": uuids[take] if claimed else [],
+                "ports": {name: ports.get((role.name, name)) for name in role.ports},
+                "supervisor_pid": job.remote_pid,
+                "pid": None,
+                "exit_code": None,
+                "state": rank_state(job.status, job.exit_code, job.remote_pid)
+                if claimed
+                else job.status,
+            }
+        )
+    return out
+
+
 def job_to_dict(job: Job, *, events: bool = False, ranks: bool = False) -> dict[str, Any]:
     """A job as plain data, for `--json` and for display; `ranks` adds its nodes
     (`ranks_to_dicts`)."""
@@ -422,6 +470,7 @@ def job_to_dict(job: Job, *, events: bool = False, ranks: bool = False) -> dict[
     }
     if ranks:
         data["ranks"] = ranks_to_dicts(job)
+        data["roles"] = roles_to_dicts(job)
     if events:
         data["events"] = [
             {

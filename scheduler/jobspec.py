@@ -35,7 +35,7 @@ MAX_PRIORITY = 2**31 - 1
 MAX_RETRIES = 1000
 TEXT_MAX = 4096
 
-TOP_KEYS = ("name", "priority", "max_retries", "output_dir", "roles")
+TOP_KEYS = ("name", "priority", "max_retries", "output_dir", "vllm_server_gpus", "roles")
 ROLE_KEYS = (
     "gpus", "nodes", "command", "train", "env", "ports", "ready", "depends_on", "primary",
     "same_vm_as",
@@ -131,6 +131,30 @@ class GroupSpec:
         """The roles as plain data, in start order."""
         return [self.role(name).to_json() for name in self._order]
 
+    def to_data(self) -> dict[str, Any]:
+        """The roles in the spec file's own shape, without env values (they may be secrets
+        and live in `jobs.env`): what `jobs.roles` stores and `parse_data` reads back."""
+        return {"roles": {r.name: _role_data(r) for r in self.roles}}
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of every role together."""
+        return sum(r.gpus for r in self.roles)
+
+    def env(self) -> tuple[tuple[str, str], ...]:
+        """Every role's `env` as one job environment (`jobs.env`); a variable two roles set
+        to different values is `BadInput`."""
+        merged: dict[str, str] = {}
+        for role in self.roles:
+            for key, value in role.env:
+                if merged.get(key, value) != value:
+                    raise BadInput(
+                        f"roles.{role.name}.env.{key}: another role sets it to another value "
+                        "(the roles of a job share one environment)"
+                    )
+                merged[key] = value
+        return tuple(merged.items())
+
 
 # -- reading ------------------------------------------------------------------------------
 
@@ -183,6 +207,9 @@ def parse_data(data: Any) -> GroupSpec:
     if len(roles_data) > MAX_ROLES:
         raise BadInput(f"roles: at most {MAX_ROLES} roles")
     roles = [_role(name, value) for name, value in roles_data.items()]
+    vllm_gpus = top.get("vllm_server_gpus")
+    if vllm_gpus is not None:
+        roles = with_vllm_server(roles, _int(vllm_gpus, "vllm_server_gpus", 1, MAX_ROLE_GPUS))
     roles = _with_primary(roles)
     _check_references(roles)
     order = _start_order(roles)
@@ -462,6 +489,94 @@ def _start_order(roles: list[Role]) -> tuple[str, ...]:
         for deps in waiting.values():
             deps.difference_update(ready)
     return tuple(order)
+
+
+def _role_data(role: Role) -> dict[str, Any]:
+    """One role in the spec file's shape (no env values)."""
+    data: dict[str, Any] = {"gpus": role.gpus, "primary": role.primary}
+    if role.nodes != 1:
+        data["nodes"] = role.nodes
+    if role.command is not None:
+        data["command"] = list(role.command)
+    if role.train is not None:
+        data["train"] = {
+            "model": role.train.model,
+            "dataset": role.train.dataset,
+            "reward_functions": list(role.train.reward_functions),
+            "args": list(role.train.args),
+        }
+    if role.ports:
+        data["ports"] = list(role.ports)
+    if role.ready is not None:
+        ready: dict[str, Any] = {"timeout": role.ready.timeout_s}
+        if role.ready.path is None:
+            ready["tcp"] = role.ready.port
+        else:
+            ready.update(http=role.ready.path, port=role.ready.port)
+        data["ready"] = ready
+    if role.depends_on:
+        data["depends_on"] = list(role.depends_on)
+    if role.same_vm_as is not None:
+        data["same_vm_as"] = role.same_vm_as
+    return data
+
+
+VLLM_ROLE = "vllm"
+VLLM_COMMAND = ("vllm-serve",)
+"""The command of a role that is the scheduler's own vLLM server (`command: vllm-serve`):
+the launch runs `trl vllm-serve` with the trainer's model on the role's GPUs."""
+VLLM_READY_PATH = "/health"
+VLLM_READY_TIMEOUT_S = 900
+"""Loading a model into vLLM takes minutes; the trainer waits this long for it."""
+VLLM_TRAIN_FLAGS = (
+    "--use_vllm", "--vllm_mode", "--vllm_server_host", "--vllm_server_port",
+    "--vllm_group_port", "--vllm_server_base_url",
+)  # fmt: skip
+"""train_grpo.py flags the vLLM server mode sets itself: refused in the trainer's args."""
+
+
+def vllm_train_args() -> tuple[str, ...]:
+    """The trainer's arguments in vLLM server mode; the supervisor puts in the values."""
+    return (
+        "--use_vllm", "--vllm_mode", "server",
+        "--vllm_server_host", f"${addr_variable(VLLM_ROLE)}",
+        "--vllm_server_port", f"${port_variable(VLLM_ROLE, 'http')}",
+        "--vllm_group_port", f"${port_variable(VLLM_ROLE, 'nccl')}",
+    )  # fmt: skip
+
+
+def with_vllm_server(roles: list[Role], gpus: int) -> list[Role]:
+    """The roles plus a `vllm` role (`trl vllm-serve` on `gpus` GPUs, ports `http` and
+    `nccl`, ready on GET /health), and the one training role switched to vLLM server mode,
+    started once the server is ready. `BadInput` when that cannot be done."""
+    from dataclasses import replace
+
+    trainers = [r for r in roles if r.train is not None]
+    if len(trainers) != 1:
+        raise BadInput("vllm_server_gpus: needs exactly one role with train:")
+    if any(r.name == VLLM_ROLE for r in roles):
+        raise BadInput(f"vllm_server_gpus: there is a role called {VLLM_ROLE} already")
+    trainer = trainers[0]
+    assert trainer.train is not None  # chosen for it
+    for i, arg in enumerate(trainer.train.args):
+        if arg.split("=", 1)[0] in VLLM_TRAIN_FLAGS:
+            raise BadInput(
+                f"roles.{trainer.name}.train.args[{i}]: {arg.split('=', 1)[0]} is set by the "
+                "vLLM server mode"
+            )
+    server = Role(
+        name=VLLM_ROLE,
+        gpus=gpus,
+        command=VLLM_COMMAND,
+        ports=("http", "nccl"),
+        ready=Ready(port="http", path=VLLM_READY_PATH, timeout_s=VLLM_READY_TIMEOUT_S),
+        same_vm_as=trainer.name,
+    )
+    train = replace(trainer.train, args=trainer.train.args + vllm_train_args())
+    switched = replace(
+        trainer, train=train, depends_on=tuple(dict.fromkeys((*trainer.depends_on, VLLM_ROLE)))
+    )
+    return [server] + [switched if r is trainer else r for r in roles]
 
 
 def port_variable(role: str, port: str) -> str:

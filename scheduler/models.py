@@ -193,6 +193,11 @@ class Job(Base):
     env: Mapped[dict[str, str]] = mapped_column(JSONB, default=dict, server_default="{}")
     """The job's own environment variables (`job submit --env`): values are secrets to
     show nowhere; the launch writes them to a mode-0600 file in the attempt directory."""
+    roles: Mapped[dict[str, object] | None] = mapped_column(JSONB)
+    """A job group's roles (`job submit -f`, `--vllm-server-gpus`), in the spec file's
+    shape without env values (`jobspec.GroupSpec.to_data`); NULL for a job of one training
+    role, which the other columns describe whole. For a group, `gpus_requested` is every
+    role's GPUs together and model/dataset/reward_function are shown only."""
     gpus_requested: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     """GPUs per node: a multi-node job has this many on each of its `nodes` VMs."""
     nodes: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
@@ -257,6 +262,8 @@ class Job(Base):
         back_populates="job", cascade="all, delete-orphan", order_by="JobEvent.id"
     )
     ranks: Mapped[list[JobNode]] = relationship(order_by="JobNode.rank", viewonly=True)
+    ports: Mapped[list[JobPort]] = relationship(order_by="JobPort.port", viewonly=True)
+    """The ports a job group's current attempt got (load with `selectinload`)."""
     """The `job_nodes` rows of a multi-node job, rank 0 first (load with `selectinload`)."""
 
     __table_args__ = (
@@ -320,6 +327,26 @@ class JobNode(Base):
         CheckConstraint("rank >= 0", name="rank_nonnegative"),
         CheckConstraint(ATTEMPT_DIR_CHECK, name="attempt_dir_absolute"),
     )
+
+
+class JobPort(Base):
+    """A port a job group's role was given on a VM for one attempt (`RLFLEET_<ROLE>_<PORT>`).
+
+    Chosen at launch by asking the VM for free ports; unique per VM, so two groups
+    launched at once on one VM never share a port (a probe whose answer collides is asked
+    again). Rows go when the job's GPUs are released (`gpus.release_in_session`) and when
+    the job is claimed again."""
+
+    __tablename__ = "job_ports"
+
+    vm_id: Mapped[int] = mapped_column(ForeignKey("vms.id", ondelete="CASCADE"), primary_key=True)
+    port: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    role: Mapped[str] = mapped_column(String(32))
+    name: Mapped[str] = mapped_column(String(32))
+
+    __table_args__ = (CheckConstraint("port BETWEEN 1 AND 65535", name="port_range"),)
 
 
 class JobEvent(Base):

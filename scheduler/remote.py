@@ -22,6 +22,7 @@ import secrets
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from scheduler.liveness import WATCHDOG_PERIOD_S, Liveness
 
@@ -258,6 +259,22 @@ class NodeRole:
 
 
 @dataclass(frozen=True)
+class GroupLaunch:
+    """What the group supervisor of one VM gets (`group.json`, no secret in it): the roles
+    in start order with argv and own variables, the readiness checks, the variables every
+    role gets, and whether a training role needs the VM's entrypoint."""
+
+    config: dict[str, Any]
+    needs_entrypoint: bool = True
+
+    def text(self) -> str:
+        """`group.json`."""
+        import json
+
+        return json.dumps(self.config, sort_keys=True)
+
+
+@dataclass(frozen=True)
 class LaunchSpec:
     """Everything a launch needs, copied out of the job and VM rows."""
 
@@ -292,6 +309,9 @@ class LaunchSpec:
     """Seconds between the watchdog's TERM and its KILL."""
     node: NodeRole | None = None
     """This rank's place in a multi-node job; None for a single-node job."""
+    group: GroupLaunch | None = None
+    """The roles this VM runs for a job group (the supervisor replaces the training
+    command); None for a job of one training role."""
 
 
 def entry_words(
@@ -405,7 +425,7 @@ def wrapper_script(spec: LaunchSpec) -> str:
             ' CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"',
             # A python or entrypoint the VM cannot run ends the attempt with 127 and one
             # line saying why, before training starts (the poller marks the VM).
-            f"rlfleet_check=$({' '.join(entry_check_words(spec.python, spec.entrypoint))} 2>&1)",
+            f"rlfleet_check=$({' '.join(_check_words(spec))} 2>&1)",
             "rc=$?",
             # Killed meanwhile: training never starts, the exit code says by what.
             'if [ -n "${rlfleet_sig:-}" ]; then',
@@ -415,7 +435,7 @@ def wrapper_script(spec: LaunchSpec) -> str:
             f'  echo "{ENTRY_BROKEN_MARK} (exit $rc):'
             ' $(printf "%s\\n" "$rlfleet_check" | tail -n 1)"',
             'elif [ "$rc" -eq 0 ]; then',
-            "  " + " ".join(train_words(spec)),
+            "  " + " ".join(train_words(spec) if spec.group is None else supervisor_words(spec)),
             "  rc=$?",
             "fi",
             *watchdog_stop_lines(),
@@ -424,6 +444,41 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "",
         ]
     )
+
+
+SUPERVISOR_FILE = "supervisor.py"
+GROUP_FILE = "group.json"
+
+
+def _check_words(spec: LaunchSpec) -> list[str]:
+    """The wrapper's check that training can start: the VM's python and entrypoint, or
+    only its python for a group without a training role."""
+    if spec.group is not None and not spec.group.needs_entrypoint:
+        return [shlex.quote(spec.python), "-c", "pass"]
+    return entry_check_words(spec.python, spec.entrypoint)
+
+
+def supervisor_words(spec: LaunchSpec) -> list[str]:
+    """The command of a job group's attempt: the supervisor with its `group.json`."""
+    return [shlex.quote(spec.python), "-u", f'"$d/{SUPERVISOR_FILE}"', f'"$d/{GROUP_FILE}"']
+
+
+def supervisor_source() -> str:
+    """The text of `scheduler/supervisor.py`, shipped into each group attempt directory."""
+    from pathlib import Path
+
+    return (Path(__file__).with_name("supervisor.py")).read_text(encoding="utf-8")
+
+
+def _group_files_lines(spec: LaunchSpec) -> list[str]:
+    """Lines of the launch that write the supervisor and its `group.json` (none for a job
+    of one training role)."""
+    if spec.group is None:
+        return []
+    return [
+        f'  printf "%s" {shlex.quote(supervisor_source())} > "$d/{SUPERVISOR_FILE}" || exit 97',
+        f'  printf "%s" {shlex.quote(spec.group.text())} > "$d/{GROUP_FILE}" || exit 97',
+    ]
 
 
 def rendezvous_lines(spec: LaunchSpec) -> list[str]:
@@ -454,6 +509,30 @@ def free_port_script(python: str) -> str:
         f"print('{FREE_PORT_MARK}', s.getsockname()[1])"
     )
     return f"{shlex.quote(python)} -c {shlex.quote(code)}"
+
+
+def free_ports_script(python: str, count: int) -> str:
+    """Ask the VM for `count` distinct TCP ports free right now (all bound at once, then
+    released): the named ports of a job group's roles. Prints one `rlfleet-port <port>`
+    line each."""
+    code = (
+        "import socket, sys\n"
+        "socks = [socket.socket() for _ in range(int(sys.argv[1]))]\n"
+        "for s in socks: s.bind(('', 0))\n"
+        f"for s in socks: print('{FREE_PORT_MARK}', s.getsockname()[1])\n"
+    )
+    return f"{shlex.quote(python)} -c {shlex.quote(code)} {int(count)}"
+
+
+def parse_free_ports(stdout: str) -> list[int]:
+    """Every distinct port `free_ports_script` printed, in order."""
+    ports: list[int] = []
+    for line in output_lines(stdout):
+        word, _, value = line.partition(" ")
+        port = as_int(value) if word == FREE_PORT_MARK else None
+        if port is not None and 0 < port < 65536 and port not in ports:
+            ports.append(port)
+    return ports
 
 
 def parse_free_port(stdout: str) -> int | None:
@@ -575,6 +654,7 @@ def launch_script(spec: LaunchSpec, *, pid_wait_s: float = PID_WAIT_S) -> str:
             'mkdir -p "$d" || exit 97',
             'if mkdir "$d/.launch.lock" 2>/dev/null; then',
             f'  printf "%s" {shlex.quote(wrapper_script(spec))} > "$d/launch.sh" || exit 97',
+            *_group_files_lines(spec),
             *_job_env_from_stdin(spec),
             # A clean environment: nothing of the launching shell's but PASSED_ENV.
             f'  setsid {clean_env_words()} sh "$d/launch.sh" </dev/null >>"$d/train.log" 2>&1 &',
@@ -722,7 +802,21 @@ def parse_kill(stdout: str) -> str | None:
     return None
 
 
-ATTEMPT_FILES = frozenset({"train.log", "progress.json", "pid", "exit_code", "launch.sh"})
+ATTEMPT_FILES = frozenset(
+    {"train.log", "progress.json", "pid", "exit_code", "launch.sh", "roles.json"}
+)
+_ROLE_LOG = re.compile(r"[a-z][a-z0-9_]{0,31}\.log")
+"""`<role>.log`: the output of one role of a job group (role names as `jobspec.NAME_RE`)."""
+
+
+def role_log(role: str) -> str:
+    """The attempt file holding a job group role's output; `ValueError` for a bad name."""
+    name = f"{role}.log"
+    if not _ROLE_LOG.fullmatch(name):
+        raise ValueError(f"not a role name: {role!r}")
+    return name
+
+
 READ_CHUNK_BYTES = 1 << 20
 """Most bytes one `read_file_script(..., hex=True)` returns; a reader loops for more."""
 
@@ -733,7 +827,7 @@ def read_file_script(
     """Print one file of the attempt directory from byte `offset` (at most `limit` bytes);
     exit 3 if it is missing. With `hex`, the bytes are printed as hex digits (`od`), so
     that a reader gets exactly the bytes written, valid UTF-8 or not (`bytes.fromhex`)."""
-    if name not in ATTEMPT_FILES:
+    if name not in ATTEMPT_FILES and not _ROLE_LOG.fullmatch(name):
         raise ValueError(f"not an attempt file: {name}")
     command = f'tail -c +{int(offset) + 1} "$f"'
     if limit is not None:

@@ -240,11 +240,31 @@ def job_row_problem(row: Any) -> str | None:
             return f"{field} {problem}"
     if not all(r.strip() for r in row.reward_function.split(",")):
         return "reward_function has an empty name"
+    roles = getattr(row, "roles", None)
+    if roles is not None:
+        return roles_problem(roles, gpus)
     extra = row.extra_args
     if not isinstance(extra, list):
         return f"extra_args must be a JSON array of strings, not a JSON {_json_kind(extra)}"
     problem = extra_args_problem(extra)
     return f"extra_args: {problem}" if problem else None
+
+
+def roles_problem(roles: Any, gpus: int) -> str | None:
+    """Why a job row's `roles` (a job group) cannot be launched, or None: it must read
+    back as a valid spec whose roles need `gpus` GPUs together, none on several nodes."""
+    from scheduler.errors import BadInput
+    from scheduler.jobspec import parse_data
+
+    try:
+        group = parse_data(roles)
+    except BadInput as exc:
+        return f"roles: {exc}"
+    if group.gpus != gpus:
+        return f"roles need {group.gpus} GPUs, the row asks for {gpus}"
+    if any(r.nodes != 1 for r in group.roles):
+        return "roles: a role on several nodes cannot be launched in a group"
+    return None
 
 
 def _json_kind(value: Any) -> str:

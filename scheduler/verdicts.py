@@ -139,12 +139,41 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
             line = launch_error_line(state.log_tail)
             why = f"{failure.value}: exit {code}: {line}"
             return JobVerdict(job, JobStatus.FAILED, code, failure, why, line)
-        how = f"exited {code}"
+        why = f"exited {code}"
         if code != state.exit_code:
-            how = f"exited {state.exit_code}: its first failed process exited {code}"
-        return JobVerdict(job, JobStatus.FAILED, code, failure, how)
+            why = f"exited {state.exit_code}: its first failed process exited {code}"
+        group_line = group_failure_line(state.log_tail)
+        if group_line:
+            why = f"{why}: {group_line}"
+        return JobVerdict(job, JobStatus.FAILED, code, failure, why)
     why = "no pid file" if state.state == "unknown" else "process gone without an exit code"
     return JobVerdict(job, JobStatus.FAILED, None, FailureReason.VANISHED, why)
+
+
+_GROUP_WHY = re.compile(
+    r"^rlfleet-group: (role \S+ (?:not ready after \d+s|failed \(exit -?\d+\)|cannot start: .*"
+    r"|exited while a primary role runs))"
+)
+
+
+def group_failure_line(log_tail: str) -> str | None:
+    """Why a job group's supervisor stopped the group, from the end of its log (the first
+    such line: the cause, not the roles it stopped after it), cut to 300 characters."""
+    for line in log_tail.splitlines():
+        match = _GROUP_WHY.match(line.strip())
+        if match:
+            return match.group(1).split("; stopping")[0][:300]
+    return None
+
+
+_GROUP_DETAIL = re.compile(r"^exited -?\d+: (role \S+ .*)$")
+
+
+def group_reason_detail(reason: str | None) -> str | None:
+    """The role part of a failed job group's reason (`exited 94: role reward not ready
+    after 120s` → `role reward not ready after 120s`), or None."""
+    match = _GROUP_DETAIL.match(reason or "")
+    return match.group(1) if match else None
 
 
 def fenced_reason(attempt: int, why: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from scheduler.validate import MAX_GPUS, MAX_NODES, MAX_RETRIES
 
 if TYPE_CHECKING:
     from scheduler.db import Database
+    from scheduler.jobspec import GroupSpec
 
 # SSH (scheduler.transport, scheduler.control) and NATS (scheduler.submit) are imported by
 # the commands that use them: `job list` and `job submit` start without loading SSH.
@@ -99,6 +101,13 @@ def group() -> None:
 )
 @click.option("--name", type=ColumnText(Job.name), help="A label for listings.")
 @click.option(
+    "--vllm-server-gpus",
+    type=click.IntRange(1, MAX_GPUS),
+    help="vLLM server mode: run `trl vllm-serve` with the model on this many more GPUs of "
+    "the same VM (a `vllm` role, ready on GET /health) and start training once it answers, "
+    "with --use_vllm --vllm_mode server and its address and ports.",
+)
+@click.option(
     "--output-dir",
     type=ColumnText(Job.output_dir),
     help="Where training writes on the VM; relative paths and ~/ are under the VM user's "
@@ -126,6 +135,7 @@ def submit(
     max_retries: int,
     priority: int,
     name: str | None,
+    vllm_server_gpus: int | None,
     output_dir: str | None,
     env: tuple[str, ...],
     as_json: bool,
@@ -160,6 +170,8 @@ def submit(
             output_dir=output_dir,
             env=parse_env_options(env),
         )
+        if vllm_server_gpus is not None:
+            spec = with_vllm_server(spec, vllm_server_gpus)
     spec.validate()
     from scheduler.submit import submit_job
 
@@ -179,7 +191,7 @@ def submit(
 
 FILE_CONFLICTS = (
     "model", "dataset", "reward_functions", "gpus", "nodes", "max_retries", "priority", "name",
-    "output_dir", "extra_args",
+    "output_dir", "extra_args", "vllm_server_gpus",
 )  # fmt: skip
 """`job submit` parameters a spec file gives: refused beside `-f`, never silently mixed."""
 
@@ -198,10 +210,7 @@ def spec_from_file(path: str, env: tuple[tuple[str, str], ...]) -> JobSpec:
             raise BadInput(f"-f {path}: give {flag.replace('_', '-')} in the file, not as well")
     group = load_file(path)
     if len(group.roles) != 1 or group.roles[0].train is None:
-        raise BadInput(
-            f"{path}: roles: this version runs jobs of one training role (train:); groups of "
-            "several roles and command roles are validated but not launched yet"
-        )
+        return group_job_spec(group, env)
     role = group.roles[0]
     train = role.train
     assert train is not None  # checked above
@@ -217,6 +226,77 @@ def spec_from_file(path: str, env: tuple[tuple[str, str], ...]) -> JobSpec:
         extra_args=train.args,
         output_dir=group.output_dir,
         env=role.env + env,
+    )
+
+
+def group_job_spec(group: GroupSpec, env: tuple[tuple[str, str], ...]) -> JobSpec:
+    """The job row of a job group: its roles (without env values, which go to the job's
+    environment), every role's GPUs together on one VM, and the first training role's
+    model, dataset and rewards for listings (`-` for a group without one)."""
+    if group.gpus < 1:
+        raise BadInput("roles: a job needs at least one GPU (give a role gpus: 1 or more)")
+    if any(r.nodes > 1 for r in group.roles):  # refused by the parser for groups already
+        raise BadInput("roles: several nodes only in a one-role training job")
+    train = next((r.train for r in group.roles if r.train is not None), None)
+    return JobSpec(
+        model=train.model if train else "-",
+        dataset=train.dataset if train else "-",
+        reward_functions=train.reward_functions if train else ("-",),
+        gpus=group.gpus,
+        max_retries=group.max_retries,
+        priority=group.priority,
+        name=group.name,
+        output_dir=group.output_dir,
+        env=group.env() + env,
+        roles=group.to_data(),
+    )
+
+
+def with_vllm_server(spec: JobSpec, gpus: int) -> JobSpec:
+    """`--vllm-server-gpus`: the flags' one training role as a group with a `vllm` role."""
+    from scheduler.jobspec import parse_data
+
+    if spec.nodes != 1:
+        raise BadInput("--vllm-server-gpus: only with --nodes 1")
+    spec.validate()  # errors name the flags, not the group's fields
+    data = {
+        "vllm_server_gpus": gpus,
+        "roles": {
+            "trainer": {
+                "gpus": spec.gpus,
+                "train": {
+                    "model": spec.model,
+                    "dataset": spec.dataset,
+                    "reward_functions": list(spec.reward_functions),
+                    "args": list(spec.extra_args),
+                },
+            }
+        },
+    }
+    try:
+        group = parse_data(data)
+    except BadInput as exc:
+        # The group's field names mean nothing to someone who typed flags.
+        text = re.sub(
+            r"^roles\.trainer\.train\.args\[(\d+)\]",
+            lambda m: f"argument {int(m.group(1)) + 1} after --",
+            str(exc),
+        )
+        raise BadInput(text) from None
+    group = replace_top(group, spec)
+    return group_job_spec(group, spec.env)
+
+
+def replace_top(group: GroupSpec, spec: JobSpec) -> GroupSpec:
+    """The group with the job-wide fields of `spec` (name, priority, retries, output)."""
+    from dataclasses import replace
+
+    return replace(
+        group,
+        name=spec.name,
+        priority=spec.priority,
+        max_retries=spec.max_retries,
+        output_dir=spec.output_dir,
     )
 
 
@@ -305,7 +385,7 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
         echo_json(job)
         return
     for key, value in job.items():
-        if key not in ("events", "progress", "progress_error", "ranks"):
+        if key not in ("events", "progress", "progress_error", "ranks", "roles"):
             click.echo(f"{key + ':':18}{'-' if value in (None, []) else value}")
     progress = job["progress"]
     if isinstance(progress, dict):
@@ -327,6 +407,25 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
                     "-" if r["exit_code"] is None else r["exit_code"],
                 )
                 for r in job["ranks"]
+            ],
+        )
+    if job.get("roles"):
+        click.echo("\nroles:")
+        echo_table(
+            ["ROLE", "PRIMARY", "VM", "GPUS", "PORTS", "PID", "STATE", "EXIT"],
+            [
+                (
+                    r["name"],
+                    "yes" if r["primary"] else "no",
+                    r["vm"] or "-",
+                    ",".join(str(i) for i in r["gpu_indices"]) or "-",
+                    ",".join(f"{k}={v if v is not None else '-'}" for k, v in r["ports"].items())
+                    or "-",
+                    r["pid"] or "-",
+                    r["state"],
+                    "-" if r["exit_code"] is None else r["exit_code"],
+                )
+                for r in job["roles"]
             ],
         )
     click.echo("\nevents:")
@@ -433,10 +532,17 @@ def retry(ctx: CliContext, job_id: int) -> None:
     type=ColumnInt(JobNode.rank, lo=0, hi=MAX_NODES - 1),
     help="Which rank of a multi-node job: its log is read on its own VM.",
 )
+@click.option(
+    "--role",
+    help="Which role of a job group: its own <role>.log (default: the group's train.log, "
+    "where its supervisor says what each role did).",
+)
 @pass_cli
-def logs(ctx: CliContext, job_id: int, follow: bool, attempt: int | None, node: int) -> None:
+def logs(
+    ctx: CliContext, job_id: int, follow: bool, attempt: int | None, node: int, role: str | None
+) -> None:
     """Print a job's train.log from its VM (every attempt's log is kept); for a multi-node
-    job, rank 0's unless --node says another."""
+    job, rank 0's unless --node says another; for a job group, one role's with --role."""
     from scheduler.control import stream_log
     from scheduler.transport import make_transport
 
@@ -449,7 +555,7 @@ def logs(ctx: CliContext, job_id: int, follow: bool, attempt: int | None, node: 
         transport = make_transport()
         try:
             await stream_log(
-                db, transport, job_id, write, attempt=attempt, follow=follow, node=node
+                db, transport, job_id, write, attempt=attempt, follow=follow, node=node, role=role
             )
         finally:
             await transport.close()

@@ -26,6 +26,7 @@ from scheduler.retry import (
     is_machine_fault,
 )
 from scheduler.states import FailureReason, JobStatus, RetryDecision
+from scheduler.verdicts import group_reason_detail
 
 log = get_logger("requeue")
 
@@ -50,6 +51,7 @@ async def decide_failed(
                 Job.failure_reason,
                 Job.exit_code,
                 Job.machine_faults,
+                Job.status_reason,
             )
             .where(Job.status == JobStatus.FAILED.value, _UNDECIDED)
             .order_by(Job.id)
@@ -63,10 +65,12 @@ async def decide_failed(
         failure = Failure(row.failure_reason, row.exit_code, row.machine_faults)
         decision = decide(row, failure, now, rng, policy)
         bound = log.bind(job_id=row.id, attempt=row.attempt, failure=failure.describe())
+        # A job group's attempt says which role ended it and why: keep that in view.
+        role_why = group_reason_detail(row.status_reason)
         if isinstance(decision, GiveUp):
             values: dict[str, Any] = {
                 "retry_decision": RetryDecision.GIVE_UP.value,
-                "status_reason": decision.why,
+                "status_reason": f"{decision.why}: {role_why}" if role_why else decision.why,
             }
             gave_up.append(row.id)
             bound.info("retry_gave_up", why=decision.why)
@@ -74,7 +78,8 @@ async def decide_failed(
             values = {
                 "retry_decision": RetryDecision.RETRY.value,
                 "next_attempt_at": decision.at,
-                "status_reason": retry_note(row, failure, decision.at, now, policy),
+                "status_reason": retry_note(row, failure, decision.at, now, policy)
+                + (f" ({role_why})" if role_why else ""),
             }
             scheduled.append(row.id)
             bound.info(

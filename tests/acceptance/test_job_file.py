@@ -52,6 +52,68 @@ def test_a_one_role_file_is_the_job_its_flags_give(
     assert shown["extra_args"] == ["--max_steps", "7"] and shown["env_keys"] == ["WANDB_MODE"]
 
 
+GROUP = """
+name: a-group
+roles:
+  reward:
+    command: python3 examples/reward_server.py
+    ports: [http]
+    ready: {http: /health}
+    env: {SCORER_TOKEN: s3cret}
+  trainer:
+    gpus: 2
+    depends_on: [reward]
+    train:
+      model: m
+      dataset: d.jsonl
+      reward_functions: rewards.http:remote_score
+"""
+
+
+@pytest.mark.slow
+def test_a_group_file_is_stored_with_its_roles_and_without_env_values(
+    env: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    add_polled_vm(env, "gpu-1", 2)
+    submitted = rlfleet(env, "job", "submit", "-f", write(tmp_path, GROUP), "--json")
+    assert submitted.returncode == 0 and submitted.stderr == "", submitted.stderr
+    job_id = str(json.loads(submitted.stdout)["id"])
+    shown = rlfleet(env, "job", "show", job_id, "--json", "--no-progress")
+    data = json.loads(shown.stdout)
+    assert (data["gpus"], data["nodes"], data["model"]) == (2, 1, "m")
+    assert data["env_keys"] == ["SCORER_TOKEN"] and "s3cret" not in shown.stdout
+    roles = {r["name"]: r for r in data["roles"]}
+    assert roles["reward"]["ports"] == {"http": None} and not roles["reward"]["primary"]
+    assert roles["trainer"]["primary"] and roles["trainer"]["depends_on"] == ["reward"]
+    assert roles["trainer"]["state"] == "queued"
+    table = rlfleet(env, "job", "show", job_id, "--no-progress").stdout
+    assert "roles:" in table and "http=-" in table
+    missing = rlfleet(env, "job", "logs", job_id, "--role", "judge")
+    assert_one_line(missing, 2, f"job {job_id} has no role judge (roles: reward, trainer)")
+
+
+@pytest.mark.slow
+def test_the_vllm_flag_submits_a_group_of_the_server_and_the_trainer(
+    env: dict[str, str],
+) -> None:
+    add_polled_vm(env, "gpu-1", 4)
+    submitted = rlfleet(
+        env, "job", "submit", "--model", "m", "--dataset", "d", "--reward-function", "format",
+        "--gpus", "2", "--vllm-server-gpus", "2", "--json", "--", "--max_steps", "5",
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = str(json.loads(submitted.stdout)["id"])
+    data = json.loads(rlfleet(env, "job", "show", job_id, "--json", "--no-progress").stdout)
+    assert data["gpus"] == 4
+    assert [r["name"] for r in data["roles"]] == ["vllm", "trainer"]
+    assert data["roles"][0]["command"] == ["vllm-serve"]
+    refused = rlfleet(
+        env, "job", "submit", "--model", "m", "--dataset", "d", "--reward-function", "format",
+        "--vllm-server-gpus", "1", "--", "--vllm_mode", "colocate",
+    )  # fmt: skip
+    assert_one_line(refused, 2, "argument 1 after --: --vllm_mode is set by the vLLM server mode")
+
+
 BAD_FILES = [
     (ONE_ROLE.replace("gpus: 2", "gpus: 65"), "roles.trainer.gpus: must be an integer 1..64"),
     (ONE_ROLE.replace("gpus: 2", "gpus: 99999999999999999999999"), "roles.trainer.gpus:"),
@@ -68,7 +130,7 @@ BAD_FILES = [
     ),
     (
         "roles:\n  srv: {command: [x], ports: [http]}\n  t: {command: [y], primary: true}\n",
-        "groups of several roles and command roles are validated but not launched yet",
+        "roles: a job needs at least one GPU",
     ),
 ]
 

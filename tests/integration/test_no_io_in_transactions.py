@@ -161,6 +161,10 @@ async def test_poller_dispatcher_requeue_and_cancel_never_do_io_inside_a_transac
     quick = [await new_job(db, 1, ("--fake_seconds", "0.2")) for _ in range(3)]
     failing = await new_job(db, 1, ("--fake_exit", "1"), max_retries=1)
     long = await new_job(db, 2, ("--fake_seconds", "300"))
+    # A job group: its ports are chosen over SSH, then recorded in a transaction of their own.
+    from tests.integration.test_groups_fleet import group_roles, new_group
+
+    group = await new_group(db, group_roles(first_s=0.2))
     stop = asyncio.Event()
 
     async def daemons() -> None:
@@ -172,7 +176,7 @@ async def test_poller_dispatcher_requeue_and_cancel_never_do_io_inside_a_transac
     try:
         async with running_dispatcher(db, nats.url, transport=transport):
             loop = asyncio.create_task(daemons())
-            for job_id in quick:
+            for job_id in [*quick, group]:
                 await wait_status(db, job_id, "completed", timeout=60)
             await wait_status(db, long, "running", timeout=60)
             result = await cancel_job(db, transport, long, grace_s=1.0)

@@ -1,0 +1,171 @@
+"""Job groups at launch: what each role of a group runs, on which GPUs, with which ports.
+
+Pure: builds the supervisor's `group.json` (`remote.GroupLaunch`) from a validated
+`jobspec.GroupSpec`, the claimed GPUs, the VM and the ports chosen for this attempt. No
+shell ever runs these commands: argv lists go to the supervisor as they are, with
+`$RLFLEET_*` variables put in by the supervisor itself.
+
+Every role of a group runs on the one VM the attempt claimed (docs/decisions.md, "Where a
+job group runs"): the roles' GPUs are consecutive slices of the claim's GPUs, in the
+file's role order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler.jobspec import VLLM_COMMAND, GroupSpec, Role, addr_variable, port_variable
+from scheduler.remote import GroupLaunch
+
+GROUP_GRACE_S = 5.0
+"""Once every primary role exited 0, the others get TERM, and KILL after this long."""
+ROLE_STOP_GRACE_S = 3.0
+"""TERM → KILL of the roles when the supervisor stops them; shorter than the watchdog's and
+the kill script's grace, so the roles are gone before the supervisor is."""
+VLLM_MODULE = ("-m", "trl.cli.main", "vllm-serve")
+"""`trl vllm-serve`, run by the VM's python (no PATH lookup)."""
+
+
+@dataclass(frozen=True)
+class GroupPlace:
+    """Where a group's attempt runs: the VM's python and entrypoint, its address for the
+    roles' traffic, the claimed GPUs (UUIDs, else indices), the output directory and the
+    attempt number."""
+
+    python: str
+    entrypoint: str
+    address: str
+    gpus: Sequence[str]
+    output_dir: str
+    attempt: int
+
+
+def port_needs(group: GroupSpec) -> list[tuple[str, str]]:
+    """Every (role, port name) the attempt needs a port for, in file order."""
+    return [(role.name, port) for role in group.roles for port in role.ports]
+
+
+def gpu_slices(group: GroupSpec, gpus: Sequence[str]) -> dict[str, list[str]]:
+    """Each role's GPUs: consecutive slices of the claimed ones, in the file's role order."""
+    if len(gpus) != group.gpus:
+        raise ValueError(f"the group needs {group.gpus} GPUs, the claim has {len(gpus)}")
+    out: dict[str, list[str]] = {}
+    start = 0
+    for role in group.roles:
+        out[role.name] = [str(g) for g in gpus[start : start + role.gpus]]
+        start += role.gpus
+    return out
+
+
+def shared_env(
+    group: GroupSpec, address: str, ports: Mapping[tuple[str, str], int]
+) -> dict[str, str]:
+    """What every role gets: `RLFLEET_<ROLE>_ADDR` and `RLFLEET_<ROLE>_<PORT>` of each role."""
+    env: dict[str, str] = {}
+    for role in group.roles:
+        env[addr_variable(role.name)] = address
+        for port in role.ports:
+            env[port_variable(role.name, port)] = str(int(ports[(role.name, port)]))
+    return env
+
+
+def role_argv(group: GroupSpec, role: Role, place: GroupPlace) -> list[str]:
+    """What one role runs, as argv: its command (the `vllm-serve` shorthand expanded), or
+    the training entrypoint with the job's arguments (contract 5, without a shell)."""
+    if role.command is not None:
+        if role.command == VLLM_COMMAND:
+            return vllm_argv(group, role, place.python)
+        return list(role.command)
+    train = role.train
+    assert train is not None  # a role has a command or train (jobspec)
+    words = [place.python]
+    if role.gpus > 1:
+        words += ["-m", "accelerate.commands.launch", "--num_processes", str(role.gpus)]
+    if place.entrypoint.endswith(".py"):
+        words.append(place.entrypoint)
+    else:
+        words += ["-m", place.entrypoint]
+    words += ["--model", train.model, "--dataset", train.dataset]
+    for reward in train.reward_functions:
+        words += ["--reward_function", reward]
+    words += ["--output_dir", role_output_dir(group, role, place.output_dir)]
+    words += list(train.args)
+    if place.attempt > 1:
+        words += ["--resume", "auto"]
+    return words
+
+
+def vllm_argv(group: GroupSpec, role: Role, python: str) -> list[str]:
+    """`trl vllm-serve` with the training role's model on the role's GPUs (tensor
+    parallel), at the role's address and its `http` port (else its first)."""
+    trainers = [r.train for r in group.roles if r.train is not None]
+    if len(trainers) != 1:
+        return list(role.command or VLLM_COMMAND)  # no model to serve: the literal command
+    port = "http" if "http" in role.ports else (role.ports[0] if role.ports else None)
+    words = [python, *VLLM_MODULE, "--model", trainers[0].model]
+    words += ["--host", f"${addr_variable(role.name)}"]
+    if port is not None:
+        words += ["--port", f"${port_variable(role.name, port)}"]
+    return words + ["--tensor_parallel_size", str(max(1, role.gpus))]
+
+
+def role_output_dir(group: GroupSpec, role: Role, output_dir: str) -> str:
+    """A training role's `--output_dir`, relative to $HOME (the roles' working directory)
+    when it starts with `~`: the job's, or `<job's>/<role>` when the group has several
+    training roles."""
+    path = output_dir
+    if path == "~":
+        path = "."
+    elif path.startswith("~/"):
+        path = path[2:]
+    if sum(1 for r in group.roles if r.train is not None) > 1:
+        path = f"{path.rstrip('/')}/{role.name}"
+    return path
+
+
+def group_launch(
+    group: GroupSpec,
+    place: GroupPlace,
+    ports: Mapping[tuple[str, str], int],
+    *,
+    grace_s: float = GROUP_GRACE_S,
+    stop_grace_s: float = ROLE_STOP_GRACE_S,
+) -> GroupLaunch:
+    """The supervisor's `group.json` for this attempt."""
+    slices = gpu_slices(group, place.gpus)
+    first_train = next((r.name for r in group.roles if r.train is not None), None)
+    roles: list[dict[str, Any]] = []
+    for name in group.start_order():
+        role = group.role(name)
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(slices[name]), "RLFLEET_ROLE": name}
+        if role.train is not None and name != first_train:
+            env["RLFLEET_PROGRESS_FILE"] = f"{name}.progress.json"  # only one progress.json
+        roles.append(
+            {
+                "name": name,
+                "argv": role_argv(group, role, place),
+                "env": env,
+                "primary": role.primary,
+                "depends_on": list(role.depends_on),
+            }
+        )
+    checks = {
+        role.name: {
+            "host": place.address,
+            "port": int(ports[(role.name, role.ready.port)]),
+            "path": role.ready.path,
+            "timeout_s": role.ready.timeout_s,
+        }
+        for role in group.roles
+        if role.ready is not None
+    }
+    config = {
+        "roles": roles,
+        "checks": checks,
+        "env": shared_env(group, place.address, ports),
+        "grace_s": grace_s,
+        "stop_grace_s": stop_grace_s,
+    }
+    return GroupLaunch(config, needs_entrypoint=first_train is not None)

@@ -1,0 +1,290 @@
+"""The group supervisor: runs the roles of a job group that live on one VM.
+
+Shipped to the VM as a file of the attempt directory (`supervisor.py`) and run by the
+attempt's wrapper in place of the training command, so the attempt stays one process
+tree with one pid, one exit code and one status line (docs/invariants.md, contract 1 and
+2). Standard library only: the VM's python may not have the scheduler installed.
+
+    python supervisor.py group.json
+
+`group.json` (written by the launch, no secret in it) lists the roles in start order with
+their argv, own variables (CUDA_VISIBLE_DEVICES with the role's slice of the attempt's
+GPUs), readiness check, dependencies and whether each is primary. Each role runs in a
+process group of its own, its output in `<role>.log` of the attempt directory.
+
+Lifecycle: before a role starts, every role it depends on must pass its readiness check
+(HTTP GET → 2xx, or a TCP connect) within that check's timeout, else the supervisor stops
+everything and exits `NOT_READY_EXIT` after the line `rlfleet-group: role R not ready
+after Ns`. A role that exits non-zero, or a non-primary role that exits while a primary
+runs, stops every role and the supervisor exits with that role's code (1 for a service
+that exited 0 too early). When every primary role has exited 0 the others are stopped
+(TERM, KILL after the grace period) and the supervisor exits 0. TERM/INT/HUP stop every
+role and exit 128 + the signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+NOT_READY_EXIT = 94
+"""A role a dependency waited for never passed its readiness check (retried)."""
+CANNOT_START_EXIT = 64
+"""A role's command cannot be started at all (not found, not executable): permanent."""
+EARLY_SERVICE_EXIT = 1
+"""A non-primary role exited 0 while a primary still ran: a failure of the group."""
+ROLE_EXIT_MAP = {126: 1, 127: 1}
+"""A role's exit codes the attempt must not pass on as they are: 126/127 from the attempt
+mean the VM's python cannot run at all (the VM is marked), not a role's own failure."""
+MARK = "rlfleet-group:"
+ROLES_FILE = "roles.json"
+"""Each role's pid, state (`waiting`, `running`, `exited`, `stopped`) and exit code."""
+POLL_S = 0.2
+
+
+def say(text: str) -> None:
+    """One line for the attempt's log (train.log), where the poller reads the reason."""
+    print(f"{MARK} {text}", flush=True)
+
+
+class Stop(Exception):
+    """The group must stop: `code` is the supervisor's exit code."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+class Group:
+    """The roles of one VM and their processes."""
+
+    def __init__(self, config: dict[str, Any], directory: str) -> None:
+        self.roles: list[dict[str, Any]] = list(config["roles"])
+        self.checks: dict[str, dict[str, Any]] = dict(config.get("checks", {}))
+        self.env: dict[str, str] = {str(k): str(v) for k, v in config.get("env", {}).items()}
+        self.grace_s = float(config.get("grace_s", 10))
+        self.stop_grace_s = float(config.get("stop_grace_s", 5))
+        self.directory = directory
+        self.procs: dict[str, Any] = {}
+        self.codes: dict[str, int] = {}
+        self.started_at: dict[str, float] = {}
+        self.signalled: int | None = None
+        self.states: dict[str, dict[str, Any]] = {
+            r["name"]: {"pid": None, "state": "waiting", "exit_code": None} for r in self.roles
+        }
+        self.write_states()
+
+    def note(self, name: str, **fields: Any) -> None:
+        """Record what a role is doing now in `roles.json` (what `job show` prints)."""
+        self.states[name].update(fields)
+        self.write_states()
+
+    def write_states(self) -> None:
+        """`roles.json`, atomically: each role's pid, state and exit code."""
+        path = os.path.join(self.directory, ROLES_FILE)
+        with contextlib.suppress(OSError):  # only informational: the group runs on
+            with open(path + ".tmp", "w", encoding="utf-8") as handle:
+                json.dump(self.states, handle)
+            os.replace(path + ".tmp", path)
+
+    # -- starting -------------------------------------------------------------------------
+
+    def start(self, role: dict[str, Any]) -> None:
+        """Start one role in a process group of its own, its output in `<role>.log`."""
+        import subprocess
+
+        name = role["name"]
+        env = dict(os.environ)
+        env.update(self.env)
+        env.update({str(k): str(v) for k, v in role.get("env", {}).items()})
+        progress = env.get("RLFLEET_PROGRESS_FILE")
+        if progress and not os.path.isabs(progress):
+            env["RLFLEET_PROGRESS_FILE"] = os.path.join(self.directory, progress)
+        argv = [expand(str(word), env) for word in role["argv"]]
+        log_path = os.path.join(self.directory, f"{name}.log")
+        with open(log_path, "ab") as log:
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=os.path.expanduser("~"),
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
+            except OSError as exc:
+                say(f"role {name} cannot start: {exc.strerror or exc}: {argv[0]}")
+                raise Stop(CANNOT_START_EXIT) from None
+        self.procs[name] = proc
+        self.started_at[name] = time.monotonic()
+        self.note(name, pid=proc.pid, state="running")
+        say(f"role {name} started, pid {proc.pid}")
+
+    def wait_ready(self, name: str) -> None:
+        """Wait until role `name` passes its readiness check (none: it only has to run)."""
+        check = self.checks.get(name)
+        if check is None:
+            return
+        timeout = float(check["timeout_s"])
+        began = self.started_at.get(name, time.monotonic())
+        while True:
+            self.watch()
+            if probe(check):
+                say(f"role {name} ready")
+                return
+            waited = time.monotonic() - began
+            if waited >= timeout:
+                say(f"role {name} not ready after {int(timeout)}s")
+                raise Stop(NOT_READY_EXIT)
+            time.sleep(min(0.5, max(0.05, timeout - waited)))
+
+    # -- watching -------------------------------------------------------------------------
+
+    def watch(self) -> bool:
+        """Collect exits; `Stop` when the group must end; True once every primary role
+        exited 0."""
+        if self.signalled is not None:
+            raise Stop(128 + self.signalled)
+        for name, proc in self.procs.items():
+            if name in self.codes:
+                continue
+            code = proc.poll()
+            if code is None:
+                continue
+            code = 128 - code if code < 0 else code  # killed by a signal: 128 + N
+            self.codes[name] = code
+            self.note(name, state="exited", exit_code=code)
+            say(f"role {name} exited with {code}")
+            role = self.role(name)
+            if code != 0:
+                say(f"role {name} failed (exit {code}); stopping the group")
+                raise Stop(ROLE_EXIT_MAP.get(code, code))
+            if not role.get("primary") and not self.primaries_done():
+                say(f"role {name} exited while a primary role runs; stopping the group")
+                raise Stop(EARLY_SERVICE_EXIT)
+        return self.primaries_done()
+
+    def primaries_done(self) -> bool:
+        """Whether every primary role of this VM started and exited 0."""
+        primaries = [r["name"] for r in self.roles if r.get("primary")]
+        return bool(primaries) and all(self.codes.get(n) == 0 for n in primaries)
+
+    def role(self, name: str) -> dict[str, Any]:
+        """The role called `name`."""
+        return next(r for r in self.roles if r["name"] == name)
+
+    # -- stopping -------------------------------------------------------------------------
+
+    def stop_all(self, grace_s: float) -> None:
+        """TERM every running role's process group, KILL what is left after `grace_s`."""
+        live = [(n, p) for n, p in self.procs.items() if n not in self.codes]
+        for _name, proc in live:
+            signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for _n, p in live):
+            time.sleep(0.05)
+        for name, proc in live:
+            signal_group(proc.pid, signal.SIGKILL)
+            if proc.poll() is None:
+                proc.wait()
+            code = proc.returncode
+            self.note(name, state="stopped", exit_code=128 - code if code < 0 else code)
+            say(f"role {name} stopped")
+        for proc in self.procs.values():
+            # A group may outlive its leader (workers it forked): nothing of a role stays.
+            signal_group(proc.pid, signal.SIGKILL)
+
+    def run(self) -> int:
+        """Start the roles in order, watch them, and return the supervisor's exit code."""
+        try:
+            for role in self.roles:
+                for dep in role.get("depends_on", []):
+                    self.wait_ready(dep)
+                self.start(role)
+            while not self.watch():
+                time.sleep(POLL_S)
+        except Stop as stop:
+            self.stop_all(self.stop_grace_s)
+            return stop.code
+        say(f"every primary role exited 0; stopping the others (KILL after {self.grace_s:g}s)")
+        self.stop_all(self.grace_s)
+        return 0
+
+
+def expand(word: str, env: dict[str, str]) -> str:
+    """`word` with `$RLFLEET_X` / `${RLFLEET_X}` replaced by the scheduler's variables (no
+    shell runs the command; other `$` text stays as it is)."""
+    import re
+
+    def value(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        return env.get(name, match.group(0))
+
+    return re.sub(r"\$\{(RLFLEET_[A-Z0-9_]+)\}|\$(RLFLEET_[A-Z0-9_]+)", value, word)
+
+
+def probe(check: dict[str, Any]) -> bool:
+    """One readiness check: HTTP GET of the path answers 2xx, or the TCP port accepts."""
+    host, port = str(check["host"]), int(check["port"])
+    path = check.get("path")
+    try:
+        if path is None:
+            with socket.create_connection((host, port), timeout=2):
+                return True
+        url = f"http://{_url_host(host)}:{port}{path}"
+        with urllib.request.urlopen(url, timeout=2) as answer:  # noqa: S310 - http only
+            return bool(200 <= answer.status < 300)
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+
+
+def _url_host(host: str) -> str:
+    """An IPv6 address in brackets, as a URL needs it."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Signal the process group led by `pid`, if it still exists."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def die_with_parent() -> None:
+    """In the child before exec: be KILLed if the supervisor dies (Linux), so a role never
+    outlives a supervisor that was itself killed outright."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: list[str]) -> int:
+    """Run the group described by `argv[1]` (group.json in the attempt directory)."""
+    path = argv[1]
+    with open(path, encoding="utf-8") as handle:
+        config = json.load(handle)
+    group = Group(config, os.path.dirname(os.path.abspath(path)))
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        group.signalled = signum
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_signal)
+    return group.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,411 @@
+"""Job groups on the SSH test fleet with every real piece (poller, dispatcher, NATS,
+Postgres, requeue manager): a reward server role (examples/reward_server.py, ready on HTTP
+/health) and a trainer role that calls it (tests/workloads/group_client.py). The trainer
+starts only after readiness, a completed trainer stops the server, killing the server kills
+the trainer and retries the group, two groups on one VM never share a port, and a server
+never ready fails the attempt with the reason. Only the GPUs are simulated."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import nats as nats_client
+import pytest
+from sqlalchemy import select
+
+from scheduler.control import job_details
+from scheduler.db import Database
+from scheduler.embedded import EmbeddedNats
+from scheduler.gpu_poller import GpuPoller
+from scheduler.jobspec import parse_data
+from scheduler.models import GPU, JobEvent, JobPort
+from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
+from scheduler.retry import RetryPolicy
+from scheduler.transport import Transport
+from tests.fleet import SimFleet
+from tests.workloads.support import alive, job_row, new_job, running_dispatcher, wait_file
+
+pytestmark = pytest.mark.slow
+
+FleetFactory = Callable[..., Awaitable[SimFleet]]
+ROOT = Path(__file__).resolve().parents[2]
+SERVER = str(ROOT / "examples" / "reward_server.py")
+CLIENT = str(ROOT / "tests" / "workloads" / "group_client.py")
+CONFIG = RequeueConfig(
+    interval_s=0.2,
+    node_lost_timeout_s=5.0,
+    recheck_after_s=0.5,
+    kill_grace_s=2.0,
+    policy=RetryPolicy(base_delay_s=0.2, jitter=0.0),
+)
+
+
+def group_roles(
+    *, first_s: float = 1, later_s: float = 1, server: list[str] | None = None, timeout: int = 60
+) -> dict[str, Any]:
+    """A reward server and a one-GPU trainer role depending on it, as `jobs.roles` stores it."""
+    return parse_data(
+        {
+            "roles": {
+                "reward": {
+                    "command": server or [sys.executable, SERVER, "--host", "127.0.0.1"],
+                    "ports": ["http"],
+                    "ready": {"http": "/health", "timeout": timeout},
+                },
+                "trainer": {
+                    "command": [sys.executable, CLIENT, str(first_s), str(later_s)],
+                    "gpus": 1,
+                    "primary": True,
+                    "depends_on": ["reward"],
+                },
+            }
+        }
+    ).to_data()
+
+
+async def new_group(db: Database, roles: dict[str, Any], **fields: Any) -> int:
+    """Insert a queued job group (one GPU), as `job submit -f` does."""
+    return await new_job(
+        db, 1, roles=roles, model="-", dataset="-", reward_functions=("-",), **fields
+    )
+
+
+async def until(
+    db: Database,
+    poller: GpuPoller,
+    requeue: RequeueManager,
+    check: Callable[[], Awaitable[bool]],
+    what: str,
+    timeout: float = 90,
+) -> None:
+    """Sweep and tick until `check()` holds (a generous deadline, never a fixed wait)."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await poller.sweep()
+        await requeue.tick()
+        await asyncio.sleep(0.1)
+
+
+def status_is(db: Database, job_id: int, *statuses: str) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return (await job_row(db, job_id)).status in statuses
+
+    return check
+
+
+def client_report(log: str) -> dict[str, Any]:
+    """The JSON line group_client printed."""
+    line = next(x for x in log.splitlines() if x.startswith("group_client: {"))
+    return dict(json.loads(line.split(": ", 1)[1]))
+
+
+def role_pid(train_log: str, role: str) -> int:
+    """The pid the supervisor reported for a role."""
+    match = re.search(rf"rlfleet-group: role {role} started, pid (\d+)", train_log)
+    assert match, train_log
+    return int(match.group(1))
+
+
+async def nothing_left(fleet: SimFleet) -> None:
+    """Every process a job started on the fleet's VMs ends (a generous deadline); the
+    scheduler's own SSH shells stay."""
+    deadline = time.monotonic() + 30
+    while left := [_cmdline(pid) for vm in fleet for pid in vm.processes() if _of_a_job(pid)]:
+        assert time.monotonic() < deadline, f"left running: {left}"
+        await asyncio.sleep(0.1)
+
+
+def _of_a_job(pid: int) -> bool:
+    """Whether the process runs for a job (the launch gives every job RLFLEET_JOB_ID)."""
+    try:
+        return b"RLFLEET_JOB_ID=" in Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return str(pid)
+
+
+async def no_gpu_or_port_held(db: Database) -> None:
+    async with db.transaction() as session:
+        held = await session.scalar(select(GPU.id).where(GPU.job_id.is_not(None)).limit(1))
+        ports = (await session.execute(select(JobPort.port))).all()
+    assert held is None and ports == []
+
+
+async def test_the_trainer_starts_after_readiness_and_its_end_stops_the_server(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
+) -> None:
+    fleet = await sim_fleet(1, gpus_per_vm=1)
+    await fleet.register(db)
+    poller = GpuPoller(db, transport, unreachable_after=1)
+    await poller.sweep()
+    job_id = await new_group(db, group_roles(first_s=4))
+    nc = await nats_client.connect(nats.url)
+    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
+    try:
+        async with running_dispatcher(db, nats.url, transport=transport):
+            await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+            folder = Path((await job_row(db, job_id)).attempt_dir or "")
+            await wait_file(folder / "trainer.log", needle="{")
+            shown = await job_details(db, job_id, transport)
+            await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
+    finally:
+        await nc.close()
+    job = await job_row(db, job_id)
+    assert job.attempt_dir is not None
+    folder = Path(job.attempt_dir)
+    report = client_report((folder / "trainer.log").read_text())
+    # It asked once and the server answered at once: it started after readiness.
+    assert report["health"] == "ok" and report["scores"] == [1.0]
+    assert report["addr"] == "127.0.0.1" and report["role"] == "trainer"
+    assert report["gpus"] == fleet[0].gpu_uuids[0]
+    train_log = (folder / "train.log").read_text()
+    lines = train_log.splitlines()
+    assert lines.index("rlfleet-group: role reward ready") < next(
+        i for i, x in enumerate(lines) if x.startswith("rlfleet-group: role trainer started")
+    )
+    assert "rlfleet-group: role reward stopped" in lines
+    assert not alive(role_pid(train_log, "reward"))
+    roles = {r["name"]: r for r in shown["roles"]}
+    assert roles["reward"]["ports"] == {"http": report["port"]} and not roles["reward"]["primary"]
+    assert roles["trainer"]["gpu_uuids"] == [fleet[0].gpu_uuids[0]]
+    assert roles["reward"]["gpu_uuids"] == [] and roles["trainer"]["supervisor_pid"]
+    # Each role's own pid and state, as its supervisor wrote them on the VM.
+    assert (roles["trainer"]["pid"], roles["trainer"]["state"]) == (report["pid"], "running")
+    assert roles["reward"]["pid"] == role_pid(train_log, "reward")
+    assert roles["reward"]["state"] == "running"
+    await nothing_left(fleet)
+    await no_gpu_or_port_held(db)
+
+
+async def test_killing_the_server_kills_the_trainer_and_retries_the_group(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
+) -> None:
+    fleet = await sim_fleet(1, gpus_per_vm=1)
+    await fleet.register(db)
+    poller = GpuPoller(db, transport, unreachable_after=1)
+    await poller.sweep()
+    job_id = await new_group(db, group_roles(first_s=300, later_s=1), max_retries=1)
+    nc = await nats_client.connect(nats.url)
+    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
+    try:
+        async with running_dispatcher(db, nats.url, transport=transport):
+            await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+            first = await job_row(db, job_id)
+            assert first.attempt_dir is not None
+            folder = Path(first.attempt_dir)
+            trainer = client_report(await wait_file(folder / "trainer.log", needle="{"))["pid"]
+            server = role_pid((folder / "train.log").read_text(), "reward")
+            os.kill(server, signal.SIGKILL)
+            await until(
+                db,
+                poller,
+                requeue,
+                lambda: _attempt_done(db, job_id),
+                "the second attempt completed",
+            )
+    finally:
+        await nc.close()
+    assert not alive(trainer)
+    async with db.transaction() as session:
+        events = (
+            await session.execute(
+                select(JobEvent.to_status, JobEvent.reason).where(JobEvent.job_id == job_id)
+            )
+        ).all()
+    failed = [reason for to, reason in events if to == "failed"]
+    assert len(failed) == 1 and "role reward failed (exit 137)" in (failed[0] or ""), events
+    assert (await job_row(db, job_id)).attempt == 2
+    await nothing_left(fleet)
+    await no_gpu_or_port_held(db)
+
+
+async def _attempt_done(db: Database, job_id: int) -> bool:
+    job = await job_row(db, job_id)
+    return job.status == "completed" and job.attempt == 2
+
+
+async def test_two_groups_on_one_vm_never_share_a_port(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
+) -> None:
+    fleet = await sim_fleet(1, gpus_per_vm=2)
+    await fleet.register(db)
+    poller = GpuPoller(db, transport, unreachable_after=1)
+    await poller.sweep()
+    ids = [await new_group(db, group_roles(first_s=4)) for _ in range(2)]
+    nc = await nats_client.connect(nats.url)
+    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
+
+    async def both(status: str) -> bool:
+        statuses = [(await job_row(db, i)).status for i in ids]
+        return all(s == status for s in statuses)
+
+    try:
+        async with running_dispatcher(db, nats.url, transport=transport):
+            await until(db, poller, requeue, lambda: both("running"), "both running")
+            async with db.transaction() as session:
+                rows = (await session.execute(select(JobPort.job_id, JobPort.port))).all()
+            reports = []
+            for job_id in ids:
+                folder = Path((await job_row(db, job_id)).attempt_dir or "")
+                reports.append(client_report(await wait_file(folder / "trainer.log", needle="{")))
+            await until(db, poller, requeue, lambda: both("completed"), "both completed")
+    finally:
+        await nc.close()
+    assert sorted(job for job, _port in rows) == sorted(ids)
+    assert len({port for _job, port in rows}) == 2
+    assert {r["port"] for r in reports} == {port for _job, port in rows}
+    assert {r["gpus"] for r in reports} == set(fleet[0].gpu_uuids)
+    await nothing_left(fleet)
+    await no_gpu_or_port_held(db)
+
+
+async def test_a_server_never_ready_fails_the_attempt_with_the_reason(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
+) -> None:
+    fleet = await sim_fleet(1, gpus_per_vm=1)
+    await fleet.register(db)
+    poller = GpuPoller(db, transport, unreachable_after=1)
+    await poller.sweep()
+    silent = [sys.executable, "-c", "import time; time.sleep(300)"]
+    job_id = await new_group(db, group_roles(server=silent, timeout=2), max_retries=0)
+    nc = await nats_client.connect(nats.url)
+    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
+    try:
+        async with running_dispatcher(db, nats.url, transport=transport):
+            await until(db, poller, requeue, status_is(db, job_id, "failed"), "failed")
+    finally:
+        await nc.close()
+    job = await job_row(db, job_id)
+    assert job.status_reason is not None
+    assert "role reward not ready after 2s" in job.status_reason, job.status_reason
+    assert job.exit_code == 94
+    assert not (Path(job.attempt_dir or "") / "trainer.log").exists()  # never started
+    await nothing_left(fleet)
+    await no_gpu_or_port_held(db)
+
+
+def write_vllm_python(folder: Path) -> str:
+    """A VM interpreter on which `-m trl.cli.main …` runs the vLLM stand-in
+    (tests/workloads/fake_vllm.py, which is not vLLM); anything else runs unchanged."""
+    fake = ROOT / "tests" / "workloads" / "fake_vllm.py"
+    path = folder / "vllm-python"
+    path.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "-m" ] && [ "$2" = "trl.cli.main" ]; then shift 2;'
+        f' exec {sys.executable} {fake} "$@"; fi\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    path.chmod(0o755)
+    return str(path)
+
+
+async def test_vllm_server_mode_starts_the_server_then_the_trainer_with_its_address(
+    sim_fleet: FleetFactory,
+    db: Database,
+    nats: EmbeddedNats,
+    transport: Transport,
+    tmp_path: Path,
+) -> None:
+    """`--vllm-server-gpus 1` beside a one-GPU trainer on a two-GPU VM: the `vllm` role
+    (a stand-in answering /health, not vLLM) gets `trl vllm-serve` with the model, the
+    VM's address, its port and one GPU; the trainer starts after it answers, on the other
+    GPU, in server mode with the same address and ports; the job completes and the server
+    is stopped."""
+    from scheduler.cli.job import with_vllm_server
+    from scheduler.jobs import JobSpec
+
+    fleet = await sim_fleet(1, gpus_per_vm=2)
+    await fleet.register(db, python=write_vllm_python(tmp_path))
+    poller = GpuPoller(db, transport, unreachable_after=1)
+    await poller.sweep()
+    spec = with_vllm_server(
+        JobSpec(model="Qwen/Qwen2.5-0.5B", dataset="d.jsonl", reward_functions=("format",)), 1
+    )
+    job_id = await new_job(
+        db,
+        spec.gpus,
+        roles=spec.roles,
+        model=spec.model,
+        dataset=spec.dataset,
+        reward_functions=spec.reward_functions,
+    )
+    nc = await nats_client.connect(nats.url)
+    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
+    try:
+        async with running_dispatcher(db, nats.url, transport=transport):
+            await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
+    finally:
+        await nc.close()
+    folder = Path((await job_row(db, job_id)).attempt_dir or "")
+    line = next(
+        x for x in (folder / "vllm.log").read_text().splitlines() if x.startswith("fake_vllm: ")
+    )
+    server = json.loads(line.split(": ", 1)[1])
+    port = server["argv"][server["argv"].index("--port") + 1]
+    assert server["argv"] == [
+        "vllm-serve", "--model", "Qwen/Qwen2.5-0.5B", "--host", "127.0.0.1", "--port", port,
+        "--tensor_parallel_size", "1",
+    ]  # fmt: skip
+    assert server["role"] == "vllm" and server["gpus"] == fleet[0].gpu_uuids[0]
+    trainer = (folder / "trainer.log").read_text()
+    args = trainer.split("fake_train: args=", 1)[1].splitlines()[0]
+    expected = [
+        "--use_vllm", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1",
+        "--vllm_server_port", port, "--vllm_group_port", server["nccl"],
+    ]  # fmt: skip
+    assert args.endswith(repr(expected)[1:]), args
+    assert f"CUDA_VISIBLE_DEVICES={fleet[0].gpu_uuids[1]}" in trainer
+    train_log = (folder / "train.log").read_text()
+    lines = train_log.splitlines()
+    assert lines.index("rlfleet-group: role vllm ready") < next(
+        i for i, x in enumerate(lines) if x.startswith("rlfleet-group: role trainer started")
+    )
+    assert not alive(role_pid(train_log, "vllm"))
+    await nothing_left(fleet)
+    await no_gpu_or_port_held(db)
+
+
+async def test_cancelling_a_group_stops_every_role(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
+) -> None:
+    """`job cancel` of a running group: the kill reaches the supervisor, which stops the
+    server and the trainer (each with its process group) before the kill's grace is over."""
+    from scheduler.control import cancel_job
+
+    fleet = await sim_fleet(1, gpus_per_vm=1)
+    await fleet.register(db)
+    poller = GpuPoller(db, transport, unreachable_after=1)
+    await poller.sweep()
+    job_id = await new_group(db, group_roles(first_s=300))
+    nc = await nats_client.connect(nats.url)
+    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
+    try:
+        async with running_dispatcher(db, nats.url, transport=transport):
+            await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+            folder = Path((await job_row(db, job_id)).attempt_dir or "")
+            trainer = client_report(await wait_file(folder / "trainer.log", needle="{"))["pid"]
+            server = role_pid((folder / "train.log").read_text(), "reward")
+            result = await cancel_job(db, transport, job_id, grace_s=10.0)
+    finally:
+        await nc.close()
+    assert result.kill == "terminated", result  # the supervisor ended within the grace
+    assert not alive(trainer) and not alive(server)
+    assert (await job_row(db, job_id)).status == "cancelled"
+    await nothing_left(fleet)
+    await no_gpu_or_port_held(db)
