@@ -38,8 +38,11 @@ from scheduler.gpus import (
     LEFTOVER_GPUS,
     LOCK_FREE_ON_VM_SQL,
     USABLE_VM,
-    VMS_WITH_SQL,
-    place_nodes,
+    VM_SIZES_SQL,
+    demand_order,
+    demands_fit,
+    short_of,
+    vm_order,
 )
 from scheduler.jobs import move_event_sql, move_set_sql, transition
 from scheduler.leftovers import AttemptRecord, abandon_attempt, leftover_may_run
@@ -469,28 +472,90 @@ async def _claim_one(
     return NoClaim(job_id, JobStatus.PENDING.value, reason, moved_to_pending=moved)
 
 
-async def _claim_gang(
-    conn: AsyncConnection, row: Any, actor: str, lease_s: float
-) -> Claim | NoClaim:
-    """Claim `nodes` × `gpus_requested` GPUs for one queued, locked multi-node job, all in
-    the caller's transaction or none (docs/invariants.md, invariant 1): lock N free GPU rows
-    on each of K VMs in `place_nodes` order (SKIP LOCKED), and only once all K are locked
-    take them and move the job `queued → starting`; else take nothing and say why."""
-    job_id, need, nodes = row.id, row.gpus_requested, row.nodes
-    free = {int(vm): int(n) for vm, n in (await conn.execute(FREE_BY_VM_SQL)).all()}
-    chosen: list[tuple[int, list[Any]]] = []
-    for vm_id in place_nodes(free, nodes, need, job_id):
-        gpus = (await conn.execute(LOCK_FREE_ON_VM_SQL, {"vm_id": vm_id, "need": need})).all()
-        if len(gpus) == need:
-            chosen.append((vm_id, list(gpus)))
-            if len(chosen) == nodes:
+def gang_demands(row: Any) -> list[int]:
+    """The GPUs each node (rank) of a multi-node job needs, rank 0 first: `nodes` × the
+    job's `gpus_requested`. The claim itself takes any list, one count per node."""
+    return [int(row.gpus_requested)] * int(row.nodes)
+
+
+def _demands_text(demands: Sequence[int]) -> str:
+    """`4, 2 and 1`: a gang's per-node GPU counts, most first, in a reason."""
+    words = [str(n) for n in sorted(demands, reverse=True)]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def gang_wait_reason(demands: Sequence[int], free_by_vm: dict[int, int]) -> str:
+    """Why a gang with these per-node demands waits on VMs with these free GPUs (the
+    words of `gang_pending_reason` when every node needs the same)."""
+    short = short_of(free_by_vm, list(demands))
+    n, need, have = short or (len(demands), max(demands), len(free_by_vm))
+    if len(set(demands)) == 1:
+        return gang_pending_reason(len(demands), need, have)
+    return (
+        f"needs {len(demands)} VMs with {_demands_text(demands)} free GPUs; "
+        f"{have} VM(s) have {need} free, {n} needed"
+    )
+
+
+def gang_never_reason(demands: Sequence[int], sizes: dict[int, int]) -> str | None:
+    """Why a gang can never run on VMs of these sizes (None when it could): the words of
+    `unsatisfiable_gang_reason` when every node needs the same."""
+    short = short_of(sizes, list(demands))
+    if short is None:
+        return None
+    n, need, have = short
+    if len(set(demands)) == 1:
+        return unsatisfiable_gang_reason(len(demands), need, have)
+    return (
+        f"needs {len(demands)} VMs with {_demands_text(demands)} GPUs; "
+        f"only {have} VM(s) have {need} or more, {n} needed"
+    )
+
+
+async def _lock_gang(
+    conn: AsyncConnection, free: dict[int, int], demands: Sequence[int], job_id: int
+) -> list[tuple[int, list[Any]]] | None:
+    """Lock `demands[r]` free GPU rows for each node r, every node on a VM of its own:
+    nodes most demanding first (`demand_order`), each on the first VM of `vm_order` not
+    tried yet whose rows it can lock (SKIP LOCKED). None when some node found none."""
+    chosen: dict[int, tuple[int, list[Any]]] = {}
+    tried: set[int] = set()
+    for node in demand_order(list(demands)):
+        need = demands[node]
+        for vm_id in vm_order(free, need, job_id):
+            if vm_id in tried:
+                continue
+            tried.add(vm_id)
+            gpus = (await conn.execute(LOCK_FREE_ON_VM_SQL, {"vm_id": vm_id, "need": need})).all()
+            if len(gpus) == need:
+                chosen[node] = (vm_id, list(gpus))
                 break
-    if len(chosen) < nodes:
-        fitting = sum(1 for n in free.values() if n >= need)
-        if fitting >= nodes:
+        else:
+            return None
+    return [chosen[node] for node in range(len(demands))]
+
+
+async def _claim_gang(
+    conn: AsyncConnection,
+    row: Any,
+    actor: str,
+    lease_s: float,
+    demands: Sequence[int] | None = None,
+) -> Claim | NoClaim:
+    """Claim the GPUs of every node of one queued, locked multi-node job (`demands`, one
+    GPU count per node; `gang_demands(row)` when not given), all in the caller's
+    transaction or none (docs/invariants.md, invariant 1): lock the free GPU rows of each
+    node on a VM of its own (`_lock_gang`), and only once every node is locked take them
+    and move the job `queued → starting`; else take nothing and say why."""
+    job_id = row.id
+    demands = list(demands if demands is not None else gang_demands(row))
+    free = {int(vm): int(n) for vm, n in (await conn.execute(FREE_BY_VM_SQL)).all()}
+    chosen = await _lock_gang(conn, free, demands, job_id) if demands_fit(free, demands) else None
+    if chosen is None:
+        if demands_fit(free, demands):
             # Enough VMs fit, but other claimers hold their rows: not a reason to wait.
             return NoClaim(job_id, row.status, "contended", contended=True)
-        return await _park_gang(conn, row, actor, fitting)
+        return await _park_gang(conn, row, actor, demands, free)
     ranks = tuple(
         NodeClaim(
             rank,
@@ -519,7 +584,8 @@ async def _claim_gang(
         job_id,
         expected=JobStatus.QUEUED,
         to=JobStatus.STARTING,
-        reason=f"claimed {nodes} × {need} GPUs on VMs " + ",".join(str(r.vm_id) for r in ranks),
+        reason=f"claimed {_claimed_text(demands)} GPUs on VMs "
+        + ",".join(str(r.vm_id) for r in ranks),
         actor=actor,
         values={
             "attempt": Job.attempt + 1,
@@ -574,15 +640,19 @@ async def _claim_gang(
     )
 
 
-async def _park_gang(conn: AsyncConnection, row: Any, actor: str, fitting: int) -> NoClaim:
+def _claimed_text(demands: Sequence[int]) -> str:
+    """`2 × 4` (every node alike) or `4+2+1` (per node, rank 0 first), in an event."""
+    if len(set(demands)) == 1:
+        return f"{len(demands)} × {demands[0]}"
+    return "+".join(str(n) for n in demands)
+
+
+async def _park_gang(
+    conn: AsyncConnection, row: Any, actor: str, demands: Sequence[int], free: dict[int, int]
+) -> NoClaim:
     """`queued → pending` for a multi-node job that fits nowhere now, with the reason."""
-    need, nodes = row.gpus_requested, row.nodes
-    big_enough = int(await conn.scalar(VMS_WITH_SQL, {"need": need}) or 0)
-    reason = (
-        unsatisfiable_gang_reason(nodes, need, big_enough)
-        if big_enough < nodes
-        else gang_pending_reason(nodes, need, fitting)
-    )
+    sizes = dict(enumerate(int(n) for n in (await conn.scalars(VM_SIZES_SQL)).all()))
+    reason = gang_never_reason(demands, sizes) or gang_wait_reason(demands, free)
     moved = await transition(
         AsyncSession(bind=conn),
         row.id,

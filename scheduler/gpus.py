@@ -126,11 +126,44 @@ def place_nodes(free_by_vm: dict[int, int], nodes: int, per_node: int, job_id: i
     claim takes the first `nodes` of the list whose GPU rows it can lock, moving down the
     list past VMs another claimer holds right now (docs/decisions.md, "Gang placement").
     """
-    fits = [vm for vm, free in free_by_vm.items() if free >= per_node]
-    if len(fits) < nodes:
+    if not demands_fit(free_by_vm, [per_node] * nodes):
         return []
+    return vm_order(free_by_vm, per_node, job_id)
+
+
+def vm_order(free_by_vm: dict[int, int], need: int, job_id: int) -> list[int]:
+    """The VMs with at least `need` free GPUs, fullest first, ties broken per job."""
     salt = job_id * SPREAD % 2**32
+    fits = [vm for vm, free in free_by_vm.items() if free >= need]
     return sorted(fits, key=lambda vm: (free_by_vm[vm], (vm * SPREAD % 2**32) ^ salt, vm))
+
+
+def demand_order(demands: list[int]) -> list[int]:
+    """The order in which a gang's nodes are placed: most GPUs first (ties by node).
+
+    The VMs that fit a node are a subset of those that fit any node needing fewer GPUs, so
+    placing the most demanding node first, on any VM that fits it, never blocks a placement
+    that exists: the greedy placement finds one whenever `demands_fit` says so."""
+    return sorted(range(len(demands)), key=lambda node: (-demands[node], node))
+
+
+def short_of(free_by_vm: dict[int, int], demands: list[int]) -> tuple[int, int, int] | None:
+    """Why `demands` (one GPU count per node, each node its own VM) cannot be placed on VMs
+    with these free counts: (n, need, have) = the n nodes needing `need` or more GPUs find
+    only `have` VMs with `need` free; None when a placement exists."""
+    wanted = sorted(demands, reverse=True)
+    for k, need in enumerate(wanted, start=1):
+        if wanted[k : k + 1] == [need]:
+            continue  # count the nodes of one size together
+        have = sum(1 for free in free_by_vm.values() if free >= need)
+        if have < k:
+            return k, need, have
+    return None
+
+
+def demands_fit(free_by_vm: dict[int, int], demands: list[int]) -> bool:
+    """Whether distinct VMs with these free GPU counts can host every node of `demands`."""
+    return short_of(free_by_vm, demands) is None
 
 
 LOCK_FREE_ON_VM_SQL = text(
@@ -156,18 +189,29 @@ VM_SIZES_SQL = text("SELECT count(*) FROM gpus GROUP BY vm_id")
 
 # -- audits (tests, benchmarks, operators): each counts what must always be 0 ------------
 
+_WHOLE = """CASE WHEN jsonb_typeof(j.roles) = 'object' THEN j.gpus_requested
+                 ELSE j.nodes * j.gpus_requested END"""
+"""Every GPU a job holds when claimed: `nodes` × `gpus_requested` for a training job; for a
+job group, whose VMs may need different counts, `gpus_requested` is already all of them.
+(`jsonb_typeof`: a row with no roles may hold SQL NULL or JSON null.)"""
+
 PARTIAL_CLAIMS_SQL = text(
-    """
+    f"""
 SELECT count(*) FROM jobs j WHERE
-  (SELECT count(*) FROM gpus g WHERE g.job_id = j.id) NOT IN (0, j.nodes * j.gpus_requested)
+  (SELECT count(*) FROM gpus g WHERE g.job_id = j.id) NOT IN (0, {_WHOLE})
   OR (j.status IN ('starting', 'running')
-      AND (SELECT count(*) FROM gpus g WHERE g.job_id = j.id) <> j.nodes * j.gpus_requested)
+      AND (SELECT count(*) FROM gpus g WHERE g.job_id = j.id) <> {_WHOLE})
   OR (j.nodes > 1 AND (SELECT count(DISTINCT g.vm_id) FROM gpus g WHERE g.job_id = j.id)
       NOT IN (0, j.nodes))
+  OR (j.nodes > 1 AND j.status IN ('starting', 'running') AND EXISTS (
+      SELECT 1 FROM job_nodes n WHERE n.job_id = j.id AND n.attempt = j.attempt
+        AND cardinality(n.gpu_indices) <> (SELECT count(*) FROM gpus g
+                                           WHERE g.job_id = j.id AND g.vm_id = n.vm_id)))
 """
 )
 """Jobs holding some but not all of their GPUs, live jobs holding fewer than they asked
-for, or a gang with two ranks on one VM (docs/invariants.md, invariant 1)."""
+for, a gang with two ranks on one VM, or a live gang whose rank holds other than its own
+GPUs on its VM (docs/invariants.md, invariant 1)."""
 
 _LIVE_HELD = """
 SELECT j.id AS job_id, j.vm_id, i FROM jobs j, unnest(j.gpu_indices) i

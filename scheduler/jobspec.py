@@ -109,6 +109,14 @@ class Role:
 
 
 @dataclass(frozen=True)
+class GroupNode:
+    """One VM of a job group: the GPUs it needs and the (role, rank) pairs it runs."""
+
+    gpus: int
+    roles: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
 class GroupSpec:
     """A whole, validated job spec file."""
 
@@ -140,6 +148,21 @@ class GroupSpec:
     def gpus(self) -> int:
         """GPUs of every role together."""
         return sum(r.gpus for r in self.roles)
+
+    def layout(self) -> tuple[GroupNode, ...]:
+        """The VMs (nodes) the group's roles run on, node 0 first (docs/decisions.md,
+        "Where a job group runs"): node r runs rank r of every role with more than r
+        `nodes`, and every one-node role runs on node 0 (roles share a VM unless `nodes`
+        spreads them, so `same_vm_as` always holds). A node's GPUs are its roles' GPUs
+        together, at least 1: a VM is claimed through its GPUs."""
+        count = max(r.nodes for r in self.roles)
+        return tuple(
+            GroupNode(
+                gpus=max(1, sum(r.gpus for r in self.roles if r.nodes > node)),
+                roles=tuple((r.name, node) for r in self.roles if r.nodes > node),
+            )
+            for node in range(count)
+        )
 
     def env(self) -> tuple[tuple[str, str], ...]:
         """Every role's `env` as one job environment (`jobs.env`); a variable two roles set

@@ -9,10 +9,11 @@ import random
 
 from sqlalchemy import select, text
 
-from scheduler.claims import Claim, NoClaim, claim_gpus
+from scheduler.claims import Claim, NoClaim, _claim_gang, claim_gpus
 from scheduler.db import Database
 from scheduler.gpus import DOUBLE_BOOKED_SQL, PARTIAL_CLAIMS_SQL
 from scheduler.jobs import get_job
+from scheduler.jobspec import GroupSpec, Role
 from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.models import GPU, Job, JobNode, Leftover
 from scheduler.states import JobStatus
@@ -65,6 +66,62 @@ async def test_a_gang_that_does_not_fit_takes_nothing_and_says_what_is_missing(
         held = await session.scalar(select(GPU.id).where(GPU.job_id.is_not(None)).limit(1))
         nodes = await session.scalar(select(JobNode.job_id).limit(1))
     assert held is None and nodes is None
+
+
+async def _claim_per_node(db: Database, job_id: int, demands: list[int]) -> Claim | NoClaim:
+    """The gang claim with one GPU count per node, in a transaction of its own, on the job's
+    row locked as `claim_batch_in_session` locks it."""
+    async with db.engine.begin() as conn:
+        row = (
+            await conn.execute(
+                select(
+                    Job.id, Job.status, Job.gpus_requested, Job.nodes, Job.model, Job.dataset,
+                    Job.reward_function, Job.extra_args, Job.env, Job.roles,
+                ).where(Job.id == job_id).with_for_update()
+            )
+        ).one()  # fmt: skip
+        return await _claim_gang(conn, row, "test", 60.0, demands)
+
+
+async def test_a_gang_of_unequal_nodes_takes_each_its_own_count_on_distinct_vms(
+    db: Database,
+) -> None:
+    """A group of a 2-node trainer (2 GPUs each) and a 1-GPU server needs 3 GPUs on node 0
+    and 2 on node 1: on VMs with 8, 3, 1 and 2 free it takes the 3 and the 2 (the fullest
+    that fit), each rank its own count, and the audits count it whole. A second such group
+    then takes nothing and waits, saying which size too few VMs have."""
+    await add_vm_row(db, "big", 8)
+    a = await add_vm_row(db, "a", 3)
+    await add_vm_row(db, "b", 1)
+    c = await add_vm_row(db, "c", 2)
+    spec = GroupSpec(
+        roles=(
+            Role("trainer", gpus=2, nodes=2, primary=True),
+            Role("server", gpus=1, depends_on=()),
+        )
+    )
+    demands = [n.gpus for n in spec.layout()]
+    assert demands == [3, 2]
+    first = await new_job(db, sum(demands), nodes=2, roles=spec.to_data())
+    claim = await _claim_per_node(db, first, demands)
+    assert isinstance(claim, Claim)
+    assert [(n.rank, n.vm_id, len(n.gpu_uuids)) for n in claim.nodes] == [(0, a, 3), (1, c, 2)]
+    async with db.transaction() as session:
+        partial = await session.scalar(PARTIAL_CLAIMS_SQL)
+        double = await session.scalar(DOUBLE_BOOKED_SQL)
+        reason = await session.scalar(
+            text("SELECT reason FROM job_events WHERE job_id = :j AND to_status = 'starting'"),
+            {"j": first},
+        )
+    assert partial == 0 and double == 0
+    assert reason == f"claimed 3+2 GPUs on VMs {a},{c}"
+    second = await new_job(db, sum(demands), nodes=2, roles=spec.to_data())
+    result = await _claim_per_node(db, second, demands)
+    assert isinstance(result, NoClaim) and result.moved_to_pending
+    assert result.reason == "needs 2 VMs with 3 and 2 free GPUs; 1 VM(s) have 2 free, 2 needed"
+    async with db.transaction() as session:
+        held = await session.scalar(select(GPU.id).where(GPU.job_id == second).limit(1))
+    assert held is None
 
 
 async def test_racing_gang_and_single_claimers_never_share_a_gpu_nor_claim_half(

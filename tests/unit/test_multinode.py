@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import shlex
 
-from scheduler.gpus import place_nodes
+from scheduler.claims import gang_never_reason, gang_wait_reason
+from scheduler.gpus import demand_order, demands_fit, place_nodes, short_of, vm_order
+from scheduler.jobspec import GroupSpec, Role
 from scheduler.pending import PendingJob, plan_pending
 from scheduler.remote import (
     Attempt,
@@ -42,6 +44,63 @@ def test_placement_spreads_jobs_over_equally_full_vms() -> None:
     firsts = {place_nodes(free, 2, 4, job_id=j)[0] for j in range(20)}
     assert len(firsts) > 3
     assert sorted(place_nodes(free, 2, 4, job_id=3)) == list(range(1, 11))
+
+
+def test_per_node_demands_fit_only_on_distinct_vms_big_enough() -> None:
+    """Nodes needing 4, 2 and 2 GPUs fit VMs with 4, 2 and 3 free, not VMs with 8, 1 and 1
+    (one VM cannot hold two nodes), nor 2, 2, 3 (none has 4); the missing part is named."""
+    assert demands_fit({1: 4, 2: 2, 3: 3}, [4, 2, 2])
+    assert not demands_fit({1: 8, 2: 1, 3: 1}, [4, 2, 2])
+    assert short_of({1: 8, 2: 1, 3: 1}, [4, 2, 2]) == (3, 2, 1)
+    assert short_of({1: 2, 2: 2, 3: 3}, [2, 4, 2]) == (1, 4, 0)
+    assert short_of({1: 4, 2: 4}, [4, 4]) is None
+    assert demands_fit({}, [])
+
+
+def test_per_node_placement_puts_the_biggest_node_first_on_the_fullest_vm_that_fits() -> None:
+    """The most demanding node is placed first; each node tries the fullest VMs that fit
+    it, so a 4 + 1 gang on VMs with 8, 4 and 1 free takes the 4 and the 1."""
+    assert demand_order([1, 4, 2, 4]) == [1, 3, 2, 0]
+    free = {1: 8, 2: 4, 3: 1}
+    assert vm_order(free, 4, job_id=5) == [2, 1]
+    assert vm_order(free, 1, job_id=5) == [3, 2, 1]
+    # K × N is the special case: the order is place_nodes' own.
+    assert place_nodes(free, 2, 4, job_id=5) == vm_order(free, 4, job_id=5)
+
+
+def test_per_node_reasons_say_what_is_missing() -> None:
+    """Equal nodes keep the multi-node words; unequal nodes list their GPUs and the size
+    too few VMs have."""
+    assert gang_wait_reason([4, 4], {1: 4, 2: 2}) == "needs 2 VMs with 4 free GPUs; 1 has them"
+    assert gang_wait_reason([1, 4], {1: 2, 2: 2}) == (
+        "needs 2 VMs with 4 and 1 free GPUs; 0 VM(s) have 4 free, 1 needed"
+    )
+    assert gang_never_reason([4, 4, 4], {0: 4, 1: 4}) == (
+        "needs 3 VMs with 4 GPUs each; only 2 VM(s) have that many"
+    )
+    assert gang_never_reason([4, 2, 2], {0: 8, 1: 2}) == (
+        "needs 3 VMs with 4, 2 and 2 GPUs; only 2 VM(s) have 2 or more, 3 needed"
+    )
+    assert gang_never_reason([4, 2], {0: 8, 1: 2}) is None
+
+
+def test_a_groups_layout_spreads_only_roles_with_several_nodes() -> None:
+    """Node r runs rank r of every role with more than r nodes; one-node roles share node
+    0; each node needs its roles' GPUs, at least one."""
+    spec = GroupSpec(
+        roles=(
+            Role("server", gpus=0, primary=False),
+            Role("trainer", gpus=2, nodes=3, primary=True),
+            Role("judge", gpus=1, nodes=2),
+        )
+    )
+    layout = spec.layout()
+    assert [n.gpus for n in layout] == [3, 3, 2]
+    assert layout[0].roles == (("server", 0), ("trainer", 0), ("judge", 0))
+    assert layout[1].roles == (("trainer", 1), ("judge", 1))
+    assert layout[2].roles == (("trainer", 2),)
+    alone = GroupSpec(roles=(Role("a", gpus=0, primary=True), Role("b", gpus=0)))
+    assert [(n.gpus, len(n.roles)) for n in alone.layout()] == [(1, 2)]
 
 
 def test_pending_plan_wakes_a_gang_only_when_enough_vms_fit() -> None:
