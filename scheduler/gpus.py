@@ -116,23 +116,12 @@ so concurrent claimers spread over them instead of queueing on one (as the singl
 claim does)."""
 
 
-def place_nodes(free_by_vm: dict[int, int], nodes: int, per_node: int, job_id: int) -> list[int]:
-    """The VMs a `nodes` × `per_node` gang claim tries, best first; empty when fewer than
-    `nodes` VMs have `per_node` free GPUs (the job cannot be placed now).
-
-    Each rank runs on its own VM, so every placement uses exactly `nodes` VMs; among the
-    VMs with at least `per_node` free GPUs the fullest come first (fewest free GPUs, so big
-    free blocks stay whole for big jobs), ties broken by a per-job hash of the VM id. The
-    claim takes the first `nodes` of the list whose GPU rows it can lock, moving down the
-    list past VMs another claimer holds right now (docs/decisions.md, "Gang placement").
-    """
-    if not demands_fit(free_by_vm, [per_node] * nodes):
-        return []
-    return vm_order(free_by_vm, per_node, job_id)
-
-
 def vm_order(free_by_vm: dict[int, int], need: int, job_id: int) -> list[int]:
-    """The VMs with at least `need` free GPUs, fullest first, ties broken per job."""
+    """The VMs a node needing `need` GPUs may be placed on, best first: those with at least
+    `need` free GPUs, the fullest first (fewest free GPUs, so big free blocks stay whole for
+    big jobs), ties broken by a per-job hash of the VM id. A gang claim takes the first of
+    the list whose GPU rows it can lock, moving down the list past VMs another claimer
+    holds right now (docs/decisions.md, "Gang placement")."""
     salt = job_id * SPREAD % 2**32
     fits = [vm for vm, free in free_by_vm.items() if free >= need]
     return sorted(fits, key=lambda vm: (free_by_vm[vm], (vm * SPREAD % 2**32) ^ salt, vm))

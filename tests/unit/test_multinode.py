@@ -6,7 +6,7 @@ from __future__ import annotations
 import shlex
 
 from scheduler.claims import gang_never_reason, gang_wait_reason
-from scheduler.gpus import demand_order, demands_fit, place_nodes, short_of, vm_order
+from scheduler.gpus import demand_order, demands_fit, short_of, vm_order
 from scheduler.jobspec import GroupSpec, Role
 from scheduler.pending import PendingJob, plan_pending
 from scheduler.remote import (
@@ -25,25 +25,26 @@ def test_placement_takes_the_fullest_vms_that_fit() -> None:
     """Of VMs with 8, 2, 4, 3 and 1 free GPUs, a 2 × 2 gang goes to the VMs with 2 and 3
     free (the fullest that fit), never to the 1-GPU VM, and keeps the 8 whole."""
     free = {1: 8, 2: 2, 3: 4, 4: 3, 5: 1}
-    order = place_nodes(free, 2, 2, job_id=7)
+    order = vm_order(free, 2, job_id=7)
     assert order[:2] == [2, 4]
     assert order == [2, 4, 3, 1] and 5 not in order
 
 
-def test_placement_is_empty_when_too_few_vms_fit() -> None:
+def test_a_gang_does_not_fit_when_too_few_vms_have_room() -> None:
     """Three VMs cannot host a 4-node gang, nor two VMs with 4 free a gang of 5 GPUs each."""
-    assert place_nodes({1: 8, 2: 8, 3: 8}, 4, 1, job_id=1) == []
-    assert place_nodes({1: 4, 2: 4}, 2, 5, job_id=1) == []
-    assert place_nodes({}, 2, 1, job_id=1) == []
+    assert not demands_fit({1: 8, 2: 8, 3: 8}, [1] * 4)
+    assert not demands_fit({1: 4, 2: 4}, [5, 5])
+    assert not demands_fit({}, [1, 1])
+    assert demands_fit({1: 1, 2: 1, 3: 1, 4: 9}, [1] * 4)
 
 
 def test_placement_spreads_jobs_over_equally_full_vms() -> None:
     """Equally full VMs are ordered per job, so concurrent claimers do not all start on the
     same VM; every order still holds every fitting VM once."""
     free = {vm: 4 for vm in range(1, 11)}
-    firsts = {place_nodes(free, 2, 4, job_id=j)[0] for j in range(20)}
+    firsts = {vm_order(free, 4, job_id=j)[0] for j in range(20)}
     assert len(firsts) > 3
-    assert sorted(place_nodes(free, 2, 4, job_id=3)) == list(range(1, 11))
+    assert sorted(vm_order(free, 4, job_id=3)) == list(range(1, 11))
 
 
 def test_per_node_demands_fit_only_on_distinct_vms_big_enough() -> None:
@@ -64,8 +65,6 @@ def test_per_node_placement_puts_the_biggest_node_first_on_the_fullest_vm_that_f
     free = {1: 8, 2: 4, 3: 1}
     assert vm_order(free, 4, job_id=5) == [2, 1]
     assert vm_order(free, 1, job_id=5) == [3, 2, 1]
-    # K × N is the special case: the order is place_nodes' own.
-    assert place_nodes(free, 2, 4, job_id=5) == vm_order(free, 4, job_id=5)
 
 
 def test_per_node_reasons_say_what_is_missing() -> None:
