@@ -76,7 +76,24 @@ function queuePage() {
 
 // --- job -----------------------------------------------------------------------------
 
-const SHOWN_ELSEWHERE = new Set(["events", "id", "name", "status", "status_reason", "failure_reason"]);
+const SHOWN_ELSEWHERE = new Set(["events", "ranks", "id", "name", "status", "status_reason", "failure_reason"]);
+
+// One row per node of the attempt (`ranks` of `job show --json`), rank 0 first.
+function renderNodes(ranks) {
+  const nodes = ranks || [];
+  document.getElementById("nodes-section").hidden = nodes.length === 0;
+  document.getElementById("nodes").replaceChildren(...nodes.map((r) => el(
+    "tr", { "data-rank": String(r.rank) },
+    el("td", {}, String(r.rank)),
+    el("td", { class: "vm" }, r.vm ? el("a", { href: `/fleet?name=${encodeURIComponent(r.vm)}` }, r.vm) : "-"),
+    el("td", {}, (r.gpu_indices || []).join(", ")),
+    el("td", {}, r.pid === null || r.pid === undefined ? "-" : String(r.pid)),
+    el("td", {}, String(r.attempt)),
+    el("td", { class: "status" }, r.state),
+    el("td", {}, r.exit_code === null || r.exit_code === undefined ? "" : String(r.exit_code)),
+    el("td", { class: "path" }, r.attempt_dir || ""),
+  )));
+}
 
 function renderJob(job) {
   document.getElementById("job-status").textContent = job.status;
@@ -90,6 +107,7 @@ function renderJob(job) {
     rows.push(el("dt", {}, k), el("dd", { "data-key": k }, text));
   }
   document.getElementById("placement").replaceChildren(...rows);
+  renderNodes(job.ranks);
   document.getElementById("events").replaceChildren(...job.events.map((e) => el(
     "tr", {},
     el("td", {}, fmtTime(e.at)), el("td", {}, e.from || ""), el("td", {}, e.to),
@@ -174,13 +192,20 @@ function jobPage() {
 
 // --- fleet ---------------------------------------------------------------------------
 
+// How much time the timelines cover: the last N hours, or since the first sample.
+function spanText(data) {
+  const whole = data.end - data.start >= data.hours * 3600 - 1;
+  return whole ? `last ${data.hours} h` : `since ${fmtTime(new Date(data.start * 1000).toISOString()).slice(11)}`;
+}
+
 function fleetPage() {
+  document.getElementById("timeline-span").textContent = spanText(initial);
   for (const box of document.querySelectorAll(".spark")) {
     const points = initial.timelines[box.dataset.vm] || [];
     lineChart(box, [
       { name: "utilisation", cls: "util", points: points.map((p) => [p.t, p.util]) },
       { name: "memory", cls: "mem", points: points.map((p) => [p.t, p.mem]) },
-    ], { width: 240, height: 40, yMin: 0, yMax: 100, axes: false });
+    ], { width: 240, height: 40, xMin: initial.start, xMax: initial.end, yMin: 0, yMax: 100, axes: false });
   }
 }
 
