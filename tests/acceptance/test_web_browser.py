@@ -295,6 +295,13 @@ async def test_the_dashboard_follows_jobs_draws_curves_and_cancels(
         assert [(n[0], n[5]) for n in nodes] == [("0", "running"), ("1", "running")], nodes
         assert sorted(n[1] for n in nodes) == ["vm0", "vm1"] and all(n[3].isdigit() for n in nodes)
         assert browser.js("return document.querySelector('[data-key=ranks]')") is None
+        # And the queue says it holds one GPU on each of two VMs
+        await browser.get(f"{base}/queue")
+        row_of_pair = f"#section-running tr[data-job='{pair}']"
+        gpus_vm = "return [...document.querySelectorAll(arguments[0])].map((td) => td.textContent)"
+        cells = f"{row_of_pair} td.gpus, {row_of_pair} td.vm"
+        await browser.until(lambda: browser.js(gpus_vm, cells) != [], 20)
+        assert browser.js(gpus_vm, cells) == ["1 × 2", f"{nodes[0][1]} +1"]
 
         # And the fleet page shows both VMs and their four GPUs, each VM's utilisation and
         # memory drawn as lines over the polls so far
