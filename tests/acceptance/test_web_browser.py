@@ -310,15 +310,16 @@ async def test_the_dashboard_follows_jobs_draws_curves_and_cancels(
         assert browser.js("return document.querySelectorAll('td.gpus .gpu').length") == 4
         assert browser.js("return document.querySelectorAll('.spark svg').length") == 2
         await fleet_lines_drawn(browser, f"{base}/fleet", vms=2)
+        await cli(env, "job", "cancel", pair)
 
         if os.environ.get(SCREENSHOTS_ENV):
-            await screenshot_scene(browser, env, base, pair)
+            await screenshot_scene(browser, env, base)
     finally:
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
 
 
-async def screenshot_scene(browser: Browser, env: dict[str, str], base: str, pair: str) -> None:
+async def screenshot_scene(browser: Browser, env: dict[str, str], base: str) -> None:
     """The screenshots the README shows, of what a user keeps the page open for: a job
     learning over several steps, one on two nodes, one waiting with its reason, finished
     ones of each kind, and the fleet's GPUs allocated and free with their timelines."""
@@ -328,7 +329,6 @@ async def screenshot_scene(browser: Browser, env: dict[str, str], base: str, pai
         await browser.get(f"{base}/jobs/{job}")
         await browser.until(lambda: browser.js(status) == want, 90)
 
-    await cli(env, "job", "cancel", pair)
     failed = await cli(
         env, *submit_args("grpo-bad-reward", "--max-retries", "0", train=("--fake_exit", "2"))
     )
