@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import sys
 import tempfile
 import time
@@ -310,6 +311,9 @@ async def test_the_dashboard_follows_jobs_draws_curves_and_cancels(
         assert browser.js("return document.querySelectorAll('td.gpus .gpu').length") == 4
         assert browser.js("return document.querySelectorAll('.spark svg').length") == 2
         await fleet_lines_drawn(browser, f"{base}/fleet", vms=2)
+        # And the header says the timelines begin with the first poll, not 3 hours ago
+        span = browser.js("return document.getElementById('timeline-span').textContent")
+        assert re.fullmatch(r"since \d\d:\d\d:\d\d", span), span
         await cli(env, "job", "cancel", pair)
 
         if os.environ.get(SCREENSHOTS_ENV):

@@ -193,10 +193,12 @@ function jobPage() {
 
 // --- fleet ---------------------------------------------------------------------------
 
-// How much time the timelines cover: the last N hours, or since the first sample.
+// How much time the timelines cover: the last N hours, or since the first sample (its
+// time of day, with the date when that is more than a day back).
 function spanText(data) {
-  const whole = data.end - data.start >= data.hours * 3600 - 1;
-  return whole ? `last ${data.hours} h` : `since ${fmtTime(new Date(data.start * 1000).toISOString()).slice(11)}`;
+  if (data.end - data.start >= data.hours * 3600 - 1) return `last ${data.hours} h`;
+  const since = fmtTime(new Date(data.start * 1000).toISOString());
+  return `since ${data.end - data.start < 20 * 3600 ? since.slice(11) : since}`;
 }
 
 function fleetPage() {
