@@ -271,7 +271,14 @@ async def fleet_page(dash: Dashboard, request: Request) -> Response:
         title="Fleet",
         name=name or "",
         fleet=snapshot,
-        initial=jsonable({"timelines": {vm["name"]: vm["timeline"] for vm in snapshot["vms"]}}),
+        initial=jsonable(
+            {
+                "timelines": {vm["name"]: vm["timeline"] for vm in snapshot["vms"]},
+                "start": snapshot["timeline_start"],
+                "end": snapshot["timeline_end"],
+                "hours": snapshot["hours"],
+            }
+        ),
     )
 
 
