@@ -26,6 +26,7 @@ from scheduler.validate import (
 
 if TYPE_CHECKING:
     from scheduler.db import Database
+    from scheduler.pgconn import PgDatabase
 
 # asyncio, the database layer (SQLAlchemy, psycopg) and structlog are imported when a
 # command uses them, not here: `rlfleet --help` and `--version` load none of them.
@@ -77,6 +78,33 @@ class CliContext:
 
         return asyncio.run(go())
 
+    def run_sql(self, fn: Callable[[PgDatabase], Awaitable[T]], *, nats: bool = False) -> T:
+        """`run`, with a plain psycopg connection (`pgconn.PgDatabase`) for the statements
+        of `scheduler.jobstore` instead of a `Database`: no SQLAlchemy is loaded, so the
+        commands that need nothing else (`job list`, `job submit`) start fast."""
+        import asyncio
+
+        from scheduler.logging import configure
+        from scheduler.pgconn import PgDatabase, is_unavailable
+
+        url = self.database_url
+        if nats:
+            check_nats_url(self.settings.nats_url)
+        configure(self.log_level or COMMAND_LOG_LEVEL)
+
+        async def go() -> T:
+            db = PgDatabase(url)
+            try:
+                return await fn(db)
+            except Exception as exc:
+                if is_unavailable(exc):
+                    raise self.database_unreachable(exc) from exc
+                raise
+            finally:
+                await db.close()
+
+        return asyncio.run(go())
+
     def database_unreachable(self, exc: BaseException) -> ServiceUnavailable:
         """The one-line error for a database that cannot be used (password redacted)."""
         url = redact_url(self.settings.database_url)
@@ -124,8 +152,15 @@ class ColumnInt(click.ParamType):
 
     name = "integer"
 
-    def __init__(self, column: Any = None, *, lo: int | None = None, hi: int | None = None):
-        self.column, self.lo, self.hi = column, lo, hi
+    def __init__(
+        self,
+        column: Any = None,
+        *,
+        lo: int | None = None,
+        hi: int | None = None,
+        bounds: tuple[int, int] | None = None,
+    ):
+        self.column, self.lo, self.hi, self.bounds = column, lo, hi, bounds
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         """Parse and range-check one value."""
@@ -137,7 +172,9 @@ class ColumnInt(click.ParamType):
             except ValueError:
                 self.fail(f"{shown(str(value))} is not a valid integer", param, ctx)
         try:
-            return check_int(number, "it", column=self.column, lo=self.lo, hi=self.hi)
+            return check_int(
+                number, "it", column=self.column, lo=self.lo, hi=self.hi, bounds=self.bounds
+            )
         except BadInput as exc:
             self.fail(str(exc).removeprefix("it "), param, ctx)
 
@@ -147,13 +184,15 @@ class ColumnText(click.ParamType):
 
     name = "text"
 
-    def __init__(self, column: Any = None, *, empty_ok: bool = False):
-        self.column, self.empty_ok = column, empty_ok
+    def __init__(self, column: Any = None, *, max_len: int | None = None, empty_ok: bool = False):
+        self.column, self.max_len, self.empty_ok = column, max_len, empty_ok
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         """Check one value."""
         try:
-            return check_text(str(value), "it", column=self.column, empty_ok=self.empty_ok)
+            return check_text(
+                str(value), "it", column=self.column, max_len=self.max_len, empty_ok=self.empty_ok
+            )
         except BadInput as exc:
             self.fail(str(exc).removeprefix("it "), param, ctx)
 
