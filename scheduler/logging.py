@@ -87,6 +87,18 @@ def _structlog() -> Any:
     return structlog
 
 
+def _below_level(method: str) -> bool:
+    """Whether `configure` set a level that drops events of the logging method `method`."""
+    if _wanted is None:
+        return False
+    level = logging.getLevelName(method.upper())
+    return isinstance(level, int) and level < logging.getLevelName(_wanted[0].upper())
+
+
+def _drop(*_args: object, **_values: object) -> None:
+    """A filtered-out event."""
+
+
 class _LazyLogger:
     """A structlog logger created, structlog imported, at its first use."""
 
@@ -101,6 +113,8 @@ class _LazyLogger:
         return _LazyLogger({**self._initial, **values})
 
     def __getattr__(self, name: str) -> Any:
+        if self._logger is None and _below_level(name):
+            return _drop  # what structlog would filter out: no need to load it
         if self._logger is None:
             self._logger = _structlog().get_logger(**self._initial)
         return getattr(self._logger, name)
