@@ -89,8 +89,15 @@ async def test_both_paths_list_the_same_jobs(db: Database, pg: PgDatabase) -> No
     async with db.transaction() as session:
         for name in ("100%_sure", "100x sure", None):
             await insert_job(session, JobSpec("m", "d", ("r",), name=name), actor="t")
-        await session.execute(text("UPDATE jobs SET status = 'pending', status_reason = 'why' "
-                                   "WHERE name = '100x sure'"))  # fmt: skip
+        on_vm = await insert_job(session, SPEC, actor="t")
+        for statement in (
+            "UPDATE jobs SET status = 'pending', status_reason = 'why' WHERE name = '100x sure'",
+            "INSERT INTO vms (name, host) VALUES ('vm-a', 'h')",
+            "UPDATE jobs SET status = 'running', vm_id = (SELECT id FROM vms), attempt = 1, "
+            "gpu_indices = '{1,0}', gpu_uuids = '{GPU-b,GPU-a}', remote_pid = 42, "
+            f"running_at = now() WHERE id = {on_vm.id}",
+        ):
+            await session.execute(text(statement))
     filters: list[dict[str, Any]] = [
         {},
         {"limit": 2},
@@ -100,6 +107,7 @@ async def test_both_paths_list_the_same_jobs(db: Database, pg: PgDatabase) -> No
         {"name": "%_"},
         {"name": "100X"},
         {"name": "sure", "status": JobStatus.QUEUED},
+        {"status": JobStatus.RUNNING},
     ]
     for wanted in filters:
         async with pg.sql_transaction() as tx:
@@ -109,10 +117,18 @@ async def test_both_paths_list_the_same_jobs(db: Database, pg: PgDatabase) -> No
             from_orm = [job_to_dict(await get_job(session, j["id"])) for j in from_daemon]
         assert from_cli == from_daemon == from_orm, wanted
     async with pg.sql_transaction() as tx:
-        assert [j["name"] for j in await list_jobs_sql(tx, name="%_")] == ["100%_sure"]
+        literal = await list_jobs_sql(tx, name="%_")  # not a wildcard: "100x sure" is not
+        assert [j["name"] for j in literal] == ["100%_sure", "100%_sure"]
         pending = await list_jobs_sql(tx, status=JobStatus.PENDING)
+        (running,) = await list_jobs_sql(tx, status=JobStatus.RUNNING)
     assert [(j["name"], j["status_reason"]) for j in pending] == [("100x sure", "why")]
     assert list(pending[0]) == list(job_to_dict(await _orm_job(db, pending[0]["id"])))
+    assert (running["vm"], running["gpu_indices"], running["gpu_uuids"]) == (
+        "vm-a",
+        [1, 0],
+        ["GPU-b", "GPU-a"],
+    )
+    assert running["env_keys"] == ["A_B", "HF_TOKEN"] and "secret" not in repr(running)
 
 
 async def _orm_job(db: Database, job_id: int) -> Any:
