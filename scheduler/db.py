@@ -89,7 +89,7 @@ class SessionSql:
 
     async def rows(self, sql: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
         """Run `sql` (`%(name)s` parameters); the rows it returns, as dicts."""
-        await self.session.flush()  # objects added to the session come first, as in SQL order
+        await self.session.flush()  # what the session holds unwritten is seen by `sql`
         connection = await self.session.connection()
         result = await connection.exec_driver_sql(sql, dict(params or {}))
         return [dict(row) for row in result.mappings()] if result.returns_rows else []

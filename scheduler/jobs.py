@@ -4,7 +4,11 @@ The dispatcher's hot path moves jobs `queued → starting` and `starting → run
 statements of its own (`scheduler.claims`), one round trip per batch; they render the same
 move with `move_set_sql` and `move_event_sql`, from the one definition `move_values`
 that `transition` applies, so the two paths write the same rows
-(tests/integration/test_transitions.py)."""
+(tests/integration/test_transitions.py).
+
+A job is created, listed and shown as data by the SQL of `scheduler.jobstore`, which the
+command line runs without the ORM; `insert_job`, `list_jobs` and `job_to_dict` here are
+that SQL and mapping over a session."""
 
 from __future__ import annotations
 

@@ -260,12 +260,16 @@ _COMPUTED_SQL = {
     "vm": "v.name",
 }
 
+
+def _select_item(key: str, column: str | None) -> str:
+    """One field of `JOB_FIELDS` as an item of the SELECT list over `jobs j`, `vms v`."""
+    return f"{_COMPUTED_SQL[key] if column is None else 'j.' + column} AS {key}"
+
+
 JOB_SELECT_SQL = (
-    "SELECT "
-    + ", ".join(f"{_COMPUTED_SQL[key] if column is None else 'j.' + column} AS {key}"
-                for key, column in JOB_FIELDS)
-    + " FROM jobs j LEFT JOIN vms v ON v.id = j.vm_id"
-)  # fmt: skip
+    f"SELECT {', '.join(_select_item(key, column) for key, column in JOB_FIELDS)} "
+    "FROM jobs j LEFT JOIN vms v ON v.id = j.vm_id"
+)
 """Every field of `JOB_FIELDS`, for rows of `jobs j`."""
 
 
