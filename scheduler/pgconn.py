@@ -87,8 +87,8 @@ class PgDatabase:
         async with connection.transaction():
             yield PgTx(connection)
 
-    async def close(self) -> None:
-        """Close the connection if it was opened."""
+    async def dispose(self) -> None:
+        """Close the connection if it was opened (as `Database.dispose`)."""
         if self._connection is not None:
             await self._connection.close()
             self._connection = None

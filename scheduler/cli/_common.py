@@ -7,7 +7,7 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import click
 
@@ -34,6 +34,16 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+class _Disposable(Protocol):
+    """A command's database handle (`Database`, `pgconn.PgDatabase`)."""
+
+    async def dispose(self) -> None:
+        """Close its connections."""
+
+
+D = TypeVar("D", bound=_Disposable)
+
+
 COMMAND_LOG_LEVEL = "WARNING"
 """Log level of the one-shot commands unless --log-level / RLFLEET_LOG_LEVEL says otherwise:
 a command that succeeds prints nothing on stderr."""
@@ -55,9 +65,29 @@ class CliContext:
     def run(self, fn: Callable[[Database], Awaitable[T]], *, nats: bool = False) -> T:
         """Run `fn(db)` on a fresh event loop with a database of its own; with `nats`, the
         NATS URL is checked first too. Nothing is touched before both are known sane."""
+        from scheduler.db import Database, is_unavailable
+
+        return self._run(lambda url: Database(url, pool_size=2), is_unavailable, fn, nats)
+
+    def run_sql(self, fn: Callable[[PgDatabase], Awaitable[T]], *, nats: bool = False) -> T:
+        """`run`, with a plain psycopg connection (`pgconn.PgDatabase`) for the statements
+        of `scheduler.jobstore` instead of a `Database`: no SQLAlchemy is loaded, so the
+        commands that need nothing else (`job list`, `job submit`) start fast."""
+        from scheduler.pgconn import PgDatabase, is_unavailable
+
+        return self._run(PgDatabase, is_unavailable, fn, nats)
+
+    def _run(
+        self,
+        open_db: Callable[[str], D],
+        is_unavailable: Callable[[BaseException], bool],
+        fn: Callable[[D], Awaitable[T]],
+        nats: bool,
+    ) -> T:
+        """`fn(open_db(url))` on a fresh event loop, the database disposed of after; an
+        error saying the database cannot be used is one line, its URL redacted."""
         import asyncio
 
-        from scheduler.db import Database, is_unavailable
         from scheduler.logging import configure
 
         url = self.database_url
@@ -66,7 +96,7 @@ class CliContext:
         configure(self.log_level or COMMAND_LOG_LEVEL)
 
         async def go() -> T:
-            db = Database(url, pool_size=2)
+            db = open_db(url)
             try:
                 return await fn(db)
             except Exception as exc:
@@ -75,33 +105,6 @@ class CliContext:
                 raise
             finally:
                 await db.dispose()
-
-        return asyncio.run(go())
-
-    def run_sql(self, fn: Callable[[PgDatabase], Awaitable[T]], *, nats: bool = False) -> T:
-        """`run`, with a plain psycopg connection (`pgconn.PgDatabase`) for the statements
-        of `scheduler.jobstore` instead of a `Database`: no SQLAlchemy is loaded, so the
-        commands that need nothing else (`job list`, `job submit`) start fast."""
-        import asyncio
-
-        from scheduler.logging import configure
-        from scheduler.pgconn import PgDatabase, is_unavailable
-
-        url = self.database_url
-        if nats:
-            check_nats_url(self.settings.nats_url)
-        configure(self.log_level or COMMAND_LOG_LEVEL)
-
-        async def go() -> T:
-            db = PgDatabase(url)
-            try:
-                return await fn(db)
-            except Exception as exc:
-                if is_unavailable(exc):
-                    raise self.database_unreachable(exc) from exc
-                raise
-            finally:
-                await db.close()
 
         return asyncio.run(go())
 

@@ -42,7 +42,7 @@ async def pg(database_url: str) -> AsyncIterator[PgDatabase]:
     """The command line's connection to the test's database."""
     database = PgDatabase(database_url)
     yield database
-    await database.close()
+    await database.dispose()
 
 
 async def stored(db: Database, job_id: int) -> tuple[dict[str, Any], list[tuple[Any, ...]]]:
