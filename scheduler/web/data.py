@@ -1,5 +1,5 @@
 """What the pages show, read with the same functions as the CLI's `--json` listings
-(`jobs.list_jobs`/`job_to_dict`, `control.job_details`, `fleet.list_vms`/`vm_to_dict`),
+(`jobs.list_jobs`, `control.job_details`, `fleet.list_vms`/`vm_to_dict`),
 plus the history the poller keeps (`scheduler.history`)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import fleet, history
-from scheduler.jobs import job_to_dict, list_jobs
+from scheduler.jobs import list_jobs
 from scheduler.models import GPU, VM, Job
 from scheduler.states import JobStatus
 
@@ -52,8 +52,7 @@ async def queue_snapshot(
             sections[section] = []
             continue
         limit = finished_limit if section == "finished" else LIVE_LIMIT
-        jobs = await list_jobs(session, status=wanted, limit=limit, name=name)
-        sections[section] = [job_to_dict(j) for j in jobs]
+        sections[section] = await list_jobs(session, status=wanted, limit=limit, name=name)
     return {"sections": sections, "counts": counts}
 
 

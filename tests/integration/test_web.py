@@ -15,7 +15,7 @@ from scheduler.cli._common import to_jsonable
 from scheduler.db import Database
 from scheduler.fleet import list_vms, vm_to_dict
 from scheduler.gpu_poller import GpuPoller
-from scheduler.jobs import job_to_dict, list_jobs
+from scheduler.jobs import list_jobs
 from scheduler.models import JobEvent
 from scheduler.settings import Settings
 from scheduler.transport import Transport
@@ -153,7 +153,7 @@ async def test_the_api_mirrors_the_clis_json(db: Database, client: Client, sim_f
     web = client()
     # Then /api/jobs and /api/vms are what `job list --json` and `vm list --json` print
     async with db.transaction() as session:
-        jobs = to_jsonable([job_to_dict(j) for j in await list_jobs(session)])
+        jobs = to_jsonable(await list_jobs(session))
         vms = to_jsonable([vm_to_dict(v) for v in await list_vms(session)])
     assert (await web.get("/api/jobs")).json() == jobs
     assert (await web.get("/api/vms")).json() == vms

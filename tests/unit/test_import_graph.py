@@ -1,14 +1,17 @@
 """No import cycle between the command line and the engines: an engine never loads
 `scheduler.cli` (or click), and the CLI loads an engine, SSH, NATS or Prometheus only when
-a command that needs them runs."""
+a command that needs them runs; `job list` and `job submit` load no SQLAlchemy."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+
+from scheduler.embedded import EmbeddedNats
 
 ENGINES = [
     "scheduler.gpu_poller",
@@ -53,6 +56,47 @@ def test_building_the_cli_imports_no_engine_nor_ssh_nats_or_prometheus() -> None
     assert "scheduler.cli" in loaded
     assert not loaded & set(ENGINES)
     assert not top_level(loaded) & {"asyncssh", "nats", "prometheus_client"}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["job", "list", "--json"],
+        ["job", "list", "--status", "queued"],
+        ["job", "submit", "--model", "m", "--dataset", "d", "--reward-function", "format"],
+    ],
+)
+def test_job_list_and_submit_load_no_sqlalchemy(
+    argv: list[str], database_url: str, nats: EmbeddedNats
+) -> None:
+    """Given real Postgres and NATS, `job list` and `job submit` run to success (a job is
+    submitted, announced and listed) without loading SQLAlchemy, SSH, structlog or an
+    engine: they
+    run the statements of `scheduler.jobstore` on a plain psycopg connection, which is
+    what lets them start in a fraction of a second."""
+    env = {**os.environ, "RLFLEET_DATABASE_URL": database_url, "RLFLEET_NATS_URL": nats.url}
+    probe = (
+        "import json, sys\n"
+        "from scheduler.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit as exc:\n"
+        "    code = exc.code\n"
+        "print(json.dumps({'code': code, 'modules': sorted(sys.modules)}))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+    )
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["code"] == 0, done.stderr
+    loaded = set(result["modules"])
+    assert "scheduler.cli.job" in loaded and "psycopg" in loaded
+    heavy = {"sqlalchemy", "asyncssh", "prometheus_client", "alembic", "structlog"}
+    assert not top_level(loaded) & heavy
+    assert not loaded & {*ENGINES, "scheduler.models", "scheduler.db", "scheduler.jobs"}
+    if "submit" in argv:
+        assert "nats" in top_level(loaded)
+        assert done.stdout.splitlines()[0].strip().isdigit()  # the new job's id
 
 
 def test_the_commands_defaults_are_the_engines_defaults() -> None:
@@ -124,3 +168,32 @@ def test_a_pure_decision_module_loads_no_database_ssh_or_nats(module: str) -> No
     assert module in modules
     heavy = {"sqlalchemy", "psycopg", "asyncssh", "nats", "prometheus_client", "click"}
     assert not top_level(modules) & heavy
+
+
+def test_loggers_load_structlog_at_their_first_use_and_log_as_configured() -> None:
+    """A module's logger (and one bound from it) loads structlog only when it first logs an
+    event the configured level keeps, and then logs as `configure` said: JSON at the level
+    asked for, URLs redacted."""
+    code = (
+        "import sys\n"
+        "from scheduler.logging import configure, get_logger\n"
+        "log = get_logger('probe', x=1)\n"
+        "bound = log.bind(y=2)\n"
+        "configure('INFO', json=True)\n"
+        "log.debug('hidden')\n"
+        "print('structlog' in sys.modules)\n"
+        "bound.info('hello', url='postgresql://u:hunter2@h/d')\n"
+        "log.debug('hidden')\n"
+        "log.warning('again')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.strip() == "False"
+    lines = [json.loads(line) for line in done.stderr.splitlines()]
+    assert [(e["event"], e["level"], e["component"]) for e in lines] == [
+        ("hello", "info", "probe"),
+        ("again", "warning", "probe"),
+    ]
+    assert lines[0]["x"] == 1 and lines[0]["y"] == 2 and "y" not in lines[1]
+    assert "hunter2" not in done.stderr and lines[0]["url"].startswith("postgresql://u:")
