@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 # SSH (scheduler.transport, scheduler.control) and NATS (scheduler.submit) are imported by
 # the commands that use them. `job list` and `job submit` run the statements of
 # `scheduler.jobstore` on a plain psycopg connection (`CliContext.run_sql`): they load
-# neither SSH nor SQLAlchemy (tests/unit/test_import_graph.py).
+# neither SSH nor SQLAlchemy (tests/integration/test_cli_imports.py).
 
 CANCEL_GRACE_S = 10.0
 """scheduler.control.DEFAULT_GRACE_S (tests/unit/test_import_graph.py checks they agree)."""
