@@ -31,6 +31,7 @@ from typing import Any
 from sqlalchemy import delete, func, insert, literal_column, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
+from scheduler import jobstore
 from scheduler.db import Database, installation_id
 from scheduler.gpus import (
     FREE_BY_VM_SQL,
@@ -48,6 +49,7 @@ from scheduler.jobs import move_event_sql, move_set_sql, transition
 from scheduler.leftovers import AttemptRecord, abandon_attempt, leftover_may_run
 from scheduler.logging import get_logger
 from scheduler.models import Job, JobNode, JobPort
+from scheduler.pending import unsatisfiable_gang_reason, unsatisfiable_reason
 from scheduler.remote import ROOT, Attempt, default_output_dir, new_token
 from scheduler.states import FailureReason, JobStatus
 from scheduler.validate import job_row_problem
@@ -138,23 +140,8 @@ CLAIM_SHORTLIST_SQL = text(_CLAIM_TEMPLATE.format(only_vms="AND g.vm_id = ANY(:v
 """CLAIM_SQL among the VMs a batch's plan named: an index scan of a few VMs' GPU rows
 instead of counting every free GPU of the fleet again for every job."""
 
-LARGEST_VM_SQL = text(
-    "SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM gpus GROUP BY vm_id) c"
-)
-"""The most GPUs any one VM has, whatever its state: a job asking for more can never run
-(until a bigger VM is added), so it is never worth waiting, or holding others back, for."""
-
-
-def unsatisfiable_reason(need: int, largest_vm: int) -> str:
-    """Why a job can never run on the fleet as it is, in the words `job list` shows."""
-    unit = "GPU" if need == 1 else "GPUs"
-    return f"no VM has {need} {unit} (the largest has {largest_vm})"
-
-
-def unsatisfiable_gang_reason(nodes: int, need: int, big_enough: int) -> str:
-    """Why a multi-node job can never run on the fleet as it is."""
-    unit = "GPU" if need == 1 else "GPUs"
-    return f"needs {nodes} VMs with {need} {unit} each; only {big_enough} VM(s) have that many"
+LARGEST_VM_SQL = text(jobstore.LARGEST_VM_SQL)
+"""`jobstore.LARGEST_VM_SQL`: the most GPUs any one VM has, whatever its state."""
 
 
 def gang_pending_reason(nodes: int, need: int, fitting: int) -> str:

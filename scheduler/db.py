@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import DBAPIError, OperationalError
@@ -68,9 +69,30 @@ class Database:
         async with self.sessionmaker() as session, session.begin():
             yield session
 
+    @asynccontextmanager
+    async def sql_transaction(self) -> AsyncIterator[SessionSql]:
+        """`transaction()` for the statements of `scheduler.jobstore` (`SqlDatabase`)."""
+        async with self.transaction() as session:
+            yield SessionSql(session)
+
     async def dispose(self) -> None:
         """Close every pooled connection."""
         await self.engine.dispose()
+
+
+class SessionSql:
+    """`jobstore.SqlTx` over a session: the SQL text goes to psycopg as it is, in the
+    session's transaction, so the daemons run the very statements the command line runs."""
+
+    def __init__(self, session: AsyncSession) -> None:
+        self.session = session
+
+    async def rows(self, sql: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Run `sql` (`%(name)s` parameters); the rows it returns, as dicts."""
+        await self.session.flush()  # what the session holds unwritten is seen by `sql`
+        connection = await self.session.connection()
+        result = await connection.exec_driver_sql(sql, dict(params or {}))
+        return [dict(row) for row in result.mappings()] if result.returns_rows else []
 
 
 async def installation_id(session: AsyncSession | AsyncConnection) -> str:

@@ -11,7 +11,9 @@ from __future__ import annotations
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from scheduler import jobstore
 from scheduler.db import Database
+from scheduler.jobstore import colon_style
 
 LEFTOVER_GPUS = """
     leftover_gpus AS MATERIALIZED (
@@ -167,11 +169,8 @@ FOR UPDATE OF g SKIP LOCKED
 """Lock up to `need` free GPU rows of one VM for a gang claim; rows another claimer holds
 are skipped, never waited for (docs/invariants.md, invariant 1)."""
 
-VMS_WITH_SQL = text(
-    "SELECT count(*) FROM (SELECT vm_id FROM gpus GROUP BY vm_id HAVING count(*) >= :need) c"
-)
-"""How many VMs have at least `need` GPUs, whatever their state: a gang of more nodes than
-that can never run."""
+VMS_WITH_SQL = text(colon_style(jobstore.VMS_WITH_SQL))
+"""`jobstore.VMS_WITH_SQL`: how many VMs have at least `need` GPUs, whatever their state."""
 
 VM_SIZES_SQL = text("SELECT count(*) FROM gpus GROUP BY vm_id")
 """The number of GPUs of each VM, whatever its state."""

@@ -167,40 +167,97 @@ async def job_curve(session: AsyncSession, job_id: int) -> list[dict[str, Any]]:
 
 
 TIMELINE_BUCKETS = 60
-"""Points of one timeline: the window is cut into this many buckets, averaged in SQL."""
+"""Points of one timeline: its span is cut into this many buckets, averaged in SQL."""
+MIN_TIMELINE_S = 60.0
+"""The shortest span a timeline covers, so a VM polled for a few seconds is not one bucket
+stretched over the page."""
+
+
+@dataclass(frozen=True)
+class TimelineSpan:
+    """The times a page's timelines cover, in seconds since the epoch."""
+
+    start: float
+    end: float
+
+
+async def timeline_span(
+    session: AsyncSession, vm_ids: Sequence[int], *, hours: float
+) -> TimelineSpan:
+    """What the timelines of `vm_ids` cover: up to now, from the first sample of theirs in
+    the last `hours` (at least `MIN_TIMELINE_S` back), so that a fleet polled for a minute
+    draws that minute across the chart rather than a dot at the end of three hours."""
+    seconds = max(MIN_TIMELINE_S, hours * 3600.0)
+    row = (
+        await session.execute(
+            text(
+                """
+SELECT extract(epoch FROM now()) AS now,
+       (SELECT extract(epoch FROM min(f.recorded_at))
+        FROM gpus g
+        -- The first sample of each GPU in the window: one index probe per GPU.
+        CROSS JOIN LATERAL (
+            SELECT s.recorded_at FROM gpu_samples s
+            WHERE s.gpu_id = g.id AND s.recorded_at >= now() - make_interval(secs => :secs)
+            ORDER BY s.recorded_at LIMIT 1
+        ) f
+        WHERE g.vm_id = ANY(CAST(:vm_ids AS int[]))) AS first
+"""
+            ),
+            {"vm_ids": list(vm_ids), "secs": seconds},
+        )
+    ).one()
+    end = float(row.now)
+    first = end - seconds if row.first is None else max(end - seconds, float(row.first))
+    return TimelineSpan(start=min(first, end - MIN_TIMELINE_S), end=end)
 
 
 async def vm_timelines(
-    session: AsyncSession, vm_ids: Sequence[int], *, hours: float
+    session: AsyncSession,
+    vm_ids: Sequence[int],
+    *,
+    hours: float,
+    span: TimelineSpan | None = None,
 ) -> dict[int, list[dict[str, Any]]]:
-    """For each VM, its GPUs' mean utilisation and memory use (percent of total) over the
-    last `hours`, one point per bucket that has samples: {vm_id: [{t, util, mem}]}, `t`
-    in seconds since the epoch."""
+    """For each VM, its GPUs' mean utilisation and memory use (percent of total) over
+    `span` (by default `timeline_span` of the last `hours`), one point per bucket that has
+    samples: {vm_id: [{t, util, mem}]}, `t` the bucket's middle in seconds since the
+    epoch."""
     if not vm_ids:
         return {}
-    seconds = max(60.0, hours * 3600.0)
+    if span is None:
+        span = await timeline_span(session, vm_ids, hours=hours)
+    width = max(span.end - span.start, 1.0) / TIMELINE_BUCKETS
     rows = await session.execute(
         text(
             """
 SELECT g.vm_id,
-       floor(extract(epoch FROM s.recorded_at) / :width) * :width AS bucket,
+       -- A sample written at the very end (or by a poll that began after this
+       -- transaction) is drawn with the last bucket.
+       least(floor((extract(epoch FROM s.recorded_at) - :start) / :width), :last) AS bucket,
        avg(s.utilization_pct) AS util,
        100.0 * sum(s.memory_used_mb) / nullif(sum(s.memory_total_mb), 0) AS mem
 FROM gpus g
 JOIN gpu_samples s ON s.gpu_id = g.id
-    AND s.recorded_at >= now() - make_interval(secs => :secs)
+    AND s.recorded_at >= to_timestamp(:start)
 WHERE g.vm_id = ANY(CAST(:vm_ids AS int[]))
 GROUP BY 1, 2
 ORDER BY 1, 2
 """
         ),
-        {"vm_ids": list(vm_ids), "secs": seconds, "width": seconds / TIMELINE_BUCKETS},
+        {
+            "vm_ids": list(vm_ids),
+            "start": span.start,
+            "width": width,
+            "last": TIMELINE_BUCKETS - 1,
+        },
     )
     out: dict[int, list[dict[str, Any]]] = {vm_id: [] for vm_id in vm_ids}
     for r in rows:
+        bucket = float(r.bucket)
         out[r.vm_id].append(
             {
-                "t": float(r.bucket),
+                "t": round(span.start + (bucket + 0.5) * width, 3),
                 "util": None if r.util is None else round(float(r.util), 1),
                 "mem": None if r.mem is None else round(float(r.mem), 1),
             }

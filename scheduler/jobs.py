@@ -4,30 +4,29 @@ The dispatcher's hot path moves jobs `queued → starting` and `starting → run
 statements of its own (`scheduler.claims`), one round trip per batch; they render the same
 move with `move_set_sql` and `move_event_sql`, from the one definition `move_values`
 that `transition` applies, so the two paths write the same rows
-(tests/integration/test_transitions.py)."""
+(tests/integration/test_transitions.py).
+
+A job is created, listed and shown as data by the SQL of `scheduler.jobstore`, which the
+command line runs without the ORM; `insert_job`, `list_jobs` and `job_to_dict` here are
+that SQL and mapping over a session."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import func, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
-from scheduler.errors import BadInput, NotFound
-from scheduler.models import Job, JobEvent, JobNode
+from scheduler import jobstore
+from scheduler.db import SessionSql
+from scheduler.errors import NotFound
+from scheduler.jobstore import EVENT_COLUMNS, JOB_FIELDS, NewJob, job_dict
+from scheduler.jobstore import JobSpec as JobSpec  # where callers have always found it
+from scheduler.models import Job, JobNode
 from scheduler.retry import is_machine_fault
 from scheduler.states import STATE_TIMESTAMP, JobStatus, check_move
-from scheduler.validate import (
-    MAX_GPUS,
-    MAX_NODES,
-    MAX_RETRIES,
-    check_int,
-    check_text,
-    extra_args_problem,
-)
 
 
 class _Clock:
@@ -39,9 +38,6 @@ class _Clock:
 
 
 CLOCK = _Clock()
-
-EVENT_COLUMNS = ("job_id", "from_status", "to_status", "reason", "actor", "attempt")
-"""The columns of a move's `job_events` row, in the order `move_event_sql` fills them."""
 
 
 def move_values(sources: Sequence[JobStatus], to: JobStatus) -> dict[str, Any]:
@@ -192,114 +188,10 @@ def _is_machine_fault(changes: Mapping[str, Any]) -> bool:
     return is_machine_fault(reason, exit_code)
 
 
-async def create_job(session: AsyncSession, *, actor: str, **fields: Any) -> Job:
-    """Insert a job as `queued` with its first event; returns the flushed row."""
-    job = Job(status=JobStatus.QUEUED.value, **fields)
-    session.add(job)
-    await session.flush()
-    job.queued_at = job.submitted_at
-    session.add(
-        JobEvent(
-            job_id=job.id, from_status=None, to_status="queued", reason="submitted", actor=actor
-        )
-    )
-    await session.flush()
-    return job
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """What a user gives to submit a job."""
-
-    model: str
-    dataset: str
-    reward_functions: tuple[str, ...]
-    gpus: int = 1
-    """GPUs on each node."""
-    nodes: int = 1
-    """VMs the job spans (`--nodes`), `gpus` on each."""
-    max_retries: int = 3
-    priority: int = 0
-    name: str | None = None
-    extra_args: tuple[str, ...] = ()
-    output_dir: str | None = None
-    """Where train_grpo.py writes on the VM; None means `remote.default_output_dir`."""
-    env: tuple[tuple[str, str], ...] = ()
-    """`--env KEY=VALUE` pairs for the job's environment."""
-    roles: dict[str, Any] | None = None
-    """A job group's roles (`jobspec.GroupSpec.to_data`); None for one training role."""
-
-    def validate(self) -> None:
-        """Raise `BadInput` for a job that could never run or that the schema cannot hold
-        (limits in `scheduler.validate`, read from the columns)."""
-        validate_job_env(self.env)
-        check_text(self.model, "--model", column=Job.model)
-        check_text(self.dataset, "--dataset", column=Job.dataset)
-        if not self.reward_functions:
-            raise BadInput("--reward-function must not be empty")
-        for reward in self.reward_functions:
-            check_text(reward, "--reward-function", column=Job.reward_function)
-        if any("," in r for r in self.reward_functions):
-            raise BadInput("give several reward functions as repeated --reward-function flags")
-        check_text(",".join(self.reward_functions), "--reward-function", column=Job.reward_function)
-        if self.gpus < 1:
-            raise BadInput(f"--gpus must be at least 1, not {self.gpus}")
-        check_int(self.gpus, "--gpus", column=Job.gpus_requested, lo=1, hi=MAX_GPUS)
-        check_int(self.nodes, "--nodes", column=Job.nodes, lo=1, hi=MAX_NODES)
-        if self.max_retries < 0:
-            raise BadInput(f"--max-retries must not be negative, not {self.max_retries}")
-        check_int(self.max_retries, "--max-retries", column=Job.max_retries, lo=0, hi=MAX_RETRIES)
-        check_int(self.priority, "--priority", column=Job.priority)
-        if self.name is not None:
-            check_text(self.name, "--name", column=Job.name)
-        if self.output_dir is not None:
-            check_text(self.output_dir, "--output-dir", column=Job.output_dir)
-        problem = extra_args_problem(self.extra_args)
-        if problem:
-            raise BadInput(problem)
-
-
-async def insert_job(session: AsyncSession, spec: JobSpec, *, actor: str) -> Job:
-    """Validate and insert a `queued` job with its first event."""
-    spec.validate()
-    return await create_job(
-        session,
-        actor=actor,
-        name=spec.name,
-        model=spec.model,
-        dataset=spec.dataset,
-        reward_function=",".join(spec.reward_functions),
-        gpus_requested=spec.gpus,
-        nodes=spec.nodes,
-        max_retries=spec.max_retries,
-        priority=spec.priority,
-        extra_args=list(spec.extra_args),
-        output_dir=spec.output_dir,
-        env=dict(spec.env),
-        roles=spec.roles,
-    )
-
-
-MAX_ENV_VALUE = 32768
-
-
-def validate_job_env(env: Iterable[tuple[str, str]]) -> None:
-    """Raise `BadInput` for a variable a job may not set, or a value that cannot be
-    stored in the one-line-per-variable `job.env` (the value itself is never quoted)."""
-    from scheduler.remote import env_key_problem
-
-    seen: set[str] = set()
-    for key, value in env:
-        problem = env_key_problem(key)
-        if problem:
-            raise BadInput(f"--env {problem}")
-        if key in seen:
-            raise BadInput(f"--env {key} given twice")
-        seen.add(key)
-        if "\n" in value or "\r" in value or "\0" in value:
-            raise BadInput(f"--env {key}: the value must be one line")
-        if len(value) > MAX_ENV_VALUE:
-            raise BadInput(f"--env {key}: the value is longer than {MAX_ENV_VALUE} characters")
+async def insert_job(session: AsyncSession, spec: JobSpec, *, actor: str) -> NewJob:
+    """Validate and insert a `queued` job with its first event (`jobstore.insert_job`, the
+    statement `job submit` runs too)."""
+    return await jobstore.insert_job(SessionSql(session), spec, actor=actor)
 
 
 async def get_job(
@@ -324,22 +216,16 @@ async def list_jobs(
     status: JobStatus | Collection[JobStatus] | None = None,
     limit: int = 100,
     name: str | None = None,
-) -> list[Job]:
-    """The newest jobs first, optionally only those in `status` (one or several) and those
-    whose name contains `name` (case-insensitive, taken literally)."""
-    query = select(Job).options(selectinload(Job.vm)).order_by(Job.id.desc()).limit(limit)
-    if isinstance(status, JobStatus):
-        query = query.where(Job.status == status.value)
-    elif status is not None:
-        query = query.where(Job.status.in_([s.value for s in status]))
-    if name:
-        query = query.where(Job.name.icontains(name, autoescape=True))
-    return list(await session.scalars(query))
+) -> list[dict[str, Any]]:
+    """The newest jobs first as plain data (`job_to_dict`'s fields), optionally only those
+    in `status` (one or several) and those whose name contains `name` (case-insensitive,
+    taken literally): `jobstore.list_jobs`, the query `job list` runs too."""
+    return await jobstore.list_jobs(SessionSql(session), status=status, limit=limit, name=name)
 
 
 async def mark_published(session: AsyncSession, job_id: int) -> None:
     """Record that the job id was stored by the stream just now."""
-    await session.execute(update(Job).where(Job.id == job_id).values(published_at=func.now()))
+    await jobstore.mark_published(SessionSql(session), job_id)
 
 
 async def show_job(session: AsyncSession, job_id: int) -> dict[str, Any]:
@@ -432,42 +318,12 @@ def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
 
 
 def job_to_dict(job: Job, *, events: bool = False, ranks: bool = False) -> dict[str, Any]:
-    """A job as plain data, for `--json` and for display; `ranks` adds its nodes
-    (`ranks_to_dicts`)."""
-    data: dict[str, Any] = {
-        "id": job.id,
-        "name": job.name,
-        "status": job.status,
-        "status_reason": job.status_reason,
-        "model": job.model,
-        "dataset": job.dataset,
-        "reward_function": job.reward_function,
-        "extra_args": job.extra_args,
-        # The names only: the values may be secrets (tokens, keys).
-        "env_keys": sorted(job.env or {}),
-        "gpus": job.gpus_requested,
-        "nodes": job.nodes,
-        "priority": job.priority,
-        "attempt": job.attempt,
-        "retry_count": job.retry_count,
-        "max_retries": job.max_retries,
-        "failure_reason": job.failure_reason,
-        "exit_code": job.exit_code,
-        "vm": job.vm.name if job.vm is not None else None,
-        "gpu_indices": job.gpu_indices,
-        "gpu_uuids": job.gpu_uuids,
-        "remote_pid": job.remote_pid,
-        "output_dir": job.output_dir,
-        "attempt_dir": job.attempt_dir,
-        "completed_attempt": job.completed_attempt,
-        "next_attempt_at": job.next_attempt_at,
-        "retry_decision": job.retry_decision,
-        "machine_faults": job.machine_faults,
-        "submitted_at": job.submitted_at,
-        "starting_at": job.starting_at,
-        "running_at": job.running_at,
-        "finished_at": job.finished_at,
-    }
+    """A job as plain data, for `--json` and for display (`jobstore.job_dict`, the mapping
+    of `job list`); `ranks` adds its nodes (`ranks_to_dicts`), `events` its history."""
+    row = {key: getattr(job, column) for key, column in JOB_FIELDS if column is not None}
+    row["env_keys"] = list(job.env or {})
+    row["vm"] = job.vm.name if job.vm is not None else None
+    data = job_dict(row)
     if ranks:
         data["ranks"] = ranks_to_dicts(job)
         data["roles"] = roles_to_dicts(job)

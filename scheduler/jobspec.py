@@ -20,20 +20,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.errors import BadInput
+from scheduler.validate import INT4, MAX_NODES, MAX_RETRIES, TEXT_MAX
 
 MAX_FILE_BYTES = 1 << 20
 """Largest spec file read (1 MiB): a job description is a few hundred bytes."""
 MAX_ROLES = 16
 MAX_PORTS = 16
 MAX_ROLE_GPUS = 64
-MAX_ROLE_NODES = 64
+MAX_ROLE_NODES = MAX_NODES
 MAX_READY_TIMEOUT_S = 3600
 DEFAULT_READY_TIMEOUT_S = 120
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 """Role and port names: they become parts of variable names (`RLFLEET_<ROLE>_<PORT>`)."""
-MAX_PRIORITY = 2**31 - 1
-MAX_RETRIES = 1000
-TEXT_MAX = 4096
+MAX_PRIORITY = INT4[1]
+# MAX_RETRIES and TEXT_MAX are `scheduler.validate`'s, the limits `job submit` checks.
 
 TOP_KEYS = ("name", "priority", "max_retries", "output_dir", "vllm_server_gpus", "roles")
 ROLE_KEYS = (

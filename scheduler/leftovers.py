@@ -287,6 +287,21 @@ async def open_leftover_count(session: AsyncSession, vm_id: int) -> int:
 # -- the kill sweep -----------------------------------------------------------------------
 
 
+async def _gang_succeeded(session: AsyncSession, item: _Open, nodes: int) -> bool:
+    """Shared fate (docs/invariants.md, invariant 2): a leftover rank that had exited 0 is
+    noted on its `job_nodes` row; the attempt succeeded only when every one of its `nodes`
+    ranks has exited 0. A rank that failed, one killed for another's sake, or rows already
+    replaced by a newer attempt's claim mean it did not. Caller's transaction."""
+    at_attempt = (JobNode.job_id == item.job_id) & (JobNode.attempt == item.attempt)
+    await session.execute(
+        update(JobNode)
+        .where(at_attempt, JobNode.vm_id == item.target.id, JobNode.exit_code.is_(None))
+        .values(exit_code=0)
+    )
+    codes = (await session.execute(select(JobNode.exit_code).where(at_attempt))).scalars().all()
+    return len(codes) == nodes and all(code == 0 for code in codes)
+
+
 @dataclass(frozen=True)
 class _Open:
     """An open ledger row, as the kill needs it."""
@@ -404,11 +419,13 @@ class LeftoverSweep:
         exited 0 completes its job, unless the job has ended meanwhile. A newer attempt
         still starting or running is superseded: it becomes a leftover itself (its GPUs stay
         blocked until the next sweep has killed it), and the row names the VM and directory
-        of the attempt whose output is the result. Caller's transaction."""
+        of the attempt whose output is the result. A rank of a multi-node attempt is only
+        one part of it: the job completes once every rank is known to have exited 0
+        (`_gang_succeeded`). Caller's transaction."""
         assert item.run is not None
         job = (
             await session.execute(
-                select(Job.status, Job.output_dir, *AttemptRecord.columns())
+                select(Job.status, Job.output_dir, Job.nodes, *AttemptRecord.columns())
                 .where(Job.id == item.job_id)
                 .with_for_update()
             )
@@ -416,6 +433,9 @@ class LeftoverSweep:
         bound = log.bind(job_id=item.job_id, attempt=item.attempt, vm=item.target.name)
         if job is None or JobStatus(job.status) in FINAL_STATES or job.attempt < item.attempt:
             bound.info("late_success_ignored", status=job.status if job else None)
+            return
+        if job.nodes > 1 and not await _gang_succeeded(session, item, job.nodes):
+            bound.info("late_success_of_one_rank", nodes=job.nodes)
             return
         status = JobStatus(job.status)
         newer = job.attempt > item.attempt and status in LIVE_STATES

@@ -31,6 +31,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from scheduler.states import JobStatus, RetryDecision
+from scheduler.validate import JOB_NAME_MAX, MAX_GPUS, MAX_NODES, MAX_RETRIES
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -41,12 +42,8 @@ NAMING_CONVENTION = {
 }
 
 
-MAX_GPUS = 1024
-"""Most GPUs one job may ask for (`ck_jobs_gpus_sane`)."""
-MAX_NODES = 64
-"""Most nodes (VMs) one job may span (`ck_jobs_nodes_range`)."""
-MAX_RETRIES = 1000
-"""Most retries one job may ask for (`ck_jobs_counts_sane`)."""
+# The limits (MAX_GPUS…, JOB_NAME_MAX) are `scheduler.validate`'s, where the command line
+# checks values without loading SQLAlchemy; the columns and constraints are sized from them.
 _JOB_STATUSES = ", ".join(f"'{s.value}'" for s in JobStatus)
 _RETRY_DECISIONS = ", ".join(f"'{d.value}'" for d in RetryDecision)
 
@@ -184,7 +181,7 @@ class Job(Base):
     __tablename__ = "jobs"
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
-    name: Mapped[str | None] = mapped_column(String(255))
+    name: Mapped[str | None] = mapped_column(String(JOB_NAME_MAX))
     model: Mapped[str] = mapped_column(Text)
     dataset: Mapped[str] = mapped_column(Text)
     reward_function: Mapped[str] = mapped_column(Text)

@@ -86,3 +86,15 @@ def _satisfiable(job: PendingJob, largest_vm: int | None, vm_sizes: list[int] | 
     if vm_sizes is not None:
         return sum(1 for n in vm_sizes if n >= job.gpus) >= job.nodes
     return largest_vm is None or (job.nodes == 1 and job.gpus <= largest_vm)
+
+
+def unsatisfiable_reason(need: int, largest_vm: int) -> str:
+    """Why a job can never run on the fleet as it is, in the words `job list` shows."""
+    unit = "GPU" if need == 1 else "GPUs"
+    return f"no VM has {need} {unit} (the largest has {largest_vm})"
+
+
+def unsatisfiable_gang_reason(nodes: int, need: int, big_enough: int) -> str:
+    """Why a multi-node job can never run on the fleet as it is."""
+    unit = "GPU" if need == 1 else "GPUs"
+    return f"needs {nodes} VMs with {need} {unit} each; only {big_enough} VM(s) have that many"

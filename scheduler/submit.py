@@ -4,17 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import func, select, text
-from sqlalchemy.ext.asyncio import AsyncSession
-
 from scheduler import bus
-from scheduler.claims import LARGEST_VM_SQL, unsatisfiable_gang_reason, unsatisfiable_reason
-from scheduler.db import Database
 from scheduler.errors import BadInput
-from scheduler.gpus import VMS_WITH_SQL
-from scheduler.jobs import JobSpec, insert_job, mark_published
-from scheduler.models import VM
+from scheduler.jobstore import (
+    LARGEST_VM_SQL,
+    UNPOLLED_VMS_SQL,
+    VM_COUNT_SQL,
+    VMS_WITH_SQL,
+    JobSpec,
+    SqlDatabase,
+    SqlTx,
+    insert_job,
+    mark_published,
+)
+from scheduler.pending import unsatisfiable_gang_reason, unsatisfiable_reason
 from scheduler.settings import Settings, redact_url
+
+# No SQLAlchemy here: `job submit` runs this over its own psycopg connection
+# (`scheduler.pgconn`), the daemons and tests over a `Database`; both are `SqlDatabase`s.
 
 
 @dataclass(frozen=True)
@@ -27,25 +34,25 @@ class Submitted:
     """Something the user should know although the job was accepted."""
 
 
-UNPOLLED_VMS_SQL = text(
-    "SELECT name FROM vms v WHERE v.last_seen_at IS NULL "
-    "AND NOT EXISTS (SELECT 1 FROM gpus g WHERE g.vm_id = v.id) ORDER BY name"
-)
+async def _count(tx: SqlTx, sql: str, **params: int) -> int:
+    """The one number `sql` selects (as `n`)."""
+    (row,) = await tx.rows(sql, params)
+    return int(row["n"] or 0)
 
 
-async def check_fits(session: AsyncSession, gpus: int, nodes: int = 1) -> str | None:
+async def check_fits(tx: SqlTx, gpus: int, nodes: int = 1) -> str | None:
     """Refuse (`BadInput`) a job that asks for more GPUs than any VM of the polled fleet has
     (for `nodes` > 1: than `nodes` different VMs have).
 
     A VM that was never polled may have any number: when one exists, or when no VM is
     registered yet (a fresh installation), the job is accepted and the returned warning
     says that its size could not be checked."""
-    largest = int(await session.scalar(LARGEST_VM_SQL) or 0)
-    big_enough = int(await session.scalar(VMS_WITH_SQL, {"need": gpus}) or 0)
+    largest = await _count(tx, LARGEST_VM_SQL)
+    big_enough = await _count(tx, VMS_WITH_SQL, need=gpus)
     if gpus <= largest and big_enough >= nodes:
         return None
-    unpolled = list((await session.execute(UNPOLLED_VMS_SQL)).scalars())
-    total = await session.scalar(select(func.count()).select_from(VM))
+    unpolled = [row["name"] for row in await tx.rows(UNPOLLED_VMS_SQL)]
+    total = await _count(tx, VM_COUNT_SQL)
     unit = "GPU" if gpus == 1 else "GPUs"
     if not total:
         return f"no VM is registered yet, so nobody knows whether {gpus} {unit} will fit"
@@ -71,23 +78,26 @@ async def check_fits(session: AsyncSession, gpus: int, nodes: int = 1) -> str | 
     )
 
 
-async def submit_job(db: Database, settings: Settings, spec: JobSpec, *, actor: str) -> Submitted:
+async def submit_job(
+    db: SqlDatabase, settings: Settings, spec: JobSpec, *, actor: str
+) -> Submitted:
     """Insert the job as `queued`, then publish its id to `jobs.new`. A job no VM of the
     polled fleet could ever run is refused (`check_fits`).
 
     The row is committed first, so a NATS outage loses nothing: the requeue manager
-    publishes queued jobs whose `published_at` is NULL.
+    publishes queued jobs whose `published_at` is NULL. `job submit` runs this over its
+    own connection (`pgconn.PgDatabase`), everything else over a `Database`.
     """
     spec.validate()
-    async with db.transaction() as session:
-        warning = await check_fits(session, spec.gpus, spec.nodes)
-        job = await insert_job(session, spec, actor=actor)
+    async with db.sql_transaction() as tx:
+        warning = await check_fits(tx, spec.gpus, spec.nodes)
+        job = await insert_job(tx, spec, actor=actor)
         job_id, attempt = job.id, job.attempt
     published = await announce(db, settings, job_id, bus.msg_id(job_id, attempt))
     return Submitted(job_id, published, warning)
 
 
-async def announce(db: Database, settings: Settings, job_id: int, msg_id: str) -> str | None:
+async def announce(db: SqlDatabase, settings: Settings, job_id: int, msg_id: str) -> str | None:
     """Publish a queued job's id to `jobs.new` (no transaction open), then record that it
     was announced. Returns why it did not reach NATS, or None; a job left unannounced is
     announced by the requeue manager, so nothing is lost either way.
@@ -107,6 +117,6 @@ async def announce(db: Database, settings: Settings, job_id: int, msg_id: str) -
         return f"publishing to {bus.SUBJECT_NEW} failed: {exc or type(exc).__name__}"
     finally:
         await nc.close()
-    async with db.transaction() as session:
-        await mark_published(session, job_id)
+    async with db.sql_transaction() as tx:
+        await mark_published(tx, job_id)
     return None

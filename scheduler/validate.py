@@ -8,29 +8,33 @@ launch (a row inserted by hand fails its job, never the dispatcher).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from scheduler.errors import BadInput
 
-# SQLAlchemy and the models are imported where a check needs them, so that the command
-# line can check its arguments (`check_argv`) without loading the database layer.
+# SQLAlchemy is imported where a check reads a column's type, never at import: the
+# command line checks its arguments and `job list`/`job submit` run without loading it.
 
-_LIMITS = ("MAX_GPUS", "MAX_NODES", "MAX_RETRIES")
-"""The schema's limits, re-exported from `scheduler.models` for callers."""
-
-
-def __getattr__(name: str) -> Any:
-    """`MAX_GPUS` and `MAX_RETRIES`, the schema's limits, read from `scheduler.models`
-    when first asked for."""
-    if name in _LIMITS:
-        from scheduler import models
-
-        return getattr(models, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+MAX_GPUS = 1024
+"""Most GPUs one job may ask for (`ck_jobs_gpus_sane`)."""
+MAX_NODES = 64
+"""Most nodes (VMs) one job may span (`ck_jobs_nodes_range`)."""
+MAX_RETRIES = 1000
+"""Most retries one job may ask for (`ck_jobs_counts_sane`)."""
+JOB_NAME_MAX = 255
+"""Longest job name: the length of `jobs.name` (`String(JOB_NAME_MAX)` in the models)."""
+INT2 = (-(2**15), 2**15 - 1)
+"""What a `SmallInteger` column holds."""
+INT4 = (-(2**31), 2**31 - 1)
+"""What an `Integer` column holds (a job's GPUs, nodes, retries, priority, attempt)."""
+INT8 = (-(2**63), 2**63 - 1)
+"""What a `BigInteger` column holds (a job's id)."""
 
 TEXT_MAX = 4096
 """Longest value taken for an unbounded text column (a model, a path, an argument): the
@@ -53,9 +57,9 @@ def int_range(column: Any) -> tuple[int, int]:
     from sqlalchemy import BigInteger, Integer, SmallInteger
 
     ranges: list[tuple[type, tuple[int, int]]] = [
-        (BigInteger, (-(2**63), 2**63 - 1)),
-        (SmallInteger, (-(2**15), 2**15 - 1)),
-        (Integer, (-(2**31), 2**31 - 1)),
+        (BigInteger, INT8),
+        (SmallInteger, INT2),
+        (Integer, INT4),
     ]
     for kind, bounds in ranges:
         if isinstance(column.type, kind):
@@ -117,11 +121,13 @@ def check_int(
     column: Any = None,
     lo: int | None = None,
     hi: int | None = None,
+    bounds: tuple[int, int] | None = None,
 ) -> int:
-    """`value` if it lies in [lo, hi] and fits `column`'s integer type; else `BadInput`."""
+    """`value` if it lies in [lo, hi] and fits `column`'s integer type (or `bounds`, one of
+    INT2, INT4, INT8: else INT8); else `BadInput`."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadInput(f"{what} must be an integer")
-    low, high = int_range(column) if column is not None else (-(2**63), 2**63 - 1)
+    low, high = int_range(column) if column is not None else (bounds or INT8)
     low = low if lo is None else max(low, lo)
     high = high if hi is None else min(high, hi)
     if not low <= value <= high:
@@ -144,25 +150,68 @@ def check_argv(args: Iterable[str]) -> None:
             raise BadInput(f"argument {position} ({shown(arg)}) is not valid UTF-8")
 
 
+@dataclass(frozen=True)
+class DatabaseUrl:
+    """The parts of a database URL `dialect+driver://user:password@host:port/database?query`
+    (user, password, database and query values percent-decoded)."""
+
+    backend: str
+    driver: str | None
+    user: str | None = None
+    password: str | None = None
+    host: str | None = None
+    port: int | None = None
+    database: str | None = None
+    query: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+_DATABASE_URL = re.compile(
+    r"(?P<scheme>[\w+]+)://"
+    r"(?:(?P<user>[^:/]*)(?::(?P<password>[^@]*))?@)?"
+    r"(?:(?:\[(?P<ipv6>[^/?]+)\]|(?P<host>[^/:?]+))?(?::(?P<port>[^/?]*))?)?"
+    r"(?:/(?P<database>[^?]*))?"
+    r"(?:\?(?P<query>.*))?"
+)
+"""The URL grammar SQLAlchemy's `make_url` reads (tests/unit/test_validate.py checks that
+both read the same parts), so that the command line parses a URL without loading it."""
+
+
+def parse_database_url(url: str) -> DatabaseUrl:
+    """The parts of a database URL; `ValueError` when it is not one (a port that is not a
+    number included)."""
+    match = _DATABASE_URL.match(url)
+    if match is None:
+        raise ValueError("not a database URL")
+    parts = match.groupdict()
+    backend, _, driver = parts["scheme"].partition("+")
+    port = parts["port"]
+    return DatabaseUrl(
+        backend=backend,
+        driver=driver or None,
+        user=unquote(parts["user"]) if parts["user"] is not None else None,
+        password=unquote(parts["password"]) if parts["password"] is not None else None,
+        host=parts["ipv6"] or parts["host"],
+        port=int(port) if port is not None else None,
+        database=unquote(parts["database"]) if parts["database"] else None,
+        query=dict(parse_qsl(parts["query"] or "")),
+    )
+
+
 def check_database_url(url: str) -> str:
     """`url` if it is a well-formed PostgreSQL URL for psycopg; else `BadInput` saying what
     is wrong, without repeating the URL (it may hold a password)."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
     what = "the database URL (--database-url / RLFLEET_DATABASE_URL)"
     if utf8_problem(url):
         raise BadInput(f"{what} is not valid UTF-8")
     try:
-        parsed = make_url(url)
-        parsed.port  # noqa: B018 - parsing the port is what may fail
-    except (ArgumentError, ValueError, TypeError):
+        parsed = parse_database_url(url)
+    except ValueError:
         raise BadInput(
             f"{what} is malformed: expected postgresql+psycopg://USER[:PASSWORD]@HOST[:PORT]/DB"
         ) from None
-    if parsed.get_backend_name() != "postgresql":
-        raise BadInput(f"{what} must name a PostgreSQL database, not {parsed.get_backend_name()!r}")
-    if parsed.get_driver_name() not in ("psycopg", "psycopg_async"):
+    if parsed.backend != "postgresql":
+        raise BadInput(f"{what} must name a PostgreSQL database, not {parsed.backend!r}")
+    if parsed.driver not in ("psycopg", "psycopg_async"):
         raise BadInput(f"{what} must use the psycopg driver (postgresql+psycopg://…)")
     return url
 
@@ -226,8 +275,6 @@ def job_row_problem(row: Any) -> str | None:
 
     Checks what the launch relies on: `extra_args` a JSON array of strings, a GPU count in
     range, non-empty model, dataset and reward functions."""
-    from scheduler.models import MAX_GPUS
-
     gpus = row.gpus_requested
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS:
         return f"gpus_requested must be between 1 and {MAX_GPUS}, not {gpus!r}"

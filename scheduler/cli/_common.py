@@ -7,7 +7,7 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import click
 
@@ -26,11 +26,22 @@ from scheduler.validate import (
 
 if TYPE_CHECKING:
     from scheduler.db import Database
+    from scheduler.pgconn import PgDatabase
 
 # asyncio, the database layer (SQLAlchemy, psycopg) and structlog are imported when a
 # command uses them, not here: `rlfleet --help` and `--version` load none of them.
 
 T = TypeVar("T")
+
+
+class _Disposable(Protocol):
+    """A command's database handle (`Database`, `pgconn.PgDatabase`)."""
+
+    async def dispose(self) -> None:
+        """Close its connections."""
+
+
+D = TypeVar("D", bound=_Disposable)
 
 
 COMMAND_LOG_LEVEL = "WARNING"
@@ -54,9 +65,29 @@ class CliContext:
     def run(self, fn: Callable[[Database], Awaitable[T]], *, nats: bool = False) -> T:
         """Run `fn(db)` on a fresh event loop with a database of its own; with `nats`, the
         NATS URL is checked first too. Nothing is touched before both are known sane."""
+        from scheduler.db import Database, is_unavailable
+
+        return self._run(lambda url: Database(url, pool_size=2), is_unavailable, fn, nats)
+
+    def run_sql(self, fn: Callable[[PgDatabase], Awaitable[T]], *, nats: bool = False) -> T:
+        """`run`, with a plain psycopg connection (`pgconn.PgDatabase`) for the statements
+        of `scheduler.jobstore` instead of a `Database`: no SQLAlchemy is loaded, so the
+        commands that need nothing else (`job list`, `job submit`) start fast."""
+        from scheduler.pgconn import PgDatabase, is_unavailable
+
+        return self._run(PgDatabase, is_unavailable, fn, nats)
+
+    def _run(
+        self,
+        open_db: Callable[[str], D],
+        is_unavailable: Callable[[BaseException], bool],
+        fn: Callable[[D], Awaitable[T]],
+        nats: bool,
+    ) -> T:
+        """`fn(open_db(url))` on a fresh event loop, the database disposed of after; an
+        error saying the database cannot be used is one line, its URL redacted."""
         import asyncio
 
-        from scheduler.db import Database, is_unavailable
         from scheduler.logging import configure
 
         url = self.database_url
@@ -65,7 +96,7 @@ class CliContext:
         configure(self.log_level or COMMAND_LOG_LEVEL)
 
         async def go() -> T:
-            db = Database(url, pool_size=2)
+            db = open_db(url)
             try:
                 return await fn(db)
             except Exception as exc:
@@ -124,8 +155,15 @@ class ColumnInt(click.ParamType):
 
     name = "integer"
 
-    def __init__(self, column: Any = None, *, lo: int | None = None, hi: int | None = None):
-        self.column, self.lo, self.hi = column, lo, hi
+    def __init__(
+        self,
+        column: Any = None,
+        *,
+        lo: int | None = None,
+        hi: int | None = None,
+        bounds: tuple[int, int] | None = None,
+    ):
+        self.column, self.lo, self.hi, self.bounds = column, lo, hi, bounds
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         """Parse and range-check one value."""
@@ -137,7 +175,9 @@ class ColumnInt(click.ParamType):
             except ValueError:
                 self.fail(f"{shown(str(value))} is not a valid integer", param, ctx)
         try:
-            return check_int(number, "it", column=self.column, lo=self.lo, hi=self.hi)
+            return check_int(
+                number, "it", column=self.column, lo=self.lo, hi=self.hi, bounds=self.bounds
+            )
         except BadInput as exc:
             self.fail(str(exc).removeprefix("it "), param, ctx)
 
@@ -147,13 +187,15 @@ class ColumnText(click.ParamType):
 
     name = "text"
 
-    def __init__(self, column: Any = None, *, empty_ok: bool = False):
-        self.column, self.empty_ok = column, empty_ok
+    def __init__(self, column: Any = None, *, max_len: int | None = None, empty_ok: bool = False):
+        self.column, self.max_len, self.empty_ok = column, max_len, empty_ok
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
         """Check one value."""
         try:
-            return check_text(str(value), "it", column=self.column, empty_ok=self.empty_ok)
+            return check_text(
+                str(value), "it", column=self.column, max_len=self.max_len, empty_ok=self.empty_ok
+            )
         except BadInput as exc:
             self.fail(str(exc).removeprefix("it "), param, ctx)
 

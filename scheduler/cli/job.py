@@ -21,22 +21,25 @@ from scheduler.cli._common import (
     warn,
 )
 from scheduler.errors import BadInput, ServiceUnavailable
-from scheduler.jobs import JobSpec, job_to_dict, list_jobs
-from scheduler.models import Job, JobNode
+from scheduler.jobstore import JobSpec, list_jobs
 from scheduler.states import JobStatus
-from scheduler.validate import MAX_GPUS, MAX_NODES, MAX_RETRIES
+from scheduler.validate import INT4, INT8, JOB_NAME_MAX, MAX_GPUS, MAX_NODES, MAX_RETRIES
 
 if TYPE_CHECKING:
     from scheduler.db import Database
     from scheduler.jobspec import GroupSpec
+    from scheduler.pgconn import PgDatabase
 
 # SSH (scheduler.transport, scheduler.control) and NATS (scheduler.submit) are imported by
-# the commands that use them: `job list` and `job submit` start without loading SSH.
+# the commands that use them. `job list` and `job submit` run the statements of
+# `scheduler.jobstore` on a plain psycopg connection (`CliContext.run_sql`): they load
+# neither SSH nor SQLAlchemy (tests/integration/test_cli_imports.py).
 
 CANCEL_GRACE_S = 10.0
 """scheduler.control.DEFAULT_GRACE_S (tests/unit/test_import_graph.py checks they agree)."""
 
-JOB_ID = ColumnInt(Job.id, lo=1)
+JOB_ID = ColumnInt(lo=1, bounds=INT8)
+"""A job id (`jobs.id` is a BigInteger)."""
 
 
 @click.group("job")
@@ -73,14 +76,14 @@ def group() -> None:
     "--gpus",
     default=1,
     show_default=True,
-    type=ColumnInt(Job.gpus_requested, hi=MAX_GPUS),
+    type=ColumnInt(hi=MAX_GPUS, bounds=INT4),
     help=f"GPUs on one VM (1-{MAX_GPUS}); refused when no polled VM has that many.",
 )
 @click.option(
     "--nodes",
     default=1,
     show_default=True,
-    type=ColumnInt(Job.nodes, lo=1, hi=MAX_NODES),
+    type=ColumnInt(lo=1, hi=MAX_NODES, bounds=INT4),
     help=f"VMs to run on (1-{MAX_NODES}), --gpus on each; every node gets its rank and the "
     "rendezvous in RLFLEET_NODE_RANK, RLFLEET_NUM_NODES, RLFLEET_NODE_ADDRS, MASTER_ADDR, "
     "MASTER_PORT, WORLD_SIZE. Refused when the polled fleet has fewer VMs that big.",
@@ -89,17 +92,17 @@ def group() -> None:
     "--max-retries",
     default=3,
     show_default=True,
-    type=ColumnInt(Job.max_retries, hi=MAX_RETRIES),
+    type=ColumnInt(hi=MAX_RETRIES, bounds=INT4),
     help=f"Retries after a retryable failure (0-{MAX_RETRIES}).",
 )
 @click.option(
     "--priority",
     default=0,
     show_default=True,
-    type=ColumnInt(Job.priority),
+    type=ColumnInt(bounds=INT4),
     help="Higher runs first (a 32-bit integer).",
 )
-@click.option("--name", type=ColumnText(Job.name), help="A label for listings.")
+@click.option("--name", type=ColumnText(max_len=JOB_NAME_MAX), help="A label for listings.")
 @click.option(
     "--vllm-server-gpus",
     type=click.IntRange(1, MAX_GPUS),
@@ -109,7 +112,7 @@ def group() -> None:
 )
 @click.option(
     "--output-dir",
-    type=ColumnText(Job.output_dir),
+    type=ColumnText(),
     help="Where training writes on the VM; relative paths and ~/ are under the VM user's "
     "home (default: ~/.rlfleet/INSTALLATION/outputs/JOB_ID, shown by job show).",
 )
@@ -175,7 +178,7 @@ def submit(
     spec.validate()
     from scheduler.submit import submit_job
 
-    result = ctx.run(lambda db: submit_job(db, ctx.settings, spec, actor="cli"), nats=True)
+    result = ctx.run_sql(lambda db: submit_job(db, ctx.settings, spec, actor="cli"), nats=True)
     if result.warning:
         warn(result.warning)
     if as_json:
@@ -326,7 +329,7 @@ def parse_env_options(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     "--limit",
     default=100,
     show_default=True,
-    type=ColumnInt(Job.id, lo=1),
+    type=ColumnInt(lo=1, bounds=INT8),
     help="Show at most this many jobs.",
 )
 @json_option
@@ -334,12 +337,12 @@ def parse_env_options(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 def list_(ctx: CliContext, status: str | None, limit: int, as_json: bool) -> None:
     """List jobs, newest first."""
 
-    async def go(db: Database) -> list[dict[str, Any]]:
-        async with db.transaction() as session:
+    async def go(db: PgDatabase) -> list[dict[str, Any]]:
+        async with db.sql_transaction() as tx:
             wanted = JobStatus(status) if status else None
-            return [job_to_dict(j) for j in await list_jobs(session, status=wanted, limit=limit)]
+            return await list_jobs(tx, status=wanted, limit=limit)
 
-    jobs = ctx.run(go)
+    jobs = ctx.run_sql(go)
     if as_json:
         echo_json(jobs)
         return
@@ -522,14 +525,14 @@ def retry(ctx: CliContext, job_id: int) -> None:
 @click.option("--follow", "-f", is_flag=True, help="Keep printing until the job ends.")
 @click.option(
     "--attempt",
-    type=ColumnInt(Job.attempt, lo=1),
+    type=ColumnInt(lo=1, bounds=INT4),
     help="Which attempt's log (default: the latest).",
 )
 @click.option(
     "--node",
     default=0,
     show_default=True,
-    type=ColumnInt(JobNode.rank, lo=0, hi=MAX_NODES - 1),
+    type=ColumnInt(lo=0, hi=MAX_NODES - 1, bounds=INT4),
     help="Which rank of a multi-node job: its log is read on its own VM.",
 )
 @click.option(

@@ -29,7 +29,7 @@ from scheduler.control import cancel_job, job_details, read_log_chunk, retry_job
 from scheduler.db import Database
 from scheduler.errors import BadInput, NotFound, RlfleetError, error_line
 from scheduler.fleet import get_vm, list_vms, vm_to_dict
-from scheduler.jobs import job_to_dict, list_jobs
+from scheduler.jobs import list_jobs
 from scheduler.logging import get_logger
 from scheduler.redact import scrub_urls
 from scheduler.settings import Settings
@@ -271,7 +271,14 @@ async def fleet_page(dash: Dashboard, request: Request) -> Response:
         title="Fleet",
         name=name or "",
         fleet=snapshot,
-        initial=jsonable({"timelines": {vm["name"]: vm["timeline"] for vm in snapshot["vms"]}}),
+        initial=jsonable(
+            {
+                "timelines": {vm["name"]: vm["timeline"] for vm in snapshot["vms"]},
+                "start": snapshot["timeline_start"],
+                "end": snapshot["timeline_end"],
+                "hours": snapshot["hours"],
+            }
+        ),
     )
 
 
@@ -283,8 +290,7 @@ async def api_jobs(dash: Dashboard, request: Request) -> Response:
     status, name = status_param(request), name_param(request)
     limit = int_param(request, "limit", 100, lo=1, hi=MAX_LIMIT)
     async with dash.db.transaction() as session:
-        jobs = await list_jobs(session, status=status, limit=limit, name=name)
-        return as_json([job_to_dict(j) for j in jobs])
+        return as_json(await list_jobs(session, status=status, limit=limit, name=name))
 
 
 async def api_queue(dash: Dashboard, request: Request) -> Response:

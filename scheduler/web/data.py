@@ -1,5 +1,5 @@
 """What the pages show, read with the same functions as the CLI's `--json` listings
-(`jobs.list_jobs`/`job_to_dict`, `control.job_details`, `fleet.list_vms`/`vm_to_dict`),
+(`jobs.list_jobs`, `control.job_details`, `fleet.list_vms`/`vm_to_dict`),
 plus the history the poller keeps (`scheduler.history`)."""
 
 from __future__ import annotations
@@ -10,17 +10,19 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import fleet, history
-from scheduler.jobs import job_to_dict, list_jobs
+from scheduler.jobs import list_jobs
 from scheduler.models import GPU, VM, Job
-from scheduler.states import FINAL_STATES, JobStatus
+from scheduler.states import JobStatus
 
 QUEUE_GROUPS: tuple[tuple[str, tuple[JobStatus, ...]], ...] = (
     ("running", (JobStatus.RUNNING,)),
     ("starting", (JobStatus.STARTING,)),
     ("pending", (JobStatus.PENDING, JobStatus.QUEUED)),
-    ("finished", tuple(sorted(FINAL_STATES))),
+    # A failed job is not final (it may be retried) but it has finished running: without it
+    # here the queue page would show a failure nowhere.
+    ("finished", (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)),
 )
-"""The queue page's sections, in order, and the states each shows."""
+"""The queue page's sections, in order, and the states each shows (every state once)."""
 LIVE_LIMIT = 500
 """Most jobs a live section lists (the count says how many there are)."""
 FINISHED_LIMIT = 50
@@ -50,8 +52,7 @@ async def queue_snapshot(
             sections[section] = []
             continue
         limit = finished_limit if section == "finished" else LIVE_LIMIT
-        jobs = await list_jobs(session, status=wanted, limit=limit, name=name)
-        sections[section] = [job_to_dict(j) for j in jobs]
+        sections[section] = await list_jobs(session, status=wanted, limit=limit, name=name)
     return {"sections": sections, "counts": counts}
 
 
@@ -69,13 +70,18 @@ async def fleet_snapshot(
     hours: float = DEFAULT_HOURS,
 ) -> dict[str, Any]:
     """The fleet page: one page of VMs (as `vm list --json`, each GPU with its `state`) with
-    their utilisation and memory timelines, and the state counts of every GPU."""
+    their utilisation and memory timelines (`timeline_start` to `timeline_end`, seconds
+    since the epoch: the last `hours`, or less when the samples begin later), and the state
+    counts of every GPU."""
     total_query = select(func.count()).select_from(VM)
     if name:
         total_query = total_query.where(VM.name.icontains(name, autoescape=True))
     total = int(await session.scalar(total_query) or 0)
     vms = await fleet.list_vms(session, name=name, limit=per_page, offset=(page - 1) * per_page)
-    timelines = await history.vm_timelines(session, [vm.id for vm in vms], hours=hours)
+    vm_ids = [vm.id for vm in vms]
+    # One span for the whole page, so that the rows' timelines line up.
+    span = await history.timeline_span(session, vm_ids, hours=hours)
+    timelines = await history.vm_timelines(session, vm_ids, hours=hours, span=span)
     rows = []
     for vm in vms:
         data = fleet.vm_to_dict(vm)
@@ -87,6 +93,8 @@ async def fleet_snapshot(
         "page": page,
         "pages": max(1, -(-total // per_page)),
         "hours": hours,
+        "timeline_start": span.start,
+        "timeline_end": span.end,
         "gpu_states": await gpu_state_counts(session),
     }
 

@@ -5,17 +5,24 @@ Two independent witnesses are used. fake_train writes a record when it starts an
 it ends normally (RLFLEET_FAKE_RECORD); a process killed by a signal writes no end, so a
 sampler scans /proc every few hundred milliseconds and remembers when it last saw each
 training process alive. A run lasts from its start record to its end record, or else to
-the last time the sampler saw it (or one sampling period, if it never did).
+the last time the sampler saw it (or one sampling period, if it never did). A rank of a
+multi-node job is one such process; two ranks of one attempt alive together are one run of
+the job, never a duplicate.
+
+A third witness audits the database itself: `AuditSampler` runs the gang-claim audits
+(scheduler/gpus.py, `PARTIAL_CLAIMS_SQL` and `DOUBLE_BOOKED_SQL`) every few hundred
+milliseconds while the chaos goes on, and remembers every instant either was not 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +31,11 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
+from sqlalchemy.exc import DBAPIError
 
 from scheduler import bus
+from scheduler.db import Database
+from scheduler.gpus import DOUBLE_BOOKED_SQL, PARTIAL_CLAIMS_SQL
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -120,12 +130,14 @@ class Sighting:
     pid: int
     first: float
     last: float
+    rank: int = 0
 
 
 @dataclass
 class LiveSampler:
     """Scans /proc for the fleet's training processes and checks each instant: no two
-    attempts of one job alive together, no GPU of a VM named by two live runs.
+    attempts of one job alive together, no rank of an attempt alive twice, no GPU of a VM
+    named by two live runs.
 
     Only processes whose RLFLEET_FAKE_RECORD is `record_dir` count: other test runs on
     the same machine may use the same VM names."""
@@ -172,17 +184,79 @@ class LiveSampler:
                 live.append(known)
         self.scans += 1
         attempts: dict[int, set[int]] = defaultdict(set)
+        ranks: Counter[tuple[int, int, int]] = Counter()
         holders: dict[tuple[str, str], set[tuple[int, int]]] = defaultdict(set)
         for s in live:
             attempts[s.job_id].add(s.attempt)
+            ranks[(s.job_id, s.attempt, s.rank)] += 1
             for gpu in s.gpus:
                 holders[(s.vm, gpu)].add((s.job_id, s.attempt))
         for job_id, live_attempts in attempts.items():
             if len(live_attempts) > 1:
                 self.duplicate_instants.append(f"job {job_id} attempts {sorted(live_attempts)}")
+        for (job_id, attempt, rank), alive in ranks.items():
+            if alive > 1:
+                self.duplicate_instants.append(f"job {job_id}/{attempt} rank {rank} {alive}x")
         for (vm, gpu), runs in holders.items():
             if len(runs) > 1:
                 self.double_booked_instants.append(f"{vm} GPU {gpu}: {sorted(runs)}")
+
+
+def live_ranks(vms: frozenset[str], record_dir: str) -> list[Sighting]:
+    """The fleet's training processes (every rank) alive right now."""
+    now = time.time()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (hit := _training_process(int(entry), vms, record_dir, now)):
+            found.append(hit[1])
+    return found
+
+
+class AuditSampler:
+    """Runs the partial-claims and double-booking audits against the database every
+    `period_s` until stopped, counting each rank of a gang (`job_nodes`) as its own holder.
+    An instant when Postgres is down is skipped, and counted as such."""
+
+    def __init__(self, url: str, period_s: float = 0.25) -> None:
+        self.db = Database(url)
+        self.period_s = period_s
+        self.audits = 0
+        self.skipped = 0
+        self.partial_instants: list[str] = []
+        self.double_booked_instants: list[str] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Audit in a task of the running event loop until `stop()`."""
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Stop auditing and close the connections."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.db.dispose()
+
+    async def _loop(self) -> None:
+        started = time.monotonic()
+        while True:
+            await self.audit(time.monotonic() - started)
+            await asyncio.sleep(self.period_s)
+
+    async def audit(self, at: float) -> None:
+        """One look; each audit is one statement, so it sees one snapshot of the claims."""
+        try:
+            async with self.db.transaction() as session:
+                partial = int(await session.scalar(PARTIAL_CLAIMS_SQL) or 0)
+                double = int(await session.scalar(DOUBLE_BOOKED_SQL) or 0)
+        except (DBAPIError, OSError):
+            self.skipped += 1  # Postgres is being restarted
+            return
+        self.audits += 1
+        if partial:
+            self.partial_instants.append(f"t={at:.1f}s partial_claims={partial}")
+        if double:
+            self.double_booked_instants.append(f"t={at:.1f}s double_booked={double}")
 
 
 def devices(visible: str) -> tuple[str, ...]:
@@ -211,8 +285,9 @@ def _training_process(
         return None
     gpus = devices(env.get(b"CUDA_VISIBLE_DEVICES", b"").decode())
     attempt = int(env.get(b"RLFLEET_ATTEMPT", b"0") or 0)
+    rank = int(env.get(b"RLFLEET_NODE_RANK", b"0") or 0)
     start_ticks = int(stat[19])  # field 22: start time, tells a reused pid apart
-    sighting = Sighting(vm, int(job), attempt, gpus, pid, now, now)
+    sighting = Sighting(vm, int(job), attempt, gpus, pid, now, now, rank)
     return (pid, start_ticks), sighting
 
 
@@ -227,6 +302,7 @@ class Run:
     pid: int
     start: float
     end: float
+    rank: int = 0
 
 
 def runs_from(records: Iterable[dict[str, Any]], sampler: LiveSampler) -> list[Run]:
@@ -248,7 +324,10 @@ def runs_from(records: Iterable[dict[str, Any]], sampler: LiveSampler) -> list[R
         start = float(r["t"])
         end = ends.get(key) or max(last_seen.get(key, 0.0), start + sampler.period_s)
         gpus = devices(str(r["gpus"]))
-        runs.append(Run(r["vm"], int(r["job_id"]), int(r["attempt"]), gpus, key[1], start, end))
+        rank = int(r.get("node_rank") or 0)
+        runs.append(
+            Run(r["vm"], int(r["job_id"]), int(r["attempt"]), gpus, key[1], start, end, rank)
+        )
     return runs
 
 
@@ -278,7 +357,8 @@ def double_booked(runs: Sequence[Run]) -> list[str]:
 
 
 def duplicate_runs(runs: Sequence[Run]) -> list[str]:
-    """Jobs that had two processes alive at the same time (any attempts, any VMs)."""
+    """Jobs that had two processes alive at the same time (any attempts, any VMs), other
+    than two different ranks of one attempt of a multi-node job."""
     by_job: dict[int, list[Run]] = defaultdict(list)
     for run in runs:
         by_job[run.job_id].append(run)
@@ -287,8 +367,11 @@ def duplicate_runs(runs: Sequence[Run]) -> list[str]:
         own.sort(key=lambda r: r.start)
         for i, a in enumerate(own):
             for b in own[i + 1 :]:
+                if a.attempt == b.attempt and a.rank != b.rank:
+                    continue  # the ranks of one gang run together
                 if overlapping(a, b):
                     found.append(
-                        f"job {job_id}: attempt {a.attempt} on {a.vm} and {b.attempt} on {b.vm}"
+                        f"job {job_id}: attempt {a.attempt} rank {a.rank} on {a.vm} and "
+                        f"{b.attempt} rank {b.rank} on {b.vm}"
                     )
     return found

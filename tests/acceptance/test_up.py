@@ -361,3 +361,45 @@ def test_other_local_users_are_refused_by_both_services_also_on_an_older_state_d
     )  # fmt: skip
     assert bare.returncode == 1 and len(bare.stderr.strip().splitlines()) == 1, bare.stderr
     assert up.stop() == 0, up.output()[-3000:]
+
+
+@pytest.mark.slow
+def test_up_serves_the_dashboard_with_a_token_it_keeps_to_itself(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    # Given `rlfleet up --web-port P`
+    state_dir, port = tmp_path / "state", free_port()
+    up = Up(state_dir, tmp_path, "--web-port", str(port))
+    ups.append(up)
+    up.wait_ready()
+    # Then the dashboard answers reads on loopback, with the job a user submits
+    submitted = up.cli("job", "submit", "--model", "m", "--dataset", "d",
+                       "--reward-function", "format", "--name", "seen-on-the-web")  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+
+    def queue() -> str:
+        url = f"http://127.0.0.1:{port}/api/jobs"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:  # noqa: S310 (loopback)
+                return str(answer.read().decode())
+        except OSError:
+            return ""
+
+    assert "seen-on-the-web" in wait_for(queue, 60, "the dashboard's job list")
+    # And an action needs the token, which lives 0600 in the state dir and is never printed
+    token_file = state_dir / "web.token"
+    token = token_file.read_text().strip()
+    assert token and token_file.stat().st_mode & 0o077 == 0
+    job_id = submitted.stdout.strip().split()[-1]
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api/jobs/{job_id}/cancel", method="POST"
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=5)  # noqa: S310 (loopback)
+    assert refused.value.code == 401
+    request.add_header("X-Rlfleet-Token", token)
+    with urllib.request.urlopen(request, timeout=5) as answer:  # noqa: S310 (loopback)
+        assert answer.status == 200
+    assert up.cli("job", "show", job_id, "--json", "--no-progress").stdout.count('"cancelled"')
+    assert str(token_file) in up.output() and token not in up.output()
+    assert up.stop() == 0

@@ -7,12 +7,18 @@ import json
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 
 from scheduler.db import Database
 from scheduler.errors import BadInput
 from scheduler.gpu_poller import GpuPoller
-from scheduler.history import history_days, job_curve, vm_timelines
+from scheduler.history import (
+    TIMELINE_BUCKETS,
+    history_days,
+    job_curve,
+    timeline_span,
+    vm_timelines,
+)
 from scheduler.models import GpuSample, ProgressSample
 from scheduler.transport import Transport
 from tests.integration.test_poller import launch_job
@@ -91,6 +97,47 @@ async def test_samples_older_than_the_retention_are_pruned(
     assert await count(db, ProgressSample) == progress_before - 1
     async with db.transaction() as session:
         assert [p["step"] for p in await job_curve(session, job_id)] == [2]
+
+
+async def test_a_vm_polled_for_a_minute_has_a_timeline_across_that_minute(
+    db: Database, sim_fleet, transport: Transport
+) -> None:
+    # Given a VM with one GPU polled five times, the polls 15 s apart over the last minute
+    fleet = await sim_fleet(1, gpus_per_vm=1)
+    vm_id = (await fleet.register(db))["vm0"]
+    poller = GpuPoller(db, transport)
+    for _ in range(5):
+        await poller.sweep()
+    async with db.transaction() as session:
+        await session.execute(
+            text(
+                "UPDATE gpu_samples SET recorded_at = now() - make_interval(secs => 15 * "
+                "((SELECT max(id) FROM gpu_samples) - id))"
+            )
+        )
+    # When the fleet page asks for the timelines of the last 3 hours
+    async with db.transaction() as session:
+        span = await timeline_span(session, [vm_id], hours=3)
+        points = (await vm_timelines(session, [vm_id], hours=3, span=span))[vm_id]
+        default = (await vm_timelines(session, [vm_id], hours=3))[vm_id]
+    # Then they span that minute, not three hours in which it would be one dot at the end
+    assert 59 <= span.end - span.start <= 61, span
+    # And each poll is a point of its own, spread over the span, inside it
+    assert len(points) == 5, points
+    times = [p["t"] for p in points]
+    assert times == sorted(times) and span.start <= times[0] and times[-1] <= span.end
+    assert times[-1] - times[0] >= 0.9 * (span.end - span.start) - 2 * (60 / TIMELINE_BUCKETS)
+    assert [p["util"] for p in points] == [0.0] * 5
+    assert default == points
+
+
+async def test_an_empty_fleet_has_a_span_and_no_points(db: Database, sim_fleet) -> None:
+    fleet = await sim_fleet(1, gpus_per_vm=1)
+    vm_id = (await fleet.register(db))["vm0"]
+    async with db.transaction() as session:
+        span = await timeline_span(session, [vm_id], hours=3)
+        assert await vm_timelines(session, [vm_id], hours=3) == {vm_id: []}
+    assert span.end - span.start == 3 * 3600
 
 
 def test_the_retention_comes_from_the_environment() -> None:

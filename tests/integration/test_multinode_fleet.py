@@ -170,6 +170,61 @@ async def test_a_lost_node_kills_the_other_rank_and_the_job_runs_again_as_a_whol
     assert [k is not None for vm, k in left if vm == first[0].vm_id] == [True]
 
 
+async def test_a_rank_that_exits_0_after_another_rank_failed_does_not_complete_the_job(
+    sim_fleet: FleetFactory,
+    db: Database,
+    nats: EmbeddedNats,
+    transport: Transport,
+    tmp_path: Path,
+) -> None:
+    """Shared fate against "one success is enough": rank 1 of a 2 × 1 job exits 64 at once
+    and fails the job (config_error), so rank 0 becomes a leftover; rank 0 then finishes
+    on its own with exit 0 before the kill sweep reaches it. One rank's success is not the
+    job's: the job stays failed for rank 1's reason, and rank 0's exit 0 is only noted on
+    its node row."""
+    fleet = await sim_fleet(2, gpus_per_vm=1)
+    await fleet.register(db, entrypoint=str(FAKE_TRAIN), python=write_fake_python(tmp_path))
+    poller = GpuPoller(db, transport, unreachable_after=1)
+    await poller.sweep()
+    fails = ("--fake_exit", "64", "--fake_fail_rank", "1", "--fake_seconds", "3")
+    job_id = await new_job(db, 1, fails, nodes=2, max_retries=0)
+    nc = await nats_client.connect(nats.url)
+    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
+    try:
+        async with running_dispatcher(db, nats.url, transport=transport):
+            await requeue.tick()
+            await wait_status(db, job_id, "running")
+            rank0_pid = (await ranks(db, job_id))[0].remote_pid
+            assert rank0_pid is not None
+            deadline = time.monotonic() + 60
+            while (await job_row(db, job_id)).status != "failed":
+                assert time.monotonic() < deadline, "rank 1's exit 64 never failed the job"
+                await poller.sweep()
+                await asyncio.sleep(0.1)
+            assert alive(rank0_pid), "rank 0 ended before rank 1's failure was seen"
+            while alive(rank0_pid):  # no requeue tick meanwhile: nothing kills it
+                assert time.monotonic() < deadline, "rank 0 never finished"
+                await asyncio.sleep(0.1)
+            for _ in range(50):  # the kill sweep finds rank 0 gone, with exit 0
+                await requeue.tick()
+                async with db.transaction() as session:
+                    open_rows = await session.scalar(
+                        select(Leftover.id).where(Leftover.killed_at.is_(None)).limit(1)
+                    )
+                if open_rows is None:
+                    break
+                await asyncio.sleep(0.1)
+            assert open_rows is None
+    finally:
+        await nc.close()
+    job = await job_row(db, job_id)
+    assert (job.status, job.failure_reason) == ("failed", "config_error"), job.status_reason
+    assert [r.exit_code for r in await ranks(db, job_id)] == [0, 64]
+    async with db.transaction() as session:
+        held = await session.scalar(select(GPU.id).where(GPU.job_id.is_not(None)).limit(1))
+    assert held is None
+
+
 def group_alive(pgid: int) -> list[int]:
     """The live (not zombie) processes of process group `pgid`: a rank's whole tree."""
     found = []

@@ -15,7 +15,7 @@ from scheduler.cli._common import to_jsonable
 from scheduler.db import Database
 from scheduler.fleet import list_vms, vm_to_dict
 from scheduler.gpu_poller import GpuPoller
-from scheduler.jobs import job_to_dict, list_jobs
+from scheduler.jobs import list_jobs
 from scheduler.models import JobEvent
 from scheduler.settings import Settings
 from scheduler.transport import Transport
@@ -153,7 +153,7 @@ async def test_the_api_mirrors_the_clis_json(db: Database, client: Client, sim_f
     web = client()
     # Then /api/jobs and /api/vms are what `job list --json` and `vm list --json` print
     async with db.transaction() as session:
-        jobs = to_jsonable([job_to_dict(j) for j in await list_jobs(session)])
+        jobs = to_jsonable(await list_jobs(session))
         vms = to_jsonable([vm_to_dict(v) for v in await list_vms(session)])
     assert (await web.get("/api/jobs")).json() == jobs
     assert (await web.get("/api/vms")).json() == vms
@@ -172,25 +172,28 @@ async def test_the_queue_groups_jobs_and_filters_by_state_and_name(
 ) -> None:
     a = await new_job(db, name="alpha")
     b = await new_job(db, name="beta")
+    c = await new_job(db, name="gamma")
     web = client()
     async with db.transaction() as session:
         from scheduler.jobs import transition
         from scheduler.states import JobStatus
 
-        await transition(
-            session,
-            b,
-            expected=JobStatus.QUEUED,
-            to=JobStatus.CANCELLED,
-            reason="test",
-            actor="test",
-        )
+        for job_id, to in ((b, JobStatus.CANCELLED), (c, JobStatus.FAILED)):
+            await transition(
+                session, job_id, expected=JobStatus.QUEUED, to=to, reason="test", actor="test"
+            )
     data = (await web.get("/api/queue")).json()
     assert [j["id"] for j in data["sections"]["pending"]] == [a]
-    assert [j["id"] for j in data["sections"]["finished"]] == [b]
+    # A failed job has finished too (it is listed somewhere, not only counted)
+    assert [j["id"] for j in data["sections"]["finished"]] == [c, b]
     assert data["counts"]["queued"] == 1 and data["counts"]["cancelled"] == 1
+    assert data["counts"]["failed"] == 1
+    listed = [j["id"] for section in data["sections"].values() for j in section]
+    assert sorted(listed) == [a, b, c]
     only = (await web.get("/api/queue?status=cancelled")).json()["sections"]
     assert only["pending"] == [] and [j["id"] for j in only["finished"]] == [b]
+    failed = (await web.get("/api/queue?status=failed")).json()["sections"]
+    assert [j["id"] for j in failed["finished"]] == [c]
     named = (await web.get("/api/queue?name=ALP")).json()["sections"]
     assert [j["id"] for j in named["pending"]] == [a] and named["finished"] == []
 
@@ -215,6 +218,11 @@ async def test_the_fleet_page_shows_each_gpus_state_and_a_timeline(
     ]
     assert data["gpu_states"] == {"free": 1, "allocated": 1, "foreign": 0 + 1, "unhealthy": 0}
     assert data["vms"][0]["timeline"], "two polls recorded samples"
+    # The timelines cover the time since the first sample (a minute at least), not 3 hours
+    # in which two polls would be one dot at the end
+    start, end = data["timeline_start"], data["timeline_end"]
+    assert 60 <= end - start < 3600
+    assert all(start <= p["t"] <= end for p in data["vms"][0]["timeline"])
     page = await web.get("/fleet")
     assert page.status_code == 200 and 'class="gpu allocated"' in page.text
     assert f'href="/jobs/{job_id}"' in page.text

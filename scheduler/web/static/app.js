@@ -44,8 +44,9 @@ function jobRow(j) {
     el("td", {}, el("a", { href: `/jobs/${j.id}` }, String(j.id))),
     el("td", { class: "name" }, j.name || ""),
     el("td", { class: "status" }, j.status),
-    el("td", {}, String(j.gpus)),
-    el("td", {}, j.vm || ""),
+    // A multi-node job: GPUs on each node × nodes, and rank 0's VM with how many more.
+    el("td", { class: "gpus" }, j.nodes > 1 ? `${j.gpus} × ${j.nodes}` : String(j.gpus)),
+    el("td", { class: "vm" }, j.vm && j.nodes > 1 ? `${j.vm} +${j.nodes - 1}` : j.vm || ""),
     el("td", {}, (j.gpu_indices || []).join(",")),
     el("td", {}, `${j.retry_count}/${j.max_retries}`),
     el("td", {}, fmtTime(j.submitted_at)),
@@ -76,7 +77,24 @@ function queuePage() {
 
 // --- job -----------------------------------------------------------------------------
 
-const SHOWN_ELSEWHERE = new Set(["events", "id", "name", "status", "status_reason", "failure_reason"]);
+const SHOWN_ELSEWHERE = new Set(["events", "ranks", "id", "name", "status", "status_reason", "failure_reason"]);
+
+// One row per node of the attempt (`ranks` of `job show --json`), rank 0 first.
+function renderNodes(ranks) {
+  const nodes = ranks || [];
+  document.getElementById("nodes-section").hidden = nodes.length === 0;
+  document.getElementById("nodes").replaceChildren(...nodes.map((r) => el(
+    "tr", { "data-rank": String(r.rank) },
+    el("td", {}, String(r.rank)),
+    el("td", { class: "vm" }, r.vm ? el("a", { href: `/fleet?name=${encodeURIComponent(r.vm)}` }, r.vm) : "-"),
+    el("td", {}, (r.gpu_indices || []).join(", ")),
+    el("td", {}, r.pid === null || r.pid === undefined ? "-" : String(r.pid)),
+    el("td", {}, String(r.attempt)),
+    el("td", { class: "status" }, r.state),
+    el("td", {}, r.exit_code === null || r.exit_code === undefined ? "" : String(r.exit_code)),
+    el("td", { class: "path" }, r.attempt_dir || ""),
+  )));
+}
 
 function renderJob(job) {
   document.getElementById("job-status").textContent = job.status;
@@ -90,6 +108,7 @@ function renderJob(job) {
     rows.push(el("dt", {}, k), el("dd", { "data-key": k }, text));
   }
   document.getElementById("placement").replaceChildren(...rows);
+  renderNodes(job.ranks);
   document.getElementById("events").replaceChildren(...job.events.map((e) => el(
     "tr", {},
     el("td", {}, fmtTime(e.at)), el("td", {}, e.from || ""), el("td", {}, e.to),
@@ -174,13 +193,22 @@ function jobPage() {
 
 // --- fleet ---------------------------------------------------------------------------
 
+// How much time the timelines cover: the last N hours, or since the first sample (its
+// time of day, with the date when that is more than a day back).
+function spanText(data) {
+  if (data.end - data.start >= data.hours * 3600 - 1) return `last ${data.hours} h`;
+  const since = fmtTime(new Date(data.start * 1000).toISOString());
+  return `since ${data.end - data.start < 20 * 3600 ? since.slice(11) : since}`;
+}
+
 function fleetPage() {
+  document.getElementById("timeline-span").textContent = spanText(initial);
   for (const box of document.querySelectorAll(".spark")) {
     const points = initial.timelines[box.dataset.vm] || [];
     lineChart(box, [
       { name: "utilisation", cls: "util", points: points.map((p) => [p.t, p.util]) },
       { name: "memory", cls: "mem", points: points.map((p) => [p.t, p.mem]) },
-    ], { width: 240, height: 40, yMin: 0, yMax: 100, axes: false });
+    ], { width: 240, height: 40, xMin: initial.start, xMax: initial.end, yMin: 0, yMax: 100, axes: false });
   }
 }
 
