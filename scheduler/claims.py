@@ -461,7 +461,13 @@ async def _claim_one(
 
 def gang_demands(row: Any) -> list[int]:
     """The GPUs each node (rank) of a multi-node job needs, rank 0 first: `nodes` × the
-    job's `gpus_requested`. The claim itself takes any list, one count per node."""
+    job's `gpus_requested`; for a job group spread over several VMs, each node of its
+    layout (`GroupSpec.layout`). The row was checked first (`job_row_problem`)."""
+    roles = getattr(row, "roles", None)
+    if roles is not None:
+        from scheduler.jobspec import parse_data
+
+        return [node.gpus for node in parse_data(roles).layout()]
     return [int(row.gpus_requested)] * int(row.nodes)
 
 
@@ -624,6 +630,7 @@ async def _claim_gang(
         token=token,
         env=job_env_pairs(row.env),
         nodes=ranks,
+        roles=row.roles,
     )
 
 
@@ -746,12 +753,24 @@ async def record_ports(
     """Record the (role, name, port) a job group's attempt got on its VM (caller's
     transaction), replacing the job's earlier rows; `PortCollision` (roll back) when
     another attempt holds one of them on that VM."""
+    await record_group_ports(conn, job_id, attempt, [(vm_id, r, n, p) for r, n, p in ports])
+
+
+async def record_group_ports(
+    conn: AsyncConnection,
+    job_id: int,
+    attempt: int,
+    ports: Sequence[tuple[int, str, str, int]],
+) -> None:
+    """Record the (VM, role, name, port) a job group's attempt got on each of its VMs
+    (caller's transaction), replacing the job's earlier rows; `PortCollision` (roll back)
+    when another attempt holds one of them on that VM."""
     await conn.execute(delete(JobPort).where(JobPort.job_id == job_id))
     if not ports:
         return
     rows = [
-        {"vm_id": vm_id, "port": port, "job_id": job_id, "attempt": attempt, "role": r, "name": n}
-        for r, n, port in ports
+        {"vm_id": vm, "port": port, "job_id": job_id, "attempt": attempt, "role": r, "name": n}
+        for vm, r, n, port in ports
     ]
     from sqlalchemy.dialects.postgresql import insert as pg_insert
 
@@ -759,7 +778,7 @@ async def record_ports(
         pg_insert(JobPort).values(rows).on_conflict_do_nothing().returning(JobPort.port)
     )
     if len(taken.all()) != len(rows):
-        raise PortCollision(f"a port of job {job_id} is held by another attempt on VM {vm_id}")
+        raise PortCollision(f"a port of job {job_id} is held by another attempt on its VM")
 
 
 async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:

@@ -47,7 +47,7 @@ from scheduler.claims import (
     Running,
     claim_batch,
     mark_running_batch,
-    record_ports,
+    record_group_ports,
     record_ranks,
 )
 from scheduler.daemon import run_loop
@@ -482,6 +482,8 @@ class GlobalJobDispatcher:
     async def _launch(self, claim: Claim, target: VMTarget) -> LaunchResult | str:
         """Start the claimed attempt on its VM (every rank, for a multi-node job): its
         (rank 0's) pid and directory, or why it did not start."""
+        if claim.nodes and claim.roles is not None:
+            return await self._launch_group_gang(claim)
         if claim.nodes:
             return await self._launch_gang(claim)
         if claim.roles is not None:
@@ -518,29 +520,29 @@ class GlobalJobDispatcher:
     ) -> dict[tuple[str, str], int] | str:
         """Free ports for every (role, name) on the VM, recorded for this attempt; or why
         none could be had."""
+        return await self._choose_ports_on(claim, [(target, needs)])
+
+    async def _choose_ports_on(
+        self, claim: Claim, wanted: Sequence[tuple[VMTarget, list[tuple[str, str]]]]
+    ) -> dict[tuple[str, str], int] | str:
+        """Free ports for every (role, name) on the VM that runs it, probed on all the VMs
+        at once (SSH, no transaction) and recorded for this attempt in one transaction; a
+        probe answer that collides with another attempt's record is asked again."""
+        asked = [(target, needs) for target, needs in wanted if needs]
         for _try in range(PORT_TRIES):
-            try:
-                probe = await self.transport.run(
-                    target,
-                    free_ports_script(target.python, len(needs)),
-                    timeout=self.launch_timeout_s,
-                )
-            except TransportError as exc:
-                return f"choosing ports: {exc or type(exc).__name__}"
-            found = parse_free_ports(probe.stdout)
-            if len(found) < len(needs):
-                why = _last_line(probe.stderr) or f"exit {probe.exit_status}"
-                return f"no free ports: {why}"
-            chosen = dict(zip(needs, found, strict=False))
+            probes = await asyncio.gather(*(self._probe_ports(t, n) for t, n in asked))
+            errors = [p for p in probes if isinstance(p, str)]
+            if errors:
+                return "; ".join(errors)
+            chosen = {key: port for p in probes if isinstance(p, dict) for key, port in p.items()}
+            rows = [
+                (target.id, role, name, chosen[(role, name)])
+                for target, needs in asked
+                for role, name in needs
+            ]
             try:
                 async with self.db.engine.begin() as conn:
-                    await record_ports(
-                        conn,
-                        claim.job_id,
-                        claim.attempt,
-                        target.id,
-                        [(role, name, port) for (role, name), port in chosen.items()],
-                    )
+                    await record_group_ports(conn, claim.job_id, claim.attempt, rows)
             except PortCollision:
                 continue
             except Exception as exc:
@@ -549,6 +551,64 @@ class GlobalJobDispatcher:
                 return _db_error(exc)
             return chosen
         return f"no free ports: {PORT_TRIES} probes collided with other attempts' ports"
+
+    async def _probe_ports(
+        self, target: VMTarget, needs: list[tuple[str, str]]
+    ) -> dict[tuple[str, str], int] | str:
+        """Ask `target` for as many free ports as `needs` has (one probe, so they differ)."""
+        try:
+            probe = await self.transport.run(
+                target,
+                free_ports_script(target.python, len(needs)),
+                timeout=self.launch_timeout_s,
+            )
+        except TransportError as exc:
+            return f"choosing ports on {target.name}: {exc or type(exc).__name__}"
+        found = parse_free_ports(probe.stdout)
+        if len(found) < len(needs):
+            why = _last_line(probe.stderr) or f"exit {probe.exit_status}"
+            return f"no free ports on {target.name}: {why}"
+        return dict(zip(needs, found, strict=False))
+
+    async def _launch_group_gang(self, claim: Claim) -> LaunchResult | str:
+        """Launch a job group spread over several VMs (`GroupSpec.layout`, one claimed node
+        per VM): choose each VM's roles' ports on that VM, then start on every VM at once a
+        supervisor for its own roles, which knows every role's address and ports. Like a
+        multi-node job, any VM that does not start fails the whole attempt."""
+        group = parse_data(claim.roles)  # checked by the claim (validate.job_row_problem)
+        layout = group.layout()
+        if len(layout) != len(claim.nodes):
+            return f"the group runs on {len(layout)} VMs, the claim has {len(claim.nodes)}"
+        try:
+            targets = [await self._target(node.vm_id) for node in claim.nodes]
+        except (TransientError, RuntimeError) as exc:
+            return str(exc)
+        names = [[name for name, _rank in node.roles] for node in layout]
+        addresses = {
+            name: targets[index].training_address for name, index in group.node_of().items()
+        }
+        wanted = [
+            (target, [(n, port) for n in here for port in group.role(n).ports])
+            for target, here in zip(targets, names, strict=True)
+        ]
+        ports = await self._choose_ports_on(claim, wanted)
+        if isinstance(ports, str):
+            return ports
+        launches = []
+        for node, target, here in zip(claim.nodes, targets, names, strict=True):
+            place = GroupPlace(
+                python=target.python,
+                entrypoint=target.entrypoint,
+                address=target.training_address,
+                gpus=list(node.gpu_uuids) or [str(i) for i in node.gpu_indices],
+                output_dir=claim.output_dir,
+                attempt=claim.attempt,
+            )
+            launch = group_launch(group, place, ports, names=here, addresses=addresses)
+            launches.append(
+                self._launch_rank(claim, target, node.gpu_indices, node.gpu_uuids, group=launch)
+            )
+        return await self._settle_ranks(claim, targets, list(await asyncio.gather(*launches)))
 
     async def _launch_gang(self, claim: Claim) -> LaunchResult | str:
         """Launch every rank of a multi-node attempt concurrently, after choosing the
@@ -582,6 +642,16 @@ class GlobalJobDispatcher:
                 for node, target in zip(claim.nodes, targets, strict=True)
             )
         )
+        return await self._settle_ranks(claim, targets, list(outcomes))
+
+    async def _settle_ranks(
+        self,
+        claim: Claim,
+        targets: Sequence[VMTarget],
+        outcomes: Sequence[LaunchResult | str],
+    ) -> LaunchResult | str:
+        """Every rank started: record each one's pid and directory (a short transaction
+        after the SSH calls) and return rank 0's; else why some did not start."""
         errors = [
             f"rank {node.rank} ({target.name}): {outcome}"
             for node, target, outcome in zip(claim.nodes, targets, outcomes, strict=True)

@@ -32,12 +32,13 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import func, select, text, true, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
 from scheduler.daemon import run_loop
 from scheduler.db import Database, installation_id
+from scheduler.errors import BadInput
 from scheduler.gpus import RECOUNT_SQL, release_in_session
 from scheduler.history import (
     PRUNE_EVERY_S,
@@ -48,6 +49,7 @@ from scheduler.history import (
     record_samples,
 )
 from scheduler.jobs import transition
+from scheduler.jobspec import parse_data
 from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
@@ -816,6 +818,7 @@ async def _finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str)
             )
             .values(exit_code=0)
         )
+        primary = await _primary_ranks(session, job.id)
         left = await session.scalar(
             select(func.count())
             .select_from(JobNode)
@@ -823,9 +826,14 @@ async def _finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str)
                 JobNode.job_id == job.id,
                 JobNode.attempt == job.attempt,
                 JobNode.exit_code.is_distinct_from(0),
+                JobNode.rank.in_(primary) if primary is not None else true(),
             )
         )
-        return not left and await _finish_job(session, verdict)
+        if left:
+            return False
+        if primary is None:
+            return await _finish_job(session, verdict)
+        return await _finish_group(session, verdict)
     row = (
         await session.execute(
             select(*AttemptRecord.columns()).where(Job.id == job.id, Job.attempt == job.attempt)
@@ -852,6 +860,53 @@ async def _finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str)
         leftover="rank_failed",
         failure_reason=verdict.failure_reason.value if verdict.failure_reason else None,
         values={"exit_code": verdict.exit_code},
+    )
+
+
+async def _primary_ranks(session: AsyncSession, job_id: int) -> list[int] | None:
+    """The ranks (VMs of its layout) of a job group spread over several VMs that run a
+    primary role; None for a job that is not a group (every rank counts)."""
+    roles = await session.scalar(select(Job.roles).where(Job.id == job_id))
+    if roles is None:
+        return None
+    try:
+        group = parse_data(roles)
+    except BadInput:
+        return None  # checked at the claim; should it not read back, every rank counts
+    return [
+        rank
+        for rank, node in enumerate(group.layout())
+        if any(group.role(name).primary for name, _rank in node.roles)
+    ]
+
+
+async def _finish_group(session: AsyncSession, verdict: JobVerdict) -> bool:
+    """Every VM of a job group that runs a primary role exited 0: the job is `completed`,
+    and its attempt on every VM becomes a leftover (`leftovers.abandon_attempt`), so the
+    requeue manager kills what still runs there (the VMs with services only) and their
+    GPUs stay blocked until then."""
+    job = verdict.job
+    row = (
+        await session.execute(
+            select(*AttemptRecord.columns()).where(Job.id == job.id, Job.attempt == job.attempt)
+        )
+    ).first()
+    if row is None:
+        return False
+    return await abandon_attempt(
+        session,
+        AttemptRecord.from_row(row),
+        expected=LIVE_STATES,
+        to=JobStatus.COMPLETED,
+        reason=verdict.reason,
+        actor=ACTOR,
+        leftover="group_done",
+        values={
+            "exit_code": 0,
+            "failure_reason": None,
+            "status_reason": verdict.reason,
+            "completed_attempt": job.attempt,
+        },
     )
 
 

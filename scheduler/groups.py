@@ -5,14 +5,16 @@ Pure: builds the supervisor's `group.json` (`remote.GroupLaunch`) from a validat
 shell ever runs these commands: argv lists go to the supervisor as they are, with
 `$RLFLEET_*` variables put in by the supervisor itself.
 
-Every role of a group runs on the one VM the attempt claimed (docs/decisions.md, "Where a
-job group runs"): the roles' GPUs are consecutive slices of the claim's GPUs, in the
-file's role order.
+A group runs on the one VM the attempt claimed, or, when roles have a VM of their own
+(`own_vm`), on the VMs of its layout (`GroupSpec.layout`, docs/decisions.md, "Where a job
+group runs"): each VM's supervisor gets only the roles of that VM, with their GPUs as
+consecutive slices of that VM's claimed GPUs in the file's role order, and every role's
+address and ports, wherever it runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,25 +49,32 @@ def port_needs(group: GroupSpec) -> list[tuple[str, str]]:
     return [(role.name, port) for role in group.roles for port in role.ports]
 
 
-def gpu_slices(group: GroupSpec, gpus: Sequence[str]) -> dict[str, list[str]]:
-    """Each role's GPUs: consecutive slices of the claimed ones, in the file's role order."""
-    if len(gpus) != group.gpus:
-        raise ValueError(f"the group needs {group.gpus} GPUs, the claim has {len(gpus)}")
+def gpu_slices(
+    group: GroupSpec, gpus: Sequence[str], names: Collection[str] | None = None
+) -> dict[str, list[str]]:
+    """Each role's GPUs: consecutive slices of the claimed ones, in the file's role order;
+    with `names`, only those roles (one VM of a group over several), on that VM's GPUs (a
+    VM whose roles need none still has the one GPU it was claimed through)."""
+    roles = [r for r in group.roles if names is None or r.name in names]
+    need = sum(r.gpus for r in roles)
+    if len(gpus) != need and (names is None or len(gpus) < need):
+        raise ValueError(f"the group needs {need} GPUs, the claim has {len(gpus)}")
     out: dict[str, list[str]] = {}
     start = 0
-    for role in group.roles:
+    for role in roles:
         out[role.name] = [str(g) for g in gpus[start : start + role.gpus]]
         start += role.gpus
     return out
 
 
 def shared_env(
-    group: GroupSpec, address: str, ports: Mapping[tuple[str, str], int]
+    group: GroupSpec, address: str | Mapping[str, str], ports: Mapping[tuple[str, str], int]
 ) -> dict[str, str]:
-    """What every role gets: `RLFLEET_<ROLE>_ADDR` and `RLFLEET_<ROLE>_<PORT>` of each role."""
+    """What every role gets: `RLFLEET_<ROLE>_ADDR` (the address of the VM running the
+    role's rank 0: one for all, or one per role) and `RLFLEET_<ROLE>_<PORT>` of each role."""
     env: dict[str, str] = {}
     for role in group.roles:
-        env[addr_variable(role.name)] = address
+        env[addr_variable(role.name)] = address if isinstance(address, str) else address[role.name]
         for port in role.ports:
             env[port_variable(role.name, port)] = str(int(ports[(role.name, port)]))
     return env
@@ -130,17 +139,24 @@ def group_launch(
     place: GroupPlace,
     ports: Mapping[tuple[str, str], int],
     *,
+    names: Collection[str] | None = None,
+    addresses: Mapping[str, str] | None = None,
     grace_s: float = GROUP_GRACE_S,
     stop_grace_s: float = ROLE_STOP_GRACE_S,
 ) -> GroupLaunch:
-    """The supervisor's `group.json` for this attempt."""
-    slices = gpu_slices(group, place.gpus)
+    """The supervisor's `group.json` for this attempt on one VM: every role, or only
+    `names` (one VM of a group over several, whose roles' VMs' addresses are `addresses`;
+    the readiness checks of roles on other VMs are made at their VM's address)."""
+    here = [n for n in group.start_order() if names is None or n in names]
+    addr = {r.name: (addresses or {}).get(r.name, place.address) for r in group.roles}
+    slices = gpu_slices(group, place.gpus, names)
     first_train = next((r.name for r in group.roles if r.train is not None), None)
+    local_train = next((n for n in here if group.role(n).train is not None), None)
     roles: list[dict[str, Any]] = []
-    for name in group.start_order():
+    for name in here:
         role = group.role(name)
         env = {"CUDA_VISIBLE_DEVICES": ",".join(slices[name]), "RLFLEET_ROLE": name}
-        if role.train is not None and name != first_train:
+        if role.train is not None and name not in (first_train, local_train):
             env["RLFLEET_PROGRESS_FILE"] = f"{name}.progress.json"  # only one progress.json
         roles.append(
             {
@@ -153,7 +169,7 @@ def group_launch(
         )
     checks = {
         role.name: {
-            "host": place.address,
+            "host": addr[role.name],
             "port": int(ports[(role.name, role.ready.port)]),
             "path": role.ready.path,
             "timeout_s": role.ready.timeout_s,
@@ -164,8 +180,8 @@ def group_launch(
     config = {
         "roles": roles,
         "checks": checks,
-        "env": shared_env(group, place.address, ports),
+        "env": shared_env(group, addr, ports),
         "grace_s": grace_s,
         "stop_grace_s": stop_grace_s,
     }
-    return GroupLaunch(config, needs_entrypoint=first_train is not None)
+    return GroupLaunch(config, needs_entrypoint=local_train is not None)

@@ -35,10 +35,13 @@ NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 MAX_PRIORITY = INT4[1]
 # MAX_RETRIES and TEXT_MAX are `scheduler.validate`'s, the limits `job submit` checks.
 
-TOP_KEYS = ("name", "priority", "max_retries", "output_dir", "vllm_server_gpus", "roles")
+TOP_KEYS = (
+    "name", "priority", "max_retries", "output_dir", "vllm_server_gpus", "vllm_server_own_vm",
+    "roles",
+)  # fmt: skip
 ROLE_KEYS = (
     "gpus", "nodes", "command", "train", "env", "ports", "ready", "depends_on", "primary",
-    "same_vm_as",
+    "same_vm_as", "own_vm",
 )  # fmt: skip
 TRAIN_KEYS = ("model", "dataset", "reward_functions", "args")
 READY_KEYS = ("http", "tcp", "port", "timeout")
@@ -83,6 +86,8 @@ class Role:
     depends_on: tuple[str, ...] = ()
     primary: bool = False
     same_vm_as: str | None = None
+    own_vm: bool = False
+    """The role runs on a VM of its own, apart from the group's other roles."""
 
     def to_json(self) -> dict[str, Any]:
         """As plain data (env values are left out: they may be secrets)."""
@@ -105,6 +110,7 @@ class Role:
             "depends_on": list(self.depends_on),
             "primary": self.primary,
             "same_vm_as": self.same_vm_as,
+            "own_vm": self.own_vm,
         }
 
 
@@ -151,18 +157,33 @@ class GroupSpec:
 
     def layout(self) -> tuple[GroupNode, ...]:
         """The VMs (nodes) the group's roles run on, node 0 first (docs/decisions.md,
-        "Where a job group runs"): node r runs rank r of every role with more than r
-        `nodes`, and every one-node role runs on node 0 (roles share a VM unless `nodes`
-        spreads them, so `same_vm_as` always holds). A node's GPUs are its roles' GPUs
-        together, at least 1: a VM is claimed through its GPUs."""
-        count = max(r.nodes for r in self.roles)
-        return tuple(
+        "Which VM each role of a group runs on"): node r runs rank r of every role with
+        more than r `nodes`, and every other one-node role runs on node 0 (roles share a VM
+        unless `nodes` spreads them, so `same_vm_as` always holds); then each `own_vm` role
+        gets a node of its own, in file order. A node's GPUs are its roles' GPUs together,
+        at least 1: a VM is claimed through its GPUs."""
+        shared = [r for r in self.roles if not r.own_vm]
+        count = max((r.nodes for r in shared), default=0)
+        nodes = [
             GroupNode(
-                gpus=max(1, sum(r.gpus for r in self.roles if r.nodes > node)),
-                roles=tuple((r.name, node) for r in self.roles if r.nodes > node),
+                gpus=max(1, sum(r.gpus for r in shared if r.nodes > node)),
+                roles=tuple((r.name, node) for r in shared if r.nodes > node),
             )
             for node in range(count)
-        )
+        ]
+        nodes += [
+            GroupNode(gpus=max(1, r.gpus), roles=((r.name, 0),)) for r in self.roles if r.own_vm
+        ]
+        return tuple(nodes)
+
+    def node_of(self) -> dict[str, int]:
+        """The node (index into `layout()`) that runs each role's rank 0."""
+        return {
+            name: index
+            for index, node in enumerate(self.layout())
+            for name, rank in node.roles
+            if rank == 0
+        }
 
     def env(self) -> tuple[tuple[str, str], ...]:
         """Every role's `env` as one job environment (`jobs.env`); a variable two roles set
@@ -231,8 +252,12 @@ def parse_data(data: Any) -> GroupSpec:
         raise BadInput(f"roles: at most {MAX_ROLES} roles")
     roles = [_role(name, value) for name, value in roles_data.items()]
     vllm_gpus = top.get("vllm_server_gpus")
+    own_vm = _flag(top.get("vllm_server_own_vm", False), "vllm_server_own_vm")
     if vllm_gpus is not None:
-        roles = with_vllm_server(roles, _int(vllm_gpus, "vllm_server_gpus", 1, MAX_ROLE_GPUS))
+        gpus = _int(vllm_gpus, "vllm_server_gpus", 1, MAX_ROLE_GPUS)
+        roles = with_vllm_server(roles, gpus, own_vm=own_vm)
+    elif own_vm:
+        raise BadInput("vllm_server_own_vm: only with vllm_server_gpus")
     roles = _with_primary(roles)
     _check_references(roles)
     order = _start_order(roles)
@@ -443,9 +468,7 @@ def _role(name: Any, value: Any) -> Role:
     if not isinstance(depends, list):
         raise BadInput(f"{where}.depends_on: must be a list of role names")
     depends_on = tuple(_name(d, f"{where}.depends_on[{i}]") for i, d in enumerate(depends))
-    primary = data.get("primary", train is not None)
-    if not isinstance(primary, bool):
-        raise BadInput(f"{where}.primary: must be true or false")
+    primary = _flag(data.get("primary", train is not None), f"{where}.primary")
     same_vm = data.get("same_vm_as")
     return Role(
         name=role_name,
@@ -459,7 +482,15 @@ def _role(name: Any, value: Any) -> Role:
         depends_on=depends_on,
         primary=primary,
         same_vm_as=None if same_vm is None else _name(same_vm, f"{where}.same_vm_as"),
+        own_vm=_flag(data.get("own_vm", False), f"{where}.own_vm"),
     )
+
+
+def _flag(value: Any, where: str) -> bool:
+    """A true/false field."""
+    if not isinstance(value, bool):
+        raise BadInput(f"{where}: must be true or false")
+    return value
 
 
 def _with_primary(roles: list[Role]) -> list[Role]:
@@ -485,8 +516,20 @@ def _check_references(roles: list[Role]) -> None:
                 raise BadInput(f"roles.{role.name}.same_vm_as: no other role {role.same_vm_as}")
             if role.nodes != 1:
                 raise BadInput(f"roles.{role.name}.same_vm_as: only for a one-node role")
+            if role.own_vm or any(r.own_vm for r in roles if r.name == role.same_vm_as):
+                raise BadInput(
+                    f"roles.{role.name}.same_vm_as: {role.same_vm_as} or {role.name} has "
+                    "own_vm: true"
+                )
+        if role.own_vm and role.nodes != 1:
+            raise BadInput(f"roles.{role.name}.own_vm: only for a one-node role")
         if role.nodes > 1 and len(roles) > 1:
-            raise BadInput(f"roles.{role.name}.nodes: several nodes only in a one-role job")
+            # A role spread over several VMs beside others would need a rendezvous of its
+            # own across the group's VMs: not built. A role on a VM of its own is.
+            raise BadInput(
+                f"roles.{role.name}.nodes: several nodes only in a one-role job (a role of "
+                "a group can have a VM of its own with own_vm: true)"
+            )
     seen: dict[str, str] = {addr_variable(r.name): f"roles.{r.name}" for r in roles}
     for role in roles:
         for i, port in enumerate(role.ports):
@@ -541,6 +584,8 @@ def _role_data(role: Role) -> dict[str, Any]:
         data["depends_on"] = list(role.depends_on)
     if role.same_vm_as is not None:
         data["same_vm_as"] = role.same_vm_as
+    if role.own_vm:
+        data["own_vm"] = True
     return data
 
 
@@ -568,10 +613,11 @@ def vllm_train_args() -> tuple[str, ...]:
     )  # fmt: skip
 
 
-def with_vllm_server(roles: list[Role], gpus: int) -> list[Role]:
+def with_vllm_server(roles: list[Role], gpus: int, *, own_vm: bool = False) -> list[Role]:
     """The roles plus a `vllm` role (`trl vllm-serve` on `gpus` GPUs, ports `http` and
-    `nccl`, ready on GET /health), and the one training role switched to vLLM server mode,
-    started once the server is ready. `BadInput` when that cannot be done."""
+    `nccl`, ready on GET /health; on a VM of its own with `own_vm`, else beside the
+    trainer), and the one training role switched to vLLM server mode, started once the
+    server is ready. `BadInput` when that cannot be done."""
     from dataclasses import replace
 
     trainers = [r for r in roles if r.train is not None]
@@ -593,7 +639,8 @@ def with_vllm_server(roles: list[Role], gpus: int) -> list[Role]:
         command=VLLM_COMMAND,
         ports=("http", "nccl"),
         ready=Ready(port="http", path=VLLM_READY_PATH, timeout_s=VLLM_READY_TIMEOUT_S),
-        same_vm_as=trainer.name,
+        same_vm_as=None if own_vm else trainer.name,
+        own_vm=own_vm,
     )
     train = replace(trainer.train, args=trainer.train.args + vllm_train_args())
     switched = replace(

@@ -23,6 +23,12 @@ class PendingJob:
     """Seconds since it last entered `pending` (it was last looked at by a dispatcher)."""
     nodes: int = 1
     """VMs the job spans, `gpus` on each."""
+    demands: tuple[int, ...] = ()
+    """A job group over several VMs: each node's GPUs (`gpus` is then their sum)."""
+
+    def node_demands(self) -> list[int]:
+        """The GPUs each node needs."""
+        return list(self.demands) if self.demands else [self.gpus] * self.nodes
 
 
 @dataclass(frozen=True)
@@ -65,10 +71,10 @@ def plan_pending(
     free = dict(free_by_vm)
     out: list[tuple[int, str]] = []
     for i, job in enumerate(jobs):
-        fits = sorted((vm for vm, n in free.items() if n >= job.gpus), key=lambda v: (free[v], v))
-        if len(fits) >= job.nodes:
-            for vm in fits[: job.nodes]:
-                free[vm] -= job.gpus
+        placed = _place(free, job.node_demands())
+        if placed is not None:
+            for vm, need in placed:
+                free[vm] -= need
             if job.since_pending_s >= recheck_after_s:
                 out.append((job.id, "capacity"))
             continue
@@ -84,8 +90,23 @@ def plan_pending(
 def _satisfiable(job: PendingJob, largest_vm: int | None, vm_sizes: list[int] | None) -> bool:
     """Whether the fleet as it is could ever run `job` (unknown sizes: assume it could)."""
     if vm_sizes is not None:
-        return sum(1 for n in vm_sizes if n >= job.gpus) >= job.nodes
+        return _place(dict(enumerate(vm_sizes)), job.node_demands()) is not None
     return largest_vm is None or (job.nodes == 1 and job.gpus <= largest_vm)
+
+
+def _place(free: dict[int, int], demands: list[int]) -> list[tuple[int, int]] | None:
+    """(VM, GPUs) for every node, each on a VM of its own, most demanding node first on
+    the fullest VM that fits it (as the gang claim places them); None when one fits none."""
+    used: set[int] = set()
+    placed: list[tuple[int, int]] = []
+    for need in sorted(demands, reverse=True):
+        fits = [vm for vm, n in free.items() if n >= need and vm not in used]
+        if not fits:
+            return None
+        vm = min(fits, key=lambda v: (free[v], v))
+        used.add(vm)
+        placed.append((vm, need))
+    return placed
 
 
 def unsatisfiable_reason(need: int, largest_vm: int) -> str:

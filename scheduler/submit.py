@@ -78,6 +78,18 @@ async def check_fits(tx: SqlTx, gpus: int, nodes: int = 1) -> str | None:
     )
 
 
+async def _check_spec_fits(tx: SqlTx, spec: JobSpec) -> str | None:
+    """`check_fits` for the job's shape: a job group over several VMs needs its largest
+    node on some VM and as many VMs as it has nodes with its smallest node's GPUs (the
+    claim places the exact per-node counts, `gpus.demands_fit`)."""
+    if spec.roles is None or spec.nodes == 1:
+        return await check_fits(tx, spec.gpus, spec.nodes)
+    from scheduler.jobspec import parse_data
+
+    demands = [node.gpus for node in parse_data(spec.roles).layout()]
+    return await check_fits(tx, max(demands)) or await check_fits(tx, min(demands), len(demands))
+
+
 async def submit_job(
     db: SqlDatabase, settings: Settings, spec: JobSpec, *, actor: str
 ) -> Submitted:
@@ -90,7 +102,7 @@ async def submit_job(
     """
     spec.validate()
     async with db.sql_transaction() as tx:
-        warning = await check_fits(tx, spec.gpus, spec.nodes)
+        warning = await _check_spec_fits(tx, spec)
         job = await insert_job(tx, spec, actor=actor)
         job_id, attempt = job.id, job.attempt
     published = await announce(db, settings, job_id, bus.msg_id(job_id, attempt))

@@ -289,7 +289,7 @@ def job_row_problem(row: Any) -> str | None:
         return "reward_function has an empty name"
     roles = getattr(row, "roles", None)
     if roles is not None:
-        return roles_problem(roles, gpus)
+        return roles_problem(roles, gpus, getattr(row, "nodes", 1))
     extra = row.extra_args
     if not isinstance(extra, list):
         return f"extra_args must be a JSON array of strings, not a JSON {_json_kind(extra)}"
@@ -297,9 +297,10 @@ def job_row_problem(row: Any) -> str | None:
     return f"extra_args: {problem}" if problem else None
 
 
-def roles_problem(roles: Any, gpus: int) -> str | None:
+def roles_problem(roles: Any, gpus: int, nodes: Any = 1) -> str | None:
     """Why a job row's `roles` (a job group) cannot be launched, or None: it must read
-    back as a valid spec whose roles need `gpus` GPUs together, none on several nodes."""
+    back as a valid spec, none of its roles on several nodes, laid out on `nodes` VMs
+    (`GroupSpec.layout`) whose GPUs together are `gpus`."""
     from scheduler.errors import BadInput
     from scheduler.jobspec import parse_data
 
@@ -307,10 +308,16 @@ def roles_problem(roles: Any, gpus: int) -> str | None:
         group = parse_data(roles)
     except BadInput as exc:
         return f"roles: {exc}"
-    if group.gpus != gpus:
-        return f"roles need {group.gpus} GPUs, the row asks for {gpus}"
     if any(r.nodes != 1 for r in group.roles):
+        # Only roles on a VM of their own (own_vm) spread a group: a role's own
+        # rendezvous over several VMs inside a group is not built.
         return "roles: a role on several nodes cannot be launched in a group"
+    layout = group.layout()
+    if nodes != len(layout):
+        return f"roles run on {len(layout)} VM(s), the row asks for {nodes!r}"
+    need = group.gpus if len(layout) == 1 else sum(n.gpus for n in layout)
+    if need != gpus:
+        return f"roles need {need} GPUs, the row asks for {gpus}"
     return None
 
 

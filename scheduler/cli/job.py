@@ -111,6 +111,12 @@ def group() -> None:
     "with --use_vllm --vllm_mode server and its address and ports.",
 )
 @click.option(
+    "--vllm-server-own-vm",
+    is_flag=True,
+    help="With --vllm-server-gpus: run the `vllm` role on a VM of its own, apart from the "
+    "trainer (the job then spans two VMs).",
+)
+@click.option(
     "--output-dir",
     type=ColumnText(),
     help="Where training writes on the VM; relative paths and ~/ are under the VM user's "
@@ -139,6 +145,7 @@ def submit(
     priority: int,
     name: str | None,
     vllm_server_gpus: int | None,
+    vllm_server_own_vm: bool,
     output_dir: str | None,
     env: tuple[str, ...],
     as_json: bool,
@@ -174,7 +181,9 @@ def submit(
             env=parse_env_options(env),
         )
         if vllm_server_gpus is not None:
-            spec = with_vllm_server(spec, vllm_server_gpus)
+            spec = with_vllm_server(spec, vllm_server_gpus, own_vm=vllm_server_own_vm)
+        elif vllm_server_own_vm:
+            raise BadInput("--vllm-server-own-vm: only with --vllm-server-gpus")
     spec.validate()
     from scheduler.submit import submit_job
 
@@ -194,7 +203,7 @@ def submit(
 
 FILE_CONFLICTS = (
     "model", "dataset", "reward_functions", "gpus", "nodes", "max_retries", "priority", "name",
-    "output_dir", "extra_args", "vllm_server_gpus",
+    "output_dir", "extra_args", "vllm_server_gpus", "vllm_server_own_vm",
 )  # fmt: skip
 """`job submit` parameters a spec file gives: refused beside `-f`, never silently mixed."""
 
@@ -234,18 +243,25 @@ def spec_from_file(path: str, env: tuple[tuple[str, str], ...]) -> JobSpec:
 
 def group_job_spec(group: GroupSpec, env: tuple[tuple[str, str], ...]) -> JobSpec:
     """The job row of a job group: its roles (without env values, which go to the job's
-    environment), every role's GPUs together on one VM, and the first training role's
-    model, dataset and rewards for listings (`-` for a group without one)."""
-    if group.gpus < 1:
+    environment), the VMs of its layout (one unless roles have `own_vm`) and every node's
+    GPUs together, and the first training role's model, dataset and rewards for listings
+    (`-` for a group without one)."""
+    layout = group.layout()
+    if len(layout) == 1 and group.gpus < 1:
         raise BadInput("roles: a job needs at least one GPU (give a role gpus: 1 or more)")
-    if any(r.nodes > 1 for r in group.roles):  # refused by the parser for groups already
-        raise BadInput("roles: several nodes only in a one-role training job")
+    if any(r.nodes > 1 for r in group.roles):
+        # A role's own rendezvous over several VMs inside a group is not built.
+        raise BadInput(
+            "roles: several nodes only in a one-role training job (a role of a group can "
+            "have a VM of its own with own_vm: true)"
+        )
     train = next((r.train for r in group.roles if r.train is not None), None)
     return JobSpec(
         model=train.model if train else "-",
         dataset=train.dataset if train else "-",
         reward_functions=train.reward_functions if train else ("-",),
-        gpus=group.gpus,
+        gpus=group.gpus if len(layout) == 1 else sum(n.gpus for n in layout),
+        nodes=len(layout),
         max_retries=group.max_retries,
         priority=group.priority,
         name=group.name,
@@ -255,8 +271,9 @@ def group_job_spec(group: GroupSpec, env: tuple[tuple[str, str], ...]) -> JobSpe
     )
 
 
-def with_vllm_server(spec: JobSpec, gpus: int) -> JobSpec:
-    """`--vllm-server-gpus`: the flags' one training role as a group with a `vllm` role."""
+def with_vllm_server(spec: JobSpec, gpus: int, *, own_vm: bool = False) -> JobSpec:
+    """`--vllm-server-gpus`: the flags' one training role as a group with a `vllm` role
+    (on a VM of its own with `--vllm-server-own-vm`)."""
     from scheduler.jobspec import parse_data
 
     if spec.nodes != 1:
@@ -264,6 +281,7 @@ def with_vllm_server(spec: JobSpec, gpus: int) -> JobSpec:
     spec.validate()  # errors name the flags, not the group's fields
     data = {
         "vllm_server_gpus": gpus,
+        "vllm_server_own_vm": own_vm,
         "roles": {
             "trainer": {
                 "gpus": spec.gpus,

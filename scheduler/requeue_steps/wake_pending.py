@@ -6,6 +6,8 @@ loads its inputs and moves the jobs it names.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -41,6 +43,7 @@ async def wake_pending(
                 Job.id,
                 Job.gpus_requested,
                 Job.nodes,
+                Job.roles,
                 Job.priority,
                 waited.label("waited"),
                 since_pending.label("since_pending"),
@@ -66,6 +69,7 @@ async def wake_pending(
                 float(r.waited),
                 float(r.since_pending),
                 nodes=r.nodes,
+                demands=_group_demands(r.roles, r.nodes),
             )
             for r in rows
         ],
@@ -98,3 +102,17 @@ async def wake_pending(
             woken.append(job_id)
             metrics.count_recovery(f"pending_{why}")
     return woken
+
+
+def _group_demands(roles: Any, nodes: int) -> tuple[int, ...]:
+    """Each node's GPUs of a job group over several VMs; () for any other job (or a row
+    whose roles do not read back: the claim fails it)."""
+    if roles is None or nodes == 1:
+        return ()
+    from scheduler.errors import BadInput
+    from scheduler.jobspec import parse_data
+
+    try:
+        return tuple(node.gpus for node in parse_data(roles).layout())
+    except BadInput:
+        return ()

@@ -20,19 +20,27 @@ from typing import Any
 
 import nats as nats_client
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from scheduler.control import job_details
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
 from scheduler.jobspec import parse_data
-from scheduler.models import GPU, JobEvent, JobPort
+from scheduler.models import GPU, VM, JobEvent, JobNode, JobPort
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.retry import RetryPolicy
 from scheduler.transport import Transport
+from tests.backdate import age_outages
 from tests.fleet import SimFleet
-from tests.workloads.support import alive, job_row, new_job, running_dispatcher, wait_file
+from tests.workloads.support import (
+    alive,
+    job_row,
+    new_job,
+    running_dispatcher,
+    sweep_until,
+    wait_file,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -407,5 +415,160 @@ async def test_cancelling_a_group_stops_every_role(
     assert result.kill == "terminated", result  # the supervisor ended within the grace
     assert not alive(trainer) and not alive(server)
     assert (await job_row(db, job_id)).status == "cancelled"
+    await nothing_left(fleet)
+    await no_gpu_or_port_held(db)
+
+
+# -- a group over several VMs -------------------------------------------------------------
+
+
+def spread_roles(*, first_s: float, later_s: float = 1) -> dict[str, Any]:
+    """The reward server on a VM of its own (`own_vm`), listening at its VM's address, and
+    the trainer on another VM, as `jobs.roles` stores them."""
+    return parse_data(
+        {
+            "roles": {
+                "reward": {
+                    "command": [sys.executable, SERVER, "--host", "$RLFLEET_REWARD_ADDR"],
+                    "ports": ["http"],
+                    "ready": {"http": "/health", "timeout": 60},
+                    "own_vm": True,
+                },
+                "trainer": {
+                    "command": [sys.executable, CLIENT, str(first_s), str(later_s)],
+                    "gpus": 1,
+                    "primary": True,
+                    "depends_on": ["reward"],
+                },
+            }
+        }
+    ).to_data()
+
+
+async def spread_fleet(
+    sim_fleet: FleetFactory, db: Database, transport: Transport, count: int
+) -> tuple[SimFleet, dict[int, str], GpuPoller]:
+    """`count` one-GPU VMs, each with an internal address of its own (127.0.0.10, .11, …)
+    that the roles' traffic goes to; returns the fleet, each VM's address by id, and a
+    poller that has swept once."""
+    fleet = await sim_fleet(count, gpus_per_vm=1)
+    ids = await fleet.register(db)
+    addresses = {vm_id: f"127.0.0.{10 + i}" for i, vm_id in enumerate(sorted(ids.values()))}
+    async with db.transaction() as session:
+        for vm_id, address in addresses.items():
+            await session.execute(update(VM).where(VM.id == vm_id).values(internal_address=address))
+    poller = GpuPoller(db, transport, unreachable_after=1)
+    await poller.sweep()
+    return fleet, addresses, poller
+
+
+async def node_rows(db: Database, job_id: int) -> list[JobNode]:
+    """The group's node rows, by rank."""
+    async with db.transaction() as session:
+        rows = await session.execute(
+            select(JobNode).where(JobNode.job_id == job_id).order_by(JobNode.rank)
+        )
+        return list(rows.scalars())
+
+
+async def test_a_server_on_its_own_vm_serves_the_trainer_across_vms_and_stops_with_it(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
+) -> None:
+    """`own_vm: true` puts the reward server on a VM of its own: the trainer starts on the
+    other VM only once the server answers at its VM's address, which the trainer gets as
+    RLFLEET_REWARD_ADDR; when the trainer exits 0 the job completes and the server on the
+    other VM is killed; nothing is left running, no GPU or port held."""
+    fleet, addresses, poller = await spread_fleet(sim_fleet, db, transport, 2)
+    job_id = await new_job(
+        db,
+        2,
+        nodes=2,
+        roles=spread_roles(first_s=4),
+        model="-",
+        dataset="-",
+        reward_functions=("-",),
+    )
+    nc = await nats_client.connect(nats.url)
+    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
+    try:
+        async with running_dispatcher(db, nats.url, transport=transport):
+            await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+            nodes = await node_rows(db, job_id)
+            assert [n.rank for n in nodes] == [0, 1] and nodes[0].vm_id != nodes[1].vm_id
+            trainer_dir, server_dir = (Path(n.attempt_dir or "") for n in nodes)
+            await wait_file(trainer_dir / "trainer.log", needle="{")
+            server_log = await wait_file(server_dir / "train.log", needle="role reward started")
+            server = role_pid(server_log, "reward")
+            await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
+            await until(db, poller, requeue, lambda: _dead(server), "the server stopped")
+    finally:
+        await nc.close()
+    assert nodes[1].vm_id is not None
+    report = client_report((trainer_dir / "trainer.log").read_text())
+    assert report["health"] == "ok" and report["scores"] == [1.0]
+    assert report["addr"] == addresses[nodes[1].vm_id]  # the server's VM, not its own
+    train_log = (trainer_dir / "train.log").read_text().splitlines()
+    assert train_log.index("rlfleet-group: role reward ready") < next(
+        i for i, x in enumerate(train_log) if x.startswith("rlfleet-group: role trainer started")
+    )
+    assert "role trainer" not in server_log  # each VM's supervisor runs its own roles only
+    assert not (server_dir / "trainer.log").exists()
+    assert (await job_row(db, job_id)).exit_code == 0
+    await nothing_left(fleet)
+    await no_gpu_or_port_held(db)
+
+
+async def _dead(pid: int) -> bool:
+    return not alive(pid)
+
+
+async def test_a_crashed_server_vm_kills_the_trainer_and_retries_the_group_as_a_whole(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
+) -> None:
+    """The server's VM of a running group over two VMs crashes (its processes die, it stops
+    answering) for longer than the node-lost timeout: the trainer on the other VM is
+    killed, not left running alone, and the group runs again as a whole on the two VMs
+    that answer, and completes; nothing is left running, no GPU or port held."""
+    fleet, _addresses, poller = await spread_fleet(sim_fleet, db, transport, 3)
+    by_name = {vm.name: vm for vm in fleet}
+    async with db.transaction() as session:
+        names = dict((await session.execute(select(VM.id, VM.name))).all())
+    job_id = await new_job(
+        db,
+        2,
+        nodes=2,
+        max_retries=1,
+        roles=spread_roles(first_s=300, later_s=1),
+        model="-",
+        dataset="-",
+        reward_functions=("-",),
+    )
+    nc = await nats_client.connect(nats.url)
+    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
+    try:
+        async with running_dispatcher(db, nats.url, transport=transport):
+            await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+            first = await node_rows(db, job_id)
+            trainer_dir = Path(first[0].attempt_dir or "")
+            trainer = client_report(await wait_file(trainer_dir / "trainer.log", needle="{"))
+            lost = first[1].vm_id
+            assert lost is not None
+            await by_name[names[lost]].stop(kill_processes=True)
+            await sweep_until(poller, db, lost, "unreachable")
+            await age_outages(db, CONFIG.node_lost_timeout_s + 1)
+            await until(db, poller, requeue, lambda: _dead(trainer["pid"]), "trainer killed")
+            await until(db, poller, requeue, lambda: _attempt_done(db, job_id), "attempt 2 done")
+            second = await node_rows(db, job_id)
+    finally:
+        await nc.close()
+    assert lost not in {n.vm_id for n in second} and {n.attempt for n in second} == {2}
+    async with db.transaction() as session:
+        events = (
+            await session.execute(
+                select(JobEvent.to_status, JobEvent.reason).where(JobEvent.job_id == job_id)
+            )
+        ).all()
+    failed = [reason for to, reason in events if to == "failed"]
+    assert len(failed) == 1, events
     await nothing_left(fleet)
     await no_gpu_or_port_held(db)
