@@ -7,6 +7,7 @@ guarded transaction), like the daemons. The CLI is a thin layer over these funct
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -153,6 +154,11 @@ async def job_details(
         data["progress"], data["progress_error"] = await read_progress(transport, place)
         if data.get("roles") and place.run is not None and place.run.attempt == job.attempt:
             merge_role_states(data["roles"], await read_role_states(transport, place))
+            for rank in range(1, len(data["ranks"]) if job.nodes > 1 else 1):
+                # A group over several VMs: each VM's supervisor knows its own roles.
+                other = await load_rank_place(db, job_id, rank)
+                if other.run is not None and other.target is not None:
+                    merge_role_states(data["roles"], await read_role_states(transport, other))
     return data
 
 
@@ -435,8 +441,9 @@ async def stream_log(
     With `follow`, keep writing what is appended until the job is no longer live, like
     `tail -f` that knows when to stop.
     """
+    name, role_node = await _log_name(db, job_id, role)
+    node = role_node if role_node is not None else node
     place = await load_rank_place(db, job_id, node)
-    name = await _log_name(db, job_id, role)
     wanted = _pick_attempt(place, attempt)
     if place.target is None:
         raise BadInput(f"job {job_id} has no VM recorded; no log to read")
@@ -464,23 +471,25 @@ async def stream_log(
         await asyncio.sleep(poll_s)
 
 
-async def _log_name(db: Database, job_id: int, role: str | None) -> str:
+async def _log_name(db: Database, job_id: int, role: str | None) -> tuple[str, int | None]:
     """The attempt file `job logs` reads: train.log (the supervisor's, for a job group),
-    or `<role>.log` of one role of a job group (`BadInput` when the job has no such role)."""
+    or `<role>.log` of one role of a job group (`BadInput` when the job has no such role),
+    with the node (rank) whose VM runs that role when the group spans several VMs."""
     if role is None:
-        return "train.log"
-    from scheduler.jobspec import parse_data
+        return "train.log", None
+    from scheduler.jobspec import GroupSpec, parse_data
 
     async with db.transaction() as session:
         roles = await session.scalar(select(Job.roles).where(Job.id == job_id))
-    try:
-        names = [r.name for r in parse_data(roles).roles] if roles is not None else []
-    except BadInput:
-        names = []
-    if role not in names:
+    group: GroupSpec | None = None
+    with contextlib.suppress(BadInput):  # a row that does not read back has no roles
+        group = parse_data(roles) if roles is not None else None
+    names = [r.name for r in group.roles] if group is not None else []
+    if group is None or role not in names:
         known = ", ".join(names) if names else "none: it is not a job group"
         raise BadInput(f"job {job_id} has no role {role} (roles: {known})")
-    return role_log(role)
+    node = group.node_of()[role] if len(group.layout()) > 1 else None
+    return role_log(role), node
 
 
 @dataclass(frozen=True)

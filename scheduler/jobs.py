@@ -275,7 +275,8 @@ def ranks_to_dicts(job: Job) -> list[dict[str, Any]]:
 
 def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
     """A job group's roles (empty for a job of one training role): each one's VM (the
-    group's), GPUs (its slice of the claim), ports this attempt got, the pid of the
+    group's, or its node's for a group over several VMs), GPUs (its slice of its VM's
+    claim), ports this attempt got, the pid of the
     group's supervisor and a state from the job's (`control.job_details` puts in each
     role's own pid, state and exit code, read from the VM). `job.ports` must be loaded."""
     from scheduler.errors import BadInput
@@ -288,13 +289,21 @@ def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
     except BadInput:
         return []
     claimed = job.attempt > 0 and job.vm_id is not None and job.gpu_indices is not None
-    indices = list(job.gpu_indices or [])
-    uuids = list(job.gpu_uuids or [])
     ports = {(p.role, p.name): p.port for p in job.ports if p.attempt == job.attempt}
-    out, start = [], 0
+    # A group over several VMs: each role on its node's VM, sliced from that node's GPUs.
+    nodes: list[Any] = [job]
+    node_of = dict.fromkeys((r.name for r in group.roles), 0)
+    if job.nodes > 1:
+        nodes = [r for r in job.ranks if r.attempt == job.attempt] or [job]
+        node_of = group.node_of() if len(nodes) == len(group.layout()) else node_of
+    starts = [0] * len(nodes)
+    out = []
     for role in group.roles:
-        take = slice(start, start + role.gpus)
-        start += role.gpus
+        at = node_of.get(role.name, 0)
+        row = nodes[at]
+        indices, uuids = list(row.gpu_indices or []), list(row.gpu_uuids or [])
+        take = slice(starts[at], starts[at] + role.gpus)
+        starts[at] += role.gpus
         out.append(
             {
                 "name": role.name,
@@ -302,14 +311,14 @@ def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
                 "command": list(role.command) if role.command is not None else None,
                 "train": role.train is not None,
                 "depends_on": list(role.depends_on),
-                "vm": job.vm.name if claimed and job.vm is not None else None,
+                "vm": row.vm.name if claimed and row.vm is not None else None,
                 "gpu_indices": indices[take] if claimed else [],
                 "gpu_uuids": uuids[take] if claimed else [],
                 "ports": {name: ports.get((role.name, name)) for name in role.ports},
-                "supervisor_pid": job.remote_pid,
+                "supervisor_pid": row.remote_pid,
                 "pid": None,
                 "exit_code": None,
-                "state": rank_state(job.status, job.exit_code, job.remote_pid)
+                "state": rank_state(job.status, row.exit_code, row.remote_pid)
                 if claimed
                 else job.status,
             }

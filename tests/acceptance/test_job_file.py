@@ -114,6 +114,42 @@ def test_the_vllm_flag_submits_a_group_of_the_server_and_the_trainer(
     assert_one_line(refused, 2, "argument 1 after --: --vllm_mode is set by the vLLM server mode")
 
 
+@pytest.mark.slow
+def test_own_vm_spreads_a_group_over_vms_and_the_vllm_flag_can_ask_for_it(
+    env: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    """A role with `own_vm: true` makes the group a job of two VMs (each node's GPUs
+    together, a CPU-only server's VM claimed through one GPU), and
+    `--vllm-server-own-vm` gives the `vllm` role a VM of its own."""
+    add_polled_vm(env, "gpu-1", 2)
+    add_polled_vm(env, "gpu-2", 2)
+    spread = GROUP.replace("    env: {SCORER_TOKEN: s3cret}\n", "    own_vm: true\n")
+    submitted = rlfleet(env, "job", "submit", "-f", write(tmp_path, spread), "--json")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = str(json.loads(submitted.stdout)["id"])
+    data = json.loads(rlfleet(env, "job", "show", job_id, "--json", "--no-progress").stdout)
+    assert (data["gpus"], data["nodes"]) == (3, 2)
+    submitted = rlfleet(
+        env, "job", "submit", "--model", "m", "--dataset", "d", "--reward-function", "format",
+        "--gpus", "2", "--vllm-server-gpus", "2", "--vllm-server-own-vm", "--json",
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = str(json.loads(submitted.stdout)["id"])
+    data = json.loads(rlfleet(env, "job", "show", job_id, "--json", "--no-progress").stdout)
+    assert (data["gpus"], data["nodes"]) == (4, 2)
+    assert [r["name"] for r in data["roles"]] == ["vllm", "trainer"]
+    alone = rlfleet(
+        env, "job", "submit", "--model", "m", "--dataset", "d", "--reward-function", "format",
+        "--vllm-server-own-vm",
+    )  # fmt: skip
+    assert_one_line(alone, 2, "--vllm-server-own-vm: only with --vllm-server-gpus")
+    too_big = rlfleet(
+        env, "job", "submit", "--model", "m", "--dataset", "d", "--reward-function", "format",
+        "--gpus", "2", "--vllm-server-gpus", "3", "--vllm-server-own-vm",
+    )  # fmt: skip
+    assert too_big.returncode == 2 and "could never run" in too_big.stderr, too_big.stderr
+
+
 BAD_FILES = [
     (ONE_ROLE.replace("gpus: 2", "gpus: 65"), "roles.trainer.gpus: must be an integer 1..64"),
     (ONE_ROLE.replace("gpus: 2", "gpus: 99999999999999999999999"), "roles.trainer.gpus:"),
@@ -131,6 +167,16 @@ BAD_FILES = [
     (
         "roles:\n  srv: {command: [x], ports: [http]}\n  t: {command: [y], primary: true}\n",
         "roles: a job needs at least one GPU",
+    ),
+    (
+        "roles:\n  a: {command: [x], nodes: 2}\n  t: {command: [y], gpus: 1, primary: true}\n",
+        "roles.a.nodes: several nodes only in a one-role job (a role of a group can have a "
+        "VM of its own with own_vm: true)",
+    ),
+    (
+        "roles:\n  a: {command: [x], own_vm: true, same_vm_as: t}\n"
+        "  t: {command: [y], gpus: 1, primary: true}\n",
+        "roles.a.same_vm_as: t or a has own_vm: true",
     ),
 ]
 

@@ -22,7 +22,7 @@ import nats as nats_client
 import pytest
 from sqlalchemy import select, update
 
-from scheduler.control import job_details
+from scheduler.control import job_details, stream_log
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
@@ -499,6 +499,9 @@ async def test_a_server_on_its_own_vm_serves_the_trainer_across_vms_and_stops_wi
             await wait_file(trainer_dir / "trainer.log", needle="{")
             server_log = await wait_file(server_dir / "train.log", needle="role reward started")
             server = role_pid(server_log, "reward")
+            shown = await job_details(db, job_id, transport)
+            chunks: list[bytes] = []
+            await stream_log(db, transport, job_id, chunks.append, role="reward")
             await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
             await until(db, poller, requeue, lambda: _dead(server), "the server stopped")
     finally:
@@ -514,6 +517,19 @@ async def test_a_server_on_its_own_vm_serves_the_trainer_across_vms_and_stops_wi
     assert "role trainer" not in server_log  # each VM's supervisor runs its own roles only
     assert not (server_dir / "trainer.log").exists()
     assert (await job_row(db, job_id)).exit_code == 0
+    # `job show` puts each role on its own VM, with the pid its VM's supervisor wrote;
+    # `job logs --role reward` reads the server's VM.
+    async with db.transaction() as session:
+        names = dict((await session.execute(select(VM.id, VM.name))).all())
+    roles = {r["name"]: r for r in shown["roles"]}
+    assert roles["reward"]["vm"] == names[nodes[1].vm_id]
+    assert nodes[0].vm_id is not None
+    assert roles["trainer"]["vm"] == names[nodes[0].vm_id]
+    assert (roles["reward"]["pid"], roles["reward"]["state"]) == (server, "running")
+    assert roles["trainer"]["gpu_uuids"] == list(nodes[0].gpu_uuids)
+    assert roles["reward"]["gpu_uuids"] == [] and roles["reward"]["ports"]["http"]
+    listening = f"reward server listening on {addresses[nodes[1].vm_id]}:"
+    assert listening in b"".join(chunks).decode()
     await nothing_left(fleet)
     await no_gpu_or_port_held(db)
 

@@ -368,3 +368,54 @@ def test_a_roles_exit_127_is_not_passed_on_as_a_broken_vm(tmp_path: Path) -> Non
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1, out
     assert group_failure_line(out) == "role t failed (exit 127)"
+
+
+SPREAD_GROUP = REWARD_GROUP.replace(
+    b"    ready: {http: /health, timeout: 30}\n",
+    b"    ready: {http: /health, timeout: 30}\n    own_vm: true\n",
+)
+
+
+def test_a_role_on_its_own_vm_is_a_node_of_its_own_and_each_vm_runs_only_its_roles() -> None:
+    """`own_vm: true`: the server is node 1 (one GPU: a VM is claimed through its GPUs),
+    the trainer node 0; each VM's supervisor gets its own roles, on its own GPUs, and
+    every role's address (its VM's) and ports; a dependency on the other VM is checked at
+    that VM's address."""
+    group = parse_text(SPREAD_GROUP)
+    assert [(n.gpus, n.roles) for n in group.layout()] == [
+        (3, (("trainer", 0),)),
+        (1, (("reward", 0),)),
+    ]
+    assert group.node_of() == {"trainer": 0, "reward": 1}
+    addresses = {"trainer": "10.0.0.5", "reward": "10.0.0.9"}
+    ports = {("reward", "http"): 41000}
+    trainer_vm = group_launch(group, PLACE, ports, names=["trainer"], addresses=addresses)
+    server_place = GroupPlace(**{**PLACE.__dict__, "address": "10.0.0.9", "gpus": ["GPU-z"]})
+    server_vm = group_launch(group, server_place, ports, names=["reward"], addresses=addresses)
+    assert [r["name"] for r in trainer_vm.config["roles"]] == ["trainer"]
+    assert [r["name"] for r in server_vm.config["roles"]] == ["reward"]
+    assert trainer_vm.needs_entrypoint and not server_vm.needs_entrypoint
+    assert trainer_vm.config["roles"][0]["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-a,GPU-b,GPU-c"
+    assert server_vm.config["roles"][0]["env"]["CUDA_VISIBLE_DEVICES"] == ""
+    for launch in (trainer_vm, server_vm):
+        assert launch.config["env"] == {
+            "RLFLEET_REWARD_ADDR": "10.0.0.9",
+            "RLFLEET_REWARD_HTTP": "41000",
+            "RLFLEET_TRAINER_ADDR": "10.0.0.5",
+        }
+        assert launch.config["checks"]["reward"]["host"] == "10.0.0.9"
+
+
+def test_a_stored_group_over_vms_is_checked_against_its_layout() -> None:
+    """`jobs.roles` of a group with an own-VM role needs `nodes` = its VMs and
+    `gpus_requested` = every node's GPUs; a role on several nodes in a group is refused."""
+    from scheduler.validate import roles_problem
+
+    roles = parse_text(SPREAD_GROUP).to_data()
+    assert roles_problem(roles, 4, 2) is None
+    assert roles_problem(roles, 3, 2) == "roles need 4 GPUs, the row asks for 3"
+    assert roles_problem(roles, 4, 1) == "roles run on 2 VM(s), the row asks for 1"
+    one = {"roles": {"t": {"command": ["x"], "gpus": 1, "nodes": 2, "primary": True}}}
+    assert roles_problem(one, 2, 2) == (
+        "roles: a role on several nodes cannot be launched in a group"
+    )

@@ -56,3 +56,13 @@ def test_a_job_no_vm_can_ever_run_holds_nobody_back() -> None:
     assert plan_pending(jobs, {10: 2}, **PLAN, largest_vm=4).held == [2]
     plan = plan_pending(jobs, {10: 2}, **PLAN, largest_vm=2)
     assert plan.held is None and plan.republish == [(2, "capacity")]
+
+
+def test_a_group_over_vms_wakes_when_each_node_fits_a_vm_of_its_own() -> None:
+    """Nodes of 3 and 1 GPUs: woken by VMs with 3 and 1 free, not by one VM with 4 free
+    (each node needs a VM of its own), nor by two with 2."""
+    job = PendingJob(1, 4, 0, waited_s=10, since_pending_s=10, nodes=2, demands=(3, 1))
+    knobs = {"recheck_after_s": 1, "pending_timeout_s": 1000, "starvation_after_s": 1000}
+    assert plan_pending([job], {1: 3, 2: 1}, **knobs).republish == [(1, "capacity")]
+    assert plan_pending([job], {1: 4}, **knobs).republish == []
+    assert plan_pending([job], {1: 2, 2: 2}, **knobs).republish == []
