@@ -162,9 +162,14 @@ async def test_poller_dispatcher_requeue_and_cancel_never_do_io_inside_a_transac
     failing = await new_job(db, 1, ("--fake_exit", "1"), max_retries=1)
     long = await new_job(db, 2, ("--fake_seconds", "300"))
     # A job group: its ports are chosen over SSH, then recorded in a transaction of their own.
-    from tests.integration.test_groups_fleet import group_roles, new_group
+    from tests.integration.test_groups_fleet import group_roles, new_group, spread_roles
 
     group = await new_group(db, group_roles(first_s=0.2))
+    # A group over both VMs: ports chosen on each, its server's VM killed once it completes.
+    spread = await new_job(
+        db, 2, nodes=2, roles=spread_roles(first_s=0.2), model="-", dataset="-",
+        reward_functions=("-",),
+    )  # fmt: skip
     stop = asyncio.Event()
 
     async def daemons() -> None:
@@ -181,6 +186,7 @@ async def test_poller_dispatcher_requeue_and_cancel_never_do_io_inside_a_transac
             await wait_status(db, long, "running", timeout=60)
             result = await cancel_job(db, transport, long, grace_s=1.0)
             assert result.kill in {"terminated", "killed"}
+            await wait_status(db, spread, "completed", timeout=60)  # once `long` left a VM
             for _ in range(600):  # fails, is retried once, fails for good
                 failed = await wait_status(db, failing, "failed", timeout=60)
                 if failed.retry_count == 1 and (failed.status_reason or "").startswith("gave up"):
