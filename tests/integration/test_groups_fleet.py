@@ -538,13 +538,19 @@ async def _dead(pid: int) -> bool:
     return not alive(pid)
 
 
-async def test_a_crashed_server_vm_kills_the_trainer_and_retries_the_group_as_a_whole(
-    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
+@pytest.mark.parametrize("how", ["server_vm_crashes", "server_killed"])
+async def test_a_dead_server_vm_or_server_kills_the_trainer_and_retries_the_group_whole(
+    sim_fleet: FleetFactory,
+    db: Database,
+    nats: EmbeddedNats,
+    transport: Transport,
+    how: str,
 ) -> None:
-    """The server's VM of a running group over two VMs crashes (its processes die, it stops
-    answering) for longer than the node-lost timeout: the trainer on the other VM is
-    killed, not left running alone, and the group runs again as a whole on the two VMs
-    that answer, and completes; nothing is left running, no GPU or port held."""
+    """The server of a running group over two VMs dies: either its VM crashes (its
+    processes die, it stops answering) for longer than the node-lost timeout, or the
+    server process is killed on a VM that answers. The trainer on the other VM is killed,
+    not left running alone, and the group runs again as a whole and completes; nothing is
+    left running, no GPU or port held."""
     fleet, _addresses, poller = await spread_fleet(sim_fleet, db, transport, 3)
     by_name = {vm.name: vm for vm in fleet}
     async with db.transaction() as session:
@@ -565,19 +571,25 @@ async def test_a_crashed_server_vm_kills_the_trainer_and_retries_the_group_as_a_
         async with running_dispatcher(db, nats.url, transport=transport):
             await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
             first = await node_rows(db, job_id)
-            trainer_dir = Path(first[0].attempt_dir or "")
+            trainer_dir, server_dir = (Path(n.attempt_dir or "") for n in first)
             trainer = client_report(await wait_file(trainer_dir / "trainer.log", needle="{"))
             lost = first[1].vm_id
             assert lost is not None
-            await by_name[names[lost]].stop(kill_processes=True)
-            await sweep_until(poller, db, lost, "unreachable")
-            await age_outages(db, CONFIG.node_lost_timeout_s + 1)
+            if how == "server_killed":
+                log = await wait_file(server_dir / "train.log", needle="role reward started")
+                os.kill(role_pid(log, "reward"), signal.SIGKILL)
+            else:
+                await by_name[names[lost]].stop(kill_processes=True)
+                await sweep_until(poller, db, lost, "unreachable")
+                await age_outages(db, CONFIG.node_lost_timeout_s + 1)
             await until(db, poller, requeue, lambda: _dead(trainer["pid"]), "trainer killed")
             await until(db, poller, requeue, lambda: _attempt_done(db, job_id), "attempt 2 done")
             second = await node_rows(db, job_id)
     finally:
         await nc.close()
-    assert lost not in {n.vm_id for n in second} and {n.attempt for n in second} == {2}
+    assert {n.attempt for n in second} == {2}
+    if how == "server_vm_crashes":
+        assert lost not in {n.vm_id for n in second}
     async with db.transaction() as session:
         events = (
             await session.execute(
@@ -586,5 +598,9 @@ async def test_a_crashed_server_vm_kills_the_trainer_and_retries_the_group_as_a_
         ).all()
     failed = [reason for to, reason in events if to == "failed"]
     assert len(failed) == 1, events
+    if how == "server_killed":
+        assert "rank 1" in (failed[0] or "") and "role reward failed (exit 137)" in (
+            failed[0] or ""
+        ), failed
     await nothing_left(fleet)
     await no_gpu_or_port_held(db)
