@@ -419,3 +419,36 @@ def test_a_stored_group_over_vms_is_checked_against_its_layout() -> None:
     assert roles_problem(one, 2, 2) == (
         "roles: a role on several nodes cannot be launched in a group"
     )
+
+
+def test_vllm_server_on_its_own_vm_serves_at_its_vms_address() -> None:
+    """`vllm_server_own_vm: true`: the trainer is node 0 and `vllm` node 1 (its 2 GPUs);
+    the server binds its own VM's address and the trainer reaches it there, on both
+    ports."""
+    group = parse_text(
+        b"vllm_server_gpus: 2\nvllm_server_own_vm: true\n"
+        b"roles:\n  trainer:\n    gpus: 1\n    train: {model: m, dataset: d, "
+        b"reward_functions: [format]}\n"
+    )
+    assert [(n.gpus, n.roles) for n in group.layout()] == [
+        (1, (("trainer", 0),)),
+        (2, (("vllm", 0),)),
+    ]
+    ports = {("vllm", "http"): 40001, ("vllm", "nccl"): 40002}
+    addresses = {"trainer": "10.0.0.5", "vllm": "10.0.0.9"}
+    vm1 = GroupPlace(**{**PLACE.__dict__, "address": "10.0.0.9", "gpus": ["GPU-x", "GPU-y"]})
+    server = group_launch(group, vm1, ports, names=["vllm"], addresses=addresses).config
+    trainer_place = GroupPlace(**{**PLACE.__dict__, "gpus": ["GPU-a"]})
+    trainer = group_launch(group, trainer_place, ports, names=["trainer"], addresses=addresses)
+    (vllm,) = server["roles"]
+    (train,) = trainer.config["roles"]
+    assert vllm["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-x,GPU-y"
+    assert "10.0.0.9" in [expand(w, server["env"]) for w in vllm["argv"]]
+    words = [expand(w, trainer.config["env"]) for w in train["argv"]]
+    host = words.index("--vllm_server_host")
+    assert words[host + 1 : host + 6] == [
+        "10.0.0.9", "--vllm_server_port", "40001", "--vllm_group_port", "40002",
+    ]  # fmt: skip
+    assert trainer.config["checks"]["vllm"]["host"] == "10.0.0.9"
+    with pytest.raises(BadInput, match="vllm_server_own_vm: only with vllm_server_gpus"):
+        parse_text(b"vllm_server_own_vm: true\nroles: {t: {command: [x], gpus: 1}}\n")
