@@ -12,6 +12,12 @@ their argv, own variables (CUDA_VISIBLE_DEVICES with the role's slice of the att
 GPUs), readiness check, dependencies and whether each is primary. Each role runs in a
 process group of its own, its output in `<role>.log` of the attempt directory.
 
+A group over several VMs has one supervisor per VM, each with only that VM's roles: a
+dependency on a role of another VM is waited for by its readiness check at that VM's
+address (its timeout counted from when this VM starts waiting; a dependency without a
+check is not waited for). A VM whose roles include no primary never ends on its own: the
+scheduler kills it once the VMs with primaries have completed.
+
 Lifecycle: before a role starts, every role it depends on must pass its readiness check
 (HTTP GET → 2xx, or a TCP connect) within that check's timeout, else the supervisor stops
 everything and exits `NOT_READY_EXIT` after the line `rlfleet-group: role R not ready
@@ -136,7 +142,7 @@ class Group:
         if check is None:
             return
         timeout = float(check["timeout_s"])
-        began = self.started_at.get(name, time.monotonic())
+        began = self.started_at.get(name, time.monotonic())  # another VM's: from now
         while True:
             self.watch()
             if probe(check):
