@@ -26,6 +26,7 @@ from scheduler.control import job_details, stream_log
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
+from scheduler.gpus import DOUBLE_BOOKED_SQL, PARTIAL_CLAIMS_SQL
 from scheduler.jobspec import parse_data
 from scheduler.models import GPU, VM, JobEvent, JobNode, JobPort
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
@@ -502,6 +503,10 @@ async def test_a_server_on_its_own_vm_serves_the_trainer_across_vms_and_stops_wi
             shown = await job_details(db, job_id, transport)
             chunks: list[bytes] = []
             await stream_log(db, transport, job_id, chunks.append, role="reward")
+            async with db.transaction() as session:  # the audits count the group whole
+                partial = await session.scalar(PARTIAL_CLAIMS_SQL)
+                double = await session.scalar(DOUBLE_BOOKED_SQL)
+            assert (partial, double) == (0, 0)
             await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
             await until(db, poller, requeue, lambda: _dead(server), "the server stopped")
     finally:
