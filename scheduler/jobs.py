@@ -332,6 +332,7 @@ def job_to_dict(job: Job, *, events: bool = False, ranks: bool = False) -> dict[
     row = {key: getattr(job, column) for key, column in JOB_FIELDS if column is not None}
     row["env_keys"] = list(job.env or {})
     row["vm"] = job.vm.name if job.vm is not None else None
+    row["group"] = isinstance(job.roles, dict)
     data = job_dict(row)
     if ranks:
         data["ranks"] = ranks_to_dicts(job)

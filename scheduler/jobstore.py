@@ -234,6 +234,7 @@ JOB_FIELDS: tuple[tuple[str, str | None], ...] = (
     ("env_keys", None),
     ("gpus", "gpus_requested"),
     ("nodes", "nodes"),
+    ("group", None),
     ("priority", "priority"),
     ("attempt", "attempt"),
     ("retry_count", "retry_count"),
@@ -262,6 +263,8 @@ the job's variables, never their values, which may be secrets) and `vm` (its VM'
 _COMPUTED_SQL = {
     "env_keys": "ARRAY(SELECT jsonb_object_keys(j.env))",
     "vm": "v.name",
+    # A job group: `gpus` is then every VM's GPUs together, not each node's.
+    "group": "coalesce(jsonb_typeof(j.roles) = 'object', false)",
 }
 
 

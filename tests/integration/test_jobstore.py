@@ -131,6 +131,23 @@ async def test_both_paths_list_the_same_jobs(db: Database, pg: PgDatabase) -> No
     assert running["env_keys"] == ["A_B", "HF_TOKEN"] and "secret" not in repr(running)
 
 
+async def test_a_job_group_is_listed_as_one_on_both_paths(db: Database, pg: PgDatabase) -> None:
+    """`group` says a job's `gpus` is every VM's GPUs together (a job group), not each
+    node's (a multi-node job): the dashboard shows `gpus × nodes` only for the latter. A
+    row whose roles hold a JSON null (written by hand) is no group."""
+    roles = {"roles": [{"name": "srv", "command": ["x"]}]}
+    async with db.transaction() as session:
+        group = await insert_job(session, JobSpec("m", "d", ("r",), roles=roles), actor="t")
+        gang = await insert_job(session, JobSpec("m", "d", ("r",), nodes=2), actor="t")
+        odd = await insert_job(session, JobSpec("m", "d", ("r",)), actor="t")
+        await session.execute(text(f"UPDATE jobs SET roles = 'null' WHERE id = {odd.id}"))
+    async with pg.sql_transaction() as tx:
+        from_cli = {j["id"]: j["group"] for j in await list_jobs_sql(tx)}
+    async with db.transaction() as session:
+        from_orm = {j: job_to_dict(await get_job(session, j))["group"] for j in from_cli}
+    assert from_cli == from_orm == {group.id: True, gang.id: False, odd.id: False}
+
+
 async def _orm_job(db: Database, job_id: int) -> Any:
     async with db.transaction() as session:
         return await get_job(session, job_id)

@@ -44,8 +44,9 @@ function jobRow(j) {
     el("td", {}, el("a", { href: `/jobs/${j.id}` }, String(j.id))),
     el("td", { class: "name" }, j.name || ""),
     el("td", { class: "status" }, j.status),
-    // A multi-node job: GPUs on each node × nodes, and rank 0's VM with how many more.
-    el("td", { class: "gpus" }, j.nodes > 1 ? `${j.gpus} × ${j.nodes}` : String(j.gpus)),
+    // A multi-node job: GPUs on each node × nodes (a job group's count is already its
+    // total), and rank 0's VM with how many more.
+    el("td", { class: "gpus" }, j.nodes > 1 && !j.group ? `${j.gpus} × ${j.nodes}` : String(j.gpus)),
     el("td", { class: "vm" }, j.vm && j.nodes > 1 ? `${j.vm} +${j.nodes - 1}` : j.vm || ""),
     el("td", {}, (j.gpu_indices || []).join(",")),
     el("td", {}, `${j.retry_count}/${j.max_retries}`),
