@@ -743,19 +743,6 @@ class PortCollision(Exception):
     """A port a VM said was free is recorded for another live attempt there: ask again."""
 
 
-async def record_ports(
-    conn: AsyncConnection,
-    job_id: int,
-    attempt: int,
-    vm_id: int,
-    ports: Sequence[tuple[str, str, int]],
-) -> None:
-    """Record the (role, name, port) a job group's attempt got on its VM (caller's
-    transaction), replacing the job's earlier rows; `PortCollision` (roll back) when
-    another attempt holds one of them on that VM."""
-    await record_group_ports(conn, job_id, attempt, [(vm_id, r, n, p) for r, n, p in ports])
-
-
 async def record_group_ports(
     conn: AsyncConnection,
     job_id: int,

@@ -56,10 +56,6 @@ class Ready:
     path: str | None
     timeout_s: int
 
-    def to_json(self) -> dict[str, Any]:
-        """As plain data."""
-        return {"port": self.port, "path": self.path, "timeout_s": self.timeout_s}
-
 
 @dataclass(frozen=True)
 class Train:
@@ -89,30 +85,6 @@ class Role:
     own_vm: bool = False
     """The role runs on a VM of its own, apart from the group's other roles."""
 
-    def to_json(self) -> dict[str, Any]:
-        """As plain data (env values are left out: they may be secrets)."""
-        return {
-            "name": self.name,
-            "gpus": self.gpus,
-            "nodes": self.nodes,
-            "command": list(self.command) if self.command is not None else None,
-            "train": None
-            if self.train is None
-            else {
-                "model": self.train.model,
-                "dataset": self.train.dataset,
-                "reward_functions": list(self.train.reward_functions),
-                "args": list(self.train.args),
-            },
-            "env_keys": [k for k, _ in self.env],
-            "ports": list(self.ports),
-            "ready": self.ready.to_json() if self.ready else None,
-            "depends_on": list(self.depends_on),
-            "primary": self.primary,
-            "same_vm_as": self.same_vm_as,
-            "own_vm": self.own_vm,
-        }
-
 
 @dataclass(frozen=True)
 class GroupNode:
@@ -140,10 +112,6 @@ class GroupSpec:
     def start_order(self) -> tuple[str, ...]:
         """Role names so that every role comes after those it depends on."""
         return self._order
-
-    def to_json(self) -> list[dict[str, Any]]:
-        """The roles as plain data, in start order."""
-        return [self.role(name).to_json() for name in self._order]
 
     def to_data(self) -> dict[str, Any]:
         """The roles in the spec file's own shape, without env values (they may be secrets

@@ -41,9 +41,9 @@ def test_a_group_file_is_read_whole_with_its_defaults() -> None:
     assert reward.command == ("python", "examples/reward_server.py", "--port", "$PORT")
     assert reward.ready is not None and reward.ready.port == "http"
     assert reward.ready.path == "/health" and reward.ready.timeout_s == 30
-    assert [r["name"] for r in spec.to_json()] == ["reward", "trainer"]
-    # Env values are secrets: the stored roles keep their names only.
-    assert spec.to_json()[1]["env_keys"] == ["WANDB_MODE"] and "offline" not in str(spec.to_json())
+    assert spec.start_order() == ("reward", "trainer")
+    # Env values are secrets: the stored roles keep none (they go to the job's env file).
+    assert trainer.env == (("WANDB_MODE", "offline"),) and "offline" not in str(spec.to_data())
 
 
 def test_a_lone_command_role_is_primary() -> None:
