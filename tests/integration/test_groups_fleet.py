@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import nats as nats_client
 import pytest
 from sqlalchemy import select, update
 
@@ -29,7 +28,7 @@ from scheduler.gpu_poller import GpuPoller
 from scheduler.gpus import DOUBLE_BOOKED_SQL, PARTIAL_CLAIMS_SQL
 from scheduler.jobspec import parse_data
 from scheduler.models import GPU, VM, JobEvent, JobNode, JobPort
-from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
+from scheduler.requeue import RequeueConfig, RequeueManager
 from scheduler.retry import RetryPolicy
 from scheduler.transport import Transport
 from tests.backdate import age_outages
@@ -38,7 +37,7 @@ from tests.workloads.support import (
     alive,
     job_row,
     new_job,
-    running_dispatcher,
+    scheduling,
     sweep_until,
     wait_file,
 )
@@ -149,6 +148,17 @@ def _cmdline(pid: int) -> str:
         return str(pid)
 
 
+async def polled_vm(
+    sim_fleet: FleetFactory, db: Database, transport: Transport, *, gpus: int
+) -> tuple[SimFleet, GpuPoller]:
+    """One registered VM with `gpus` GPUs, and a poller that has swept it once."""
+    fleet = await sim_fleet(1, gpus_per_vm=gpus)
+    await fleet.register(db)
+    poller = GpuPoller(db, transport, unreachable_after=1)
+    await poller.sweep()
+    return fleet, poller
+
+
 async def no_gpu_or_port_held(db: Database) -> None:
     async with db.transaction() as session:
         held = await session.scalar(select(GPU.id).where(GPU.job_id.is_not(None)).limit(1))
@@ -159,22 +169,14 @@ async def no_gpu_or_port_held(db: Database) -> None:
 async def test_the_trainer_starts_after_readiness_and_its_end_stops_the_server(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
 ) -> None:
-    fleet = await sim_fleet(1, gpus_per_vm=1)
-    await fleet.register(db)
-    poller = GpuPoller(db, transport, unreachable_after=1)
-    await poller.sweep()
+    fleet, poller = await polled_vm(sim_fleet, db, transport, gpus=1)
     job_id = await new_group(db, group_roles(first_s=4))
-    nc = await nats_client.connect(nats.url)
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
-            await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
-            folder = Path((await job_row(db, job_id)).attempt_dir or "")
-            await wait_file(folder / "trainer.log", needle="{")
-            shown = await job_details(db, job_id, transport)
-            await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
-    finally:
-        await nc.close()
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+        folder = Path((await job_row(db, job_id)).attempt_dir or "")
+        await wait_file(folder / "trainer.log", needle="{")
+        shown = await job_details(db, job_id, transport)
+        await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
     job = await job_row(db, job_id)
     assert job.attempt_dir is not None
     folder = Path(job.attempt_dir)
@@ -205,31 +207,23 @@ async def test_the_trainer_starts_after_readiness_and_its_end_stops_the_server(
 async def test_killing_the_server_kills_the_trainer_and_retries_the_group(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
 ) -> None:
-    fleet = await sim_fleet(1, gpus_per_vm=1)
-    await fleet.register(db)
-    poller = GpuPoller(db, transport, unreachable_after=1)
-    await poller.sweep()
+    fleet, poller = await polled_vm(sim_fleet, db, transport, gpus=1)
     job_id = await new_group(db, group_roles(first_s=300, later_s=1), max_retries=1)
-    nc = await nats_client.connect(nats.url)
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
-            await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
-            first = await job_row(db, job_id)
-            assert first.attempt_dir is not None
-            folder = Path(first.attempt_dir)
-            trainer = client_report(await wait_file(folder / "trainer.log", needle="{"))["pid"]
-            server = role_pid((folder / "train.log").read_text(), "reward")
-            os.kill(server, signal.SIGKILL)
-            await until(
-                db,
-                poller,
-                requeue,
-                lambda: _attempt_done(db, job_id),
-                "the second attempt completed",
-            )
-    finally:
-        await nc.close()
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+        first = await job_row(db, job_id)
+        assert first.attempt_dir is not None
+        folder = Path(first.attempt_dir)
+        trainer = client_report(await wait_file(folder / "trainer.log", needle="{"))["pid"]
+        server = role_pid((folder / "train.log").read_text(), "reward")
+        os.kill(server, signal.SIGKILL)
+        await until(
+            db,
+            poller,
+            requeue,
+            lambda: _attempt_done(db, job_id),
+            "the second attempt completed",
+        )
     assert not alive(trainer)
     async with db.transaction() as session:
         events = (
@@ -252,30 +246,22 @@ async def _attempt_done(db: Database, job_id: int) -> bool:
 async def test_two_groups_on_one_vm_never_share_a_port(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
 ) -> None:
-    fleet = await sim_fleet(1, gpus_per_vm=2)
-    await fleet.register(db)
-    poller = GpuPoller(db, transport, unreachable_after=1)
-    await poller.sweep()
+    fleet, poller = await polled_vm(sim_fleet, db, transport, gpus=2)
     ids = [await new_group(db, group_roles(first_s=4)) for _ in range(2)]
-    nc = await nats_client.connect(nats.url)
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
 
     async def both(status: str) -> bool:
         statuses = [(await job_row(db, i)).status for i in ids]
         return all(s == status for s in statuses)
 
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
-            await until(db, poller, requeue, lambda: both("running"), "both running")
-            async with db.transaction() as session:
-                rows = (await session.execute(select(JobPort.job_id, JobPort.port))).all()
-            reports = []
-            for job_id in ids:
-                folder = Path((await job_row(db, job_id)).attempt_dir or "")
-                reports.append(client_report(await wait_file(folder / "trainer.log", needle="{")))
-            await until(db, poller, requeue, lambda: both("completed"), "both completed")
-    finally:
-        await nc.close()
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await until(db, poller, requeue, lambda: both("running"), "both running")
+        async with db.transaction() as session:
+            rows = (await session.execute(select(JobPort.job_id, JobPort.port))).all()
+        reports = []
+        for job_id in ids:
+            folder = Path((await job_row(db, job_id)).attempt_dir or "")
+            reports.append(client_report(await wait_file(folder / "trainer.log", needle="{")))
+        await until(db, poller, requeue, lambda: both("completed"), "both completed")
     assert sorted(job for job, _port in rows) == sorted(ids)
     assert len({port for _job, port in rows}) == 2
     assert {r["port"] for r in reports} == {port for _job, port in rows}
@@ -287,19 +273,11 @@ async def test_two_groups_on_one_vm_never_share_a_port(
 async def test_a_server_never_ready_fails_the_attempt_with_the_reason(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
 ) -> None:
-    fleet = await sim_fleet(1, gpus_per_vm=1)
-    await fleet.register(db)
-    poller = GpuPoller(db, transport, unreachable_after=1)
-    await poller.sweep()
+    fleet, poller = await polled_vm(sim_fleet, db, transport, gpus=1)
     silent = [sys.executable, "-c", "import time; time.sleep(300)"]
     job_id = await new_group(db, group_roles(server=silent, timeout=2), max_retries=0)
-    nc = await nats_client.connect(nats.url)
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
-            await until(db, poller, requeue, status_is(db, job_id, "failed"), "failed")
-    finally:
-        await nc.close()
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await until(db, poller, requeue, status_is(db, job_id, "failed"), "failed")
     job = await job_row(db, job_id)
     assert job.status_reason is not None
     assert "role reward not ready after 2s" in job.status_reason, job.status_reason
@@ -354,13 +332,8 @@ async def test_vllm_server_mode_starts_the_server_then_the_trainer_with_its_addr
         dataset=spec.dataset,
         reward_functions=spec.reward_functions,
     )
-    nc = await nats_client.connect(nats.url)
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
-            await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
-    finally:
-        await nc.close()
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
     folder = Path((await job_row(db, job_id)).attempt_dir or "")
     line = next(
         x for x in (folder / "vllm.log").read_text().splitlines() if x.startswith("fake_vllm: ")
@@ -397,22 +370,14 @@ async def test_cancelling_a_group_stops_every_role(
     server and the trainer (each with its process group) before the kill's grace is over."""
     from scheduler.control import cancel_job
 
-    fleet = await sim_fleet(1, gpus_per_vm=1)
-    await fleet.register(db)
-    poller = GpuPoller(db, transport, unreachable_after=1)
-    await poller.sweep()
+    fleet, poller = await polled_vm(sim_fleet, db, transport, gpus=1)
     job_id = await new_group(db, group_roles(first_s=300))
-    nc = await nats_client.connect(nats.url)
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
-            await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
-            folder = Path((await job_row(db, job_id)).attempt_dir or "")
-            trainer = client_report(await wait_file(folder / "trainer.log", needle="{"))["pid"]
-            server = role_pid((folder / "train.log").read_text(), "reward")
-            result = await cancel_job(db, transport, job_id, grace_s=10.0)
-    finally:
-        await nc.close()
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+        folder = Path((await job_row(db, job_id)).attempt_dir or "")
+        trainer = client_report(await wait_file(folder / "trainer.log", needle="{"))["pid"]
+        server = role_pid((folder / "train.log").read_text(), "reward")
+        result = await cancel_job(db, transport, job_id, grace_s=10.0)
     assert result.kill == "terminated", result  # the supervisor ended within the grace
     assert not alive(trainer) and not alive(server)
     assert (await job_row(db, job_id)).status == "cancelled"
@@ -489,28 +454,23 @@ async def test_a_server_on_its_own_vm_serves_the_trainer_across_vms_and_stops_wi
         dataset="-",
         reward_functions=("-",),
     )
-    nc = await nats_client.connect(nats.url)
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
-            await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
-            nodes = await node_rows(db, job_id)
-            assert [n.rank for n in nodes] == [0, 1] and nodes[0].vm_id != nodes[1].vm_id
-            trainer_dir, server_dir = (Path(n.attempt_dir or "") for n in nodes)
-            await wait_file(trainer_dir / "trainer.log", needle="{")
-            server_log = await wait_file(server_dir / "train.log", needle="role reward started")
-            server = role_pid(server_log, "reward")
-            shown = await job_details(db, job_id, transport)
-            chunks: list[bytes] = []
-            await stream_log(db, transport, job_id, chunks.append, role="reward")
-            async with db.transaction() as session:  # the audits count the group whole
-                partial = await session.scalar(PARTIAL_CLAIMS_SQL)
-                double = await session.scalar(DOUBLE_BOOKED_SQL)
-            assert (partial, double) == (0, 0)
-            await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
-            await until(db, poller, requeue, lambda: _dead(server), "the server stopped")
-    finally:
-        await nc.close()
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+        nodes = await node_rows(db, job_id)
+        assert [n.rank for n in nodes] == [0, 1] and nodes[0].vm_id != nodes[1].vm_id
+        trainer_dir, server_dir = (Path(n.attempt_dir or "") for n in nodes)
+        await wait_file(trainer_dir / "trainer.log", needle="{")
+        server_log = await wait_file(server_dir / "train.log", needle="role reward started")
+        server = role_pid(server_log, "reward")
+        shown = await job_details(db, job_id, transport)
+        chunks: list[bytes] = []
+        await stream_log(db, transport, job_id, chunks.append, role="reward")
+        async with db.transaction() as session:  # the audits count the group whole
+            partial = await session.scalar(PARTIAL_CLAIMS_SQL)
+            double = await session.scalar(DOUBLE_BOOKED_SQL)
+        assert (partial, double) == (0, 0)
+        await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
+        await until(db, poller, requeue, lambda: _dead(server), "the server stopped")
     assert nodes[1].vm_id is not None
     report = client_report((trainer_dir / "trainer.log").read_text())
     assert report["health"] == "ok" and report["scores"] == [1.0]
@@ -570,28 +530,23 @@ async def test_a_dead_server_vm_or_server_kills_the_trainer_and_retries_the_grou
         dataset="-",
         reward_functions=("-",),
     )
-    nc = await nats_client.connect(nats.url)
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
-            await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
-            first = await node_rows(db, job_id)
-            trainer_dir, server_dir = (Path(n.attempt_dir or "") for n in first)
-            trainer = client_report(await wait_file(trainer_dir / "trainer.log", needle="{"))
-            lost = first[1].vm_id
-            assert lost is not None
-            if how == "server_killed":
-                log = await wait_file(server_dir / "train.log", needle="role reward started")
-                os.kill(role_pid(log, "reward"), signal.SIGKILL)
-            else:
-                await by_name[names[lost]].stop(kill_processes=True)
-                await sweep_until(poller, db, lost, "unreachable")
-                await age_outages(db, CONFIG.node_lost_timeout_s + 1)
-            await until(db, poller, requeue, lambda: _dead(trainer["pid"]), "trainer killed")
-            await until(db, poller, requeue, lambda: _attempt_done(db, job_id), "attempt 2 done")
-            second = await node_rows(db, job_id)
-    finally:
-        await nc.close()
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+        first = await node_rows(db, job_id)
+        trainer_dir, server_dir = (Path(n.attempt_dir or "") for n in first)
+        trainer = client_report(await wait_file(trainer_dir / "trainer.log", needle="{"))
+        lost = first[1].vm_id
+        assert lost is not None
+        if how == "server_killed":
+            log = await wait_file(server_dir / "train.log", needle="role reward started")
+            os.kill(role_pid(log, "reward"), signal.SIGKILL)
+        else:
+            await by_name[names[lost]].stop(kill_processes=True)
+            await sweep_until(poller, db, lost, "unreachable")
+            await age_outages(db, CONFIG.node_lost_timeout_s + 1)
+        await until(db, poller, requeue, lambda: _dead(trainer["pid"]), "trainer killed")
+        await until(db, poller, requeue, lambda: _attempt_done(db, job_id), "attempt 2 done")
+        second = await node_rows(db, job_id)
     assert {n.attempt for n in second} == {2}
     if how == "server_vm_crashes":
         assert lost not in {n.vm_id for n in second}

@@ -21,7 +21,7 @@ from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
 from scheduler.models import GPU, JobNode, Leftover
-from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
+from scheduler.requeue import RequeueConfig, RequeueManager
 from scheduler.transport import Transport
 from tests.backdate import age_outages
 from tests.fleet import FAKE_TRAIN, SimFleet
@@ -31,6 +31,7 @@ from tests.workloads.support import (
     new_job,
     publish,
     running_dispatcher,
+    scheduling,
     sweep_until,
     wait_file,
     wait_status,
@@ -79,22 +80,16 @@ async def test_a_two_node_job_runs_on_two_vms_with_its_rendezvous_and_completes(
     poller = GpuPoller(db, transport, unreachable_after=1)
     await poller.sweep()
     job_id = await new_job(db, 1, ("--fake_seconds", "1.5"), nodes=2)
-    nc = await nats_client.connect(nats.url)
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
-            await requeue.tick()
-            await wait_status(db, job_id, "running")
-            rows = await ranks(db, job_id)
-            assert [r.rank for r in rows] == [0, 1] and rows[0].vm_id != rows[1].vm_id
-            assert all(r.remote_pid is not None and r.attempt_dir for r in rows)
-            lines = [
-                await wait_file(Path(r.attempt_dir) / "train.log", needle="node RLFLEET")
-                for r in rows
-            ]
-            await until_status(db, poller, requeue, job_id, "completed")
-    finally:
-        await nc.close()
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await requeue.tick()
+        await wait_status(db, job_id, "running")
+        rows = await ranks(db, job_id)
+        assert [r.rank for r in rows] == [0, 1] and rows[0].vm_id != rows[1].vm_id
+        assert all(r.remote_pid is not None and r.attempt_dir for r in rows)
+        lines = [
+            await wait_file(Path(r.attempt_dir) / "train.log", needle="node RLFLEET") for r in rows
+        ]
+        await until_status(db, poller, requeue, job_id, "completed")
     for rank, text in enumerate(lines):
         node = next(line for line in text.splitlines() if "fake_train: node" in line)
         assert f"RLFLEET_NODE_RANK={rank} RLFLEET_NUM_NODES=2 RLFLEET_GPUS_PER_NODE=1" in node
@@ -128,32 +123,27 @@ async def test_a_lost_node_kills_the_other_rank_and_the_job_runs_again_as_a_whol
     job_id = await new_job(
         db, 1, ("--fake_seconds", "300", "--fake_retry_seconds", "1"), nodes=2, max_retries=0
     )
-    nc = await nats_client.connect(nats.url)
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await requeue.tick()
+        await wait_status(db, job_id, "running")
+        first = await ranks(db, job_id)
+        assert all(r.remote_pid is not None for r in first)
+        rank0_pid = first[0].remote_pid
+        assert rank0_pid is not None and alive(rank0_pid)
+        lost_id = first[1].vm_id
+        assert lost_id is not None
+        await by_id[lost_id].stop()  # its processes live on: a partition
+        await sweep_until(poller, db, lost_id, "unreachable")
+        await age_outages(db, CONFIG.node_lost_timeout_s + 1)
+        report = await requeue.tick()
+        assert report.node_lost == [job_id]
+        deadline = time.monotonic() + 30
+        while alive(rank0_pid):  # the requeue manager's kill sweep
+            assert time.monotonic() < deadline, "rank 0 was left running alone"
             await requeue.tick()
-            await wait_status(db, job_id, "running")
-            first = await ranks(db, job_id)
-            assert all(r.remote_pid is not None for r in first)
-            rank0_pid = first[0].remote_pid
-            assert rank0_pid is not None and alive(rank0_pid)
-            lost_id = first[1].vm_id
-            assert lost_id is not None
-            await by_id[lost_id].stop()  # its processes live on: a partition
-            await sweep_until(poller, db, lost_id, "unreachable")
-            await age_outages(db, CONFIG.node_lost_timeout_s + 1)
-            report = await requeue.tick()
-            assert report.node_lost == [job_id]
-            deadline = time.monotonic() + 30
-            while alive(rank0_pid):  # the requeue manager's kill sweep
-                assert time.monotonic() < deadline, "rank 0 was left running alone"
-                await requeue.tick()
-                await asyncio.sleep(0.1)
-            await until_status(db, poller, requeue, job_id, "completed")
-            second = await ranks(db, job_id)
-    finally:
-        await nc.close()
+            await asyncio.sleep(0.1)
+        await until_status(db, poller, requeue, job_id, "completed")
+        second = await ranks(db, job_id)
     job = await job_row(db, job_id)
     assert job.attempt == 2 and lost_id not in {r.vm_id for r in second}
     assert {r.attempt for r in second} == {2}
@@ -188,35 +178,30 @@ async def test_a_rank_that_exits_0_after_another_rank_failed_does_not_complete_t
     await poller.sweep()
     fails = ("--fake_exit", "64", "--fake_fail_rank", "1", "--fake_seconds", "3")
     job_id = await new_job(db, 1, fails, nodes=2, max_retries=0)
-    nc = await nats_client.connect(nats.url)
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await requeue.tick()
+        await wait_status(db, job_id, "running")
+        rank0_pid = (await ranks(db, job_id))[0].remote_pid
+        assert rank0_pid is not None
+        deadline = time.monotonic() + 60
+        while (await job_row(db, job_id)).status != "failed":
+            assert time.monotonic() < deadline, "rank 1's exit 64 never failed the job"
+            await poller.sweep()
+            await asyncio.sleep(0.1)
+        assert alive(rank0_pid), "rank 0 ended before rank 1's failure was seen"
+        while alive(rank0_pid):  # no requeue tick meanwhile: nothing kills it
+            assert time.monotonic() < deadline, "rank 0 never finished"
+            await asyncio.sleep(0.1)
+        for _ in range(50):  # the kill sweep finds rank 0 gone, with exit 0
             await requeue.tick()
-            await wait_status(db, job_id, "running")
-            rank0_pid = (await ranks(db, job_id))[0].remote_pid
-            assert rank0_pid is not None
-            deadline = time.monotonic() + 60
-            while (await job_row(db, job_id)).status != "failed":
-                assert time.monotonic() < deadline, "rank 1's exit 64 never failed the job"
-                await poller.sweep()
-                await asyncio.sleep(0.1)
-            assert alive(rank0_pid), "rank 0 ended before rank 1's failure was seen"
-            while alive(rank0_pid):  # no requeue tick meanwhile: nothing kills it
-                assert time.monotonic() < deadline, "rank 0 never finished"
-                await asyncio.sleep(0.1)
-            for _ in range(50):  # the kill sweep finds rank 0 gone, with exit 0
-                await requeue.tick()
-                async with db.transaction() as session:
-                    open_rows = await session.scalar(
-                        select(Leftover.id).where(Leftover.killed_at.is_(None)).limit(1)
-                    )
-                if open_rows is None:
-                    break
-                await asyncio.sleep(0.1)
-            assert open_rows is None
-    finally:
-        await nc.close()
+            async with db.transaction() as session:
+                open_rows = await session.scalar(
+                    select(Leftover.id).where(Leftover.killed_at.is_(None)).limit(1)
+                )
+            if open_rows is None:
+                break
+            await asyncio.sleep(0.1)
+        assert open_rows is None
     job = await job_row(db, job_id)
     assert (job.status, job.failure_reason) == ("failed", "config_error"), job.status_reason
     assert [r.exit_code for r in await ranks(db, job_id)] == [0, 64]

@@ -24,6 +24,7 @@ from scheduler.gpu_poller import GpuPoller
 from scheduler.jobs import JobSpec, insert_job
 from scheduler.models import GPU, VM, Job
 from scheduler.remote import Attempt, job_base, stored_attempt
+from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.transport import Transport, make_transport
 from tests.fleet import FAKE_TRAIN, SimFleet
 
@@ -133,6 +134,20 @@ async def wait_file(path: Path, timeout: float = 15, needle: str | None = None) 
     if needle is not None:
         raise AssertionError(f"{path} never said {needle!r}")
     raise AssertionError(f"{path} never appeared")
+
+
+@asynccontextmanager
+async def scheduling(
+    db: Database, nats_url: str, transport: Transport, config: RequeueConfig
+) -> AsyncIterator[RequeueManager]:
+    """A dispatcher running and a requeue manager on a NATS connection of its own, as the
+    daemons would be; the test steps the poller and the requeue manager itself."""
+    nc = await nats_client.connect(nats_url)
+    try:
+        async with running_dispatcher(db, nats_url, transport=transport):
+            yield RequeueManager(db, NatsPublisher(nc), transport, config)
+    finally:
+        await nc.close()
 
 
 @asynccontextmanager
