@@ -153,12 +153,13 @@ async def job_details(
     if transport is not None and place.attempt > 0 and place.target is not None:
         data["progress"], data["progress_error"] = await read_progress(transport, place)
         if data.get("roles") and place.run is not None and place.run.attempt == job.attempt:
-            merge_role_states(data["roles"], await read_role_states(transport, place))
+            merge_role_states(data["roles"], await read_role_states(transport, place), 0)
             for rank in range(1, len(data["ranks"]) if job.nodes > 1 else 1):
                 # A group over several VMs: each VM's supervisor knows its own roles.
                 other = await load_rank_place(db, job_id, rank)
                 if other.run is not None and other.target is not None:
-                    merge_role_states(data["roles"], await read_role_states(transport, other))
+                    seen = await read_role_states(transport, other)
+                    merge_role_states(data["roles"], seen, rank)
     return data
 
 
@@ -176,10 +177,13 @@ async def read_role_states(transport: Transport, place: JobPlace) -> dict[str, A
     return data if isinstance(data, dict) else {}
 
 
-def merge_role_states(roles: list[dict[str, Any]], seen: dict[str, Any]) -> None:
-    """Put each role's pid, state and exit code, as its supervisor wrote them, into `job
-    show`'s roles; values that are not what the supervisor writes are ignored."""
+def merge_role_states(roles: list[dict[str, Any]], seen: dict[str, Any], node: int = 0) -> None:
+    """Put each role's pid, state and exit code, as the supervisor of layout node `node`
+    wrote them, into `job show`'s entries of the roles that node runs; values that are not
+    what the supervisor writes are ignored."""
     for role in roles:
+        if role.get("node", 0) != node:
+            continue
         entry = seen.get(role["name"])
         if not isinstance(entry, dict) or entry.get("state") not in ROLE_STATES:
             continue
@@ -441,7 +445,7 @@ async def stream_log(
     With `follow`, keep writing what is appended until the job is no longer live, like
     `tail -f` that knows when to stop.
     """
-    name, role_node = await _log_name(db, job_id, role)
+    name, role_node = await _log_name(db, job_id, role, node)
     node = role_node if role_node is not None else node
     place = await load_rank_place(db, job_id, node)
     wanted = _pick_attempt(place, attempt)
@@ -471,10 +475,13 @@ async def stream_log(
         await asyncio.sleep(poll_s)
 
 
-async def _log_name(db: Database, job_id: int, role: str | None) -> tuple[str, int | None]:
+async def _log_name(
+    db: Database, job_id: int, role: str | None, rank: int = 0
+) -> tuple[str, int | None]:
     """The attempt file `job logs` reads: train.log (the supervisor's, for a job group),
-    or `<role>.log` of one role of a job group (`BadInput` when the job has no such role),
-    with the node (rank) whose VM runs that role when the group spans several VMs."""
+    or `<role>.log` of one role of a job group (`BadInput` when the job has no such role,
+    or the role no such rank), with the node whose VM runs that rank of the role when the
+    group spans several VMs."""
     if role is None:
         return "train.log", None
     from scheduler.jobspec import GroupSpec, parse_data
@@ -488,8 +495,12 @@ async def _log_name(db: Database, job_id: int, role: str | None) -> tuple[str, i
     if group is None or role not in names:
         known = ", ".join(names) if names else "none: it is not a job group"
         raise BadInput(f"job {job_id} has no role {role} (roles: {known})")
-    node = group.node_of()[role] if len(group.layout()) > 1 else None
-    return role_log(role), node
+    nodes = group.nodes_of()[role]
+    if not 0 <= rank < len(nodes):
+        raise BadInput(
+            f"job {job_id}: role {role} runs on {len(nodes)} node(s); --node 0..{len(nodes) - 1}"
+        )
+    return role_log(role), nodes[rank] if len(group.layout()) > 1 else None
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ from scheduler.daemon import run_loop
 from scheduler.db import Database, is_unavailable
 from scheduler.errors import error_line
 from scheduler.gpus import refresh_available
-from scheduler.groups import GroupPlace, group_launch, port_needs
+from scheduler.groups import GroupPlace, group_launch, node_port_needs, port_needs
 from scheduler.jobspec import parse_data
 from scheduler.kill import kill_attempt
 from scheduler.leftovers import AttemptRecord, abandon_attempt
@@ -572,9 +572,10 @@ class GlobalJobDispatcher:
 
     async def _launch_group_gang(self, claim: Claim) -> LaunchResult | str:
         """Launch a job group spread over several VMs (`GroupSpec.layout`, one claimed node
-        per VM): choose each VM's roles' ports on that VM, then start on every VM at once a
-        supervisor for its own roles, which knows every role's address and ports. Like a
-        multi-node job, any VM that does not start fails the whole attempt."""
+        per VM): choose on each VM the ports of the roles whose rank 0 runs there (named
+        ports, and the rendezvous port of a role on several nodes), then start on every VM
+        at once a supervisor for its own roles, which knows every role's address and
+        ports. Like a multi-node job, any VM that does not start fails the whole attempt."""
         group = parse_data(claim.roles)  # checked by the claim (validate.job_row_problem)
         layout = group.layout()
         if len(layout) != len(claim.nodes):
@@ -583,19 +584,13 @@ class GlobalJobDispatcher:
             targets = [await self._target(node.vm_id) for node in claim.nodes]
         except (TransientError, RuntimeError) as exc:
             return str(exc)
-        names = [[name for name, _rank in node.roles] for node in layout]
-        addresses = {
-            name: targets[index].training_address for name, index in group.node_of().items()
-        }
-        wanted = [
-            (target, [(n, port) for n in here for port in group.role(n).ports])
-            for target, here in zip(targets, names, strict=True)
-        ]
+        wanted = list(zip(targets, node_port_needs(group), strict=True))
         ports = await self._choose_ports_on(claim, wanted)
         if isinstance(ports, str):
             return ports
+        addresses = [target.training_address for target in targets]
         launches = []
-        for node, target, here in zip(claim.nodes, targets, names, strict=True):
+        for index, (node, target) in enumerate(zip(claim.nodes, targets, strict=True)):
             place = GroupPlace(
                 python=target.python,
                 entrypoint=target.entrypoint,
@@ -604,7 +599,7 @@ class GlobalJobDispatcher:
                 output_dir=claim.output_dir,
                 attempt=claim.attempt,
             )
-            launch = group_launch(group, place, ports, names=here, addresses=addresses)
+            launch = group_launch(group, place, ports, node=index, node_addresses=addresses)
             launches.append(
                 self._launch_rank(claim, target, node.gpu_indices, node.gpu_uuids, group=launch)
             )

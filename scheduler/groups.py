@@ -6,10 +6,13 @@ shell ever runs these commands: argv lists go to the supervisor as they are, wit
 `$RLFLEET_*` variables put in by the supervisor itself.
 
 A group runs on the one VM the attempt claimed, or, when roles have a VM of their own
-(`own_vm`), on the VMs of its layout (`GroupSpec.layout`, docs/decisions.md, "Where a job
-group runs"): each VM's supervisor gets only the roles of that VM, with their GPUs as
-consecutive slices of that VM's claimed GPUs in the file's role order, and every role's
-address and ports, wherever it runs.
+(`own_vm`) or run on several nodes, on the VMs of its layout (`GroupSpec.layout`,
+docs/decisions.md, "Where a job group runs"): each VM's supervisor gets only the roles of
+that VM, with their GPUs as consecutive slices of that VM's claimed GPUs in the file's role
+order, and every role's address and ports, wherever it runs. A role on several nodes runs
+one rank per VM, told where it stands as a rank of a multi-node job is (`MASTER_ADDR`,
+`MASTER_PORT` on its rank 0's VM, `RLFLEET_NODE_RANK`…); a training role's ranks start
+through accelerate's multi-machine launcher.
 """
 
 from __future__ import annotations
@@ -18,8 +21,15 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.jobspec import VLLM_COMMAND, GroupSpec, Role, addr_variable, port_variable
-from scheduler.remote import GroupLaunch
+from scheduler.jobspec import (
+    RENDEZVOUS_PORT,
+    VLLM_COMMAND,
+    GroupSpec,
+    Role,
+    addr_variable,
+    port_variable,
+)
+from scheduler.remote import GroupLaunch, NodeRole, launcher_argv, rendezvous_env
 
 GROUP_GRACE_S = 5.0
 """Once every primary role exited 0, the others get TERM, and KILL after this long."""
@@ -47,6 +57,19 @@ class GroupPlace:
 def port_needs(group: GroupSpec) -> list[tuple[str, str]]:
     """Every (role, port name) the attempt needs a port for, in file order."""
     return [(role.name, port) for role in group.roles for port in role.ports]
+
+
+def node_port_needs(group: GroupSpec) -> list[list[tuple[str, str]]]:
+    """For each node of the layout, the (role, port name) pairs chosen on its VM: the
+    named ports of the roles whose rank 0 runs there, and the rendezvous port
+    (`RENDEZVOUS_PORT`) of each role on several nodes whose rank 0 runs there."""
+    needs: list[list[tuple[str, str]]] = [[] for _ in group.layout()]
+    for role in group.roles:
+        at = group.node_of()[role.name]
+        needs[at] += [(role.name, port) for port in role.ports]
+        if role.nodes > 1:
+            needs[at].append((role.name, RENDEZVOUS_PORT))
+    return needs
 
 
 def gpu_slices(
@@ -80,22 +103,19 @@ def shared_env(
     return env
 
 
-def role_argv(group: GroupSpec, role: Role, place: GroupPlace) -> list[str]:
+def role_argv(
+    group: GroupSpec, role: Role, place: GroupPlace, node: NodeRole | None = None
+) -> list[str]:
     """What one role runs, as argv: its command (the `vllm-serve` shorthand expanded), or
-    the training entrypoint with the job's arguments (contract 5, without a shell)."""
+    the training entrypoint with the job's arguments (contract 5, without a shell); `node`
+    is where this rank of a role on several nodes stands."""
     if role.command is not None:
         if role.command == VLLM_COMMAND:
             return vllm_argv(group, role, place.python)
         return list(role.command)
     train = role.train
     assert train is not None  # a role has a command or train (jobspec)
-    words = [place.python]
-    if role.gpus > 1:
-        words += ["-m", "accelerate.commands.launch", "--num_processes", str(role.gpus)]
-    if place.entrypoint.endswith(".py"):
-        words.append(place.entrypoint)
-    else:
-        words += ["-m", place.entrypoint]
+    words = launcher_argv(place.python, place.entrypoint, role.gpus, node)
     words += ["--model", train.model, "--dataset", train.dataset]
     for reward in train.reward_functions:
         words += ["--reward_function", reward]
@@ -139,17 +159,27 @@ def group_launch(
     place: GroupPlace,
     ports: Mapping[tuple[str, str], int],
     *,
-    names: Collection[str] | None = None,
-    addresses: Mapping[str, str] | None = None,
+    node: int | None = None,
+    node_addresses: Sequence[str] | None = None,
     grace_s: float = GROUP_GRACE_S,
     stop_grace_s: float = ROLE_STOP_GRACE_S,
 ) -> GroupLaunch:
-    """The supervisor's `group.json` for this attempt on one VM: every role, or only
-    `names` (one VM of a group over several, whose roles' VMs' addresses are `addresses`;
-    the readiness checks of roles on other VMs are made at their VM's address)."""
-    here = [n for n in group.start_order() if names is None or n in names]
-    addr = {r.name: (addresses or {}).get(r.name, place.address) for r in group.roles}
-    slices = gpu_slices(group, place.gpus, names)
+    """The supervisor's `group.json` for this attempt on one VM: every role, or, for a
+    group over several VMs, only the roles (ranks) of layout node `node`, whose VMs'
+    internal addresses are `node_addresses` (layout order). A role's address is its rank
+    0's VM's, where its readiness check is made; a rank of a role on several nodes gets
+    its place (`remote.rendezvous_env`) with its rank 0's rendezvous port."""
+    layout = group.layout()
+    if node is None:
+        members = {r.name: 0 for r in group.roles}
+        addresses: Sequence[str] = [place.address] * len(layout)
+    else:
+        members = dict(layout[node].roles)
+        addresses = node_addresses or [place.address] * len(layout)
+    nodes_of = group.nodes_of()
+    addr = {r.name: addresses[nodes_of[r.name][0]] for r in group.roles}
+    here = [n for n in group.start_order() if n in members]
+    slices = gpu_slices(group, place.gpus, None if node is None else members)
     first_train = next((r.name for r in group.roles if r.train is not None), None)
     local_train = next((n for n in here if group.role(n).train is not None), None)
     roles: list[dict[str, Any]] = []
@@ -158,10 +188,18 @@ def group_launch(
         env = {"CUDA_VISIBLE_DEVICES": ",".join(slices[name]), "RLFLEET_ROLE": name}
         if role.train is not None and name not in (first_train, local_train):
             env["RLFLEET_PROGRESS_FILE"] = f"{name}.progress.json"  # only one progress.json
+        rank = None
+        if role.nodes > 1:
+            rank = NodeRole(
+                members[name],
+                tuple(addresses[i] for i in nodes_of[name]),
+                int(ports[(name, RENDEZVOUS_PORT)]),
+            )
+            env.update(rendezvous_env(rank, role.gpus))
         roles.append(
             {
                 "name": name,
-                "argv": role_argv(group, role, place),
+                "argv": role_argv(group, role, place, rank),
                 "env": env,
                 "primary": role.primary,
                 "depends_on": list(role.depends_on),

@@ -274,9 +274,10 @@ def ranks_to_dicts(job: Job) -> list[dict[str, Any]]:
 
 
 def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
-    """A job group's roles (empty for a job of one training role): each one's VM (the
-    group's, or its node's for a group over several VMs), GPUs (its slice of its VM's
-    claim), ports this attempt got, the pid of the
+    """A job group's roles (empty for a job of one training role), one entry per rank of
+    each (`rank`; `node` is the layout node running it): its VM (the group's, or its
+    node's for a group over several VMs), GPUs (its slice of its VM's claim), ports this
+    attempt got (on its rank 0's VM), the pid of the
     group's supervisor and a state from the job's (`control.job_details` puts in each
     role's own pid, state and exit code, read from the VM). `job.ports` must be loaded."""
     from scheduler.errors import BadInput
@@ -290,39 +291,44 @@ def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
         return []
     claimed = job.attempt > 0 and job.vm_id is not None and job.gpu_indices is not None
     ports = {(p.role, p.name): p.port for p in job.ports if p.attempt == job.attempt}
-    # A group over several VMs: each role on its node's VM, sliced from that node's GPUs.
+    # A group over several VMs: each rank of a role on its node's VM, sliced from that
+    # node's GPUs.
     nodes: list[Any] = [job]
-    node_of = dict.fromkeys((r.name for r in group.roles), 0)
+    nodes_of = {r.name: (0,) * r.nodes for r in group.roles}
     if job.nodes > 1:
         nodes = [r for r in job.ranks if r.attempt == job.attempt] or [job]
-        node_of = group.node_of() if len(nodes) == len(group.layout()) else node_of
+        nodes_of = group.nodes_of() if len(nodes) == len(group.layout()) else nodes_of
     starts = [0] * len(nodes)
     out = []
     for role in group.roles:
-        at = node_of.get(role.name, 0)
-        row = nodes[at]
-        indices, uuids = list(row.gpu_indices or []), list(row.gpu_uuids or [])
-        take = slice(starts[at], starts[at] + role.gpus)
-        starts[at] += role.gpus
-        out.append(
-            {
-                "name": role.name,
-                "primary": role.primary,
-                "command": list(role.command) if role.command is not None else None,
-                "train": role.train is not None,
-                "depends_on": list(role.depends_on),
-                "vm": row.vm.name if claimed and row.vm is not None else None,
-                "gpu_indices": indices[take] if claimed else [],
-                "gpu_uuids": uuids[take] if claimed else [],
-                "ports": {name: ports.get((role.name, name)) for name in role.ports},
-                "supervisor_pid": row.remote_pid,
-                "pid": None,
-                "exit_code": None,
-                "state": rank_state(job.status, row.exit_code, row.remote_pid)
-                if claimed
-                else job.status,
-            }
-        )
+        for rank, at in enumerate(nodes_of[role.name]):
+            row = nodes[at] if at < len(nodes) else nodes[0]
+            indices, uuids = list(row.gpu_indices or []), list(row.gpu_uuids or [])
+            take = slice(starts[at], starts[at] + role.gpus) if at < len(nodes) else slice(0)
+            if at < len(nodes):
+                starts[at] += role.gpus
+            out.append(
+                {
+                    "name": role.name,
+                    "rank": rank,
+                    "node": at,
+                    "primary": role.primary,
+                    "command": list(role.command) if role.command is not None else None,
+                    "train": role.train is not None,
+                    "depends_on": list(role.depends_on),
+                    "vm": row.vm.name if claimed and row.vm is not None else None,
+                    "gpu_indices": indices[take] if claimed else [],
+                    "gpu_uuids": uuids[take] if claimed else [],
+                    # A role's ports are on its rank 0's VM.
+                    "ports": {name: ports.get((role.name, name)) for name in role.ports},
+                    "supervisor_pid": row.remote_pid,
+                    "pid": None,
+                    "exit_code": None,
+                    "state": rank_state(job.status, row.exit_code, row.remote_pid)
+                    if claimed
+                    else job.status,
+                }
+            )
     return out
 
 

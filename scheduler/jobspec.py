@@ -128,8 +128,8 @@ class GroupSpec:
         "Which VM each role of a group runs on"): node r runs rank r of every role with
         more than r `nodes`, and every other one-node role runs on node 0 (roles share a VM
         unless `nodes` spreads them, so `same_vm_as` always holds); then each `own_vm` role
-        gets a node of its own, in file order. A node's GPUs are its roles' GPUs together,
-        at least 1: a VM is claimed through its GPUs."""
+        gets nodes of its own (one per rank), in file order. A node's GPUs are its roles'
+        GPUs together, at least 1: a VM is claimed through its GPUs."""
         shared = [r for r in self.roles if not r.own_vm]
         count = max((r.nodes for r in shared), default=0)
         nodes = [
@@ -140,18 +140,29 @@ class GroupSpec:
             for node in range(count)
         ]
         nodes += [
-            GroupNode(gpus=max(1, r.gpus), roles=((r.name, 0),)) for r in self.roles if r.own_vm
+            GroupNode(gpus=max(1, r.gpus), roles=((r.name, rank),))
+            for r in self.roles
+            if r.own_vm
+            for rank in range(r.nodes)
         ]
         return tuple(nodes)
 
     def node_of(self) -> dict[str, int]:
         """The node (index into `layout()`) that runs each role's rank 0."""
-        return {
-            name: index
-            for index, node in enumerate(self.layout())
-            for name, rank in node.roles
-            if rank == 0
-        }
+        return {name: nodes[0] for name, nodes in self.nodes_of().items()}
+
+    def nodes_of(self) -> dict[str, tuple[int, ...]]:
+        """The nodes (indices into `layout()`) that run each role, rank 0 first."""
+        out: dict[str, list[int]] = {r.name: [0] * r.nodes for r in self.roles}
+        for index, node in enumerate(self.layout()):
+            for name, rank in node.roles:
+                out[name][rank] = index
+        return {name: tuple(nodes) for name, nodes in out.items()}
+
+    def spread(self) -> bool:
+        """Whether the group runs on several VMs (`own_vm` roles, or a role on several
+        nodes)."""
+        return len(self.layout()) > 1
 
     def env(self) -> tuple[tuple[str, str], ...]:
         """Every role's `env` as one job environment (`jobs.env`); a variable two roles set
@@ -229,7 +240,7 @@ def parse_data(data: Any) -> GroupSpec:
     roles = _with_primary(roles)
     _check_references(roles)
     order = _start_order(roles)
-    return GroupSpec(
+    group = GroupSpec(
         roles=tuple(roles),
         name=_opt_text(top.get("name"), "name", 255),
         priority=_int(top.get("priority", 0), "priority", -MAX_PRIORITY - 1, MAX_PRIORITY),
@@ -237,6 +248,11 @@ def parse_data(data: Any) -> GroupSpec:
         output_dir=_opt_text(top.get("output_dir"), "output_dir", TEXT_MAX),
         _order=order,
     )
+    if len(group.layout()) > MAX_NODES:
+        raise BadInput(
+            f"roles: the group would span {len(group.layout())} VMs, at most {MAX_NODES}"
+        )
+    return group
 
 
 # -- fields -------------------------------------------------------------------------------
@@ -489,15 +505,6 @@ def _check_references(roles: list[Role]) -> None:
                     f"roles.{role.name}.same_vm_as: {role.same_vm_as} or {role.name} has "
                     "own_vm: true"
                 )
-        if role.own_vm and role.nodes != 1:
-            raise BadInput(f"roles.{role.name}.own_vm: only for a one-node role")
-        if role.nodes > 1 and len(roles) > 1:
-            # A role spread over several VMs beside others would need a rendezvous of its
-            # own across the group's VMs: not built. A role on a VM of its own is.
-            raise BadInput(
-                f"roles.{role.name}.nodes: several nodes only in a one-role job (a role of "
-                "a group can have a VM of its own with own_vm: true)"
-            )
     seen: dict[str, str] = {addr_variable(r.name): f"roles.{r.name}" for r in roles}
     for role in roles:
         for i, port in enumerate(role.ports):
@@ -556,6 +563,10 @@ def _role_data(role: Role) -> dict[str, Any]:
         data["own_vm"] = True
     return data
 
+
+RENDEZVOUS_PORT = "@rendezvous"
+"""The port name (in `job_ports`) of the rendezvous port of a role on several nodes, chosen
+on its rank 0's VM: never a name a user can give (`NAME_RE`)."""
 
 VLLM_ROLE = "vllm"
 VLLM_COMMAND = ("vllm-serve",)

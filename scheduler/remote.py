@@ -317,22 +317,30 @@ class LaunchSpec:
 def entry_words(
     python: str, entrypoint: str, num_gpus: int, node: NodeRole | None = None
 ) -> list[str]:
-    """How training starts on the VM (docs/invariants.md, contract 5), as quoted shell words.
+    """How training starts on the VM (docs/invariants.md, contract 5), as quoted shell
+    words: `launcher_argv`, each word quoted."""
+    return [shlex.quote(word) for word in launcher_argv(python, entrypoint, num_gpus, node)]
 
-    A `.py` entrypoint runs as a script, anything else as a module; more than one GPU puts
-    `accelerate launch --num_processes N` in front. A rank of a multi-node job always
-    starts through accelerate's multi-process launcher (torchrun underneath, which gives
-    every process its RANK and WORLD_SIZE; on a VM without CUDA torch then uses gloo on the
-    CPU), with `--num_machines`, `--machine_rank` and rank 0's address and port;
-    `--multi_gpu` is needed on CPUs too (without it accelerate starts one rank-less process).
+
+def launcher_argv(
+    python: str, entrypoint: str, num_gpus: int, node: NodeRole | None = None
+) -> list[str]:
+    """How training starts on the VM, as argv (no shell): a `.py` entrypoint runs as a
+    script, anything else as a module; more than one GPU puts `accelerate launch
+    --num_processes N` in front. A rank of a multi-node job (or of a group's role on
+    several nodes) always starts through accelerate's multi-process launcher (torchrun
+    underneath, which gives every process its RANK and WORLD_SIZE; on a VM without CUDA
+    torch then uses gloo on the CPU), with `--num_machines`, `--machine_rank` and rank 0's
+    address and port; `--multi_gpu` is needed on CPUs too (without it accelerate starts
+    one rank-less process).
     """
-    words = [shlex.quote(python)]
+    words = [python]
     if node is not None:
         words += [
             "-m", "accelerate.commands.launch", "--multi_gpu",
             "--num_machines", str(int(node.num_nodes)),
             "--machine_rank", str(int(node.rank)),
-            "--main_process_ip", shlex.quote(node.addrs[0]),
+            "--main_process_ip", node.addrs[0],
             "--main_process_port", str(int(node.master_port)),
             "--num_processes", str(int(node.num_nodes) * int(num_gpus)),
             # accelerate's defaults, passed so that a stray accelerate config file on one
@@ -342,9 +350,9 @@ def entry_words(
     elif num_gpus > 1:
         words += ["-m", "accelerate.commands.launch", "--num_processes", str(int(num_gpus))]
     if entrypoint.endswith(".py"):
-        words.append(shlex.quote(entrypoint))
+        words.append(entrypoint)
     else:
-        words += ["-m", shlex.quote(entrypoint)]
+        words += ["-m", entrypoint]
     return words
 
 
@@ -481,21 +489,34 @@ def _group_files_lines(spec: LaunchSpec) -> list[str]:
     ]
 
 
+def rendezvous_env(node: NodeRole, per_node: int) -> dict[str, str]:
+    """What a rank of a multi-node job (or of a group's role on several nodes) is told of
+    where it stands: RLFLEET_NODE_RANK, RLFLEET_NUM_NODES, RLFLEET_GPUS_PER_NODE,
+    RLFLEET_NODE_ADDRS (rank order), MASTER_ADDR (rank 0), MASTER_PORT, WORLD_SIZE (one
+    process per GPU, at least one per node)."""
+    return {
+        "RLFLEET_NODE_RANK": str(int(node.rank)),
+        "RLFLEET_NUM_NODES": str(int(node.num_nodes)),
+        "RLFLEET_GPUS_PER_NODE": str(int(per_node)),
+        "RLFLEET_NODE_ADDRS": ",".join(node.addrs),
+        "MASTER_ADDR": node.addrs[0],
+        "MASTER_PORT": str(int(node.master_port)),
+        "WORLD_SIZE": str(int(node.num_nodes) * max(1, int(per_node))),
+    }
+
+
 def rendezvous_lines(spec: LaunchSpec) -> list[str]:
-    """The exports that tell a rank of a multi-node job where it stands (none for a
-    single-node job): RLFLEET_NODE_RANK, RLFLEET_NUM_NODES, RLFLEET_GPUS_PER_NODE,
-    RLFLEET_NODE_ADDRS (rank order), MASTER_ADDR (rank 0), MASTER_PORT, WORLD_SIZE."""
-    node = spec.node
-    if node is None:
+    """The exports of `rendezvous_env` for a rank of a multi-node job (none for a
+    single-node job), every value quoted."""
+    if spec.node is None:
         return []
-    per_node = len(spec.gpu_indices)
-    return [
-        f"export RLFLEET_NODE_RANK={int(node.rank)} RLFLEET_NUM_NODES={int(node.num_nodes)}"
-        f" RLFLEET_GPUS_PER_NODE={int(per_node)}",
-        f"export RLFLEET_NODE_ADDRS={shlex.quote(','.join(node.addrs))}",
-        f"export MASTER_ADDR={shlex.quote(node.addrs[0])} MASTER_PORT={int(node.master_port)}"
-        f" WORLD_SIZE={int(node.num_nodes) * int(per_node)}",
-    ]
+    env = rendezvous_env(spec.node, len(spec.gpu_indices))
+    lines = (
+        ("RLFLEET_NODE_RANK", "RLFLEET_NUM_NODES", "RLFLEET_GPUS_PER_NODE"),
+        ("RLFLEET_NODE_ADDRS",),
+        ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"),
+    )
+    return ["export " + " ".join(f"{k}={shlex.quote(env[k])}" for k in keys) for keys in lines]
 
 
 FREE_PORT_MARK = "rlfleet-port"

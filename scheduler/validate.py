@@ -299,8 +299,8 @@ def job_row_problem(row: Any) -> str | None:
 
 def roles_problem(roles: Any, gpus: int, nodes: Any = 1) -> str | None:
     """Why a job row's `roles` (a job group) cannot be launched, or None: it must read
-    back as a valid spec, none of its roles on several nodes, laid out on `nodes` VMs
-    (`GroupSpec.layout`) whose GPUs together are `gpus`."""
+    back as a valid spec laid out on `nodes` VMs (`GroupSpec.layout`) whose GPUs together
+    are `gpus`."""
     from scheduler.errors import BadInput
     from scheduler.jobspec import parse_data
 
@@ -308,10 +308,6 @@ def roles_problem(roles: Any, gpus: int, nodes: Any = 1) -> str | None:
         group = parse_data(roles)
     except BadInput as exc:
         return f"roles: {exc}"
-    if any(r.nodes != 1 for r in group.roles):
-        # Only roles on a VM of their own (own_vm) spread a group: a role's own
-        # rendezvous over several VMs inside a group is not built.
-        return "roles: a role on several nodes cannot be launched in a group"
     layout = group.layout()
     if nodes != len(layout):
         return f"roles run on {len(layout)} VM(s), the row asks for {nodes!r}"

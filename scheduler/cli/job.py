@@ -107,14 +107,14 @@ def group() -> None:
     "--vllm-server-gpus",
     type=click.IntRange(1, MAX_GPUS),
     help="vLLM server mode: run `trl vllm-serve` with the model on this many more GPUs of "
-    "the same VM (a `vllm` role, ready on GET /health) and start training once it answers, "
-    "with --use_vllm --vllm_mode server and its address and ports.",
+    "the same VM (rank 0's with --nodes; a `vllm` role, ready on GET /health) and start "
+    "training once it answers, with --use_vllm --vllm_mode server and its address and ports.",
 )
 @click.option(
     "--vllm-server-own-vm",
     is_flag=True,
     help="With --vllm-server-gpus: run the `vllm` role on a VM of its own, apart from the "
-    "trainer (the job then spans two VMs).",
+    "trainer (the job then spans one VM more than --nodes).",
 )
 @click.option(
     "--output-dir",
@@ -243,18 +243,12 @@ def spec_from_file(path: str, env: tuple[tuple[str, str], ...]) -> JobSpec:
 
 def group_job_spec(group: GroupSpec, env: tuple[tuple[str, str], ...]) -> JobSpec:
     """The job row of a job group: its roles (without env values, which go to the job's
-    environment), the VMs of its layout (one unless roles have `own_vm`) and every node's
-    GPUs together, and the first training role's model, dataset and rewards for listings
-    (`-` for a group without one)."""
+    environment), the VMs of its layout (one unless roles have `own_vm` or `nodes`) and
+    every node's GPUs together, and the first training role's model, dataset and rewards
+    for listings (`-` for a group without one)."""
     layout = group.layout()
     if len(layout) == 1 and group.gpus < 1:
         raise BadInput("roles: a job needs at least one GPU (give a role gpus: 1 or more)")
-    if any(r.nodes > 1 for r in group.roles):
-        # A role's own rendezvous over several VMs inside a group is not built.
-        raise BadInput(
-            "roles: several nodes only in a one-role training job (a role of a group can "
-            "have a VM of its own with own_vm: true)"
-        )
     train = next((r.train for r in group.roles if r.train is not None), None)
     return JobSpec(
         model=train.model if train else "-",
@@ -276,8 +270,6 @@ def with_vllm_server(spec: JobSpec, gpus: int, *, own_vm: bool = False) -> JobSp
     (on a VM of its own with `--vllm-server-own-vm`)."""
     from scheduler.jobspec import parse_data
 
-    if spec.nodes != 1:
-        raise BadInput("--vllm-server-gpus: only with --nodes 1")
     spec.validate()  # errors name the flags, not the group's fields
     data = {
         "vllm_server_gpus": gpus,
@@ -285,6 +277,7 @@ def with_vllm_server(spec: JobSpec, gpus: int, *, own_vm: bool = False) -> JobSp
         "roles": {
             "trainer": {
                 "gpus": spec.gpus,
+                "nodes": spec.nodes,
                 "train": {
                     "model": spec.model,
                     "dataset": spec.dataset,
@@ -433,10 +426,11 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
     if job.get("roles"):
         click.echo("\nroles:")
         echo_table(
-            ["ROLE", "PRIMARY", "VM", "GPUS", "PORTS", "PID", "STATE", "EXIT"],
+            ["ROLE", "RANK", "PRIMARY", "VM", "GPUS", "PORTS", "PID", "STATE", "EXIT"],
             [
                 (
                     r["name"],
+                    r.get("rank", 0),
                     "yes" if r["primary"] else "no",
                     r["vm"] or "-",
                     ",".join(str(i) for i in r["gpu_indices"]) or "-",
@@ -551,7 +545,8 @@ def retry(ctx: CliContext, job_id: int) -> None:
     default=0,
     show_default=True,
     type=ColumnInt(lo=0, hi=MAX_NODES - 1, bounds=INT4),
-    help="Which rank of a multi-node job: its log is read on its own VM.",
+    help="Which rank of a multi-node job (with --role: of that role): its log is read on "
+    "its own VM.",
 )
 @click.option(
     "--role",

@@ -150,6 +150,49 @@ def test_own_vm_spreads_a_group_over_vms_and_the_vllm_flag_can_ask_for_it(
     assert too_big.returncode == 2 and "could never run" in too_big.stderr, too_big.stderr
 
 
+@pytest.mark.slow
+def test_a_role_on_several_nodes_spreads_a_group_rank_by_rank(
+    env: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    """A role with `nodes: 2` beside others runs rank 1 on a VM of its own, and so does
+    the trainer of `--nodes 2 --vllm-server-gpus 1` (the server beside rank 0): `job show`
+    lists each rank of the role; `--vllm-server-own-vm` then needs a third VM."""
+    add_polled_vm(env, "gpu-1", 2)
+    add_polled_vm(env, "gpu-2", 2)
+    spread = GROUP.replace(
+        "    gpus: 2\n    depends_on", "    gpus: 2\n    nodes: 2\n    depends_on"
+    )
+    assert spread != GROUP
+    submitted = rlfleet(env, "job", "submit", "-f", write(tmp_path, spread), "--json")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = str(json.loads(submitted.stdout)["id"])
+    data = json.loads(rlfleet(env, "job", "show", job_id, "--json", "--no-progress").stdout)
+    assert (data["gpus"], data["nodes"]) == (4, 2)
+    assert [(r["name"], r["rank"]) for r in data["roles"]] == [
+        ("reward", 0), ("trainer", 0), ("trainer", 1),
+    ]  # fmt: skip
+    table = rlfleet(env, "job", "show", job_id, "--no-progress").stdout
+    assert "RANK" in table.split("roles:")[1]
+    missing = rlfleet(env, "job", "logs", job_id, "--role", "trainer", "--node", "2")
+    assert_one_line(missing, 2, f"job {job_id}: role trainer runs on 2 node(s); --node 0..1")
+    flags = ("--model", "m", "--dataset", "d", "--reward-function", "format", "--gpus", "1")
+    submitted = rlfleet(
+        env, "job", "submit", *flags, "--nodes", "2", "--vllm-server-gpus", "1", "--json"
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = str(json.loads(submitted.stdout)["id"])
+    data = json.loads(rlfleet(env, "job", "show", job_id, "--json", "--no-progress").stdout)
+    assert (data["gpus"], data["nodes"]) == (3, 2)
+    assert [(r["name"], r["rank"]) for r in data["roles"]] == [
+        ("vllm", 0), ("trainer", 0), ("trainer", 1),
+    ]  # fmt: skip
+    third = rlfleet(
+        env, "job", "submit", *flags, "--nodes", "2", "--vllm-server-gpus", "1",
+        "--vllm-server-own-vm",
+    )  # fmt: skip
+    assert third.returncode == 2 and "could never run" in third.stderr, third.stderr
+
+
 BAD_FILES = [
     (ONE_ROLE.replace("gpus: 2", "gpus: 65"), "roles.trainer.gpus: must be an integer 1..64"),
     (ONE_ROLE.replace("gpus: 2", "gpus: 99999999999999999999999"), "roles.trainer.gpus:"),
@@ -169,9 +212,9 @@ BAD_FILES = [
         "roles: a job needs at least one GPU",
     ),
     (
-        "roles:\n  a: {command: [x], nodes: 2}\n  t: {command: [y], gpus: 1, primary: true}\n",
-        "roles.a.nodes: several nodes only in a one-role job (a role of a group can have a "
-        "VM of its own with own_vm: true)",
+        "roles:\n  a: {command: [x], nodes: 40, own_vm: true}\n"
+        "  t: {command: [y], gpus: 1, nodes: 30, primary: true}\n",
+        "roles: the group would span 70 VMs, at most 64",
     ),
     (
         "roles:\n  a: {command: [x], own_vm: true, same_vm_as: t}\n"

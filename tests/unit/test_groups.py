@@ -387,11 +387,11 @@ def test_a_role_on_its_own_vm_is_a_node_of_its_own_and_each_vm_runs_only_its_rol
         (1, (("reward", 0),)),
     ]
     assert group.node_of() == {"trainer": 0, "reward": 1}
-    addresses = {"trainer": "10.0.0.5", "reward": "10.0.0.9"}
+    addresses = ["10.0.0.5", "10.0.0.9"]
     ports = {("reward", "http"): 41000}
-    trainer_vm = group_launch(group, PLACE, ports, names=["trainer"], addresses=addresses)
+    trainer_vm = group_launch(group, PLACE, ports, node=0, node_addresses=addresses)
     server_place = GroupPlace(**{**PLACE.__dict__, "address": "10.0.0.9", "gpus": ["GPU-z"]})
-    server_vm = group_launch(group, server_place, ports, names=["reward"], addresses=addresses)
+    server_vm = group_launch(group, server_place, ports, node=1, node_addresses=addresses)
     assert [r["name"] for r in trainer_vm.config["roles"]] == ["trainer"]
     assert [r["name"] for r in server_vm.config["roles"]] == ["reward"]
     assert trainer_vm.needs_entrypoint and not server_vm.needs_entrypoint
@@ -408,7 +408,7 @@ def test_a_role_on_its_own_vm_is_a_node_of_its_own_and_each_vm_runs_only_its_rol
 
 def test_a_stored_group_over_vms_is_checked_against_its_layout() -> None:
     """`jobs.roles` of a group with an own-VM role needs `nodes` = its VMs and
-    `gpus_requested` = every node's GPUs; a role on several nodes in a group is refused."""
+    `gpus_requested` = every node's GPUs, a role on several nodes counting each of its."""
     from scheduler.validate import roles_problem
 
     roles = parse_text(SPREAD_GROUP).to_data()
@@ -416,9 +416,9 @@ def test_a_stored_group_over_vms_is_checked_against_its_layout() -> None:
     assert roles_problem(roles, 3, 2) == "roles need 4 GPUs, the row asks for 3"
     assert roles_problem(roles, 4, 1) == "roles run on 2 VM(s), the row asks for 1"
     one = {"roles": {"t": {"command": ["x"], "gpus": 1, "nodes": 2, "primary": True}}}
-    assert roles_problem(one, 2, 2) == (
-        "roles: a role on several nodes cannot be launched in a group"
-    )
+    assert roles_problem(one, 2, 2) is None
+    assert roles_problem(one, 1, 2) == "roles need 2 GPUs, the row asks for 1"
+    assert roles_problem(one, 2, 1) == "roles run on 2 VM(s), the row asks for 1"
 
 
 def test_vllm_server_on_its_own_vm_serves_at_its_vms_address() -> None:
@@ -435,11 +435,11 @@ def test_vllm_server_on_its_own_vm_serves_at_its_vms_address() -> None:
         (2, (("vllm", 0),)),
     ]
     ports = {("vllm", "http"): 40001, ("vllm", "nccl"): 40002}
-    addresses = {"trainer": "10.0.0.5", "vllm": "10.0.0.9"}
+    addresses = ["10.0.0.5", "10.0.0.9"]
     vm1 = GroupPlace(**{**PLACE.__dict__, "address": "10.0.0.9", "gpus": ["GPU-x", "GPU-y"]})
-    server = group_launch(group, vm1, ports, names=["vllm"], addresses=addresses).config
+    server = group_launch(group, vm1, ports, node=1, node_addresses=addresses).config
     trainer_place = GroupPlace(**{**PLACE.__dict__, "gpus": ["GPU-a"]})
-    trainer = group_launch(group, trainer_place, ports, names=["trainer"], addresses=addresses)
+    trainer = group_launch(group, trainer_place, ports, node=0, node_addresses=addresses)
     (vllm,) = server["roles"]
     (train,) = trainer.config["roles"]
     assert vllm["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-x,GPU-y"
@@ -452,3 +452,124 @@ def test_vllm_server_on_its_own_vm_serves_at_its_vms_address() -> None:
     assert trainer.config["checks"]["vllm"]["host"] == "10.0.0.9"
     with pytest.raises(BadInput, match="vllm_server_own_vm: only with vllm_server_gpus"):
         parse_text(b"vllm_server_own_vm: true\nroles: {t: {command: [x], gpus: 1}}\n")
+
+
+MULTINODE_GROUP = b"""
+roles:
+  reward:
+    command: [python, examples/reward_server.py, --host, $RLFLEET_REWARD_ADDR]
+    ports: [http]
+    ready: {http: /health}
+  trainer:
+    gpus: 2
+    nodes: 2
+    depends_on: [reward]
+    train:
+      model: tiny
+      dataset: data.jsonl
+      reward_functions: rewards.http:remote_score
+  sandbox:
+    command: [sandbox, --rank, $RLFLEET_NODE_RANK]
+    gpus: 0
+    nodes: 3
+    own_vm: true
+"""
+
+
+def test_a_role_on_several_nodes_runs_one_rank_per_vm_of_the_layout() -> None:
+    """Node r runs rank r of every shared role with more than r nodes (the server beside
+    rank 0 of the trainer); an own-VM role on 3 nodes gets 3 VMs of its own. Ports are
+    chosen on the VM of each role's rank 0, with a rendezvous port for a role on several
+    nodes."""
+    from scheduler.groups import node_port_needs
+    from scheduler.jobspec import RENDEZVOUS_PORT
+
+    group = parse_text(MULTINODE_GROUP)
+    assert [(n.gpus, n.roles) for n in group.layout()] == [
+        (2, (("reward", 0), ("trainer", 0))),
+        (2, (("trainer", 1),)),
+        (1, (("sandbox", 0),)),
+        (1, (("sandbox", 1),)),
+        (1, (("sandbox", 2),)),
+    ]
+    assert group.nodes_of() == {"reward": (0,), "trainer": (0, 1), "sandbox": (2, 3, 4)}
+    assert group.node_of() == {"reward": 0, "trainer": 0, "sandbox": 2}
+    assert node_port_needs(group) == [
+        [("reward", "http"), ("trainer", RENDEZVOUS_PORT)],
+        [],
+        [("sandbox", RENDEZVOUS_PORT)],
+        [],
+        [],
+    ]
+
+
+def test_each_rank_of_a_role_on_several_nodes_is_told_where_it_stands() -> None:
+    """Rank 1 of the trainer starts through accelerate's multi-machine launcher as machine
+    1 of 2, at rank 0's address and rendezvous port, with the multi-node job's variables;
+    a command role's rank reads its own rank from them; every VM knows every role's
+    address (its rank 0's) and checks the server at its VM."""
+    from scheduler.jobspec import RENDEZVOUS_PORT
+
+    group = parse_text(MULTINODE_GROUP)
+    addresses = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"]
+    ports = {
+        ("reward", "http"): 41000,
+        ("trainer", RENDEZVOUS_PORT): 42000,
+        ("sandbox", RENDEZVOUS_PORT): 43000,
+    }
+    node1 = GroupPlace(**{**PLACE.__dict__, "address": "10.0.0.2", "gpus": ["GPU-x", "GPU-y"]})
+    launch = group_launch(group, node1, ports, node=1, node_addresses=addresses).config
+    (trainer,) = launch["roles"]
+    assert trainer["argv"][:21] == [
+        "/opt/venv/bin/python", "-m", "accelerate.commands.launch", "--multi_gpu",
+        "--num_machines", "2", "--machine_rank", "1",
+        "--main_process_ip", "10.0.0.1", "--main_process_port", "42000",
+        "--num_processes", "4", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "training/train_grpo.py", "--model", "tiny",
+    ]  # fmt: skip
+    assert trainer["env"] == {
+        "CUDA_VISIBLE_DEVICES": "GPU-x,GPU-y",
+        "RLFLEET_ROLE": "trainer",
+        "RLFLEET_NODE_RANK": "1",
+        "RLFLEET_NUM_NODES": "2",
+        "RLFLEET_GPUS_PER_NODE": "2",
+        "RLFLEET_NODE_ADDRS": "10.0.0.1,10.0.0.2",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "42000",
+        "WORLD_SIZE": "4",
+    }
+    assert trainer["depends_on"] == ["reward"]
+    assert launch["checks"]["reward"]["host"] == "10.0.0.1"
+    assert launch["env"] == {
+        "RLFLEET_REWARD_ADDR": "10.0.0.1",
+        "RLFLEET_REWARD_HTTP": "41000",
+        "RLFLEET_TRAINER_ADDR": "10.0.0.1",
+        "RLFLEET_SANDBOX_ADDR": "10.0.0.3",
+    }
+    node0 = GroupPlace(**{**PLACE.__dict__, "address": "10.0.0.1", "gpus": ["GPU-a", "GPU-b"]})
+    first = group_launch(group, node0, ports, node=0, node_addresses=addresses).config
+    assert [r["name"] for r in first["roles"]] == ["reward", "trainer"]
+    assert first["roles"][1]["argv"][7] == "0"  # --machine_rank 0
+    assert "RLFLEET_NODE_RANK" not in first["roles"][0]["env"]  # the server is one node
+    node4 = GroupPlace(**{**PLACE.__dict__, "address": "10.0.0.5", "gpus": ["GPU-q"]})
+    last = group_launch(group, node4, ports, node=4, node_addresses=addresses).config
+    (sandbox,) = last["roles"]
+    assert [expand(w, {**last["env"], **sandbox["env"]}) for w in sandbox["argv"]] == [
+        "sandbox", "--rank", "2",
+    ]  # fmt: skip
+    assert sandbox["env"]["RLFLEET_NODE_ADDRS"] == "10.0.0.3,10.0.0.4,10.0.0.5"
+    assert (sandbox["env"]["MASTER_ADDR"], sandbox["env"]["MASTER_PORT"]) == ("10.0.0.3", "43000")
+    assert (sandbox["env"]["WORLD_SIZE"], sandbox["env"]["CUDA_VISIBLE_DEVICES"]) == ("3", "")
+
+
+def test_a_group_that_would_span_too_many_vms_is_refused() -> None:
+    """The VMs of a layout are bounded like a multi-node job's nodes."""
+    with pytest.raises(BadInput, match="roles: the group would span 65 VMs, at most 64"):
+        parse_data(
+            {
+                "roles": {
+                    "t": {"command": ["x"], "gpus": 1, "nodes": 64, "primary": True},
+                    "s": {"command": ["y"], "own_vm": True},
+                }
+            }
+        )

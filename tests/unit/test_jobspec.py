@@ -191,11 +191,11 @@ def test_a_lone_command_role_is_primary() -> None:
         (
             {
                 "roles": {
-                    "a": {"command": ["x"], "nodes": 2, "primary": True},
-                    "b": {"command": ["y"]},
+                    "a": {"command": ["x"], "nodes": 40, "own_vm": True, "primary": True},
+                    "b": {"command": ["y"], "nodes": 40},
                 }
             },
-            "roles.a.nodes: several nodes only in a one-role job",
+            "roles: the group would span 80 VMs, at most 64",
         ),
         ("just text", "job file: must be a mapping"),
     ],

@@ -2,19 +2,28 @@
 health and one score at the address and port the scheduler injected, prints what it got as
 one JSON line, then sleeps `argv[1]` seconds on the first attempt (`argv[2]` on later ones)
 and exits 0. A server that is not up yet fails it at once (exit 1), so a passing run proves
-the supervisor started it only after the server's readiness check passed."""
+the supervisor started it only after the server's readiness check passed.
+
+As a rank of a role on several nodes (RLFLEET_NUM_NODES set) it first meets the other
+ranks where the scheduler said the rendezvous is: rank 0 listens on MASTER_ADDR:MASTER_PORT
+and waits for every other rank to connect and say its rank; the others connect (retrying
+for 60 s) and wait for rank 0's answer. The report then says which ranks met."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 import urllib.request
+from typing import Any
+
+MEET_S = 60.0
 
 
 def main(argv: list[str]) -> int:
-    """Call the reward server once, report, sleep, exit 0."""
+    """Call the reward server once, meet the other ranks, report, sleep, exit 0."""
     addr, port = os.environ["RLFLEET_REWARD_ADDR"], os.environ["RLFLEET_REWARD_HTTP"]
     base = f"http://{addr}:{port}"
     try:
@@ -30,7 +39,7 @@ def main(argv: list[str]) -> int:
         print(f"group_client: the reward server did not answer: {exc}", flush=True)
         return 1
     attempt = os.environ.get("RLFLEET_ATTEMPT", "1")
-    report = {
+    report: dict[str, Any] = {
         "health": health.get("status"),
         "scores": scores,
         "addr": addr,
@@ -40,9 +49,51 @@ def main(argv: list[str]) -> int:
         "attempt": int(attempt),
         "pid": os.getpid(),
     }
+    if "RLFLEET_NUM_NODES" in os.environ:
+        try:
+            report.update(meet())
+        except OSError as exc:
+            print(f"group_client: the ranks did not meet: {exc}", flush=True)
+            return 1
     print("group_client: " + json.dumps(report), flush=True)
     time.sleep(float(argv[1] if attempt == "1" else argv[2]))
     return 0
+
+
+def meet() -> dict[str, Any]:
+    """Meet every other rank at MASTER_ADDR:MASTER_PORT; what this rank saw of them."""
+    env = os.environ
+    rank, nodes = int(env["RLFLEET_NODE_RANK"]), int(env["RLFLEET_NUM_NODES"])
+    master = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+    seen: dict[str, Any] = {
+        "rank": rank,
+        "nodes": nodes,
+        "master": list(master),
+        "node_addrs": env["RLFLEET_NODE_ADDRS"].split(","),
+        "world_size": int(env["WORLD_SIZE"]),
+    }
+    if rank == 0:
+        peers = []
+        with socket.create_server(master) as server:
+            server.settimeout(MEET_S)
+            while len(peers) < nodes - 1:
+                conn, _ = server.accept()
+                with conn:
+                    peers.append(int(conn.recv(64).decode()))
+                    conn.sendall(b"welcome")
+        seen["peers"] = sorted(peers)
+        return seen
+    deadline = time.monotonic() + MEET_S
+    while True:
+        try:
+            with socket.create_connection(master, timeout=5) as conn:
+                conn.sendall(str(rank).encode())
+                seen["answer"] = conn.recv(64).decode()
+                return seen
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 if __name__ == "__main__":
