@@ -12,7 +12,8 @@ their argv, own variables (CUDA_VISIBLE_DEVICES with the role's slice of the att
 GPUs), readiness check, dependencies and whether each is primary. Each role runs in a
 process group of its own, its output in `<role>.log` of the attempt directory.
 
-A group over several VMs has one supervisor per VM, each with only that VM's roles: a
+A group over several VMs has one supervisor per VM, each with only that VM's roles (of a
+role on several nodes, its rank on this VM, whose place is in its own variables): a
 dependency on a role of another VM is waited for by its readiness check at that VM's
 address (its timeout counted from when this VM starts waiting; a dependency without a
 check is not waited for). A VM whose roles include no primary never ends on its own: the
