@@ -91,13 +91,13 @@ def gpu_slices(
 
 
 def shared_env(
-    group: GroupSpec, address: str | Mapping[str, str], ports: Mapping[tuple[str, str], int]
+    group: GroupSpec, address: Mapping[str, str], ports: Mapping[tuple[str, str], int]
 ) -> dict[str, str]:
-    """What every role gets: `RLFLEET_<ROLE>_ADDR` (the address of the VM running the
-    role's rank 0: one for all, or one per role) and `RLFLEET_<ROLE>_<PORT>` of each role."""
+    """What every role gets: `RLFLEET_<ROLE>_ADDR` (`address[role]`, the address of the VM
+    running the role's rank 0) and `RLFLEET_<ROLE>_<PORT>` of each role."""
     env: dict[str, str] = {}
     for role in group.roles:
-        env[addr_variable(role.name)] = address if isinstance(address, str) else address[role.name]
+        env[addr_variable(role.name)] = address[role.name]
         for port in role.ports:
             env[port_variable(role.name, port)] = str(int(ports[(role.name, port)]))
     return env

@@ -159,11 +159,6 @@ class GroupSpec:
                 out[name][rank] = index
         return {name: tuple(nodes) for name, nodes in out.items()}
 
-    def spread(self) -> bool:
-        """Whether the group runs on several VMs (`own_vm` roles, or a role on several
-        nodes)."""
-        return len(self.layout()) > 1
-
     def env(self) -> tuple[tuple[str, str], ...]:
         """Every role's `env` as one job environment (`jobs.env`); a variable two roles set
         to different values is `BadInput`."""
