@@ -16,6 +16,7 @@ from scheduler.cli._common import (
     echo_json,
     echo_table,
     fmt_time,
+    json_flag,
     json_option,
     pass_cli,
     warn,
@@ -130,7 +131,7 @@ def group() -> None:
     help="Set a variable in the job's environment (repeatable); KEY alone takes the value "
     "from this shell, keeping it off the command line. Listings show the names only.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the new job as JSON.")
+@json_flag("Print the new job as JSON.")
 @click.argument("extra_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TRAIN_GRPO_ARGS…]")
 @pass_cli
 def submit(
