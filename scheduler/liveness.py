@@ -33,6 +33,17 @@ SSH_CONNECT_TIMEOUT_ENV = "RLFLEET_SSH_CONNECT_TIMEOUT"
 SSH_KEEPALIVE_INTERVAL_ENV = "RLFLEET_SSH_KEEPALIVE_INTERVAL"
 SSH_KEEPALIVE_COUNT_ENV = "RLFLEET_SSH_KEEPALIVE_COUNT_MAX"
 
+ENV_NAMES = {
+    "poll_interval_s": POLL_INTERVAL_ENV,
+    "poll_timeout_s": POLL_TIMEOUT_ENV,
+    "unreachable_timeout_s": UNREACHABLE_TIMEOUT_ENV,
+    "node_lost_timeout_s": NODE_LOST_TIMEOUT_ENV,
+    "fence_after_s": FENCE_AFTER_ENV,
+    "fence_grace_s": FENCE_GRACE_ENV,
+}
+"""The environment variable of each `Liveness` knob (read by `Liveness.from_env` and by the
+daemon commands' flags)."""
+
 UNREACHABLE_AFTER_POLLS = 3
 """Failed polls in a row after which the poller marks a VM unreachable (it refuses
 connections; a VM that hangs instead is caught by `unreachable_timeout_s`)."""
@@ -62,19 +73,12 @@ class Liveness:
         (RLFLEET_POLL_INTERVAL, …), else the defaults."""
         env = os.environ if env is None else env
         given = given or {}
-        names = {
-            "poll_interval_s": POLL_INTERVAL_ENV,
-            "poll_timeout_s": POLL_TIMEOUT_ENV,
-            "unreachable_timeout_s": UNREACHABLE_TIMEOUT_ENV,
-            "node_lost_timeout_s": NODE_LOST_TIMEOUT_ENV,
-            "fence_after_s": FENCE_AFTER_ENV,
-            "fence_grace_s": FENCE_GRACE_ENV,
-        }
         values: dict[str, float] = {}
         for f in fields(cls):
+            name = ENV_NAMES[f.name]
             value = given.get(f.name)
-            if value is None and env.get(names[f.name]):
-                value = _seconds(names[f.name], env[names[f.name]])
+            if value is None and env.get(name):
+                value = _seconds(name, env[name])
             if value is not None:
                 values[f.name] = float(value)
         return cls(**values)

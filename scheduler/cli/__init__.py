@@ -10,7 +10,13 @@ import sys
 import click
 
 from scheduler import __version__
-from scheduler.cli._common import CliContext, run_guarded
+from scheduler.cli._common import (
+    CliContext,
+    database_url_option,
+    log_level_option,
+    nats_url_option,
+    run_guarded,
+)
 from scheduler.settings import Settings
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -78,23 +84,10 @@ class LazyGroup(click.Group):
     cls=LazyGroup,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
 )
-@click.option(
-    "--database-url",
-    envvar="RLFLEET_DATABASE_URL",
-    metavar="URL",
-    help="SQLAlchemy URL of the Postgres database (env RLFLEET_DATABASE_URL).",
-)
-@click.option(
-    "--nats-url",
-    envvar="RLFLEET_NATS_URL",
-    metavar="URL[,URL…]",
-    help="NATS server(s), comma-separated (env RLFLEET_NATS_URL).",
-)
-@click.option(
-    "--log-level",
-    envvar="RLFLEET_LOG_LEVEL",
-    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-    help="Log verbosity, logs go to stderr (default: WARNING for commands, INFO for daemons).",
+@database_url_option("SQLAlchemy URL of the Postgres database (env RLFLEET_DATABASE_URL).")
+@nats_url_option("NATS server(s), comma-separated (env RLFLEET_NATS_URL).")
+@log_level_option(
+    "Log verbosity, logs go to stderr (default: WARNING for commands, INFO for daemons)."
 )
 @click.version_option(__version__, prog_name="rlfleet")
 @click.pass_context

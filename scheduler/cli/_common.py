@@ -1,4 +1,5 @@
-"""What every CLI command shares: settings, async running, errors and output."""
+"""What every CLI command shares: settings, async running, errors, output, and the options
+several commands take."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import click
@@ -252,9 +254,56 @@ def echo_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
 
 
-def json_option(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The `--json` flag every listing takes."""
-    return click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")(fn)
+# --- options several commands take: one definition each ---------------------------------
+# A command that takes one of these options declares it through the factory below, so that
+# its flag, environment variable, type and default cannot drift from the other commands';
+# only the help may say what the option means for that command
+# (tests/unit/test_cli_options.py checks that every shared flag is declared alike).
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def database_url_option(help: str) -> Decorator:
+    """`--database-url URL` (env RLFLEET_DATABASE_URL)."""
+    return click.option("--database-url", envvar="RLFLEET_DATABASE_URL", metavar="URL", help=help)
+
+
+def nats_url_option(help: str) -> Decorator:
+    """`--nats-url URL[,URL…]` (env RLFLEET_NATS_URL)."""
+    return click.option("--nats-url", envvar="RLFLEET_NATS_URL", metavar="URL[,URL…]", help=help)
+
+
+def log_level_option(help: str) -> Decorator:
+    """`--log-level` (env RLFLEET_LOG_LEVEL), any case; None when not given."""
+    return click.option(
+        "--log-level",
+        envvar="RLFLEET_LOG_LEVEL",
+        default=None,
+        type=click.Choice(LOG_LEVELS, case_sensitive=False),
+        help=help,
+    )
+
+
+def state_dir_option(help: str) -> Decorator:
+    """`--state-dir DIRECTORY` (a `Path`; None when not given: the commands default to the
+    state directory of `rlfleet up`)."""
+    return click.option(
+        "--state-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help=help,
+    )
+
+
+def json_flag(help: str = "Print JSON for scripts.") -> Decorator:
+    """`--json` (the parameter `as_json`): print JSON instead of text."""
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
+json_option = json_flag()
+"""The `--json` flag every listing takes."""
 
 
 def warn(message: str) -> None:

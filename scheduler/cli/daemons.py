@@ -18,17 +18,14 @@ from typing import Any
 
 import click
 
-from scheduler.liveness import (
-    FENCE_AFTER_ENV,
-    FENCE_GRACE_ENV,
-    NODE_LOST_TIMEOUT_ENV,
-    POLL_INTERVAL_ENV,
-    POLL_TIMEOUT_ENV,
-    UNREACHABLE_AFTER_POLLS,
-    UNREACHABLE_TIMEOUT_ENV,
-    Liveness,
-    SSHDeadlines,
+from scheduler.cli._common import (
+    Decorator,
+    database_url_option,
+    log_level_option,
+    nats_url_option,
+    state_dir_option,
 )
+from scheduler.liveness import ENV_NAMES, UNREACHABLE_AFTER_POLLS, Liveness, SSHDeadlines
 from scheduler.retry import DEFAULT_POLICY, RetryPolicy
 from scheduler.settings import Settings
 
@@ -44,19 +41,56 @@ ENTRYPOINT = "training.train_grpo"
 """scheduler.models.DEFAULT_ENTRYPOINT"""
 
 
-# --- what every daemon command shares ---------------------------------------------------
+# --- the options of the daemon commands: one definition per shape ------------------------
+
+PORT = click.IntRange(0, 65535)
+"""A TCP port to listen on, 0 meaning none."""
 
 
-def metrics_option(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The `--metrics-port` flag every daemon command takes (0 or absent: no metrics)."""
+def seconds_option(
+    flag: str, default: float, minimum: float, help: str, *, name: str | None = None
+) -> Decorator:
+    """A duration in seconds, at least `minimum`, its default shown in `--help`."""
     return click.option(
-        "--metrics-port",
-        type=click.IntRange(min=0, max=65535),
-        default=0,
+        *((flag, name) if name else (flag,)),
+        type=click.FloatRange(min=minimum),
+        default=default,
         show_default=True,
-        envvar="RLFLEET_METRICS_PORT",
-        help="Serve Prometheus metrics on this port (0: off; env RLFLEET_METRICS_PORT).",
-    )(fn)
+        help=help,
+    )
+
+
+def liveness_option(flag: str, knob: str, minimum: float, help: str) -> Decorator:
+    """A `Liveness` knob (`knob`, its field): its default is the knob's, it reads the knob's
+    environment variable too, and `help` ends with that variable, so every daemon that
+    takes the knob reads it alike (scheduler/liveness.py)."""
+    env = ENV_NAMES[knob]
+    return click.option(
+        flag,
+        type=click.FloatRange(min=minimum),
+        envvar=env,
+        default=getattr(Liveness, knob),
+        show_default=True,
+        help=f"{help} (env {env}).",
+    )
+
+
+def count_option(flag: str, default: int, help: str) -> Decorator:
+    """A whole number, at least 1, its default shown in `--help`."""
+    return click.option(
+        flag, type=click.IntRange(min=1), default=default, show_default=True, help=help
+    )
+
+
+metrics_option = click.option(
+    "--metrics-port",
+    type=PORT,
+    default=0,
+    show_default=True,
+    envvar="RLFLEET_METRICS_PORT",
+    help="Serve Prometheus metrics on this port (0: off; env RLFLEET_METRICS_PORT).",
+)
+"""The `--metrics-port` flag every daemon command takes (0 or absent: no metrics)."""
 
 
 def daemon_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -65,27 +99,11 @@ def daemon_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     They repeat the global `rlfleet` options so `python -m scheduler.<daemon>` (with no
     `rlfleet` group around it) accepts them too; `daemon_settings` resolves them.
     """
-    decorators: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
-        click.option(
-            "--database-url",
-            envvar="RLFLEET_DATABASE_URL",
-            metavar="URL",
-            help="Overrides the global --database-url (env RLFLEET_DATABASE_URL).",
-        ),
-        click.option(
-            "--nats-url",
-            envvar="RLFLEET_NATS_URL",
-            metavar="URL[,URL…]",
-            help="Overrides the global --nats-url (env RLFLEET_NATS_URL).",
-        ),
+    decorators: list[Decorator] = [
+        database_url_option("Overrides the global --database-url (env RLFLEET_DATABASE_URL)."),
+        nats_url_option("Overrides the global --nats-url (env RLFLEET_NATS_URL)."),
         metrics_option,
-        click.option(
-            "--log-level",
-            envvar="RLFLEET_LOG_LEVEL",
-            default=None,
-            type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-            help="Log verbosity (default: the rlfleet --log-level, else INFO).",
-        ),
+        log_level_option("Log verbosity (default: the rlfleet --log-level, else INFO)."),
     ]
     for decorate in reversed(decorators):
         fn = decorate(fn)
@@ -95,22 +113,15 @@ def daemon_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 def fence_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`--fence-after` and `--fence-grace` (env RLFLEET_FENCE_AFTER / _GRACE), for the
     dispatcher (it starts the watchdogs) and the requeue manager (it checks its timeout)."""
-    fn = click.option(
-        "--fence-grace",
-        type=click.FloatRange(min=0),
-        envvar=FENCE_GRACE_ENV,
-        default=Liveness.fence_grace_s,
-        show_default=True,
-        help=f"Seconds between a fenced attempt's TERM and its KILL (env {FENCE_GRACE_ENV}).",
+    fn = liveness_option(
+        "--fence-grace", "fence_grace_s", 0, "Seconds between a fenced attempt's TERM and its KILL"
     )(fn)
-    return click.option(
+    return liveness_option(
         "--fence-after",
-        type=click.FloatRange(min=0),
-        envvar=FENCE_AFTER_ENV,
-        default=Liveness.fence_after_s,
-        show_default=True,
-        help="An attempt whose lease the poller has not renewed for this many seconds (by "
-        f"the VM's clock) stops itself; 0 starts no watchdog (env {FENCE_AFTER_ENV}).",
+        "fence_after_s",
+        0,
+        "An attempt whose lease the poller has not renewed for this many seconds (by the VM's "
+        "clock) stops itself; 0 starts no watchdog",
     )(fn)
 
 
@@ -164,37 +175,24 @@ def serve_daemon(name: str, settings: Settings, metrics_port: int, entry: Entry)
 
 
 @click.command("poller")
-@click.option(
-    "--interval",
-    type=click.FloatRange(min=0.1),
-    envvar=POLL_INTERVAL_ENV,
-    default=Liveness.poll_interval_s,
-    show_default=True,
-    help=f"Seconds between sweeps of the fleet (env {POLL_INTERVAL_ENV}).",
-)
-@click.option(
+@liveness_option("--interval", "poll_interval_s", 0.1, "Seconds between sweeps of the fleet")
+@count_option(
     "--unreachable-after",
-    type=click.IntRange(min=1),
-    default=UNREACHABLE_AFTER_POLLS,
-    show_default=True,
-    help="Consecutive failed polls after which a VM is marked unreachable.",
+    UNREACHABLE_AFTER_POLLS,
+    "Consecutive failed polls after which a VM is marked unreachable.",
 )
-@click.option(
+@liveness_option(
     "--poll-timeout",
-    type=click.FloatRange(min=0.1),
-    envvar=POLL_TIMEOUT_ENV,
-    default=Liveness.poll_timeout_s,
-    show_default=True,
-    help=f"Seconds one VM's poll may take before it counts as failed (env {POLL_TIMEOUT_ENV}).",
+    "poll_timeout_s",
+    0.1,
+    "Seconds one VM's poll may take before it counts as failed",
 )
-@click.option(
+@liveness_option(
     "--unreachable-timeout",
-    type=click.FloatRange(min=0.1),
-    envvar=UNREACHABLE_TIMEOUT_ENV,
-    default=Liveness.unreachable_timeout_s,
-    show_default=True,
-    help="A VM that has not answered a poll for this many seconds is marked unreachable, "
-    f"however few polls failed (env {UNREACHABLE_TIMEOUT_ENV}).",
+    "unreachable_timeout_s",
+    0.1,
+    "A VM that has not answered a poll for this many seconds is marked unreachable, "
+    "however few polls failed",
 )
 @daemon_options
 @click.pass_context
@@ -230,28 +228,20 @@ def poller(
 
 
 @click.command("dispatcher")
-@click.option(
-    "--max-in-flight",
-    default=MAX_IN_FLIGHT,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Messages handled at once by this dispatcher.",
-)
-@click.option(
+@count_option("--max-in-flight", MAX_IN_FLIGHT, "Messages handled at once by this dispatcher.")
+@seconds_option(
     "--lease",
-    "lease_s",
-    default=CLAIM_LEASE_S,
-    show_default=True,
-    type=click.FloatRange(min=1),
-    help="Seconds a claim may stay unconfirmed before the requeue manager takes it back.",
+    CLAIM_LEASE_S,
+    1,
+    "Seconds a claim may stay unconfirmed before the requeue manager takes it back.",
+    name="lease_s",
 )
-@click.option(
+@seconds_option(
     "--launch-timeout",
-    "launch_timeout_s",
-    default=LAUNCH_TIMEOUT_S,
-    show_default=True,
-    type=click.FloatRange(min=1),
-    help="Seconds a launch over SSH may take.",
+    LAUNCH_TIMEOUT_S,
+    1,
+    "Seconds a launch over SSH may take.",
+    name="launch_timeout_s",
 )
 @fence_options
 @daemon_options
@@ -301,66 +291,43 @@ def dispatcher(
 
 
 @click.command("requeue")
-@click.option(
-    "--interval",
-    default=2.0,
-    show_default=True,
-    type=click.FloatRange(min=0.05),
-    help="Seconds between ticks.",
-)
-@click.option(
+@seconds_option("--interval", 2.0, 0.05, "Seconds between ticks.")
+@seconds_option(
     "--pending-timeout",
-    default=60.0,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="Re-announce a pending job after this many seconds even if no GPUs look free.",
+    60.0,
+    0,
+    "Re-announce a pending job after this many seconds even if no GPUs look free.",
 )
-@click.option(
+@liveness_option(
     "--node-lost-timeout",
-    default=Liveness.node_lost_timeout_s,
-    envvar=NODE_LOST_TIMEOUT_ENV,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="Seconds since an unreachable VM last answered after which its jobs fail as "
-    "node_lost and are retried; at least --fence-after + 2 + --fence-grace "
-    f"(env {NODE_LOST_TIMEOUT_ENV}).",
+    "node_lost_timeout_s",
+    0,
+    "Seconds since an unreachable VM last answered after which its jobs fail as node_lost "
+    "and are retried; at least --fence-after + 2 + --fence-grace",
 )
-@click.option(
+@seconds_option(
     "--republish-after",
-    default=60.0,
-    show_default=True,
-    type=click.FloatRange(min=1),
-    help="Announce again a job still queued this many seconds after its last announcement.",
+    60.0,
+    1,
+    "Announce again a job still queued this many seconds after its last announcement.",
 )
-@click.option(
+@seconds_option(
     "--starvation-after",
-    default=300.0,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="After this many seconds waiting, a job that does not fit holds back smaller ones "
+    300.0,
+    0,
+    "After this many seconds waiting, a job that does not fit holds back smaller ones "
     "(only a job that fits on some VM).",
 )
-@click.option(
+@seconds_option(
     "--retry-base-delay",
-    default=DEFAULT_POLICY.base_delay_s,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="Backoff before the first retry; doubles for each further retry.",
+    DEFAULT_POLICY.base_delay_s,
+    0,
+    "Backoff before the first retry; doubles for each further retry.",
 )
-@click.option(
-    "--retry-max-delay",
-    default=DEFAULT_POLICY.max_delay_s,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="Longest backoff between retries.",
+@seconds_option(
+    "--retry-max-delay", DEFAULT_POLICY.max_delay_s, 0, "Longest backoff between retries."
 )
-@click.option(
-    "--kill-grace",
-    default=10.0,
-    show_default=True,
-    type=click.FloatRange(min=0),
-    help="Seconds between TERM and KILL for a leftover process.",
-)
+@seconds_option("--kill-grace", 10.0, 0, "Seconds between TERM and KILL for a leftover process.")
 @fence_options
 @daemon_options
 @click.pass_context
@@ -409,12 +376,9 @@ def requeue(
 
 
 @click.command("up")
-@click.option(
-    "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where Postgres, NATS and the remembered ports live "
-    "(default: $XDG_DATA_HOME/rlfleet or ~/.local/share/rlfleet).",
+@state_dir_option(
+    "Where Postgres, NATS and the remembered ports live "
+    "(default: $XDG_DATA_HOME/rlfleet or ~/.local/share/rlfleet)."
 )
 @click.option(
     "--local-vm",
@@ -438,7 +402,7 @@ def requeue(
 )
 @click.option(
     "--web-port",
-    type=click.IntRange(0, 65535),
+    type=PORT,
     default=0,
     help="Also serve the web dashboard on 127.0.0.1:PORT (0, the default: no dashboard); "
     "actions need the token in STATE_DIR/web.token.",

@@ -16,6 +16,7 @@ from scheduler.cli._common import (
     echo_json,
     echo_table,
     fmt_time,
+    json_flag,
     json_option,
     pass_cli,
     warn,
@@ -38,8 +39,8 @@ if TYPE_CHECKING:
 CANCEL_GRACE_S = 10.0
 """scheduler.control.DEFAULT_GRACE_S (tests/unit/test_import_graph.py checks they agree)."""
 
-JOB_ID = ColumnInt(lo=1, bounds=INT8)
-"""A job id (`jobs.id` is a BigInteger)."""
+job_id_argument = click.argument("job_id", type=ColumnInt(lo=1, bounds=INT8))
+"""The JOB_ID argument of the commands about one job (`jobs.id` is a BigInteger)."""
 
 
 @click.group("job")
@@ -130,7 +131,7 @@ def group() -> None:
     help="Set a variable in the job's environment (repeatable); KEY alone takes the value "
     "from this shell, keeping it off the command line. Listings show the names only.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the new job as JSON.")
+@json_flag("Print the new job as JSON.")
 @click.argument("extra_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TRAIN_GRPO_ARGS…]")
 @pass_cli
 def submit(
@@ -375,7 +376,7 @@ def list_(ctx: CliContext, status: str | None, limit: int, as_json: bool) -> Non
 
 
 @group.command("show")
-@click.argument("job_id", type=JOB_ID)
+@job_id_argument
 @click.option("--no-progress", is_flag=True, help="Do not ask the VM for the training progress.")
 @json_option
 @pass_cli
@@ -472,7 +473,7 @@ def _progress_line(progress: dict[str, Any]) -> str:
 
 
 @group.command("cancel")
-@click.argument("job_id", type=JOB_ID)
+@job_id_argument
 @click.option(
     "--grace",
     default=CANCEL_GRACE_S,
@@ -517,7 +518,7 @@ _KILL_WORDS = {
 
 
 @group.command("retry")
-@click.argument("job_id", type=JOB_ID)
+@job_id_argument
 @pass_cli
 def retry(ctx: CliContext, job_id: int) -> None:
     """Queue a failed job again now (a manual retry)."""
@@ -533,7 +534,7 @@ def retry(ctx: CliContext, job_id: int) -> None:
 
 
 @group.command("logs")
-@click.argument("job_id", type=JOB_ID)
+@job_id_argument
 @click.option("--follow", "-f", is_flag=True, help="Keep printing until the job ends.")
 @click.option(
     "--attempt",

@@ -21,7 +21,8 @@ from scheduler.cli._common import (
 from scheduler.db import Database
 from scheduler.models import DEFAULT_ENTRYPOINT, VM
 
-VM_NAME = ColumnText(VM.name)
+vm_name_argument = click.argument("name", type=ColumnText(VM.name))
+"""The NAME argument of the commands about one VM."""
 
 
 @click.group("vm")
@@ -30,7 +31,7 @@ def group() -> None:
 
 
 @group.command("add")
-@click.argument("name", type=VM_NAME)
+@vm_name_argument
 @click.option(
     "--host",
     required=True,
@@ -166,7 +167,7 @@ def list_(ctx: CliContext, as_json: bool) -> None:
 
 
 @group.command("show")
-@click.argument("name", type=VM_NAME)
+@vm_name_argument
 @json_option
 @pass_cli
 def show(ctx: CliContext, name: str, as_json: bool) -> None:
@@ -200,7 +201,7 @@ def show(ctx: CliContext, name: str, as_json: bool) -> None:
 
 
 @group.command("remove")
-@click.argument("name", type=VM_NAME)
+@vm_name_argument
 @click.option(
     "--force",
     is_flag=True,
@@ -243,7 +244,7 @@ def _set_draining(ctx: CliContext, name: str, draining: bool) -> None:
 
 
 @group.command("drain")
-@click.argument("name", type=VM_NAME)
+@vm_name_argument
 @pass_cli
 def drain(ctx: CliContext, name: str) -> None:
     """Let VM NAME finish its jobs but give it no new ones."""
@@ -252,7 +253,7 @@ def drain(ctx: CliContext, name: str) -> None:
 
 
 @group.command("undrain")
-@click.argument("name", type=VM_NAME)
+@vm_name_argument
 @pass_cli
 def undrain(ctx: CliContext, name: str) -> None:
     """Let VM NAME take new jobs again."""

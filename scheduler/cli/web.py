@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from scheduler.cli._common import CliContext, pass_cli
+from scheduler.cli._common import CliContext, pass_cli, state_dir_option
 
 # Starlette, Jinja2 and uvicorn are imported when the command runs (scheduler.web):
 # `rlfleet --help` loads none of them.
@@ -20,11 +20,8 @@ from scheduler.cli._common import CliContext, pass_cli
     show_default=True,
     help="Address to listen on. Another machine must send the token even to read.",
 )
-@click.option(
-    "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where the token is kept, web.token (default: the state directory of `rlfleet up`).",
+@state_dir_option(
+    "Where the token is kept, web.token (default: the state directory of `rlfleet up`)."
 )
 @pass_cli
 def web(ctx: CliContext, port: int, host: str, state_dir: Path | None) -> None:
