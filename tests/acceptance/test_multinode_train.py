@@ -7,26 +7,23 @@ training."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import nats as nats_client
 import pytest
 
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
 from scheduler.jobspec import parse_data
-from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
+from scheduler.requeue import RequeueConfig
 from scheduler.transport import Transport
 from tests.fleet import SimFleet
 from tests.integration.test_multinode_fleet import ranks
 from tests.training.helpers import ARITHMETIC, REPO
-from tests.workloads.support import job_row, new_job, publish, running_dispatcher
+from tests.workloads.support import new_job, run_to_the_end
 
 pytestmark = pytest.mark.slow
 
@@ -70,20 +67,8 @@ async def test_train_grpo_runs_as_one_run_across_two_vms(
         reward_functions=("keyword_match",),
         env=(("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("OMP_NUM_THREADS", "1")),
     )  # fmt: skip
-    nc = await nats_client.connect(nats.url)
     config = RequeueConfig(interval_s=0.5, recheck_after_s=0.5)
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, config)
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
-            await publish(nc, job_id)
-            deadline = time.monotonic() + 400
-            while (job := await job_row(db, job_id)).status not in ("completed", "failed"):
-                assert time.monotonic() < deadline, f"job {job_id} is still {job.status}"
-                await poller.sweep()
-                await requeue.tick()
-                await asyncio.sleep(1)
-    finally:
-        await nc.close()
+    job = await run_to_the_end(db, nats.url, transport, poller, job_id, config, tick_s=1)
     nodes = await ranks(db, job_id)
     logs = [(Path(n.attempt_dir or "") / "train.log").read_text() for n in nodes]
     assert job.status == "completed", f"{job.status_reason}\n" + "\n".join(
@@ -119,17 +104,12 @@ async def test_a_trainer_role_on_two_vms_learns_from_the_reward_server_role(
     completions on the server over HTTP, the model is saved once, the job completes and the
     server is stopped. Only the GPUs are simulated; nothing is faked in the training."""
     from tests.acceptance.test_reward_role import STEPS as ROLE_STEPS
-    from tests.acceptance.test_reward_role import example_roles
+    from tests.acceptance.test_reward_role import example_roles, training_fleet
     from tests.integration.test_groups_fleet import CONFIG, no_gpu_or_port_held, nothing_left
     from training.tiny_model import save_tiny_model
 
     tiny = save_tiny_model(tmp_path / "tiny-model")
-    fleet = await sim_fleet(2, gpus_per_vm=1)
-    for vm in fleet:
-        vm.write_vm_env({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    await fleet.register(db, entrypoint="training.train_grpo")
-    poller = GpuPoller(db, transport, unreachable_after=1)
-    await poller.sweep()
+    fleet, poller = await training_fleet(sim_fleet, db, transport, 2)
     roles = example_roles(tiny)
     roles["roles"]["trainer"]["nodes"] = 2
     job_id = await new_job(
@@ -142,18 +122,7 @@ async def test_a_trainer_role_on_two_vms_learns_from_the_reward_server_role(
         reward_functions=("rewards.http:remote_score",),
         max_retries=0,
     )
-    nc = await nats_client.connect(nats.url)
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
-            deadline = time.monotonic() + 600
-            while (job := await job_row(db, job_id)).status not in ("completed", "failed"):
-                assert time.monotonic() < deadline, f"job {job_id} is still {job.status}"
-                await poller.sweep()
-                await requeue.tick()
-                await asyncio.sleep(0.5)
-    finally:
-        await nc.close()
+    job = await run_to_the_end(db, nats.url, transport, poller, job_id, CONFIG)
     nodes = await ranks(db, job_id)
     dirs = [Path(n.attempt_dir or "") for n in nodes]
     logs = [(d / "trainer.log").read_text() for d in dirs]

@@ -7,14 +7,11 @@ training; only the GPU is simulated (training runs on the CPU)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import nats as nats_client
 import pytest
 import yaml
 
@@ -22,11 +19,10 @@ from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
 from scheduler.jobspec import parse_data
-from scheduler.requeue import NatsPublisher, RequeueManager
 from scheduler.transport import Transport
 from tests.fleet import SimFleet
 from tests.integration.test_groups_fleet import CONFIG, no_gpu_or_port_held, nothing_left
-from tests.workloads.support import alive, job_row, new_job, running_dispatcher
+from tests.workloads.support import alive, new_job, run_to_the_end
 
 pytestmark = pytest.mark.slow
 
@@ -54,6 +50,20 @@ def example_roles(tiny_model: Path) -> dict[str, object]:
     return parse_data(data).to_data()
 
 
+async def training_fleet(
+    sim_fleet: Callable[..., Awaitable[SimFleet]], db: Database, transport: Transport, count: int
+) -> tuple[SimFleet, GpuPoller]:
+    """`count` one-GPU VMs that run the real training entrypoint offline (no hub
+    downloads, one CPU thread), registered, and a poller that has swept them once."""
+    fleet = await sim_fleet(count, gpus_per_vm=1)
+    for vm in fleet:
+        vm.write_vm_env({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    await fleet.register(db, entrypoint="training.train_grpo")
+    poller = GpuPoller(db, transport, unreachable_after=1)
+    await poller.sweep()
+    return fleet, poller
+
+
 async def test_the_reward_server_example_runs_as_a_role_end_to_end(
     sim_fleet: Callable[..., Awaitable[SimFleet]],
     db: Database,
@@ -64,13 +74,7 @@ async def test_the_reward_server_example_runs_as_a_role_end_to_end(
     from training.tiny_model import save_tiny_model
 
     tiny = save_tiny_model(tmp_path / "tiny-model")
-    fleet = await sim_fleet(1, gpus_per_vm=1)
-    fleet[0].write_vm_env(
-        {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    )
-    await fleet.register(db, entrypoint="training.train_grpo")
-    poller = GpuPoller(db, transport, unreachable_after=1)
-    await poller.sweep()
+    fleet, poller = await training_fleet(sim_fleet, db, transport, 1)
     roles = example_roles(tiny)
     job_id = await new_job(
         db,
@@ -82,18 +86,7 @@ async def test_the_reward_server_example_runs_as_a_role_end_to_end(
         max_retries=0,
         output_dir=str(tmp_path / "out"),
     )
-    nc = await nats_client.connect(nats.url)
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
-    deadline = time.monotonic() + 600
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
-            while (job := await job_row(db, job_id)).status not in ("completed", "failed"):
-                assert time.monotonic() < deadline, f"job {job_id} is still {job.status}"
-                await poller.sweep()
-                await requeue.tick()
-                await asyncio.sleep(0.5)
-    finally:
-        await nc.close()
+    job = await run_to_the_end(db, nats.url, transport, poller, job_id, CONFIG)
     folder = Path(job.attempt_dir or "")
     trainer_log = (folder / "trainer.log").read_text()
     assert job.status == "completed", (job.status_reason, trainer_log[-3000:])

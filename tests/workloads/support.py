@@ -150,6 +150,29 @@ async def scheduling(
         await nc.close()
 
 
+async def run_to_the_end(
+    db: Database,
+    nats_url: str,
+    transport: Transport,
+    poller: GpuPoller,
+    job_id: int,
+    config: RequeueConfig,
+    *,
+    timeout_s: float = 600,
+    tick_s: float = 0.5,
+) -> Job:
+    """Schedule until the job is `completed` or `failed` (`scheduling`; the requeue manager
+    announces it, the poller is stepped here), within `timeout_s`; its row then."""
+    deadline = time.monotonic() + timeout_s
+    async with scheduling(db, nats_url, transport, config) as requeue:
+        while (job := await job_row(db, job_id)).status not in ("completed", "failed"):
+            assert time.monotonic() < deadline, f"job {job_id} is still {job.status}"
+            await poller.sweep()
+            await requeue.tick()
+            await asyncio.sleep(tick_s)
+    return job
+
+
 @asynccontextmanager
 async def running_dispatcher(
     db: Database, nats_url: str, *, transport: Transport | None = None, **options: Any
