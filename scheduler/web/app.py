@@ -278,15 +278,11 @@ async def fleet_page(dash: Dashboard, request: Request) -> Response:
         page="fleet",
         title="Fleet",
         name=name or "",
-        fleet=snapshot,
-        initial=jsonable(
-            {
-                "timelines": {vm["name"]: vm["timeline"] for vm in snapshot["vms"]},
-                "start": snapshot["timeline_start"],
-                "end": snapshot["timeline_end"],
-                "hours": snapshot["hours"],
-            }
-        ),
+        # The filter form keeps the hours asked for; the default is left out of the URL.
+        hours=hours if request.query_params.get("hours") else "",
+        # The page's script draws the table from the same data as /api/fleet, first from
+        # here, then from each refresh.
+        initial=jsonable(snapshot),
     )
 
 

@@ -224,9 +224,18 @@ async def test_the_fleet_page_shows_each_gpus_state_and_a_timeline(
     start, end = data["timeline_start"], data["timeline_end"]
     assert 60 <= end - start < 3600
     assert all(start <= p["t"] <= end for p in data["vms"][0]["timeline"])
+    # And the page hands its script the same data, which it draws and then refreshes from
+    # /api/fleet (the browser test checks the drawing)
     page = await web.get("/fleet")
-    assert page.status_code == 200 and 'class="gpu allocated"' in page.text
-    assert f'href="/jobs/{job_id}"' in page.text
+    assert page.status_code == 200
+    block = page.text.split('id="initial">', 1)[1].split("</script>", 1)[0]
+    shown = json.loads(block)
+    assert [(g["state"], g["job_id"]) for g in shown["vms"][0]["gpus"]] == [
+        ("free", None),
+        ("allocated", job_id),
+        ("foreign", None),
+    ]
+    assert shown["gpu_states"] == data["gpu_states"] and shown["vms"][0]["timeline"]
 
 
 async def test_a_database_that_cannot_be_reached_is_a_503_of_one_line(
