@@ -449,6 +449,10 @@ async def test_the_fleet_page_refreshes_in_place_and_shows_a_failed_refresh(
     def refreshed() -> dict[str, Any]:
         return browser.js(REFRESHED_JS)  # type: ignore[no-any-return]
 
+    def counts() -> str:
+        text = browser.js("return document.getElementById('counts').textContent")
+        return " ".join(text.split())
+
     async def until_rows(want: list[Any]) -> None:
         try:
             await browser.until(lambda: rows() == want, 60)
@@ -460,6 +464,7 @@ async def test_the_fleet_page_refreshes_in_place_and_shows_a_failed_refresh(
         await browser.get(f"{base}/fleet?name=vm")
         browser.js("window.notReloaded = true")
         assert rows() == [["vm0", ["free", "free"]]]
+        assert counts() == "1 VMs · GPUs: free 2 allocated 0 foreign 0 unhealthy 0"
         # And meanwhile two VMs join (one that the filter leaves out) and a process rlfleet
         # did not start takes a GPU of vm0
         for name in ("vm1", "other0"):
@@ -470,9 +475,7 @@ async def test_the_fleet_page_refreshes_in_place_and_shows_a_failed_refresh(
         # Then the page shows it in place, its filter kept, with the whole fleet's counts
         want = [["vm0", ["free", "foreign"]], ["vm1", ["free"]]]
         await until_rows(want)
-        counts = browser.js("return document.getElementById('counts').textContent")
-        want_counts = "2 VMs · GPUs: free 3 allocated 0 foreign 1 unhealthy 0"
-        assert " ".join(counts.split()) == want_counts, counts
+        assert counts() == "2 VMs · GPUs: free 3 allocated 0 foreign 1 unhealthy 0"
         assert browser.js("return document.querySelectorAll('.spark svg').length") == 2
         # And says when its data arrived
         state = refreshed()

@@ -103,6 +103,14 @@ function autoRefresh(ms, load) {
   });
 }
 
+// The entries of `counts` in the order of `order` (the rest after them): the data in the
+// page comes with its keys sorted (tojson), the API's in the server's order, and counts
+// that changed places at each refresh would be hard to follow.
+function inOrder(counts, order) {
+  const rank = (k) => (order.includes(k) ? order.indexOf(k) : order.length);
+  return Object.entries(counts).sort(([a], [b]) => rank(a) - rank(b));
+}
+
 function setupToken() {
   const input = document.getElementById("token");
   input.value = sessionStorage.getItem(TOKEN_KEY) || "";
@@ -134,7 +142,9 @@ function renderQueue(data) {
     if (!body) continue;
     body.replaceChildren(...(jobs.length ? jobs.map(jobRow) : [el("tr", {}, el("td", { colspan: "9", class: "muted" }, "none"))]));
   }
-  const counts = Object.entries(data.counts).filter(([, n]) => n > 0).map(([s, n]) => `${s} ${n}`);
+  // The states in the order of the status filter's options, which is the server's.
+  const order = [...document.querySelectorAll("#status option")].map((o) => o.value);
+  const counts = inOrder(data.counts, order).filter(([, n]) => n > 0).map(([s, n]) => `${s} ${n}`);
   document.getElementById("counts").textContent = counts.join(" · ");
 }
 
@@ -271,6 +281,7 @@ function spanText(data) {
   return `since ${end - start < 20 * 3600 ? since.slice(11) : since}`;
 }
 
+const GPU_STATES = ["free", "allocated", "foreign", "unhealthy"];
 const known = (v, unit) => (v === null || v === undefined ? "?" : `${v}${unit || ""}`);
 
 function gpuBadge(g) {
@@ -315,7 +326,7 @@ function renderFleet(data) {
   document.getElementById("vms").replaceChildren(...(data.vms.length
     ? data.vms.map((vm) => vmRow(vm, data))
     : [el("tr", {}, el("td", { colspan: "6", class: "muted" }, "no VM"))]));
-  const states = Object.entries(data.gpu_states).map(([s, n]) => [el("span", { class: `gpu ${s}`, "data-state": s }, `${s} ${n}`), " "]);
+  const states = inOrder(data.gpu_states, GPU_STATES).map(([s, n]) => [el("span", { class: `gpu ${s}`, "data-state": s }, `${s} ${n}`), " "]);
   document.getElementById("counts").replaceChildren(`${data.total} VMs · GPUs: `, ...states.flat());
   document.getElementById("pages").replaceChildren(
     ...(data.page > 1 ? [pageLink(data.page - 1, "previous"), " "] : []),
