@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from sqlalchemy.exc import DBAPIError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -26,7 +27,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from scheduler.control import cancel_job, job_details, read_log_chunk, retry_job
-from scheduler.db import Database
+from scheduler.db import Database, is_unavailable
 from scheduler.errors import BadInput, NotFound, RlfleetError, error_line
 from scheduler.fleet import get_vm, list_vms, vm_to_dict
 from scheduler.jobs import list_jobs
@@ -158,6 +159,13 @@ def endpoint(handler: Handler, *, action: bool = False) -> Callable[[Request], A
         except RlfleetError as exc:
             return JSONResponse({"error": scrub_urls(str(exc))}, status_code=503)
         except Exception as exc:
+            if isinstance(exc, DBAPIError) and is_unavailable(exc):
+                # The database is down or restarting: the pages say so at each refresh and
+                # recover by themselves; no bug of the dashboard, so one line, no traceback.
+                line = error_line(exc)
+                log.warning("web_database_unavailable", path=request.url.path, error=line)
+                message = f"the database cannot be reached: {line}"
+                return JSONResponse({"error": scrub_urls(message)}, status_code=503)
             log.exception("web_request_failed", path=request.url.path)
             return JSONResponse({"error": scrub_urls(error_line(exc))}, status_code=500)
 
@@ -270,15 +278,11 @@ async def fleet_page(dash: Dashboard, request: Request) -> Response:
         page="fleet",
         title="Fleet",
         name=name or "",
-        fleet=snapshot,
-        initial=jsonable(
-            {
-                "timelines": {vm["name"]: vm["timeline"] for vm in snapshot["vms"]},
-                "start": snapshot["timeline_start"],
-                "end": snapshot["timeline_end"],
-                "hours": snapshot["hours"],
-            }
-        ),
+        # The filter form keeps the hours asked for; the default is left out of the URL.
+        hours=hours if request.query_params.get("hours") else "",
+        # The page's script draws the table from the same data as /api/fleet, first from
+        # here, then from each refresh.
+        initial=jsonable(snapshot),
     )
 
 

@@ -23,8 +23,9 @@ from typing import Any
 import pytest
 
 from scheduler.db import Database
-from scheduler.embedded import EmbeddedNats, free_port
+from scheduler.embedded import EmbeddedNats, EmbeddedPostgres, free_port
 from scheduler.settings import Settings
+from scheduler.transport import Transport
 from tests.fleet import FAKE_TRAIN
 from tests.requires import require_browser
 from tests.workloads.support import write_fake_python
@@ -166,24 +167,30 @@ return [...document.querySelectorAll('#nodes tr')].map(
 
 
 async def fleet_lines_drawn(browser: Browser, url: str, vms: int, timeout: float = 90) -> Any:
-    """Open the fleet page until every VM's timeline is a line of several points spread
-    over a good part of its chart, inside it (the page is a snapshot: reload to see more
-    polls); the charts' boxes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        await browser.get(url)
-        charts = await browser.call(browser.js, CHART_BOXES_JS, ".spark svg")
+    """Open the fleet page once and wait, as it refreshes itself without a reload, until
+    every VM's timeline is a line of several points spread over a good part of its chart,
+    inside it; the charts' boxes."""
+    await browser.get(url)
+    browser.js("window.notReloaded = true")
 
-        def drawn(chart: dict[str, Any]) -> bool:
-            return any(
-                line["points"] >= 5 and line["width"] >= chart["width"] / 5 and line["inside"]
-                for line in chart["lines"]
-            )
+    def drawn(chart: dict[str, Any]) -> bool:
+        return any(
+            line["points"] >= 5 and line["width"] >= chart["width"] / 5 and line["inside"]
+            for line in chart["lines"]
+        )
 
-        if len(charts) == vms and all(drawn(c) for c in charts):
-            return charts
-        assert time.monotonic() < deadline, f"no visible timeline on the fleet page: {charts}"
-        await asyncio.sleep(2)
+    def all_drawn() -> Any:
+        charts = browser.js(CHART_BOXES_JS, ".spark svg")
+        return charts if len(charts) == vms and all(drawn(c) for c in charts) else None
+
+    try:
+        charts = await browser.until(all_drawn, timeout)
+    except AssertionError:
+        raise AssertionError(
+            f"no visible timeline on the fleet page: {browser.js(CHART_BOXES_JS, '.spark svg')}"
+        ) from None
+    assert browser.js("return window.notReloaded === true"), "the page was reloaded"
+    return charts
 
 
 async def test_the_dashboard_follows_jobs_draws_curves_and_cancels(
@@ -360,3 +367,165 @@ async def screenshot_scene(browser: Browser, env: dict[str, str], base: str) -> 
     await browser.get(f"{base}/jobs/{learning}")
     await browser.until(lambda: browser.js(points) >= 4, 90)
     await browser.screenshot("job.png")
+
+
+FLEET_ROWS_JS = """
+return [...document.querySelectorAll('table.fleet tbody tr')]
+  .filter((tr) => tr.querySelector('td.gpus'))
+  .map((tr) => [tr.cells[0].textContent.trim(),
+                [...tr.querySelectorAll('td.gpus .gpu')].map((g) => g.className.split(' ')[1])]);
+"""
+REFRESHED_JS = """
+const out = document.getElementById('refreshed');
+return {state: out.dataset.state, text: out.textContent, tries: Number(out.dataset.tries || 0),
+        stale: document.body.dataset.stale === '1'};
+"""
+
+
+class WebServer:
+    """The dashboard served on one port, which can be stopped and started again there (with
+    other settings: a database that is not there)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.stop = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self, settings: Settings) -> None:
+        from scheduler.web.server import serve_web
+
+        self.stop, ready = asyncio.Event(), asyncio.Event()
+        self.task = asyncio.create_task(
+            serve_web(
+                settings,
+                host="127.0.0.1",
+                port=self.port,
+                token=TOKEN,
+                stop=self.stop,
+                ready=ready,
+            )
+        )
+        await asyncio.wait_for(ready.wait(), 30)
+
+    async def halt(self) -> None:
+        self.stop.set()
+        if self.task is not None:
+            await asyncio.wait_for(self.task, 30)
+            self.task = None
+
+
+async def test_the_fleet_page_refreshes_in_place_and_shows_a_failed_refresh(
+    db: Database,
+    database_url: str,
+    postgres: EmbeddedPostgres,
+    sim_fleet,
+    transport: Transport,
+    browser: Browser,
+) -> None:
+    from scheduler.fleet import add_vm
+    from scheduler.gpu_poller import GpuPoller
+
+    # Given one VM of two free GPUs, polled all along as the poller daemon does, and the
+    # dashboard
+    fleet = await sim_fleet(1, gpus_per_vm=2)
+    await fleet.register(db)
+    poller = GpuPoller(db, transport)
+    await poller.sweep()
+
+    async def keep_polling() -> None:
+        while True:
+            await poller.sweep()
+            await asyncio.sleep(0.5)
+
+    settings = Settings.load(database_url, "nats://127.0.0.1:4222")
+    server = WebServer(free_port())
+    await server.start(settings)
+    polling = asyncio.create_task(keep_polling())
+    base = f"http://127.0.0.1:{server.port}"
+
+    def rows() -> Any:
+        return browser.js(FLEET_ROWS_JS)
+
+    def refreshed() -> dict[str, Any]:
+        return browser.js(REFRESHED_JS)  # type: ignore[no-any-return]
+
+    def counts() -> str:
+        text = browser.js("return document.getElementById('counts').textContent")
+        return " ".join(text.split())
+
+    async def until_rows(want: list[Any]) -> None:
+        try:
+            await browser.until(lambda: rows() == want, 60)
+        except AssertionError:
+            raise AssertionError(f"the page shows {rows()}, {refreshed()}") from None
+
+    try:
+        # When the fleet page, filtered on "vm", is open
+        await browser.get(f"{base}/fleet?name=vm")
+        browser.js("window.notReloaded = true")
+        assert rows() == [["vm0", ["free", "free"]]]
+        assert counts() == "1 VMs · GPUs: free 2 allocated 0 foreign 0 unhealthy 0"
+        # And meanwhile two VMs join (one that the filter leaves out) and a process rlfleet
+        # did not start takes a GPU of vm0
+        for name in ("vm1", "other0"):
+            vm = await fleet.add_vm(name, gpus=1)
+            async with db.transaction() as session:
+                await add_vm(session, vm.spec())
+        foreign = fleet[0].add_foreign_process(1)
+        # Then the page shows it in place, its filter kept, with the whole fleet's counts
+        want = [["vm0", ["free", "foreign"]], ["vm1", ["free"]]]
+        await until_rows(want)
+        assert counts() == "2 VMs · GPUs: free 3 allocated 0 foreign 1 unhealthy 0"
+        assert browser.js("return document.querySelectorAll('.spark svg').length") == 2
+        # And says when its data arrived
+        state = refreshed()
+        assert state["state"] == "ok" and not state["stale"], state
+        assert re.fullmatch(r"updated \d\d:\d\d:\d\d", state["text"]), state
+        assert browser.js("return window.notReloaded === true"), "the page was reloaded"
+
+        # When the tab is hidden behind another one
+        browser.js("window.open(arguments[0], 'other')", f"{base}/queue")
+        first = browser.driver.current_window_handle
+        other = next(h for h in browser.driver.window_handles if h != first)
+        await browser.call(browser.driver.switch_to.window, other)
+        opener = "return window.opener.document.visibilityState"
+        await browser.until(lambda: browser.js(opener) == "hidden", 20)
+        tries_js = "return Number(window.opener.document.getElementById('refreshed').dataset.tries)"
+        hidden_tries = browser.js(tries_js)
+        # Then it asks the server nothing for more than two periods
+        await asyncio.sleep(12)
+        assert browser.js(tries_js) == hidden_tries
+        await browser.call(browser.driver.close)
+        await browser.call(browser.driver.switch_to.window, first)
+        # And refreshes again once shown
+        await browser.until(lambda: refreshed()["tries"] > hidden_tries, 30)
+
+        # When the server stops
+        await server.halt()
+        # Then the page says its refresh failed and why, and keeps what it showed, dimmed
+        await browser.until(lambda: refreshed()["state"] == "failed", 60)
+        state = refreshed()
+        assert "the server cannot be reached" in state["text"] and state["stale"], state
+        assert rows() == want
+
+        # When it comes back without its database
+        down = Settings.load(
+            database_url.replace(f":{postgres.port}/", f":{free_port()}/"), settings.nats_url
+        )
+        await server.start(down)
+        # Then the page says so too (503), still whole
+        await browser.until(lambda: "(HTTP 503)" in refreshed()["text"], 60)
+        assert refreshed()["state"] == "failed" and rows() == want
+
+        # When it comes back whole, the GPU freed meanwhile
+        await server.halt()
+        foreign.stop()
+        await server.start(settings)
+        # Then the page catches up, and says when it was updated
+        await until_rows([["vm0", ["free", "free"]], ["vm1", ["free"]]])
+        assert refreshed()["state"] == "ok" and not refreshed()["stale"]
+        assert browser.js("return window.notReloaded === true"), "the page was reloaded"
+    finally:
+        polling.cancel()
+        await asyncio.gather(polling, return_exceptions=True)
+        await server.halt()

@@ -13,6 +13,7 @@ from sqlalchemy import select
 
 from scheduler.cli._common import to_jsonable
 from scheduler.db import Database
+from scheduler.embedded import free_port
 from scheduler.fleet import list_vms, vm_to_dict
 from scheduler.gpu_poller import GpuPoller
 from scheduler.jobs import list_jobs
@@ -223,6 +224,44 @@ async def test_the_fleet_page_shows_each_gpus_state_and_a_timeline(
     start, end = data["timeline_start"], data["timeline_end"]
     assert 60 <= end - start < 3600
     assert all(start <= p["t"] <= end for p in data["vms"][0]["timeline"])
+    # And the page hands its script the same data, which it draws and then refreshes from
+    # /api/fleet (the browser test checks the drawing)
     page = await web.get("/fleet")
-    assert page.status_code == 200 and 'class="gpu allocated"' in page.text
-    assert f'href="/jobs/{job_id}"' in page.text
+    assert page.status_code == 200
+    block = page.text.split('id="initial">', 1)[1].split("</script>", 1)[0]
+    shown = json.loads(block)
+    assert [(g["state"], g["job_id"]) for g in shown["vms"][0]["gpus"]] == [
+        ("free", None),
+        ("allocated", job_id),
+        ("foreign", None),
+    ]
+    assert shown["gpu_states"] == data["gpu_states"] and shown["vms"][0]["timeline"]
+
+
+async def test_a_database_that_cannot_be_reached_is_a_503_of_one_line(
+    transport: Transport, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Given a dashboard whose database does not answer (nothing listens on its port)
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/gone"
+    dead = Database(url)
+    app = create_app(dead, Settings.load(url, "nats://127.0.0.1:4222"), TOKEN, lambda: transport)
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app, client=("127.0.0.1", 50000)),
+            base_url="http://127.0.0.1:8080",
+        ) as web:
+            for path in ("/api/fleet", "/api/queue", "/fleet"):
+                # When a page or its refresh asks for data
+                answer = await web.get(path)
+                # Then it is told the service is unavailable and why, in one line (the
+                # pages show it and try again), not an internal error with a traceback
+                assert answer.status_code == 503, (path, answer.text)
+                error = answer.json()["error"]
+                assert error.startswith("the database cannot be reached: ") and "\n" not in error
+    finally:
+        await dead.dispose()
+    # And its log says so once a request, without a traceback
+    logged = capsys.readouterr()
+    assert logged.out.count("web_database_unavailable") == 3, logged.out
+    assert "web_request_failed" not in logged.out + logged.err
+    assert "Traceback" not in logged.out + logged.err

@@ -3,6 +3,10 @@
 "use strict";
 
 const TOKEN_KEY = "rlfleet-web-token";
+// How often each page asks for fresh data: the fleet's page is the heaviest to build, and
+// its GPUs change only at each poll.
+const REFRESH_MS = { queue: 2000, job: 2000, fleet: 5000 };
+const REQUEST_TIMEOUT_MS = 15000;
 const initial = JSON.parse(document.getElementById("initial").textContent);
 
 function el(name, attrs, ...children) {
@@ -23,11 +27,88 @@ function token() {
   return document.getElementById("token").value.trim();
 }
 
+// A request to the JSON API; an error says why in a line a user can read: the server
+// cannot be reached, or its status and `{"error": …}` (401/403: the token).
 async function api(path, options) {
-  const response = await fetch(path, Object.assign({ headers: { accept: "application/json" } }, options || {}));
+  let response;
+  try {
+    response = await fetch(path, Object.assign(
+      { headers: { accept: "application/json" }, signal: AbortSignal.timeout(REQUEST_TIMEOUT_MS) },
+      options || {},
+    ));
+  } catch (e) {
+    throw new Error(e.name === "TimeoutError" ? "the server did not answer in time" : "the server cannot be reached");
+  }
   const body = await response.json().catch(() => ({ error: response.statusText }));
-  if (!response.ok) throw new Error(body.error || response.statusText);
+  if (!response.ok) throw new Error(`${body.error || response.statusText} (HTTP ${response.status})`);
   return body;
+}
+
+// --- refreshing ----------------------------------------------------------------------
+
+// Calls `load` every `ms` (counted from the end of the last call, so never two at once)
+// while the tab is visible: a hidden tab asks the server nothing, and catches up as soon
+// as it is shown again. `load` returning false stops it. Returns a function that calls
+// `load` now (or right after the call under way).
+function every(ms, load) {
+  let timer = null;
+  let running = false;
+  let again = false;
+  let stopped = false;
+  const run = async () => {
+    clearTimeout(timer);
+    timer = null;
+    if (stopped) return;
+    if (running) { again = true; return; }
+    if (document.visibilityState === "hidden") return;
+    running = true;
+    let more = true;
+    try { more = (await load()) !== false; } catch (e) { /* load shows its own failures */ }
+    running = false;
+    if (!more) { stopped = true; return; }
+    if (again) { again = false; run(); } else timer = setTimeout(run, ms);
+  };
+  document.addEventListener("visibilitychange", () => {
+    if (document.visibilityState === "visible" && timer === null && !running) run();
+  });
+  timer = setTimeout(run, ms);
+  return run;
+}
+
+// Refreshes the page's data every `ms` with `load`, saying in #refreshed when it
+// last arrived, or that the last try failed and why; on a failure the page keeps showing
+// what it had (dimmed), and the next try goes on as usual.
+function autoRefresh(ms, load) {
+  const out = document.getElementById("refreshed");
+  let last = new Date();
+  let tries = 0;
+  const clock = (d) => fmtTime(d.toISOString()).slice(11);
+  const ok = () => {
+    out.dataset.state = "ok";
+    out.textContent = `updated ${clock(last)}`;
+    delete document.body.dataset.stale;
+  };
+  ok();
+  return every(ms, async () => {
+    out.dataset.tries = String(++tries);
+    try {
+      await load();
+      last = new Date();
+      ok();
+    } catch (e) {
+      out.dataset.state = "failed";
+      out.textContent = `refresh failed at ${clock(new Date())}: ${e.message}; showing data of ${clock(last)}`;
+      document.body.dataset.stale = "1";
+    }
+  });
+}
+
+// The entries of `counts` in the order of `order` (the rest after them): the data in the
+// page comes with its keys sorted (tojson), the API's in the server's order, and counts
+// that changed places at each refresh would be hard to follow.
+function inOrder(counts, order) {
+  const rank = (k) => (order.includes(k) ? order.indexOf(k) : order.length);
+  return Object.entries(counts).sort(([a], [b]) => rank(a) - rank(b));
 }
 
 function setupToken() {
@@ -61,9 +142,10 @@ function renderQueue(data) {
     if (!body) continue;
     body.replaceChildren(...(jobs.length ? jobs.map(jobRow) : [el("tr", {}, el("td", { colspan: "9", class: "muted" }, "none"))]));
   }
-  const counts = Object.entries(data.counts).filter(([, n]) => n > 0).map(([s, n]) => `${s} ${n}`);
+  // The states in the order of the status filter's options, which is the server's.
+  const order = [...document.querySelectorAll("#status option")].map((o) => o.value);
+  const counts = inOrder(data.counts, order).filter(([, n]) => n > 0).map(([s, n]) => `${s} ${n}`);
   document.getElementById("counts").textContent = counts.join(" · ");
-  document.getElementById("refreshed").textContent = `updated ${fmtTime(new Date().toISOString())}`;
 }
 
 function queuePage() {
@@ -71,9 +153,7 @@ function queuePage() {
   const query = new URLSearchParams(location.search);
   const params = new URLSearchParams();
   for (const k of ["status", "name"]) if (query.get(k)) params.set(k, query.get(k));
-  setInterval(async () => {
-    try { renderQueue(await api(`/api/queue?${params}`)); } catch (e) { /* next tick */ }
-  }, 2000);
+  autoRefresh(REFRESH_MS.queue, async () => renderQueue(await api(`/api/queue?${params}`)));
 }
 
 // --- job -----------------------------------------------------------------------------
@@ -137,7 +217,8 @@ function followLog(jobId) {
   const state = document.getElementById("log-state");
   let offset = 0;
   let attempt = null;
-  const tick = async () => {
+  // A finished job's log is read to its end, then left alone.
+  every(1000, async () => {
     let more = true;
     try {
       const chunk = await api(`/api/jobs/${jobId}/log?offset=${offset}${attempt ? `&attempt=${attempt}` : ""}`);
@@ -153,13 +234,11 @@ function followLog(jobId) {
     } catch (e) {
       state.textContent = e.message;
     }
-    // A finished job's log is read to its end, then left alone.
-    if (more) setTimeout(tick, 1000);
-  };
-  tick();
+    return more;
+  })();
 }
 
-async function act(jobId, what) {
+async function act(jobId, what, refresh) {
   const out = document.getElementById("action-result");
   out.textContent = `${what}…`;
   try {
@@ -171,15 +250,13 @@ async function act(jobId, what) {
   } catch (e) {
     out.textContent = `${what} refused: ${e.message}`;
   }
-  refreshJob(jobId);
+  refresh();
 }
 
 async function refreshJob(jobId) {
-  try {
-    const [job, curve] = await Promise.all([api(`/api/jobs/${jobId}`), api(`/api/jobs/${jobId}/curve`)]);
-    renderJob(job);
-    renderCurve(curve);
-  } catch (e) { /* next tick */ }
+  const [job, curve] = await Promise.all([api(`/api/jobs/${jobId}`), api(`/api/jobs/${jobId}/curve`)]);
+  renderJob(job);
+  renderCurve(curve);
 }
 
 function jobPage() {
@@ -187,9 +264,9 @@ function jobPage() {
   renderJob(initial.job);
   renderCurve(initial.curve);
   followLog(jobId);
-  document.getElementById("cancel").addEventListener("click", () => act(jobId, "cancel"));
-  document.getElementById("retry").addEventListener("click", () => act(jobId, "retry"));
-  setInterval(() => refreshJob(jobId), 2000);
+  const refresh = autoRefresh(REFRESH_MS.job, () => refreshJob(jobId));
+  document.getElementById("cancel").addEventListener("click", () => act(jobId, "cancel", refresh));
+  document.getElementById("retry").addEventListener("click", () => act(jobId, "retry", refresh));
 }
 
 // --- fleet ---------------------------------------------------------------------------
@@ -197,20 +274,73 @@ function jobPage() {
 // How much time the timelines cover: the last N hours, or since the first sample (its
 // time of day, with the date when that is more than a day back).
 function spanText(data) {
-  if (data.end - data.start >= data.hours * 3600 - 1) return `last ${data.hours} h`;
-  const since = fmtTime(new Date(data.start * 1000).toISOString());
-  return `since ${data.end - data.start < 20 * 3600 ? since.slice(11) : since}`;
+  const start = data.timeline_start;
+  const end = data.timeline_end;
+  if (end - start >= data.hours * 3600 - 1) return `last ${data.hours} h`;
+  const since = fmtTime(new Date(start * 1000).toISOString());
+  return `since ${end - start < 20 * 3600 ? since.slice(11) : since}`;
+}
+
+const GPU_STATES = ["free", "allocated", "foreign", "unhealthy"];
+const known = (v, unit) => (v === null || v === undefined ? "?" : `${v}${unit || ""}`);
+
+function gpuBadge(g) {
+  const title = `GPU ${g.index} ${g.name || ""}: ${g.state}, ${known(g.utilization_pct, "%")}, `
+    + `${known(g.memory_used_mb)}/${known(g.memory_total_mb)} MiB`;
+  return el(
+    "span", { class: `gpu ${g.state}`, title, "data-gpu": String(g.index) },
+    String(g.index),
+    ...(g.job_id ? [":", el("a", { href: `/jobs/${g.job_id}` }, String(g.job_id))] : []),
+  );
+}
+
+function vmRow(vm, data) {
+  const flag = vm.removing ? "+removing" : vm.draining ? "+draining" : "";
+  const spark = el("div", { class: "spark", "data-vm": vm.name });
+  const points = vm.timeline || [];
+  lineChart(spark, [
+    { name: "utilisation", cls: "util", points: points.map((p) => [p.t, p.util]) },
+    { name: "memory", cls: "mem", points: points.map((p) => [p.t, p.mem]) },
+  ], { width: 240, height: 40, xMin: data.timeline_start, xMax: data.timeline_end, yMin: 0, yMax: 100, axes: false });
+  return el(
+    "tr", { "data-vm": vm.name },
+    el("td", { class: "name" }, vm.name),
+    el("td", { class: "status" }, `${vm.status}${flag}`,
+      ...(vm.last_error ? [el("br"), el("span", { class: "muted" }, vm.last_error)] : [])),
+    el("td", {}, `${vm.host}:${vm.port}`),
+    el("td", { class: "free" }, `${vm.available_gpus}/${vm.gpus.length}`),
+    el("td", { class: "gpus" }, ...vm.gpus.map(gpuBadge)),
+    el("td", {}, spark),
+  );
+}
+
+// The previous and next pages' links keep the page's other parameters (name, hours).
+function pageLink(page, text) {
+  const params = new URLSearchParams(location.search);
+  params.set("page", String(page));
+  return el("a", { href: `?${params}` }, text);
+}
+
+function renderFleet(data) {
+  document.getElementById("timeline-span").textContent = spanText(data);
+  document.getElementById("vms").replaceChildren(...(data.vms.length
+    ? data.vms.map((vm) => vmRow(vm, data))
+    : [el("tr", {}, el("td", { colspan: "6", class: "muted" }, "no VM"))]));
+  const states = inOrder(data.gpu_states, GPU_STATES).map(([s, n]) => [el("span", { class: `gpu ${s}`, "data-state": s }, `${s} ${n}`), " "]);
+  document.getElementById("counts").replaceChildren(`${data.total} VMs · GPUs: `, ...states.flat());
+  document.getElementById("pages").replaceChildren(
+    ...(data.page > 1 ? [pageLink(data.page - 1, "previous"), " "] : []),
+    `page ${data.page} of ${data.pages}`,
+    ...(data.page < data.pages ? [" ", pageLink(data.page + 1, "next")] : []),
+  );
 }
 
 function fleetPage() {
-  document.getElementById("timeline-span").textContent = spanText(initial);
-  for (const box of document.querySelectorAll(".spark")) {
-    const points = initial.timelines[box.dataset.vm] || [];
-    lineChart(box, [
-      { name: "utilisation", cls: "util", points: points.map((p) => [p.t, p.util]) },
-      { name: "memory", cls: "mem", points: points.map((p) => [p.t, p.mem]) },
-    ], { width: 240, height: 40, xMin: initial.start, xMax: initial.end, yMin: 0, yMax: 100, axes: false });
-  }
+  renderFleet(initial);
+  const query = new URLSearchParams(location.search);
+  const params = new URLSearchParams();
+  for (const k of ["name", "page", "hours"]) if (query.get(k)) params.set(k, query.get(k));
+  autoRefresh(REFRESH_MS.fleet, async () => renderFleet(await api(`/api/fleet?${params}`)));
 }
 
 setupToken();
