@@ -302,11 +302,10 @@ def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
     out = []
     for role in group.roles:
         for rank, at in enumerate(nodes_of[role.name]):
-            row = nodes[at] if at < len(nodes) else nodes[0]
+            row = nodes[at]
             indices, uuids = list(row.gpu_indices or []), list(row.gpu_uuids or [])
-            take = slice(starts[at], starts[at] + role.gpus) if at < len(nodes) else slice(0)
-            if at < len(nodes):
-                starts[at] += role.gpus
+            take = slice(starts[at], starts[at] + role.gpus)
+            starts[at] += role.gpus
             out.append(
                 {
                     "name": role.name,
