@@ -2,7 +2,7 @@
 
 The server runs as the job's `reward` role; the scheduler injects its address as
 `RLFLEET_REWARD_ADDR` and its named port `http` as `RLFLEET_REWARD_HTTP` (another role name:
-set `RLFLEET_REWARD_ROLE`). Use it as `--reward_function rewards.http:remote_score`. The protocol
+set `REWARD_SERVER_ROLE`). Use it as `--reward_function rewards.http:remote_score`. The protocol
 and an example server are in docs/reward-server.md and examples/reward_server.py.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 
 from rewards._text import Completion, completion_text
 
-ROLE_ENV = "RLFLEET_REWARD_ROLE"
-TIMEOUT_ENV = "RLFLEET_REWARD_TIMEOUT"
+ROLE_ENV = "REWARD_SERVER_ROLE"
+TIMEOUT_ENV = "REWARD_SERVER_TIMEOUT"
 DEFAULT_ROLE = "reward"
 DEFAULT_TIMEOUT_S = 30.0
 SCORE_PATH = "/score"
@@ -82,7 +82,7 @@ def remote_score(
 ) -> list[float | None]:
     """POST {prompts, completions} to the reward server and return its `scores`.
 
-    A server that does not answer within `$RLFLEET_REWARD_TIMEOUT` seconds (default 30), refuses
+    A server that does not answer within `$REWARD_SERVER_TIMEOUT` seconds (default 30), refuses
     the connection or answers 5xx raises TimeoutError or ConnectionError, which train_grpo.py
     turns into exit 75 (retried); a bad answer raises RewardServerError (exit 64).
     """

@@ -500,7 +500,16 @@ def _check_references(roles: list[Role]) -> None:
                     f"roles.{role.name}.same_vm_as: {role.same_vm_as} or {role.name} has "
                     "own_vm: true"
                 )
-    seen: dict[str, str] = {addr_variable(r.name): f"roles.{r.name}" for r in roles}
+    from scheduler.remote import SCHEDULER_ENV
+
+    # A role's or port's variable must not shadow one the scheduler sets (role `node`, port
+    # `rank` would be RLFLEET_NODE_RANK).
+    seen = dict.fromkeys(SCHEDULER_ENV, "a variable the scheduler sets")
+    for role in roles:
+        variable = addr_variable(role.name)
+        if variable in seen:
+            raise BadInput(f"roles.{role.name}: {variable} would also name {seen[variable]}")
+        seen[variable] = f"roles.{role.name}"
     for role in roles:
         for i, port in enumerate(role.ports):
             variable, where = port_variable(role.name, port), f"roles.{role.name}.ports[{i}]"

@@ -63,7 +63,7 @@ def test_the_url_comes_from_the_role_s_injected_address_and_port():
     env = {"RLFLEET_REWARD_ADDR": "10.0.0.7", "RLFLEET_REWARD_HTTP": "8321"}
     assert server_url(env) == "http://10.0.0.7:8321/score"
     judge = {
-        "RLFLEET_REWARD_ROLE": "judge",
+        "REWARD_SERVER_ROLE": "judge",
         "RLFLEET_JUDGE_ADDR": "fd00::1",
         "RLFLEET_JUDGE_HTTP": "80",
     }
@@ -81,7 +81,7 @@ def test_the_url_comes_from_the_role_s_injected_address_and_port():
         ({"RLFLEET_REWARD_ADDR": "user@host", "RLFLEET_REWARD_HTTP": "1"}, "not a host"),
         ({"RLFLEET_REWARD_ADDR": "h", "RLFLEET_REWARD_HTTP": "99999"}, "not a port"),
         ({"RLFLEET_REWARD_ADDR": "h", "RLFLEET_REWARD_HTTP": "80/x"}, "not a port"),
-        ({"RLFLEET_REWARD_ROLE": "a-b;rm", "RLFLEET_REWARD_ADDR": "h"}, "not a role name"),
+        ({"REWARD_SERVER_ROLE": "a-b;rm", "RLFLEET_REWARD_ADDR": "h"}, "not a role name"),
     ],
 )
 def test_an_unusable_address_is_refused_before_any_request(env: dict[str, str], message: str):
@@ -118,7 +118,7 @@ def test_a_server_that_stops_answering_ends_training_with_exit_75(tiny_model: Pa
         port = silent.getsockname()[1]
         args = tiny_run_args(tiny_model, tmp_path / "out", "--max_steps", "3")
         args[args.index("keyword_match")] = REWARD
-        result = train_grpo(*args, cwd=tmp_path, env=_env(port, RLFLEET_REWARD_TIMEOUT="1"))
+        result = train_grpo(*args, cwd=tmp_path, env=_env(port, REWARD_SERVER_TIMEOUT="1"))
     assert result.returncode == 75, result.stderr[-3000:]
     assert result.stderr.rstrip("\n").splitlines()[-1] == (
         f"train-grpo: error: reward function {REWARD} raised TimeoutError: reward server at "

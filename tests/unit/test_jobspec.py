@@ -157,6 +157,14 @@ def test_a_lone_command_role_is_primary() -> None:
             "roles.a.ports[0]: RLFLEET_A_ADDR would also name roles.a",
         ),
         (
+            {"roles": {"node": {"command": ["x"], "ports": ["rank"]}}},
+            "roles.node.ports[0]: RLFLEET_NODE_RANK would also name a variable the scheduler sets",
+        ),
+        (
+            {"roles": {"job": {"command": ["x"], "ports": ["id"]}}},
+            "roles.job.ports[0]: RLFLEET_JOB_ID would also name a variable the scheduler sets",
+        ),
+        (
             {
                 "roles": {
                     "a": {"train": {"model": "m", "dataset": "d", "reward_functions": ["x,y"]}}
@@ -245,3 +253,24 @@ def test_the_readme_example_is_a_valid_file() -> None:
     example = section.split("```yaml\n", 1)[1].split("```", 1)[0]
     spec = parse_text(example.encode())
     assert spec.name == "gsm8k-grpo" and spec.role("trainer").gpus == 2
+
+
+def test_the_reward_servers_own_knobs_can_be_set_in_a_roles_env() -> None:
+    """rewards.http reads the role to call and its timeout from variables a job sets
+    itself: a role's `env` (like `--env`) accepts them, so the documented knobs work."""
+    from rewards.http import ROLE_ENV, TIMEOUT_ENV
+
+    group = parse_data(
+        {
+            "roles": {
+                "judge": {"command": ["x"], "ports": ["http"]},
+                "trainer": {
+                    "command": ["y"],
+                    "gpus": 1,
+                    "primary": True,
+                    "env": {ROLE_ENV: "judge", TIMEOUT_ENV: 5},
+                },
+            }
+        }
+    )
+    assert dict(group.env()) == {ROLE_ENV: "judge", TIMEOUT_ENV: "5"}
