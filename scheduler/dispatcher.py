@@ -54,7 +54,7 @@ from scheduler.daemon import run_loop
 from scheduler.db import Database, is_unavailable
 from scheduler.errors import error_line
 from scheduler.gpus import refresh_available
-from scheduler.groups import GroupPlace, group_launch, node_port_needs, port_needs
+from scheduler.groups import GroupPlace, group_launch, node_port_needs
 from scheduler.jobspec import parse_data
 from scheduler.kill import kill_attempt
 from scheduler.leftovers import AttemptRecord, abandon_attempt
@@ -495,32 +495,14 @@ class GlobalJobDispatcher:
         per VM; a probe whose answer collides with another attempt's is asked again), then
         start the supervisor that runs the roles (`scheduler/supervisor.py`)."""
         group = parse_data(claim.roles)  # checked by the claim (validate.job_row_problem)
-        needs = port_needs(group)
-        ports: dict[tuple[str, str], int] = {}
-        if needs:
-            chosen = await self._choose_ports(claim, target, needs)
-            if isinstance(chosen, str):
-                return chosen
-            ports = chosen
-        place = GroupPlace(
-            python=target.python,
-            entrypoint=target.entrypoint,
-            address=target.training_address,
-            gpus=list(claim.gpu_uuids) or [str(i) for i in claim.gpu_indices],
-            output_dir=claim.output_dir,
-            attempt=claim.attempt,
-        )
+        ports = await self._choose_ports_on(claim, [(target, node_port_needs(group)[0])])
+        if isinstance(ports, str):
+            return ports
+        place = _group_place(claim, target, claim.gpu_indices, claim.gpu_uuids)
         launch = group_launch(group, place, ports)
         return await self._launch_rank(
             claim, target, claim.gpu_indices, claim.gpu_uuids, group=launch
         )
-
-    async def _choose_ports(
-        self, claim: Claim, target: VMTarget, needs: list[tuple[str, str]]
-    ) -> dict[tuple[str, str], int] | str:
-        """Free ports for every (role, name) on the VM, recorded for this attempt; or why
-        none could be had."""
-        return await self._choose_ports_on(claim, [(target, needs)])
 
     async def _choose_ports_on(
         self, claim: Claim, wanted: Sequence[tuple[VMTarget, list[tuple[str, str]]]]
@@ -529,6 +511,8 @@ class GlobalJobDispatcher:
         at once (SSH, no transaction) and recorded for this attempt in one transaction; a
         probe answer that collides with another attempt's record is asked again."""
         asked = [(target, needs) for target, needs in wanted if needs]
+        if not asked:
+            return {}
         for _try in range(PORT_TRIES):
             probes = await asyncio.gather(*(self._probe_ports(t, n) for t, n in asked))
             errors = [p for p in probes if isinstance(p, str)]
@@ -591,14 +575,7 @@ class GlobalJobDispatcher:
         addresses = [target.training_address for target in targets]
         launches = []
         for index, (node, target) in enumerate(zip(claim.nodes, targets, strict=True)):
-            place = GroupPlace(
-                python=target.python,
-                entrypoint=target.entrypoint,
-                address=target.training_address,
-                gpus=list(node.gpu_uuids) or [str(i) for i in node.gpu_indices],
-                output_dir=claim.output_dir,
-                attempt=claim.attempt,
-            )
+            place = _group_place(claim, target, node.gpu_indices, node.gpu_uuids)
             launch = group_launch(group, place, ports, node=index, node_addresses=addresses)
             launches.append(
                 self._launch_rank(claim, target, node.gpu_indices, node.gpu_uuids, group=launch)
@@ -869,6 +846,21 @@ class GlobalJobDispatcher:
             raise
         now = time.monotonic()
         self._vms = {row.id: (VMTarget.from_row(row), now) for row in rows}
+
+
+def _group_place(
+    claim: Claim, target: VMTarget, gpu_indices: Sequence[int], gpu_uuids: Sequence[str]
+) -> GroupPlace:
+    """Where a group's attempt runs on `target`, with the GPUs claimed there (UUIDs, else
+    indices for a claim made before UUIDs were recorded)."""
+    return GroupPlace(
+        python=target.python,
+        entrypoint=target.entrypoint,
+        address=target.training_address,
+        gpus=list(gpu_uuids) or [str(i) for i in gpu_indices],
+        output_dir=claim.output_dir,
+        attempt=claim.attempt,
+    )
 
 
 def _last_line(text: str) -> str:

@@ -54,14 +54,10 @@ class GroupPlace:
     attempt: int
 
 
-def port_needs(group: GroupSpec) -> list[tuple[str, str]]:
-    """Every (role, port name) the attempt needs a port for, in file order."""
-    return [(role.name, port) for role in group.roles for port in role.ports]
-
-
 def node_port_needs(group: GroupSpec) -> list[list[tuple[str, str]]]:
-    """For each node of the layout, the (role, port name) pairs chosen on its VM: the
-    named ports of the roles whose rank 0 runs there, and the rendezvous port
+    """For each node of the layout (the one VM of a group on one), the (role, port name)
+    pairs chosen on its VM, in file order: the named ports of the roles whose rank 0 runs
+    there, and the rendezvous port
     (`RENDEZVOUS_PORT`) of each role on several nodes whose rank 0 runs there."""
     needs: list[list[tuple[str, str]]] = [[] for _ in group.layout()]
     for role in group.roles:

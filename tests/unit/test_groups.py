@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.errors import BadInput
-from scheduler.groups import GroupPlace, group_launch, port_needs
+from scheduler.groups import GroupPlace, group_launch, node_port_needs
 from scheduler.jobspec import parse_data, parse_text
 from scheduler.supervisor import NOT_READY_EXIT, expand
 from scheduler.verdicts import group_failure_line
@@ -46,7 +46,7 @@ roles:
 
 def test_each_role_gets_its_gpus_ports_addresses_and_command() -> None:
     group = parse_text(REWARD_GROUP)
-    assert port_needs(group) == [("reward", "http")]
+    assert node_port_needs(group) == [[("reward", "http")]]
     config = group_launch(group, PLACE, {("reward", "http"): 41000}).config
     reward, trainer = config["roles"]
     assert [reward["name"], trainer["name"]] == ["reward", "trainer"]
@@ -87,7 +87,7 @@ def test_vllm_server_mode_command_lines_and_environment() -> None:
         b"reward_functions: [format], args: [--max_steps, '3']}\n"
     )
     ports = {("vllm", "http"): 40001, ("vllm", "nccl"): 40002}
-    assert sorted(port_needs(group)) == sorted(ports)
+    assert [sorted(needs) for needs in node_port_needs(group)] == [sorted(ports)]
     config = group_launch(group, PLACE, ports).config
     vllm, trainer = config["roles"]
     env = {**config["env"]}
@@ -481,7 +481,6 @@ def test_a_role_on_several_nodes_runs_one_rank_per_vm_of_the_layout() -> None:
     rank 0 of the trainer); an own-VM role on 3 nodes gets 3 VMs of its own. Ports are
     chosen on the VM of each role's rank 0, with a rendezvous port for a role on several
     nodes."""
-    from scheduler.groups import node_port_needs
     from scheduler.jobspec import RENDEZVOUS_PORT
 
     group = parse_text(MULTINODE_GROUP)
