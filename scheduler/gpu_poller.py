@@ -834,12 +834,8 @@ async def _finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str)
         if primary is None:
             return await _finish_job(session, verdict)
         return await _finish_group(session, verdict)
-    row = (
-        await session.execute(
-            select(*AttemptRecord.columns()).where(Job.id == job.id, Job.attempt == job.attempt)
-        )
-    ).first()
-    if row is None:
+    record = await _attempt_record(session, job)
+    if record is None:
         return False
     if verdict.exit_code is not None:  # `job show` says which rank ended it, and how
         await session.execute(
@@ -852,7 +848,7 @@ async def _finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str)
     reason = f"rank {job.rank} on {vm_name}: {verdict.reason}"[:500]
     return await abandon_attempt(
         session,
-        AttemptRecord.from_row(row),
+        record,
         expected=LIVE_STATES,
         to=JobStatus.FAILED,
         reason=reason,
@@ -861,6 +857,16 @@ async def _finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str)
         failure_reason=verdict.failure_reason.value if verdict.failure_reason else None,
         values={"exit_code": verdict.exit_code},
     )
+
+
+async def _attempt_record(session: AsyncSession, job: LiveJob) -> AttemptRecord | None:
+    """The job's current attempt as `abandon_attempt` takes it, if it is still `job`'s."""
+    row = (
+        await session.execute(
+            select(*AttemptRecord.columns()).where(Job.id == job.id, Job.attempt == job.attempt)
+        )
+    ).first()
+    return None if row is None else AttemptRecord.from_row(row)
 
 
 async def _primary_ranks(session: AsyncSession, job_id: int) -> list[int] | None:
@@ -886,16 +892,12 @@ async def _finish_group(session: AsyncSession, verdict: JobVerdict) -> bool:
     requeue manager kills what still runs there (the VMs with services only) and their
     GPUs stay blocked until then."""
     job = verdict.job
-    row = (
-        await session.execute(
-            select(*AttemptRecord.columns()).where(Job.id == job.id, Job.attempt == job.attempt)
-        )
-    ).first()
-    if row is None:
+    record = await _attempt_record(session, job)
+    if record is None:
         return False
     return await abandon_attempt(
         session,
-        AttemptRecord.from_row(row),
+        record,
         expected=LIVE_STATES,
         to=JobStatus.COMPLETED,
         reason=verdict.reason,
