@@ -21,9 +21,8 @@ from scheduler.jobspec import parse_data
 from scheduler.requeue import RequeueConfig
 from scheduler.transport import Transport
 from tests.fleet import SimFleet
-from tests.integration.test_multinode_fleet import ranks
 from tests.training.helpers import ARITHMETIC, REPO
-from tests.workloads.support import new_job, run_to_the_end
+from tests.workloads.support import job_nodes, new_job, run_to_the_end
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +68,7 @@ async def test_train_grpo_runs_as_one_run_across_two_vms(
     )  # fmt: skip
     config = RequeueConfig(interval_s=0.5, recheck_after_s=0.5)
     job = await run_to_the_end(db, nats.url, transport, poller, job_id, config, tick_s=1)
-    nodes = await ranks(db, job_id)
+    nodes = await job_nodes(db, job_id)
     logs = [(Path(n.attempt_dir or "") / "train.log").read_text() for n in nodes]
     assert job.status == "completed", f"{job.status_reason}\n" + "\n".join(
         log[-3000:] for log in logs
@@ -123,7 +122,7 @@ async def test_a_trainer_role_on_two_vms_learns_from_the_reward_server_role(
         max_retries=0,
     )
     job = await run_to_the_end(db, nats.url, transport, poller, job_id, CONFIG)
-    nodes = await ranks(db, job_id)
+    nodes = await job_nodes(db, job_id)
     dirs = [Path(n.attempt_dir or "") for n in nodes]
     logs = [(d / "trainer.log").read_text() for d in dirs]
     assert job.status == "completed", f"{job.status_reason}\n" + "\n".join(

@@ -34,14 +34,13 @@ from tests.integration.test_groups_fleet import (
     _dead,
     client_report,
     no_gpu_or_port_held,
-    node_rows,
     nothing_left,
     role_pid,
     spread_fleet,
     status_is,
     until,
 )
-from tests.workloads.support import job_row, new_job, scheduling, wait_file
+from tests.workloads.support import job_nodes, job_row, new_job, scheduling, wait_file
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +92,7 @@ async def test_each_rank_of_a_role_on_two_vms_meets_the_others_and_the_group_com
     job_id = await new_two_node_group(db, roles=two_node_roles(first_s=5))
     async with scheduling(db, nats.url, transport, CONFIG) as requeue:
         await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
-        nodes = await node_rows(db, job_id)
+        nodes = await job_nodes(db, job_id)
         assert [n.rank for n in nodes] == [0, 1] and nodes[0].vm_id != nodes[1].vm_id
         dirs = [Path(n.attempt_dir or "") for n in nodes]
         reports = [client_report(await wait_file(d / "trainer.log", needle="{")) for d in dirs]
@@ -152,7 +151,7 @@ async def test_a_dead_rank_kills_every_role_on_every_vm_and_the_group_runs_again
     job_id = await new_two_node_group(db, max_retries=1, roles=two_node_roles(first_s=300))
     async with scheduling(db, nats.url, transport, CONFIG) as requeue:
         await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
-        first = await node_rows(db, job_id)
+        first = await job_nodes(db, job_id)
         dirs = [Path(n.attempt_dir or "") for n in first]
         reports = [client_report(await wait_file(d / "trainer.log", needle="{")) for d in dirs]
         server = role_pid((dirs[0] / "train.log").read_text(), "reward")
@@ -160,7 +159,7 @@ async def test_a_dead_rank_kills_every_role_on_every_vm_and_the_group_runs_again
         for pid, what in ((reports[0]["pid"], "rank 0 killed"), (server, "server killed")):
             await until(db, poller, requeue, lambda pid=pid: _dead(pid), what)
         await until(db, poller, requeue, lambda: _attempt_done(db, job_id), "attempt 2 done")
-        second = await node_rows(db, job_id)
+        second = await job_nodes(db, job_id)
     assert {n.attempt for n in second} == {2}
     again = [client_report((Path(n.attempt_dir or "") / "trainer.log").read_text()) for n in second]
     assert [r["attempt"] for r in again] == [2, 2]

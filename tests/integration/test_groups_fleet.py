@@ -27,7 +27,7 @@ from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
 from scheduler.gpus import DOUBLE_BOOKED_SQL, PARTIAL_CLAIMS_SQL
 from scheduler.jobspec import parse_data
-from scheduler.models import GPU, VM, JobEvent, JobNode, JobPort
+from scheduler.models import GPU, VM, JobEvent, JobPort
 from scheduler.requeue import RequeueConfig, RequeueManager
 from scheduler.retry import RetryPolicy
 from scheduler.transport import Transport
@@ -35,6 +35,7 @@ from tests.backdate import age_outages
 from tests.fleet import SimFleet
 from tests.workloads.support import (
     alive,
+    job_nodes,
     job_row,
     new_job,
     scheduling,
@@ -428,15 +429,6 @@ async def spread_fleet(
     return fleet, addresses, poller
 
 
-async def node_rows(db: Database, job_id: int) -> list[JobNode]:
-    """The group's node rows, by rank."""
-    async with db.transaction() as session:
-        rows = await session.execute(
-            select(JobNode).where(JobNode.job_id == job_id).order_by(JobNode.rank)
-        )
-        return list(rows.scalars())
-
-
 async def test_a_server_on_its_own_vm_serves_the_trainer_across_vms_and_stops_with_it(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
 ) -> None:
@@ -456,7 +448,7 @@ async def test_a_server_on_its_own_vm_serves_the_trainer_across_vms_and_stops_wi
     )
     async with scheduling(db, nats.url, transport, CONFIG) as requeue:
         await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
-        nodes = await node_rows(db, job_id)
+        nodes = await job_nodes(db, job_id)
         assert [n.rank for n in nodes] == [0, 1] and nodes[0].vm_id != nodes[1].vm_id
         trainer_dir, server_dir = (Path(n.attempt_dir or "") for n in nodes)
         await wait_file(trainer_dir / "trainer.log", needle="{")
@@ -532,7 +524,7 @@ async def test_a_dead_server_vm_or_server_kills_the_trainer_and_retries_the_grou
     )
     async with scheduling(db, nats.url, transport, CONFIG) as requeue:
         await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
-        first = await node_rows(db, job_id)
+        first = await job_nodes(db, job_id)
         trainer_dir, server_dir = (Path(n.attempt_dir or "") for n in first)
         trainer = client_report(await wait_file(trainer_dir / "trainer.log", needle="{"))
         lost = first[1].vm_id
@@ -546,7 +538,7 @@ async def test_a_dead_server_vm_or_server_kills_the_trainer_and_retries_the_grou
             await age_outages(db, CONFIG.node_lost_timeout_s + 1)
         await until(db, poller, requeue, lambda: _dead(trainer["pid"]), "trainer killed")
         await until(db, poller, requeue, lambda: _attempt_done(db, job_id), "attempt 2 done")
-        second = await node_rows(db, job_id)
+        second = await job_nodes(db, job_id)
     assert {n.attempt for n in second} == {2}
     if how == "server_vm_crashes":
         assert lost not in {n.vm_id for n in second}

@@ -20,13 +20,14 @@ from sqlalchemy import select
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
-from scheduler.models import GPU, JobNode, Leftover
+from scheduler.models import GPU, Leftover
 from scheduler.requeue import RequeueConfig, RequeueManager
 from scheduler.transport import Transport
 from tests.backdate import age_outages
 from tests.fleet import FAKE_TRAIN, SimFleet
 from tests.workloads.support import (
     alive,
+    job_nodes,
     job_row,
     new_job,
     publish,
@@ -42,15 +43,6 @@ pytestmark = pytest.mark.slow
 
 FleetFactory = Callable[..., Awaitable[SimFleet]]
 CONFIG = RequeueConfig(interval_s=0.2, node_lost_timeout_s=2.0, recheck_after_s=0.5)
-
-
-async def ranks(db: Database, job_id: int) -> list[JobNode]:
-    """The job's rank rows, by rank."""
-    async with db.transaction() as session:
-        rows = await session.execute(
-            select(JobNode).where(JobNode.job_id == job_id).order_by(JobNode.rank)
-        )
-        return list(rows.scalars())
 
 
 async def until_status(
@@ -83,7 +75,7 @@ async def test_a_two_node_job_runs_on_two_vms_with_its_rendezvous_and_completes(
     async with scheduling(db, nats.url, transport, CONFIG) as requeue:
         await requeue.tick()
         await wait_status(db, job_id, "running")
-        rows = await ranks(db, job_id)
+        rows = await job_nodes(db, job_id)
         assert [r.rank for r in rows] == [0, 1] and rows[0].vm_id != rows[1].vm_id
         assert all(r.remote_pid is not None and r.attempt_dir for r in rows)
         lines = [
@@ -100,7 +92,7 @@ async def test_a_two_node_job_runs_on_two_vms_with_its_rendezvous_and_completes(
     assert lines[0].split("MASTER_PORT=")[1][:6] == lines[1].split("MASTER_PORT=")[1][:6]
     async with db.transaction() as session:
         held = await session.scalar(select(GPU.id).where(GPU.job_id.is_not(None)).limit(1))
-        exits = [r.exit_code for r in (await ranks(db, job_id))]
+        exits = [r.exit_code for r in (await job_nodes(db, job_id))]
     assert held is None and exits == [0, 0]
 
 
@@ -126,7 +118,7 @@ async def test_a_lost_node_kills_the_other_rank_and_the_job_runs_again_as_a_whol
     async with scheduling(db, nats.url, transport, CONFIG) as requeue:
         await requeue.tick()
         await wait_status(db, job_id, "running")
-        first = await ranks(db, job_id)
+        first = await job_nodes(db, job_id)
         assert all(r.remote_pid is not None for r in first)
         rank0_pid = first[0].remote_pid
         assert rank0_pid is not None and alive(rank0_pid)
@@ -143,7 +135,7 @@ async def test_a_lost_node_kills_the_other_rank_and_the_job_runs_again_as_a_whol
             await requeue.tick()
             await asyncio.sleep(0.1)
         await until_status(db, poller, requeue, job_id, "completed")
-        second = await ranks(db, job_id)
+        second = await job_nodes(db, job_id)
     job = await job_row(db, job_id)
     assert job.attempt == 2 and lost_id not in {r.vm_id for r in second}
     assert {r.attempt for r in second} == {2}
@@ -181,7 +173,7 @@ async def test_a_rank_that_exits_0_after_another_rank_failed_does_not_complete_t
     async with scheduling(db, nats.url, transport, CONFIG) as requeue:
         await requeue.tick()
         await wait_status(db, job_id, "running")
-        rank0_pid = (await ranks(db, job_id))[0].remote_pid
+        rank0_pid = (await job_nodes(db, job_id))[0].remote_pid
         assert rank0_pid is not None
         deadline = time.monotonic() + 60
         while (await job_row(db, job_id)).status != "failed":
@@ -204,7 +196,7 @@ async def test_a_rank_that_exits_0_after_another_rank_failed_does_not_complete_t
         assert open_rows is None
     job = await job_row(db, job_id)
     assert (job.status, job.failure_reason) == ("failed", "config_error"), job.status_reason
-    assert [r.exit_code for r in await ranks(db, job_id)] == [0, 64]
+    assert [r.exit_code for r in await job_nodes(db, job_id)] == [0, 64]
     async with db.transaction() as session:
         held = await session.scalar(select(GPU.id).where(GPU.job_id.is_not(None)).limit(1))
     assert held is None
@@ -271,7 +263,7 @@ async def test_show_logs_and_cancel_reach_every_rank(
             await wait_status(db, job_id, "running")
     finally:
         await nc.close()
-    rows = await ranks(db, job_id)
+    rows = await job_nodes(db, job_id)
     for r in rows:
         assert r.attempt_dir is not None
         await wait_file(Path(r.attempt_dir) / "train.log", needle="node RLFLEET")

@@ -22,7 +22,7 @@ from scheduler.db import Database, installation_id
 from scheduler.dispatcher import GlobalJobDispatcher
 from scheduler.gpu_poller import GpuPoller
 from scheduler.jobs import JobSpec, insert_job
-from scheduler.models import GPU, VM, Job
+from scheduler.models import GPU, VM, Job, JobNode
 from scheduler.remote import Attempt, job_base, stored_attempt
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.transport import Transport, make_transport
@@ -148,6 +148,16 @@ async def scheduling(
             yield RequeueManager(db, NatsPublisher(nc), transport, config)
     finally:
         await nc.close()
+
+
+async def job_nodes(db: Database, job_id: int) -> list[JobNode]:
+    """The job's rank rows (`job_nodes`: one per node of a multi-node job or a group over
+    several VMs), rank 0 first."""
+    async with db.transaction() as session:
+        rows = await session.execute(
+            select(JobNode).where(JobNode.job_id == job_id).order_by(JobNode.rank)
+        )
+        return list(rows.scalars())
 
 
 async def run_to_the_end(
