@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from sqlalchemy.exc import DBAPIError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -159,7 +158,7 @@ def endpoint(handler: Handler, *, action: bool = False) -> Callable[[Request], A
         except RlfleetError as exc:
             return JSONResponse({"error": scrub_urls(str(exc))}, status_code=503)
         except Exception as exc:
-            if isinstance(exc, DBAPIError) and is_unavailable(exc):
+            if is_unavailable(exc):
                 # The database is down or restarting: the pages say so at each refresh and
                 # recover by themselves; no bug of the dashboard, so one line, no traceback.
                 line = error_line(exc)
