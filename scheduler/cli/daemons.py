@@ -1,6 +1,6 @@
 """The daemon commands: `rlfleet up`, `poller`, `dispatcher`, `requeue`.
 
-The engines (scheduler/gpu_poller.py, dispatcher.py, requeue.py, up.py) know nothing of
+The engines (scheduler/gpu_poller/, dispatcher/, requeue/, up.py) know nothing of
 the command line: each exposes `run(settings, stop, ready, …)`. This module parses the
 flags, checks them, and runs that entry under `scheduler.daemon.run_service`. It imports
 an engine only when its command runs, so `rlfleet --help` and the one-shot commands do

@@ -914,9 +914,3 @@ async def run(
     options.setdefault("fence_after_s", knobs.fence_after_s)
     options.setdefault("fence_grace_s", knobs.fence_grace_s)
     await run_dispatcher(settings, stop, ready=ready, **options)
-
-
-if __name__ == "__main__":
-    from scheduler.cli.daemons import dispatcher_main
-
-    dispatcher_main()

@@ -990,9 +990,3 @@ async def run(
     finally:
         await transport.close()
         await db.dispose()
-
-
-if __name__ == "__main__":
-    from scheduler.cli.daemons import poller_main
-
-    poller_main()

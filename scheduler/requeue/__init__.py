@@ -308,9 +308,3 @@ async def run(
     set). `rlfleet requeue` and `rlfleet up` run this."""
     config = config or RequeueConfig(node_lost_timeout_s=Liveness.from_env().node_lost_timeout_s)
     await run_daemon(settings, config, stop, ready)
-
-
-if __name__ == "__main__":
-    from scheduler.cli.daemons import requeue_main
-
-    requeue_main()
