@@ -32,6 +32,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
+from scheduler.attempts.outcome import succeeded
+from scheduler.attempts.ranks import exit_codes, job_shape
 from scheduler.db import Database, installation_id
 from scheduler.gpus import release_in_session
 from scheduler.jobs import transition
@@ -141,7 +143,32 @@ async def abandon_attempt(
     )
     if not moved:
         return False
-    if leftover is not None and record.vm_id is not None:
+    if leftover is not None:
+        await _record_ranks(session, record, leftover)
+    await release_in_session(session, record.job_id)
+    return True
+
+
+async def _record_ranks(session: AsyncSession, record: AttemptRecord, reason: str) -> None:
+    """The attempt on the record's VM is a leftover, and so is, by shared fate, every other
+    rank of a multi-node attempt (`job_nodes`, ranks on other VMs): each is killed by the
+    sweep when its VM answers, its GPUs blocked until then. Each row keeps its rank and the
+    exit code `job_nodes` knew (what late success reads, `_ranks_succeeded`). A single-node
+    job has no `job_nodes` rows."""
+    ranks = (
+        await session.execute(
+            select(
+                JobNode.rank, JobNode.vm_id, JobNode.gpu_indices, JobNode.gpu_uuids,
+                JobNode.attempt_dir, JobNode.remote_pid, JobNode.exit_code,
+            ).where(
+                JobNode.job_id == record.job_id,
+                JobNode.attempt == record.attempt,
+                JobNode.vm_id.is_not(None),
+            )
+        )
+    ).all()  # fmt: skip
+    own = next((rank for rank in ranks if rank.vm_id == record.vm_id), None)
+    if record.vm_id is not None:
         await record_leftover(
             session,
             vm_id=record.vm_id,
@@ -149,35 +176,16 @@ async def abandon_attempt(
             attempt=record.attempt,
             gpu_indices=record.gpu_indices,
             gpu_uuids=record.gpu_uuids,
-            reason=leftover,
+            reason=reason,
             token=record.token,
             attempt_dir=record.attempt_dir,
             pid=record.pid,
+            rank=own.rank if own is not None else None,
+            exit_code=own.exit_code if own is not None else None,
         )
-    if leftover is not None:
-        await _record_other_ranks(session, record, leftover)
-    await release_in_session(session, record.job_id)
-    return True
-
-
-async def _record_other_ranks(session: AsyncSession, record: AttemptRecord, reason: str) -> None:
-    """Shared fate: every other rank of a multi-node attempt (`job_nodes`, ranks on VMs
-    other than the record's) is a leftover too, killed by the sweep when its VM answers and
-    its GPUs blocked until then. A single-node job has no such rows."""
-    ranks = (
-        await session.execute(
-            select(
-                JobNode.vm_id, JobNode.gpu_indices, JobNode.gpu_uuids, JobNode.attempt_dir,
-                JobNode.remote_pid,
-            ).where(
-                JobNode.job_id == record.job_id,
-                JobNode.attempt == record.attempt,
-                JobNode.vm_id.is_not(None),
-                JobNode.vm_id != (record.vm_id if record.vm_id is not None else -1),
-            )
-        )
-    ).all()  # fmt: skip
     for rank in ranks:
+        if rank is own:
+            continue
         await record_leftover(
             session,
             vm_id=rank.vm_id,
@@ -189,6 +197,8 @@ async def _record_other_ranks(session: AsyncSession, record: AttemptRecord, reas
             token=record.token,
             attempt_dir=rank.attempt_dir,
             pid=rank.remote_pid,
+            rank=rank.rank,
+            exit_code=rank.exit_code,
         )
 
 
@@ -207,6 +217,8 @@ async def record_leftover(
     attempt_dir: str | None = None,
     pid: int | None = None,
     gpu_uuids: Sequence[str] | None = None,
+    rank: int | None = None,
+    exit_code: int | None = None,
 ) -> None:
     """Note an attempt that may still run on its VM (caller's transaction): its GPUs are
     kept out of every claim, and its job is not claimed again, until a kill proves it
@@ -224,19 +236,30 @@ async def record_leftover(
             gpu_indices=list(gpu_indices) if gpu_indices else None,
             gpu_uuids=list(gpu_uuids) if gpu_uuids else None,
             reason=reason,
+            rank=rank,
+            exit_code=exit_code,
         )
         .on_conflict_do_nothing()
     )
 
 
 async def close_leftover(
-    session: AsyncSession, *, vm_id: int, job_id: int, attempt: int, error: str | None = None
+    session: AsyncSession,
+    *,
+    vm_id: int,
+    job_id: int,
+    attempt: int,
+    error: str | None = None,
+    exit_code: int | None = None,
 ) -> None:
     """Count one kill of a leftover: with no `error` it is dead, and its GPUs and job are
-    free again; otherwise remember why not (the sweep tries again)."""
+    free again; otherwise remember why not (the sweep tries again). `exit_code`: the kill
+    found it had already exited with that code."""
     values: dict[str, Any] = {"attempts": Leftover.attempts + 1, "last_error": error}
     if error is None:
         values["killed_at"] = func.now()
+    if exit_code is not None:
+        values["exit_code"] = exit_code
     await session.execute(
         update(Leftover)
         .where(
@@ -287,19 +310,34 @@ async def open_leftover_count(session: AsyncSession, vm_id: int) -> int:
 # -- the kill sweep -----------------------------------------------------------------------
 
 
-async def _gang_succeeded(session: AsyncSession, item: _Open, nodes: int) -> bool:
-    """Shared fate (docs/invariants.md, invariant 2): a leftover rank that had exited 0 is
-    noted on its `job_nodes` row; the attempt succeeded only when every one of its `nodes`
-    ranks has exited 0. A rank that failed, one killed for another's sake, or rows already
-    replaced by a newer attempt's claim mean it did not. Caller's transaction."""
+async def _ranks_succeeded(session: AsyncSession, item: _Open) -> bool:
+    """Whether the leftover's attempt succeeded by the one outcome rule
+    (`attempts.outcome`: every primary rank exited 0; a group's service ranks, killed
+    rather than exiting 0, do not count), from what is known of each rank: the ledger rows
+    of that attempt (kept whatever a newer claim did to `job_nodes`), and `job_nodes` while
+    they are still that attempt's, where a rank that had exited 0 is noted for `job show`.
+    Caller's transaction."""
     at_attempt = (JobNode.job_id == item.job_id) & (JobNode.attempt == item.attempt)
     await session.execute(
         update(JobNode)
         .where(at_attempt, JobNode.vm_id == item.target.id, JobNode.exit_code.is_(None))
         .values(exit_code=0)
     )
-    codes = (await session.execute(select(JobNode.exit_code).where(at_attempt))).scalars().all()
-    return len(codes) == nodes and all(code == 0 for code in codes)
+    shape = await job_shape(session, item.job_id)
+    if shape is None:
+        return False
+    codes = await exit_codes(session, item.job_id, item.attempt)
+    ledger = await session.execute(
+        select(Leftover.rank, Leftover.exit_code).where(
+            Leftover.job_id == item.job_id,
+            Leftover.attempt == item.attempt,
+            Leftover.rank.is_not(None),
+            Leftover.exit_code.is_not(None),
+        )
+    )
+    for rank, code in ledger.all():
+        codes[rank] = code if codes.get(rank) is None else codes[rank]
+    return succeeded(shape, codes)
 
 
 @dataclass(frozen=True)
@@ -354,6 +392,7 @@ class LeftoverSweep:
                     job_id=item.job_id,
                     attempt=item.attempt,
                     error=error,
+                    exit_code=kill.exit_code if kill.outcome == "gone" else None,
                 )
                 if error is None:
                     report.killed.append(item.job_id)
@@ -420,8 +459,8 @@ class LeftoverSweep:
         still starting or running is superseded: it becomes a leftover itself (its GPUs stay
         blocked until the next sweep has killed it), and the row names the VM and directory
         of the attempt whose output is the result. A rank of a multi-node attempt is only
-        one part of it: the job completes once every rank is known to have exited 0
-        (`_gang_succeeded`). Caller's transaction."""
+        one part of it: the job completes once the attempt has succeeded by the one outcome
+        rule (`_ranks_succeeded`). Caller's transaction."""
         assert item.run is not None
         job = (
             await session.execute(
@@ -434,7 +473,7 @@ class LeftoverSweep:
         if job is None or JobStatus(job.status) in FINAL_STATES or job.attempt < item.attempt:
             bound.info("late_success_ignored", status=job.status if job else None)
             return
-        if job.nodes > 1 and not await _gang_succeeded(session, item, job.nodes):
+        if job.nodes > 1 and not await _ranks_succeeded(session, item):
             bound.info("late_success_of_one_rank", nodes=job.nodes)
             return
         status = JobStatus(job.status)

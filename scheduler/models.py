@@ -395,6 +395,13 @@ class Leftover(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     """Kill attempts so far."""
     last_error: Mapped[str | None] = mapped_column(Text)
+    rank: Mapped[int | None] = mapped_column(Integer)
+    """The attempt's rank on this VM (its `job_nodes` rank), kept because a newer attempt's
+    claim replaces those rows; NULL for an attempt on one VM (or a row written before)."""
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    """How this rank is known to have ended: copied from `job_nodes` when the attempt was
+    abandoned, or found by the kill (gone, having exited); NULL: not known to have exited.
+    What late success reads (`attempts.outcome`)."""
 
     __table_args__ = (
         UniqueConstraint("vm_id", "job_id", "attempt"),

@@ -32,13 +32,13 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import func, select, text, true, update
+from sqlalchemy import select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
+from scheduler.attempts.ranks import attempt_succeeded, job_shape
 from scheduler.daemon import run_loop
 from scheduler.db import Database, installation_id
-from scheduler.errors import BadInput
 from scheduler.gpus import RECOUNT_SQL, release_in_session
 from scheduler.history import (
     PRUNE_EVERY_S,
@@ -49,7 +49,6 @@ from scheduler.history import (
     record_samples,
 )
 from scheduler.jobs import transition
-from scheduler.jobspec import parse_data
 from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
@@ -808,7 +807,8 @@ async def _finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str)
     """One rank of a multi-node job ended (caller's transaction). Shared fate: a rank
     that failed fails the whole attempt, and every rank still running becomes a leftover
     to kill (`leftovers.abandon_attempt`); a rank that exited 0 is noted, and the job
-    completes when every rank has. Returns whether the job moved."""
+    completes once the attempt has succeeded (`attempts.outcome`: every primary rank exited
+    0). Returns whether the job moved."""
     job = verdict.job
     if verdict.to == JobStatus.COMPLETED:
         await session.execute(
@@ -818,20 +818,10 @@ async def _finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str)
             )
             .values(exit_code=0)
         )
-        primary = await _primary_ranks(session, job.id)
-        left = await session.scalar(
-            select(func.count())
-            .select_from(JobNode)
-            .where(
-                JobNode.job_id == job.id,
-                JobNode.attempt == job.attempt,
-                JobNode.exit_code.is_distinct_from(0),
-                JobNode.rank.in_(primary) if primary is not None else true(),
-            )
-        )
-        if left:
+        if not await attempt_succeeded(session, job.id, job.attempt):
             return False
-        if primary is None:
+        shape = await job_shape(session, job.id)
+        if shape is None or not shape.group:
             return await _finish_job(session, verdict)
         return await _finish_group(session, verdict)
     record = await _attempt_record(session, job)
@@ -867,23 +857,6 @@ async def _attempt_record(session: AsyncSession, job: LiveJob) -> AttemptRecord 
         )
     ).first()
     return None if row is None else AttemptRecord.from_row(row)
-
-
-async def _primary_ranks(session: AsyncSession, job_id: int) -> list[int] | None:
-    """The ranks (VMs of its layout) of a job group spread over several VMs that run a
-    primary role; None for a job that is not a group (every rank counts)."""
-    roles = await session.scalar(select(Job.roles).where(Job.id == job_id))
-    if roles is None:
-        return None
-    try:
-        group = parse_data(roles)
-    except BadInput:
-        return None  # checked at the claim; should it not read back, every rank counts
-    return [
-        rank
-        for rank, node in enumerate(group.layout())
-        if any(group.role(name).primary for name, _rank in node.roles)
-    ]
 
 
 async def _finish_group(session: AsyncSession, verdict: JobVerdict) -> bool:

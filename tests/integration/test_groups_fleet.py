@@ -27,7 +27,7 @@ from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
 from scheduler.gpus import DOUBLE_BOOKED_SQL, PARTIAL_CLAIMS_SQL
 from scheduler.jobspec import parse_data
-from scheduler.models import GPU, VM, JobEvent, JobPort
+from scheduler.models import GPU, VM, JobEvent, JobPort, Leftover
 from scheduler.requeue import RequeueConfig, RequeueManager
 from scheduler.retry import RetryPolicy
 from scheduler.transport import Transport
@@ -556,3 +556,81 @@ async def test_a_dead_server_vm_or_server_kills_the_trainer_and_retries_the_grou
         ), failed
     await nothing_left(fleet)
     await no_gpu_or_port_held(db)
+
+
+async def test_the_late_success_of_a_group_over_two_vms_completes_it_once(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
+) -> None:
+    """Given a group over two VMs whose trainer's VM went silent (its processes live on),
+    its attempt given up for lost (`node_lost`: the server on the other VM killed) and
+    retried elsewhere, when the silent VM answers again and its trainer turns out to have
+    exited 0, then the job is completed once, from the first attempt: one outcome rule (every
+    VM running a primary role exited 0) holds for late success as for a live attempt, though
+    the server's rank was killed, not exiting 0. The retry is stopped; nothing is left
+    running, no GPU or port held."""
+    fleet, _addresses, poller = await spread_fleet(sim_fleet, db, transport, 3)
+    by_name = {vm.name: vm for vm in fleet}
+    async with db.transaction() as session:
+        names = dict((await session.execute(select(VM.id, VM.name))).all())
+    job_id = await new_job(
+        db,
+        2,
+        nodes=2,
+        max_retries=0,
+        roles=spread_roles(first_s=6, later_s=300),
+        model="-",
+        dataset="-",
+        reward_functions=("-",),
+    )
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+        first = await job_nodes(db, job_id)
+        trainer_dir = Path(first[0].attempt_dir or "")
+        await wait_file(trainer_dir / "trainer.log", needle="{")
+        lost = first[0].vm_id
+        assert lost is not None
+        silent = by_name[names[lost]]
+        await silent.stop()  # silent; the trainer lives on
+        await sweep_until(poller, db, lost, "unreachable")
+        await age_outages(db, CONFIG.node_lost_timeout_s + 1)
+        await until(db, poller, requeue, _attempt_running(db, job_id, 2), "attempt 2 running")
+        # Meanwhile the partitioned trainer finishes its work.
+        assert (await wait_file(trainer_dir / "exit_code", timeout=30)).strip() == "0"
+        await silent.start()
+        await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
+        job = await job_row(db, job_id)
+        await until(db, poller, requeue, _no_open_leftover(db), "every leftover killed")
+    assert (job.exit_code, job.failure_reason, job.completed_attempt) == (0, None, 1)
+    assert (job.attempt, job.vm_id) == (2, lost)
+    async with db.transaction() as session:
+        completed = (
+            await session.execute(
+                select(JobEvent.reason).where(
+                    JobEvent.job_id == job_id, JobEvent.to_status == "completed"
+                )
+            )
+        ).scalars().all()
+    assert len(completed) == 1, completed
+    assert f"attempt 1 on {names[lost]}" in (completed[0] or "")
+    assert "attempt 2 stopped" in (completed[0] or "")
+    await nothing_left(fleet)
+    await no_gpu_or_port_held(db)
+
+
+def _attempt_running(db: Database, job_id: int, attempt: int) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        job = await job_row(db, job_id)
+        return job.status == "running" and job.attempt == attempt
+
+    return check
+
+
+def _no_open_leftover(db: Database) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        async with db.transaction() as session:
+            left = await session.scalar(
+                select(Leftover.job_id).where(Leftover.killed_at.is_(None)).limit(1)
+            )
+        return left is None
+
+    return check
