@@ -12,8 +12,8 @@ claimed once, because the second delivery finds it no longer queued. The launche
 a batch are then recorded `running` by one statement (`mark_running_batch`), again with
 their event rows.
 
-A batch counts the free GPUs once and plans a shortlist of VMs (`_shortlist`), so that each
-claim looks at a few VMs' rows instead of counting the whole fleet again; a claim that
+A batch counts the free GPUs once and plans a shortlist of VMs (`placement.shortlist`), so
+that each claim looks at a few VMs' rows instead of counting the whole fleet again; a claim that
 misses there falls back to the whole fleet, which alone decides pending and contended.
 
 What a free GPU is, and giving GPUs back, is `scheduler.gpus`; attempts left behind on a
@@ -22,7 +22,6 @@ VM are `scheduler.leftovers`.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -40,16 +39,21 @@ from scheduler.gpus import (
     LOCK_FREE_ON_VM_SQL,
     USABLE_VM,
     VM_SIZES_SQL,
-    demand_order,
-    demands_fit,
-    short_of,
-    vm_order,
 )
 from scheduler.jobs import move_event_sql, move_set_sql, transition
 from scheduler.leftovers import AttemptRecord, abandon_attempt, leftover_may_run
 from scheduler.logging import get_logger
 from scheduler.models import Job, JobNode, JobPort
-from scheduler.pending import unsatisfiable_gang_reason, unsatisfiable_reason
+from scheduler.placement import (
+    demand_order,
+    demands_fit,
+    short_of,
+    shortlist,
+    tie_break_sql,
+    unsatisfiable_gang_reason,
+    unsatisfiable_reason,
+    vm_order,
+)
 from scheduler.remote import ROOT, Attempt, default_output_dir, new_token
 from scheduler.states import FailureReason, JobStatus
 from scheduler.validate import job_row_problem
@@ -85,7 +89,7 @@ WITH {LEFTOVER_GPUS}, cand AS (
     -- Best fit: the fullest VM that still fits. Ties are broken per job, so that
     -- concurrent claimers spread over equally full VMs instead of queueing on one.
     SELECT vm_id, free FROM cand WHERE free >= :need
-    ORDER BY free, (vm_id * 2654435761 + :job_id) % 4294967296 LIMIT :candidates
+    ORDER BY free, {tie_break_sql('vm_id', ':job_id')} LIMIT :candidates
 ), locked AS MATERIALIZED (
     -- Lock at most `need` free rows per candidate VM; rows another claimer holds are
     -- skipped, never waited for.
@@ -98,7 +102,7 @@ WITH {LEFTOVER_GPUS}, cand AS (
 ), chosen_vm AS (
     SELECT l.vm_id FROM locked l JOIN fit f ON f.vm_id = l.vm_id
     GROUP BY l.vm_id, f.free HAVING count(*) >= :need
-    ORDER BY f.free, (l.vm_id * 2654435761 + :job_id) % 4294967296 LIMIT 1
+    ORDER BY f.free, {tie_break_sql('l.vm_id', ':job_id')} LIMIT 1
 ), chosen AS (
     SELECT l.id, l.index, l.uuid FROM locked l WHERE l.vm_id = (SELECT vm_id FROM chosen_vm)
     ORDER BY l.index LIMIT :need
@@ -368,31 +372,14 @@ async def _fail_unusable(conn: AsyncConnection, job_id: int, problem: str, actor
 
 
 async def _shortlist(conn: AsyncConnection, rows: Sequence[Any], candidates: int) -> list[int]:
-    """The VMs a batch's claims look at first: best fit played out on one count of the free
-    GPUs, keeping for each job (in id order) `candidates` of the fullest VMs that fit it.
-
-    Only a hint: each claim still locks and checks its GPU rows itself, and a claim that
-    finds nothing on the shortlist searches the whole fleet."""
-    by_free: dict[int, list[int]] = defaultdict(list)
-    for vm_id, free in sorted((await conn.execute(FREE_BY_VM_SQL)).all()):
-        by_free[free].append(vm_id)
-    named: set[int] = set()
-    for row in rows:
-        need = row.gpus_requested
-        picked: list[tuple[int, int]] = []
-        for free in sorted(n for n, vms in by_free.items() if n >= need and vms):
-            vms = by_free[free]
-            start = row.id * 2654435761 % len(vms)  # spread jobs over equally full VMs
-            take = min(candidates - len(picked), len(vms))
-            picked += [(free, vms[(start + k) % len(vms)]) for k in range(take)]
-            if len(picked) >= candidates:
-                break
-        named.update(vm_id for _free, vm_id in picked)
-        if picked:
-            free, vm_id = picked[0]
-            by_free[free].remove(vm_id)
-            by_free[free - need].append(vm_id)
-    return sorted(named)
+    """The VMs a batch's claims look at first (`placement.shortlist` over one count of the
+    free GPUs)."""
+    free = (await conn.execute(FREE_BY_VM_SQL)).all()
+    return shortlist(
+        ((vm_id, n) for vm_id, n in free),
+        ((row.id, row.gpus_requested) for row in rows),
+        candidates,
+    )
 
 
 async def _claim_one(

@@ -112,51 +112,6 @@ async def refresh_available(db: Database, vm_ids: set[int]) -> None:
         await refresh_available_in_session(session, vm_ids)
 
 
-SPREAD = 2654435761
-"""Knuth's multiplicative hash constant: ties between equally full VMs are broken per job,
-so concurrent claimers spread over them instead of queueing on one (as the single-node
-claim does)."""
-
-
-def vm_order(free_by_vm: dict[int, int], need: int, job_id: int) -> list[int]:
-    """The VMs a node needing `need` GPUs may be placed on, best first: those with at least
-    `need` free GPUs, the fullest first (fewest free GPUs, so big free blocks stay whole for
-    big jobs), ties broken by a per-job hash of the VM id. A gang claim takes the first of
-    the list whose GPU rows it can lock, moving down the list past VMs another claimer
-    holds right now (docs/decisions.md, "Gang placement")."""
-    salt = job_id * SPREAD % 2**32
-    fits = [vm for vm, free in free_by_vm.items() if free >= need]
-    return sorted(fits, key=lambda vm: (free_by_vm[vm], (vm * SPREAD % 2**32) ^ salt, vm))
-
-
-def demand_order(demands: list[int]) -> list[int]:
-    """The order in which a gang's nodes are placed: most GPUs first (ties by node).
-
-    The VMs that fit a node are a subset of those that fit any node needing fewer GPUs, so
-    placing the most demanding node first, on any VM that fits it, never blocks a placement
-    that exists: the greedy placement finds one whenever `demands_fit` says so."""
-    return sorted(range(len(demands)), key=lambda node: (-demands[node], node))
-
-
-def short_of(free_by_vm: dict[int, int], demands: list[int]) -> tuple[int, int, int] | None:
-    """Why `demands` (one GPU count per node, each node its own VM) cannot be placed on VMs
-    with these free counts: (n, need, have) = the n nodes needing `need` or more GPUs find
-    only `have` VMs with `need` free; None when a placement exists."""
-    wanted = sorted(demands, reverse=True)
-    for k, need in enumerate(wanted, start=1):
-        if wanted[k : k + 1] == [need]:
-            continue  # count the nodes of one size together
-        have = sum(1 for free in free_by_vm.values() if free >= need)
-        if have < k:
-            return k, need, have
-    return None
-
-
-def demands_fit(free_by_vm: dict[int, int], demands: list[int]) -> bool:
-    """Whether distinct VMs with these free GPU counts can host every node of `demands`."""
-    return short_of(free_by_vm, demands) is None
-
-
 LOCK_FREE_ON_VM_SQL = text(
     f"""
 WITH {LEFTOVER_GPUS}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.placement import could_ever_fit, place
+
 
 @dataclass(frozen=True)
 class PendingJob:
@@ -71,7 +73,7 @@ def plan_pending(
     free = dict(free_by_vm)
     out: list[tuple[int, str]] = []
     for i, job in enumerate(jobs):
-        placed = _place(free, job.node_demands())
+        placed = place(free, job.node_demands())
         if placed is not None:
             for vm, need in placed:
                 free[vm] -= need
@@ -90,32 +92,5 @@ def plan_pending(
 def _satisfiable(job: PendingJob, largest_vm: int | None, vm_sizes: list[int] | None) -> bool:
     """Whether the fleet as it is could ever run `job` (unknown sizes: assume it could)."""
     if vm_sizes is not None:
-        return _place(dict(enumerate(vm_sizes)), job.node_demands()) is not None
+        return could_ever_fit(vm_sizes, job.node_demands())
     return largest_vm is None or (job.nodes == 1 and job.gpus <= largest_vm)
-
-
-def _place(free: dict[int, int], demands: list[int]) -> list[tuple[int, int]] | None:
-    """(VM, GPUs) for every node, each on a VM of its own, most demanding node first on
-    the fullest VM that fits it (as the gang claim places them); None when one fits none."""
-    used: set[int] = set()
-    placed: list[tuple[int, int]] = []
-    for need in sorted(demands, reverse=True):
-        fits = [vm for vm, n in free.items() if n >= need and vm not in used]
-        if not fits:
-            return None
-        vm = min(fits, key=lambda v: (free[v], v))
-        used.add(vm)
-        placed.append((vm, need))
-    return placed
-
-
-def unsatisfiable_reason(need: int, largest_vm: int) -> str:
-    """Why a job can never run on the fleet as it is, in the words `job list` shows."""
-    unit = "GPU" if need == 1 else "GPUs"
-    return f"no VM has {need} {unit} (the largest has {largest_vm})"
-
-
-def unsatisfiable_gang_reason(nodes: int, need: int, big_enough: int) -> str:
-    """Why a multi-node job can never run on the fleet as it is."""
-    unit = "GPU" if need == 1 else "GPUs"
-    return f"needs {nodes} VMs with {need} {unit} each; only {big_enough} VM(s) have that many"

@@ -17,7 +17,7 @@ from scheduler.jobstore import (
     insert_job,
     mark_published,
 )
-from scheduler.pending import unsatisfiable_gang_reason, unsatisfiable_reason
+from scheduler.placement import unsatisfiable_gang_reason, unsatisfiable_reason
 from scheduler.settings import Settings, redact_url
 
 # No SQLAlchemy here: `job submit` runs this over its own psycopg connection
@@ -81,7 +81,7 @@ async def check_fits(tx: SqlTx, gpus: int, nodes: int = 1) -> str | None:
 async def _check_spec_fits(tx: SqlTx, spec: JobSpec) -> str | None:
     """`check_fits` for the job's shape: a job group over several VMs needs its largest
     node on some VM and as many VMs as it has nodes with its smallest node's GPUs (the
-    claim places the exact per-node counts, `gpus.demands_fit`)."""
+    claim places the exact per-node counts, `placement.demands_fit`)."""
     if spec.roles is None or spec.nodes == 1:
         return await check_fits(tx, spec.gpus, spec.nodes)
     from scheduler.jobspec import parse_data

@@ -6,9 +6,9 @@ from __future__ import annotations
 import shlex
 
 from scheduler.claims import gang_never_reason, gang_wait_reason
-from scheduler.gpus import demand_order, demands_fit, short_of, vm_order
 from scheduler.jobspec import GroupSpec, Role
 from scheduler.pending import PendingJob, plan_pending
+from scheduler.placement import demand_order, demands_fit, short_of, vm_order
 from scheduler.remote import (
     Attempt,
     LaunchSpec,
