@@ -115,7 +115,16 @@ def test_finding_postgres_prints_no_runtime_dir_warning() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["scheduler.verdicts", "scheduler.pending", "scheduler.retry", "scheduler.states"]
+    "module",
+    [
+        "scheduler.verdicts",
+        "scheduler.pending",
+        "scheduler.retry",
+        "scheduler.states",
+        "scheduler.placement",
+        "scheduler.attempts.outcome",
+        "scheduler.attempts.shape",
+    ],
 )
 def test_a_pure_decision_module_loads_no_database_ssh_or_nats(module: str) -> None:
     """Given a fresh interpreter, a module of pure decisions loads none of SQLAlchemy,
