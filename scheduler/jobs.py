@@ -27,6 +27,7 @@ from scheduler.jobstore import JobSpec as JobSpec  # where callers have always f
 from scheduler.models import Job, JobNode
 from scheduler.retry import is_machine_fault
 from scheduler.states import STATE_TIMESTAMP, JobStatus, check_move
+from scheduler.validate import UnreadableJson
 
 
 class _Clock:
@@ -335,9 +336,16 @@ def job_to_dict(job: Job, *, events: bool = False, ranks: bool = False) -> dict[
     """A job as plain data, for `--json` and for display (`jobstore.job_dict`, the mapping
     of `job list`); `ranks` adds its nodes (`ranks_to_dicts`), `events` its history."""
     row = {key: getattr(job, column) for key, column in JOB_FIELDS if column is not None}
-    row["env_keys"] = list(job.env or {})
+    # The names of an object's keys only: a row whose env is anything else (written by
+    # hand) has none, and its values are never shown.
+    row["env_keys"] = (
+        [key for key in job.env if isinstance(key, str)] if isinstance(job.env, dict) else []
+    )
     row["vm"] = job.vm.name if job.vm is not None else None
-    row["group"] = isinstance(job.roles, dict)
+    roles = job.roles
+    row["group"] = isinstance(roles, dict) or (
+        isinstance(roles, UnreadableJson) and roles.kind == "object"
+    )
     data = job_dict(row)
     if ranks:
         data["ranks"] = ranks_to_dicts(job)
