@@ -25,8 +25,9 @@ DEFAULT_ROLE = "reward"
 DEFAULT_TIMEOUT_S = 30.0
 SCORE_PATH = "/score"
 
-_ROLE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}$")
-_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+# \Z, not $: `$` also matches before a final newline.
+_ROLE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}\Z")
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")
 
 
 class RewardServerError(ValueError):

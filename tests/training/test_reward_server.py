@@ -82,6 +82,8 @@ def test_the_url_comes_from_the_role_s_injected_address_and_port():
         ({"RLFLEET_REWARD_ADDR": "h", "RLFLEET_REWARD_HTTP": "99999"}, "not a port"),
         ({"RLFLEET_REWARD_ADDR": "h", "RLFLEET_REWARD_HTTP": "80/x"}, "not a port"),
         ({"REWARD_SERVER_ROLE": "a-b;rm", "RLFLEET_REWARD_ADDR": "h"}, "not a role name"),
+        ({"REWARD_SERVER_ROLE": "judge\n", "RLFLEET_REWARD_ADDR": "h"}, "not a role name"),
+        ({"RLFLEET_REWARD_ADDR": "h\n", "RLFLEET_REWARD_HTTP": "1"}, "not a host"),
     ],
 )
 def test_an_unusable_address_is_refused_before_any_request(env: dict[str, str], message: str):
