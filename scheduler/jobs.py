@@ -27,7 +27,7 @@ from scheduler.jobstore import JobSpec as JobSpec  # where callers have always f
 from scheduler.models import Job, JobNode
 from scheduler.retry import is_machine_fault
 from scheduler.states import STATE_TIMESTAMP, JobStatus, check_move
-from scheduler.validate import UnreadableJson
+from scheduler.validate import INT4, UnreadableJson
 
 
 class _Clock:
@@ -150,7 +150,9 @@ async def transition(
     }
     changes.update(values or {})
     if to == JobStatus.FAILED and _is_machine_fault(changes):
-        changes["machine_faults"] = Job.machine_faults + 1
+        # Saturating: a count written at the integer limit must not fail the mover's
+        # transaction (a poll, a requeue tick) with an overflow.
+        changes["machine_faults"] = func.least(Job.machine_faults, INT4[1] - 1) + 1
     if len(sources) == 1:
         src = sources[0]
     else:
