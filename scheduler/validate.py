@@ -330,7 +330,8 @@ def bounded_json_loads(data: str | bytes | bytearray | memoryview) -> Any:
         kind = "null"
     if len(data) > MAX_JSON_CHARS:
         return UnreadableJson(f"JSON longer than {MAX_JSON_CHARS} characters", kind)
-    if json_depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+    opening = data.count("[") + data.count("{")  # fewer: it cannot nest deeper (fast path)
+    if opening > MAX_JSON_DEPTH and json_depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         return UnreadableJson(f"JSON nested deeper than {MAX_JSON_DEPTH} levels", kind)
     try:
         return json.loads(data)
