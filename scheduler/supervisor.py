@@ -125,8 +125,9 @@ class Group:
         if progress and not os.path.isabs(progress):
             env["RLFLEET_PROGRESS_FILE"] = os.path.join(self.directory, progress)
         direct = [*LOOPBACK, *self.addresses(), *_node_addresses(env)]
-        for key in ("no_proxy", "NO_PROXY"):
-            env[key] = with_hosts(env.get(key, ""), direct)
+        # One value for both spellings: a library reading either keeps the user's entries.
+        given = f"{env.get('no_proxy', '')},{env.get('NO_PROXY', '')}"
+        env["no_proxy"] = env["NO_PROXY"] = with_hosts(given, direct)
         argv = [expand(str(word), env) for word in role["argv"]]
         log_path = os.path.join(self.directory, f"{name}.log")
         with open(log_path, "ab") as log:

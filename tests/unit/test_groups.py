@@ -213,6 +213,7 @@ CLIENT = (
     "    print('first try ok', flush=True)\n"
     "except OSError as exc:\n"
     "    print('first try failed', exc, flush=True)\n"
+    "print('no_proxy=%s NO_PROXY=%s' % (os.environ.get('no_proxy'), os.environ.get('NO_PROXY')))\n"
     "open(os.path.join(sys.argv[2], 'client.pid'), 'w').write(str(os.getpid()))\n"
     "time.sleep(float(sys.argv[1]))\n"
 )
@@ -316,11 +317,15 @@ def test_readiness_and_roles_reach_the_group_past_a_proxy_with_the_token(tmp_pat
     path, _port = write_group(tmp_path, server_delay=0.5, client_s=0.2)
     dead = f"http://127.0.0.1:{free_port()}"
     env = {"RLFLEET_GROUP_TOKEN": "ab" * 16, "http_proxy": dead, "HTTP_PROXY": dead}
-    env |= {"no_proxy": "example.org", "NO_PROXY": ""}
+    env |= {"no_proxy": "example.org", "NO_PROXY": "intranet.example"}
     proc = supervise(path, env)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
-    assert "first try ok" in (tmp_path / "client.log").read_text()
+    log = (tmp_path / "client.log").read_text()
+    assert "first try ok" in log
+    # Both spellings name the user's hosts and the group's (Python reads the lower-case one).
+    both = "example.org,intranet.example,127.0.0.1,localhost,::1"
+    assert f"no_proxy={both} NO_PROXY={both}" in log
     assert "ab" * 16 not in out
 
 
