@@ -7,11 +7,18 @@ each completion scores the share of its characters that are letters of the keywo
 model learns to write them), 1.0 when the keyword appears as a word. GET /health answers
 {"status": "ok", "requests": N, "scores": [...]}: how many score requests it served and every
 score it sent, oldest first. Standard library only; replace `score` with your own model.
+
+As a role of a job group it listens at its role's address (`RLFLEET_<ROLE>_ADDR`: loopback
+when the whole group runs on one VM) and answers only requests that carry the attempt's
+token (`Authorization: Bearer $RLFLEET_GROUP_TOKEN`, compared in constant time), as
+`rewards.http` and the group's readiness check send it. Run by hand, it listens on
+127.0.0.1 and, without RLFLEET_GROUP_TOKEN, asks for no token.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
 import json
 import os
 import re
@@ -22,6 +29,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 MAX_BODY = 16 * 1024 * 1024  # Refuse larger requests rather than read them into memory.
+TOKEN_ENV = "RLFLEET_GROUP_TOKEN"
+"""The job group's per-attempt token, which every request must carry (when it is set)."""
+
+
+def authorized(header: str | None, token: str) -> bool:
+    """Whether an Authorization header carries `token` (always, when there is none)."""
+    if not token:
+        return True
+    given = (header or "").encode()
+    return hmac.compare_digest(given, f"Bearer {token}".encode())
 
 
 def score(completion: str, keyword: str) -> float:
@@ -54,17 +71,28 @@ class Ledger:
             return {"status": "ok", "requests": self.requests, "scores": list(self.scores)}
 
 
-def make_handler(keyword: str, ledger: Ledger) -> type[BaseHTTPRequestHandler]:
-    """A request handler class scoring with `keyword` and recording into `ledger`."""
+def make_handler(keyword: str, ledger: Ledger, token: str = "") -> type[BaseHTTPRequestHandler]:
+    """A request handler class scoring with `keyword` and recording into `ledger`, for
+    requests that carry `token` (none needed when it is empty)."""
 
     class Handler(BaseHTTPRequestHandler):
+        def _refused(self) -> bool:
+            if authorized(self.headers.get("Authorization"), token):
+                return False
+            self._send(401, {"error": "a valid token is required"})
+            return True
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self._refused():
+                return
             if self.path.rstrip("/") == "/health":
                 self._send(200, ledger.snapshot())
             else:
                 self._send(404, {"error": "not found"})
 
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            if self._refused():
+                return
             if self.path != "/score":
                 self._send(404, {"error": "not found"})
                 return
@@ -105,19 +133,27 @@ def make_handler(keyword: str, ledger: Ledger) -> type[BaseHTTPRequestHandler]:
 def main(argv: list[str] | None = None) -> int:
     """Serve until interrupted (SIGTERM or Ctrl-C)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    injected = os.environ.get("RLFLEET_REWARD_HTTP", "")
+    role = (os.environ.get("RLFLEET_ROLE") or "reward").upper()
+    parser.add_argument(
+        "--host",
+        default=os.environ.get(f"RLFLEET_{role}_ADDR") or "127.0.0.1",
+        help="address to listen on (default: $RLFLEET_<ROLE>_ADDR, the address the scheduler "
+        "gave this role, else 127.0.0.1)",
+    )
+    injected = os.environ.get(f"RLFLEET_{role}_HTTP") or os.environ.get("RLFLEET_REWARD_HTTP", "")
     parser.add_argument(
         "--port",
         type=int,
         default=int(injected) if injected.isdigit() else None,
         required=not injected.isdigit(),
-        help="port to listen on (default: $RLFLEET_REWARD_HTTP, the port the scheduler picked)",
+        help="port to listen on (default: $RLFLEET_<ROLE>_HTTP, the port the scheduler picked)",
     )
     parser.add_argument("--keyword", default="hello", help="the word completions are scored on")
     args = parser.parse_args(argv)
     ledger = Ledger()
-    server = ThreadingHTTPServer((args.host, args.port), make_handler(args.keyword, ledger))
+    token = os.environ.get(TOKEN_ENV, "")
+    handler = make_handler(args.keyword, ledger, token)
+    server = ThreadingHTTPServer((args.host, args.port), handler)
     print(f"reward server listening on {args.host}:{args.port}", flush=True)
     # A job group stops its services with SIGTERM: end the way Ctrl-C does, with a summary.
     signal.signal(signal.SIGTERM, _interrupt)

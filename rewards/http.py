@@ -4,6 +4,9 @@ The server runs as the job's `reward` role; the scheduler injects its address as
 `RLFLEET_REWARD_ADDR` and its named port `http` as `RLFLEET_REWARD_HTTP` (another role name:
 set `REWARD_SERVER_ROLE`). Use it as `--reward_function rewards.http:remote_score`. The protocol
 and an example server are in docs/reward-server.md and examples/reward_server.py.
+
+Every request carries the attempt's token (`Authorization: Bearer $RLFLEET_GROUP_TOKEN`, when
+set) and goes straight to the server: proxies in the environment are not used for it.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from rewards._text import Completion, completion_text
 
 ROLE_ENV = "REWARD_SERVER_ROLE"
 TIMEOUT_ENV = "REWARD_SERVER_TIMEOUT"
+TOKEN_ENV = "RLFLEET_GROUP_TOKEN"
+"""The job group's per-attempt token: sent with every request (never printed)."""
 DEFAULT_ROLE = "reward"
 DEFAULT_TIMEOUT_S = 30.0
 SCORE_PATH = "/score"
 
-_ROLE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}$")
-_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+# \Z, not $: `$` also matches before a final newline.
+_ROLE = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}\Z")
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)\Z")
 
 
 class RewardServerError(ValueError):
@@ -77,6 +83,20 @@ def _timeout(env: Mapping[str, str]) -> float:
     return timeout
 
 
+def _headers(env: Mapping[str, str]) -> dict[str, str]:
+    """The request's headers: JSON, and the job group's token when it has one."""
+    headers = {"Content-Type": "application/json"}
+    token = env.get(TOKEN_ENV)
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""Requests to the group's own server go straight to it: a proxy in the environment
+(`http_proxy`, for the VM's downloads) is never used for them."""
+
+
 def remote_score(
     prompts: Sequence[Any], completions: Sequence[Completion], **kwargs: Any
 ) -> list[float | None]:
@@ -91,11 +111,9 @@ def remote_score(
     body = json.dumps(
         {"prompts": list(prompts), "completions": [completion_text(c) for c in completions]}
     ).encode()
-    request = urllib.request.Request(
-        url, data=body, method="POST", headers={"Content-Type": "application/json"}
-    )
+    request = urllib.request.Request(url, data=body, method="POST", headers=_headers(os.environ))
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 - http only
+        with _DIRECT.open(request, timeout=timeout) as response:
             answer = response.read()
     except urllib.error.HTTPError as exc:
         if exc.code >= 500:

@@ -308,6 +308,10 @@ async def claim_batch_in_session(
             Job.extra_args,
             Job.env,
             Job.roles,
+            Job.attempt,
+            Job.retry_count,
+            Job.max_retries,
+            Job.machine_faults,
             leftover_may_run(Job.id).label("leftover"),
         )
         .where(Job.id.in_(ids))

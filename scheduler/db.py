@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import (
 
 from scheduler.models import Installation
 from scheduler.settings import normalize_database_url
+from scheduler.validate import bounded_json_loads
 
 
 def is_unavailable(exc: BaseException) -> bool:
@@ -44,6 +45,9 @@ def make_engine(url: str, *, pool_size: int = 5, echo: bool = False) -> AsyncEng
         pool_pre_ping=True,
         echo=echo,
         connect_args={"connect_timeout": 5},
+        # A JSON column too deep or too long to decode reads as an `UnreadableJson`,
+        # which its row's checks refuse: never an exception in the middle of a batch.
+        json_deserializer=bounded_json_loads,
     )
 
 

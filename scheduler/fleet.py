@@ -22,7 +22,9 @@ from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM, Job
 from scheduler.states import LIVE_STATES, FailureReason, JobStatus
 from scheduler.validate import check_text
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_RE = re.compile(
+    r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z"
+)  # \Z: `$` matches before a final newline
 
 
 @dataclass(frozen=True)

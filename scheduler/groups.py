@@ -38,6 +38,18 @@ ROLE_STOP_GRACE_S = 3.0
 the kill script's grace, so the roles are gone before the supervisor is."""
 VLLM_MODULE = ("-m", "trl.cli.main", "vllm-serve")
 """`trl vllm-serve`, run by the VM's python (no PATH lookup)."""
+LOOPBACK = "127.0.0.1"
+"""Every role's address in a group on one VM: its services are never on the network."""
+TOKEN_ENV = "RLFLEET_GROUP_TOKEN"
+"""The attempt's token (`group_token`): in the environment of every role of the attempt,
+through the launch's job.env (mode 0600), never in `group.json`, the database or a log."""
+
+
+def group_token() -> str:
+    """A new token for one attempt of a job group (128 random bits, hex)."""
+    import secrets
+
+    return secrets.token_hex(16)
 
 
 @dataclass(frozen=True)
@@ -164,11 +176,13 @@ def group_launch(
     group over several VMs, only the roles (ranks) of layout node `node`, whose VMs'
     internal addresses are `node_addresses` (layout order). A role's address is its rank
     0's VM's, where its readiness check is made; a rank of a role on several nodes gets
-    its place (`remote.rendezvous_env`) with its rank 0's rendezvous port."""
+    its place (`remote.rendezvous_env`) with its rank 0's rendezvous port. A group on one
+    VM (`node` None) has every client of its services beside them: each role's address is
+    loopback, so that a service that listens at its address is on no network."""
     layout = group.layout()
     if node is None:
         members = {r.name: 0 for r in group.roles}
-        addresses: Sequence[str] = [place.address] * len(layout)
+        addresses: Sequence[str] = [LOOPBACK] * len(layout)
     else:
         members = dict(layout[node].roles)
         addresses = node_addresses or [place.address] * len(layout)

@@ -27,6 +27,7 @@ from scheduler.jobstore import JobSpec as JobSpec  # where callers have always f
 from scheduler.models import Job, JobNode
 from scheduler.retry import is_machine_fault
 from scheduler.states import STATE_TIMESTAMP, JobStatus, check_move
+from scheduler.validate import INT4, UnreadableJson
 
 
 class _Clock:
@@ -149,7 +150,9 @@ async def transition(
     }
     changes.update(values or {})
     if to == JobStatus.FAILED and _is_machine_fault(changes):
-        changes["machine_faults"] = Job.machine_faults + 1
+        # Saturating: a count written at the integer limit must not fail the mover's
+        # transaction (a poll, a requeue tick) with an overflow.
+        changes["machine_faults"] = func.least(Job.machine_faults, INT4[1] - 1) + 1
     if len(sources) == 1:
         src = sources[0]
     else:
@@ -335,9 +338,16 @@ def job_to_dict(job: Job, *, events: bool = False, ranks: bool = False) -> dict[
     """A job as plain data, for `--json` and for display (`jobstore.job_dict`, the mapping
     of `job list`); `ranks` adds its nodes (`ranks_to_dicts`), `events` its history."""
     row = {key: getattr(job, column) for key, column in JOB_FIELDS if column is not None}
-    row["env_keys"] = list(job.env or {})
+    # The names of an object's keys only: a row whose env is anything else (written by
+    # hand) has none, and its values are never shown.
+    row["env_keys"] = (
+        [key for key in job.env if isinstance(key, str)] if isinstance(job.env, dict) else []
+    )
     row["vm"] = job.vm.name if job.vm is not None else None
-    row["group"] = isinstance(job.roles, dict)
+    roles = job.roles
+    row["group"] = isinstance(roles, dict) or (
+        isinstance(roles, UnreadableJson) and roles.kind == "object"
+    )
     data = job_dict(row)
     if ranks:
         data["ranks"] = ranks_to_dicts(job)

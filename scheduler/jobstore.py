@@ -22,10 +22,12 @@ from scheduler.states import JobStatus
 from scheduler.validate import (
     INT4,
     JOB_NAME_MAX,
+    MAX_ENV_VALUE,
     MAX_GPUS,
     MAX_NODES,
     MAX_RETRIES,
     TEXT_MAX,
+    UnreadableJson,
     check_int,
     check_text,
     extra_args_problem,
@@ -57,8 +59,6 @@ def colon_style(sql: str) -> str:
 
 EVENT_COLUMNS = ("job_id", "from_status", "to_status", "reason", "actor", "attempt")
 """The columns of a `job_events` row, in the order the event inserts fill them."""
-
-MAX_ENV_VALUE = 32768
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,10 @@ it shows, or None for the two that are not a column of the row: `env_keys` (the 
 the job's variables, never their values, which may be secrets) and `vm` (its VM's name)."""
 
 _COMPUTED_SQL = {
-    "env_keys": "ARRAY(SELECT jsonb_object_keys(j.env))",
+    # Only an object has keys: a row whose env is anything else (written by hand) shows
+    # none, never its values.
+    "env_keys": "ARRAY(SELECT jsonb_object_keys(CASE jsonb_typeof(j.env) WHEN 'object' "
+    "THEN j.env ELSE '{}' END))",
     "vm": "v.name",
     # A job group: `gpus` is then every VM's GPUs together, not each node's.
     "group": "coalesce(jsonb_typeof(j.roles) = 'object', false)",
@@ -285,6 +288,8 @@ def job_dict(row: Mapping[str, Any]) -> dict[str, Any]:
     or an ORM job: `jobs.job_to_dict`)."""
     data = {key: row[key] for key, _ in JOB_FIELDS}
     data["env_keys"] = sorted(data["env_keys"] or ())
+    if isinstance(data["extra_args"], UnreadableJson):  # too deep to decode: shown as null
+        data["extra_args"] = None
     return data
 
 

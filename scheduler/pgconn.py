@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from scheduler.validate import check_database_url, parse_database_url
+from scheduler.validate import bounded_json_loads, check_database_url, parse_database_url
 
 if TYPE_CHECKING:
     import psycopg
@@ -74,10 +74,14 @@ class PgDatabase:
         """The connection, opened on first use (autocommit: each transaction is explicit)."""
         if self._connection is None:
             import psycopg
+            from psycopg.types.json import set_json_loads
 
             self._connection = await psycopg.AsyncConnection.connect(
                 autocommit=True, **connect_kwargs(self.url)
             )
+            # As the daemons' engine: a JSON column too deep to decode is an
+            # `UnreadableJson`, never an exception that loses the whole listing.
+            set_json_loads(bounded_json_loads, self._connection)
         return self._connection
 
     @asynccontextmanager

@@ -104,7 +104,10 @@ class RetryPolicy:
 
     def backoff(self, retry_count: int, rng: random.Random) -> float:
         """Seconds to wait before retry number `retry_count + 1`, jitter included."""
-        raw = min(self.max_delay_s, self.base_delay_s * self.factor ** max(0, retry_count))
+        # The exponent is bounded: a count read from a row may be any integer a column holds,
+        # and a float power past ~1e308 raises OverflowError (the delay is capped anyway).
+        exponent = min(max(0, retry_count), 64)
+        raw = min(self.max_delay_s, self.base_delay_s * self.factor**exponent)
         return max(0.0, raw * rng.uniform(1.0 - self.jitter, 1.0 + self.jitter))
 
 

@@ -27,6 +27,12 @@ runs, stops every role and the supervisor exits with that role's code (1 for a s
 that exited 0 too early). When every primary role has exited 0 the others are stopped
 (TERM, KILL after the grace period) and the supervisor exits 0. TERM/INT/HUP stop every
 role and exit 128 + the signal.
+
+The group's own traffic never goes through a proxy: readiness checks are made directly,
+with the attempt's token (`Authorization: Bearer $RLFLEET_GROUP_TOKEN`, which the launch puts
+in the supervisor's environment, never in `group.json`), and every role gets `no_proxy` /
+`NO_PROXY` naming loopback and the group's addresses, added to any it had, so that a
+`http_proxy` meant for downloads does not swallow calls between roles.
 """
 
 from __future__ import annotations
@@ -55,6 +61,9 @@ MARK = "rlfleet-group:"
 ROLES_FILE = "roles.json"
 """Each role's pid, state (`waiting`, `running`, `exited`, `stopped`) and exit code."""
 POLL_S = 0.2
+TOKEN_ENV = "RLFLEET_GROUP_TOKEN"
+"""The attempt's token, which a group's services may ask of every request."""
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def say(text: str) -> None:
@@ -115,6 +124,10 @@ class Group:
         progress = env.get("RLFLEET_PROGRESS_FILE")
         if progress and not os.path.isabs(progress):
             env["RLFLEET_PROGRESS_FILE"] = os.path.join(self.directory, progress)
+        direct = [*LOOPBACK, *self.addresses(), *_node_addresses(env)]
+        # One value for both spellings: a library reading either keeps the user's entries.
+        given = f"{env.get('no_proxy', '')},{env.get('NO_PROXY', '')}"
+        env["no_proxy"] = env["NO_PROXY"] = with_hosts(given, direct)
         argv = [expand(str(word), env) for word in role["argv"]]
         log_path = os.path.join(self.directory, f"{name}.log")
         with open(log_path, "ab") as log:
@@ -136,6 +149,11 @@ class Group:
         self.started_at[name] = time.monotonic()
         self.note(name, pid=proc.pid, state="running")
         say(f"role {name} started, pid {proc.pid}")
+
+    def addresses(self) -> list[str]:
+        """Where the group's roles are: every role's address and readiness-check host."""
+        found = [v for k, v in self.env.items() if k.startswith("RLFLEET_") and k.endswith("_ADDR")]
+        return found + [str(check.get("host", "")) for check in self.checks.values()]
 
     def wait_ready(self, name: str) -> None:
         """Wait until role `name` passes its readiness check (none: it only has to run)."""
@@ -240,8 +258,28 @@ def expand(word: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\{(RLFLEET_[A-Z0-9_]+)\}|\$(RLFLEET_[A-Z0-9_]+)", value, word)
 
 
+def with_hosts(value: str, hosts: list[str]) -> str:
+    """A `no_proxy` value: `value`'s entries, then each of `hosts` it lacks."""
+    entries = [e.strip() for e in value.split(",") if e.strip()]
+    for host in hosts:
+        if host and host not in entries:
+            entries.append(host)
+    return ",".join(entries)
+
+
+def _node_addresses(env: dict[str, str]) -> list[str]:
+    """The VMs of a role on several nodes (its rank's variables), for `no_proxy`."""
+    nodes = [a for a in env.get("RLFLEET_NODE_ADDRS", "").split(",") if a]
+    return nodes + ([env["MASTER_ADDR"]] if env.get("MASTER_ADDR") else [])
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""An opener that ignores proxies: readiness checks go to the group's own addresses."""
+
+
 def probe(check: dict[str, Any]) -> bool:
-    """One readiness check: HTTP GET of the path answers 2xx, or the TCP port accepts."""
+    """One readiness check: HTTP GET of the path answers 2xx (asked directly, never through
+    a proxy, with the attempt's token when there is one), or the TCP port accepts."""
     host, port = str(check["host"]), int(check["port"])
     path = check.get("path")
     try:
@@ -249,7 +287,10 @@ def probe(check: dict[str, Any]) -> bool:
             with socket.create_connection((host, port), timeout=2):
                 return True
         url = f"http://{_url_host(host)}:{port}{path}"
-        with urllib.request.urlopen(url, timeout=2) as answer:  # noqa: S310 - http only
+        token = os.environ.get(TOKEN_ENV)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        request = urllib.request.Request(url, headers=headers)
+        with _DIRECT.open(request, timeout=2) as answer:
             return bool(200 <= answer.status < 300)
     except (OSError, urllib.error.URLError, ValueError):
         return False

@@ -270,14 +270,129 @@ def extra_args_problem(args: Sequence[Any]) -> str | None:
     return None
 
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects read back from a JSON column (a job's roles are
+about 5 levels deep): deeper values are `UnreadableJson`, never decoded."""
+MAX_JSON_CHARS = 32 << 20
+"""Longest JSON column value decoded (32 Mi characters: a job's 1,000 arguments of 4,096
+characters are 4 Mi): longer ones are `UnreadableJson`."""
+MAX_ENV_VALUE = 32768
+"""Longest value of one job variable (`--env KEY=VALUE`)."""
+
+
+@dataclass(frozen=True)
+class UnreadableJson:
+    """What a JSON column reads back as when its value is not decoded (`bounded_json_loads`):
+    nested deeper than MAX_JSON_DEPTH, longer than MAX_JSON_CHARS, or a number Python will
+    not convert. Neither a dict nor a list, so every check of the column's type refuses it;
+    `kind` is the JSON type of the whole value."""
+
+    problem: str
+    kind: str = "value"
+
+    def __str__(self) -> str:
+        return self.problem
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+_JSON_KINDS = {"{": "object", "[": "array", '"': "string", "t": "boolean", "f": "boolean"}
+
+
+def json_depth(text: str, limit: int) -> int:
+    """How deep arrays and objects nest in the JSON `text`, counted up to `limit + 1` (a
+    scan of the brackets outside strings: no recursion, whatever the depth)."""
+    depth = deepest = 0
+    for match in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
+        if match.group() in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        else:
+            depth -= 1
+    return deepest
+
+
+def bounded_json_loads(data: str | bytes | bytearray | memoryview) -> Any:
+    """`json.loads` for values read from the database, which never raises: a value
+    longer than MAX_JSON_CHARS, nested deeper than MAX_JSON_DEPTH (checked before decoding:
+    Python's decoder recurses, and a row 3,000 deep would raise `RecursionError` in the
+    middle of a batch) or that cannot be decoded becomes an `UnreadableJson` saying why.
+    The database engine and the command line's connection decode JSON columns with it."""
+    import json
+
+    if not isinstance(data, str):
+        data = bytes(data).decode("utf-8", errors="replace")
+    kind = _JSON_KINDS.get(data.lstrip()[:1], "number")
+    if data.lstrip()[:1] == "n":
+        kind = "null"
+    if len(data) > MAX_JSON_CHARS:
+        return UnreadableJson(f"JSON longer than {MAX_JSON_CHARS} characters", kind)
+    opening = data.count("[") + data.count("{")  # fewer: it cannot nest deeper (fast path)
+    if opening > MAX_JSON_DEPTH and json_depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        return UnreadableJson(f"JSON nested deeper than {MAX_JSON_DEPTH} levels", kind)
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:  # a number beyond int's digit limit
+        return UnreadableJson(f"JSON that cannot be read ({_last_words(exc)})", kind)
+
+
+def _last_words(exc: BaseException) -> str:
+    """The first line of an exception's message, at most 80 characters."""
+    text = (str(exc).splitlines() or [type(exc).__name__])[0]
+    return text[:80]
+
+
+def env_problem(env: Any) -> str | None:
+    """Why a job row's `env` (a JSON object of one-line strings, names a job may set)
+    cannot be used, or None."""
+    from scheduler.remote import env_key_problem
+
+    if isinstance(env, UnreadableJson):
+        return f"env: {env.problem}"
+    if not isinstance(env, dict):
+        return f"env must be a JSON object of strings, not a JSON {_json_kind(env)}"
+    for key, value in env.items():
+        problem = env_key_problem(key)
+        if problem:
+            return f"env: {problem}"
+        if not isinstance(value, str):
+            return f"env {key}: the value is not a string"
+        if any(c in value for c in "\r\n\0"):
+            return f"env {key}: the value must be one line"
+        if len(value) > MAX_ENV_VALUE:
+            return f"env {key}: the value is longer than {MAX_ENV_VALUE} characters"
+    return None
+
+
+ROW_COUNTS: tuple[tuple[str, int, int], ...] = (
+    # The scheduler adds one to each: the largest value must leave room for it.
+    ("attempt", 0, INT4[1] - 1),
+    ("retry_count", 0, INT4[1] - 1),
+    ("machine_faults", 0, INT4[1] - 1),
+    ("max_retries", 0, MAX_RETRIES),
+    ("nodes", 1, MAX_NODES),
+)
+"""A job row's counters and their ranges (`job_row_problem`)."""
+
+
 def job_row_problem(row: Any) -> str | None:
     """Why a job row (from `jobs`, possibly written by hand) cannot be launched, or None.
 
-    Checks what the launch relies on: `extra_args` a JSON array of strings, a GPU count in
-    range, non-empty model, dataset and reward functions."""
+    Checks what the launch relies on: `extra_args` a JSON array of strings, `env` an object
+    of strings a job may set, `roles` a group spec, a GPU count and counters in range
+    (`ROW_COUNTS`: an attempt at the integer limit would overflow at the claim), non-empty
+    model, dataset and reward functions. A JSON column too deep to decode reads as an
+    `UnreadableJson` (`bounded_json_loads`) and is refused here."""
     gpus = row.gpus_requested
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS:
         return f"gpus_requested must be between 1 and {MAX_GPUS}, not {gpus!r}"
+    for field, low, high in ROW_COUNTS:
+        value = getattr(row, field, low)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            return f"{field} must be between {low} and {high}, not {value!r}"
     for field in ("model", "dataset", "reward_function"):
         value = getattr(row, field)
         if not isinstance(value, str) or not value.strip():
@@ -287,10 +402,15 @@ def job_row_problem(row: Any) -> str | None:
             return f"{field} {problem}"
     if not all(r.strip() for r in row.reward_function.split(",")):
         return "reward_function has an empty name"
+    problem = env_problem(getattr(row, "env", {}))
+    if problem:
+        return problem
     roles = getattr(row, "roles", None)
     if roles is not None:
         return roles_problem(roles, gpus, getattr(row, "nodes", 1))
     extra = row.extra_args
+    if isinstance(extra, UnreadableJson):
+        return f"extra_args: {extra.problem}"
     if not isinstance(extra, list):
         return f"extra_args must be a JSON array of strings, not a JSON {_json_kind(extra)}"
     problem = extra_args_problem(extra)
@@ -304,10 +424,14 @@ def roles_problem(roles: Any, gpus: int, nodes: Any = 1) -> str | None:
     from scheduler.errors import BadInput
     from scheduler.jobspec import parse_data
 
+    if isinstance(roles, UnreadableJson):
+        return f"roles: {roles.problem}"
     try:
         group = parse_data(roles)
     except BadInput as exc:
         return f"roles: {exc}"
+    except (ValueError, TypeError, RecursionError) as exc:  # a row no file could give
+        return f"roles: cannot be read ({_last_words(exc)})"
     layout = group.layout()
     if nodes != len(layout):
         return f"roles run on {len(layout)} VM(s), the row asks for {nodes!r}"
@@ -319,8 +443,12 @@ def roles_problem(roles: Any, gpus: int, nodes: Any = 1) -> str | None:
 
 def _json_kind(value: Any) -> str:
     """The JSON name of a decoded value's type."""
+    if isinstance(value, UnreadableJson):
+        return f"{value.kind} ({value.problem})"
     if isinstance(value, dict):
         return "object"
+    if isinstance(value, list):
+        return "array"
     if isinstance(value, str):
         return "string"
     if isinstance(value, bool):

@@ -295,7 +295,8 @@ def check_args(args: ScriptArguments) -> str | None:
 
 
 # A host name or an IPv4/IPv6 address; nothing that could add a path, user or query to a URL.
-_HOST = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+$|^[0-9A-Fa-f:.]+$")
+# \Z, not $: `$` also matches before a final newline.
+_HOST = re.compile(r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+\Z|^[0-9A-Fa-f:.]+\Z")
 
 
 def check_vllm_args(args: ScriptArguments) -> str | None:

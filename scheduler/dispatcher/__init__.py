@@ -54,7 +54,7 @@ from scheduler.daemon import run_loop
 from scheduler.db import Database, is_unavailable
 from scheduler.errors import error_line
 from scheduler.gpus import refresh_available
-from scheduler.groups import GroupPlace, group_launch, node_port_needs
+from scheduler.groups import TOKEN_ENV, GroupPlace, group_launch, group_token, node_port_needs
 from scheduler.jobspec import parse_data
 from scheduler.kill import kill_attempt
 from scheduler.leftovers import AttemptRecord, abandon_attempt
@@ -500,8 +500,9 @@ class GlobalJobDispatcher:
             return ports
         place = _group_place(claim, target, claim.gpu_indices, claim.gpu_uuids)
         launch = group_launch(group, place, ports)
+        secret = ((TOKEN_ENV, group_token()),)  # this attempt's, in job.env only
         return await self._launch_rank(
-            claim, target, claim.gpu_indices, claim.gpu_uuids, group=launch
+            claim, target, claim.gpu_indices, claim.gpu_uuids, group=launch, secret_env=secret
         )
 
     async def _choose_ports_on(
@@ -573,12 +574,20 @@ class GlobalJobDispatcher:
         if isinstance(ports, str):
             return ports
         addresses = [target.training_address for target in targets]
+        secret = ((TOKEN_ENV, group_token()),)  # one per attempt, the same on every VM
         launches = []
         for index, (node, target) in enumerate(zip(claim.nodes, targets, strict=True)):
             place = _group_place(claim, target, node.gpu_indices, node.gpu_uuids)
             launch = group_launch(group, place, ports, node=index, node_addresses=addresses)
             launches.append(
-                self._launch_rank(claim, target, node.gpu_indices, node.gpu_uuids, group=launch)
+                self._launch_rank(
+                    claim,
+                    target,
+                    node.gpu_indices,
+                    node.gpu_uuids,
+                    group=launch,
+                    secret_env=secret,
+                )
             )
         return await self._settle_ranks(claim, targets, list(await asyncio.gather(*launches)))
 
@@ -655,9 +664,11 @@ class GlobalJobDispatcher:
         node: NodeRole | None = None,
         *,
         group: GroupLaunch | None = None,
+        secret_env: tuple[tuple[str, str], ...] = (),
     ) -> LaunchResult | str:
         """Start one rank of the claimed attempt on `target`: its pid and directory, or
-        why it did not start."""
+        why it did not start. `secret_env` (a group's token) goes with the job's own
+        variables into job.env (mode 0600, through stdin), never on a command line."""
         spec = LaunchSpec(
             run=claim.run,
             python=target.python,
@@ -669,7 +680,7 @@ class GlobalJobDispatcher:
             reward_functions=claim.reward_functions,
             output_dir=claim.output_dir,
             extra_args=claim.extra_args,
-            env=claim.env,
+            env=claim.env + secret_env,
             fence_after_s=self.fence_after_s,
             fence_grace_s=self.fence_grace_s,
             node=node,

@@ -221,6 +221,17 @@ BAD_FILES = [
         "  t: {command: [y], gpus: 1, primary: true}\n",
         "roles.a.same_vm_as: t or a has own_vm: true",
     ),
+    # YAML 1.1 would read 1:00 as 60 (base 60); 5,000 digits are past Python's int limit.
+    ("roles:\n  t: {command: [y], gpus: 1:00}\n", "roles.t.gpus: must be an integer"),
+    (
+        "roles:\n  t: {command: [y], gpus: " + "9" * 5000 + "}\n",
+        "job.yaml: line 2: a number longer than 30 digits",
+    ),
+    ('roles:\n  "t\\n": {command: [y]}\n', "roles.'t\\n': 't\\n' is not a name"),
+    (
+        "roles: " + "[" * 40000 + "]" * 40000 + "\n",
+        "job.yaml: line 1: nested deeper than 32 levels",
+    ),
 ]
 
 

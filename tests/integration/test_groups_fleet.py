@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import select, text, update
 
 from scheduler.control import job_details, stream_log
 from scheduler.db import Database
@@ -203,6 +203,46 @@ async def test_the_trainer_starts_after_readiness_and_its_end_stops_the_server(
     assert roles["reward"]["state"] == "running"
     await nothing_left(fleet)
     await no_gpu_or_port_held(db)
+
+
+async def test_a_group_on_one_vm_talks_on_loopback_with_its_token_past_a_proxy(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
+) -> None:
+    """Given a job whose environment names a proxy that answers nothing (`http_proxy`, as a
+    VM's ~/.rlfleet/env may for downloads) and a reward server started without --host: the
+    server listens on loopback (its role's address in a group on one VM), the readiness
+    check and both of the trainer's calls reach it directly with the attempt's token, a
+    request without the token is refused (401), and the token is in no file of the
+    attempt but job.env (mode 0600), nor in the database."""
+    fleet, poller = await polled_vm(sim_fleet, db, transport, gpus=1)
+    async with db.transaction() as session:  # a network address, as a real VM has
+        await session.execute(update(VM).values(internal_address="10.255.255.1"))
+    dead = "http://127.0.0.1:9"
+    proxies = (("http_proxy", dead), ("HTTP_PROXY", dead), ("all_proxy", dead))
+    roles = group_roles(first_s=0.5, server=[sys.executable, SERVER])
+    job_id = await new_group(db, roles, env=proxies)
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
+    folder = Path((await job_row(db, job_id)).attempt_dir or "")
+    report = client_report((folder / "trainer.log").read_text())
+    assert report["health"] == "ok" and report["scores"] == [1.0], report
+    assert report["without_token"] == 401 and report["has_token"], report
+    assert report["addr"] == "127.0.0.1"
+    assert "listening on 127.0.0.1:" in (folder / "reward.log").read_text()
+    token = next(
+        line.split("=", 1)[1].strip('"')
+        for line in (folder / "job.env").read_text().splitlines()
+        if line.startswith("RLFLEET_GROUP_TOKEN=")
+    )
+    assert len(token) == 32 and (folder / "job.env").stat().st_mode & 0o077 == 0
+    for path in folder.iterdir():
+        if path.is_file() and path.name != "job.env":
+            assert token not in path.read_text(errors="replace"), path.name
+    async with db.transaction() as session:
+        dump = await session.execute(text("SELECT CAST(j AS text) FROM jobs j"))
+        events = await session.execute(text("SELECT CAST(e AS text) FROM job_events e"))
+        assert not any(token in row[0] for row in [*dump.all(), *events.all()])
+    await nothing_left(fleet)
 
 
 async def test_killing_the_server_kills_the_trainer_and_retries_the_group(

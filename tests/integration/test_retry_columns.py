@@ -88,6 +88,20 @@ async def test_machine_faults_are_counted_by_the_move_whatever_the_words(db: Dat
     assert job.status_reason == "gave up after 2 VM failures: launch_failed (exit 127) (limit 1)"
 
 
+async def test_a_machine_fault_count_at_the_integer_limit_stays_there(db: Database) -> None:
+    """Given a row whose `machine_faults` was written at the integer limit, one more
+    machine fault is recorded (the job fails, the count stays at the limit) instead of the
+    move's `machine_faults + 1` overflowing in the daemon's transaction."""
+    job_id = await new_job(db)
+    async with db.transaction() as session:
+        await session.execute(
+            text("UPDATE jobs SET machine_faults = 2147483647 WHERE id = :id"), {"id": job_id}
+        )
+    await fail(db, job_id, "node_lost", None, "the VM went away")
+    job = await row(db, job_id)
+    assert (job.status, job.machine_faults) == ("failed", 2**31 - 1)
+
+
 def test_migration_0007_fills_the_columns_from_what_0006_read(postgres: EmbeddedPostgres) -> None:
     """Given jobs at revision 0006 decided by `next_attempt_at` / a "gave up" reason, and
     machine faults told by their events' reasons, upgrading to 0007 keeps every decision

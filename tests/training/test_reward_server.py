@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,6 +83,8 @@ def test_the_url_comes_from_the_role_s_injected_address_and_port():
         ({"RLFLEET_REWARD_ADDR": "h", "RLFLEET_REWARD_HTTP": "99999"}, "not a port"),
         ({"RLFLEET_REWARD_ADDR": "h", "RLFLEET_REWARD_HTTP": "80/x"}, "not a port"),
         ({"REWARD_SERVER_ROLE": "a-b;rm", "RLFLEET_REWARD_ADDR": "h"}, "not a role name"),
+        ({"REWARD_SERVER_ROLE": "judge\n", "RLFLEET_REWARD_ADDR": "h"}, "not a role name"),
+        ({"RLFLEET_REWARD_ADDR": "h\n", "RLFLEET_REWARD_HTTP": "1"}, "not a host"),
     ],
 )
 def test_an_unusable_address_is_refused_before_any_request(env: dict[str, str], message: str):
@@ -125,3 +128,97 @@ def test_a_server_that_stops_answering_ends_training_with_exit_75(tiny_model: Pa
         f"http://127.0.0.1:{port}/score did not answer in 1 s"
     )
     assert "Traceback" not in result.stderr
+
+
+def _start_server(port: int, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    """examples/reward_server.py with `env` added to ours; returns once it answers."""
+    import os
+
+    server = subprocess.Popen(
+        [sys.executable, str(REPO / "examples" / "reward_server.py"), "--port", str(port), *args],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                raise
+            time.sleep(0.1)
+
+
+def _status(port: int, path: str, headers: dict[str, str]) -> int:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers)
+    try:
+        with opener.open(request, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_the_server_answers_only_requests_with_the_groups_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Given the per-attempt token a job group hands its roles (RLFLEET_GROUP_TOKEN), the
+    example server answers /health and /score only to a request that carries it, and
+    `remote_score` sends it; a proxy in the environment (http_proxy, pointing nowhere) is
+    not used for the group's own server."""
+    from rewards.http import remote_score
+
+    token, port, dead = "f3" * 16, _free_port(), _free_port()
+    server = _start_server(port, {"RLFLEET_GROUP_TOKEN": token})
+    try:
+        assert _status(port, "/health", {}) == 401
+        assert _status(port, "/health", {"Authorization": "Bearer " + "0" * 32}) == 401
+        assert _status(port, "/health", {"Authorization": f"Bearer {token}x"}) == 401
+        assert _status(port, "/health", {"Authorization": f"Bearer {token}"}) == 200
+        for name, value in _env(port, RLFLEET_GROUP_TOKEN=token).items():
+            monkeypatch.setenv(name, value)
+        for proxy in ("http_proxy", "HTTP_PROXY", "all_proxy"):
+            monkeypatch.setenv(proxy, f"http://127.0.0.1:{dead}")
+        assert remote_score(["p"], ["hello there"]) == [1.0]
+        monkeypatch.delenv("RLFLEET_GROUP_TOKEN")
+        with pytest.raises(RewardServerError, match="answered 401"):
+            remote_score(["p"], ["hello there"])
+    finally:
+        server.terminate()
+        out, _ = server.communicate(timeout=30)
+    assert token not in out  # never printed
+
+
+def test_the_server_listens_on_its_roles_address_else_loopback() -> None:
+    """Without --host the example server listens where the scheduler said its role is
+    (RLFLEET_<ROLE>_ADDR of RLFLEET_ROLE: loopback in a group on one VM), and run by hand
+    on loopback, never on every interface."""
+    port = _free_port()
+    for env, expected in (
+        ({"RLFLEET_ROLE": "judge", "RLFLEET_JUDGE_ADDR": "127.0.0.2"}, "127.0.0.2"),
+        ({}, "127.0.0.1"),
+    ):
+        clean = {"RLFLEET_ROLE": "", "RLFLEET_REWARD_ADDR": "", **env}
+        server = subprocess.Popen(
+            [sys.executable, str(REPO / "examples" / "reward_server.py"), "--port", str(port)],
+            env={**_base_env(), **clean},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert server.stdout is not None
+            assert (
+                server.stdout.readline().strip() == f"reward server listening on {expected}:{port}"
+            )
+        finally:
+            server.terminate()
+            server.communicate(timeout=30)
+
+
+def _base_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("RLFLEET_")}

@@ -38,6 +38,7 @@ def test_a_base_url_reaches_grpo_config(tmp_path: Path):
         (["--vllm_server_port", "0"], "--vllm_server_port must be a port number"),
         (["--vllm_group_port", "70000"], "--vllm_group_port must be a port number"),
         (["--vllm_server_host", "h/x?y"], "--vllm_server_host: not a host name or address"),
+        (["--vllm_server_host", "h\n"], "--vllm_server_host: not a host name or address"),
         (["--vllm_server_base_url", "file:///etc"], "--vllm_server_base_url: expected http"),
         (["--vllm_server_base_url", "http://u:p@h:1"], "--vllm_server_base_url: expected http"),
         (["--vllm_server_timeout", "0"], "--vllm_server_timeout must be more than 0"),

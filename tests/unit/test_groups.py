@@ -60,13 +60,14 @@ def test_each_role_gets_its_gpus_ports_addresses_and_command() -> None:
         "--output_dir", ".rlfleet/x/outputs/7", "--max_steps", "5",
     ]  # fmt: skip
     assert trainer["depends_on"] == ["reward"] and trainer["primary"] and not reward["primary"]
+    # Every role on one VM: each is reached on loopback, never on the VM's network.
     assert config["env"] == {
-        "RLFLEET_REWARD_ADDR": "10.0.0.5",
+        "RLFLEET_REWARD_ADDR": "127.0.0.1",
         "RLFLEET_REWARD_HTTP": "41000",
-        "RLFLEET_TRAINER_ADDR": "10.0.0.5",
+        "RLFLEET_TRAINER_ADDR": "127.0.0.1",
     }
     assert config["checks"] == {
-        "reward": {"host": "10.0.0.5", "port": 41000, "path": "/health", "timeout_s": 30}
+        "reward": {"host": "127.0.0.1", "port": 41000, "path": "/health", "timeout_s": 30}
     }
     again = group_launch(group, _at(2), {("reward", "http"): 41000})
     assert again.config["roles"][1]["argv"][-2:] == ["--resume", "auto"]
@@ -79,8 +80,9 @@ def _at(attempt: int) -> GroupPlace:
 def test_vllm_server_mode_command_lines_and_environment() -> None:
     """`vllm_server_gpus: 2` beside a one-GPU trainer: `trl vllm-serve` with the trainer's
     model on the first two GPUs, tensor parallel over them, at the VM's address and its
-    own port; the trainer on the third GPU in server mode with the injected address and
-    ports, started only once GET /health answers."""
+    own port, on loopback (the trainer is its only client, beside it); the trainer on the
+    third GPU in server mode with the injected address and ports, started only once GET
+    /health answers."""
     group = parse_text(
         b"vllm_server_gpus: 2\n"
         b"roles:\n  trainer:\n    gpus: 1\n    train: {model: Qwen/Qwen2.5-0.5B, dataset: d, "
@@ -94,7 +96,7 @@ def test_vllm_server_mode_command_lines_and_environment() -> None:
     assert vllm["name"] == "vllm" and not vllm["primary"]
     assert [expand(w, env) for w in vllm["argv"]] == [
         "/opt/venv/bin/python", "-m", "trl.cli.main", "vllm-serve",
-        "--model", "Qwen/Qwen2.5-0.5B", "--host", "10.0.0.5", "--port", "40001",
+        "--model", "Qwen/Qwen2.5-0.5B", "--host", "127.0.0.1", "--port", "40001",
         "--tensor_parallel_size", "2",
     ]  # fmt: skip
     assert vllm["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-a,GPU-b"
@@ -104,17 +106,17 @@ def test_vllm_server_mode_command_lines_and_environment() -> None:
         "/opt/venv/bin/python", "training/train_grpo.py",
         "--model", "Qwen/Qwen2.5-0.5B", "--dataset", "d", "--reward_function", "format",
         "--output_dir", ".rlfleet/x/outputs/7", "--max_steps", "3",
-        "--use_vllm", "--vllm_mode", "server", "--vllm_server_host", "10.0.0.5",
+        "--use_vllm", "--vllm_mode", "server", "--vllm_server_host", "127.0.0.1",
         "--vllm_server_port", "40001", "--vllm_group_port", "40002",
     ]  # fmt: skip
     assert config["checks"]["vllm"] == {
-        "host": "10.0.0.5", "port": 40001, "path": "/health", "timeout_s": 900
+        "host": "127.0.0.1", "port": 40001, "path": "/health", "timeout_s": 900
     }  # fmt: skip
     assert env == {
-        "RLFLEET_VLLM_ADDR": "10.0.0.5",
+        "RLFLEET_VLLM_ADDR": "127.0.0.1",
         "RLFLEET_VLLM_HTTP": "40001",
         "RLFLEET_VLLM_NCCL": "40002",
-        "RLFLEET_TRAINER_ADDR": "10.0.0.5",
+        "RLFLEET_TRAINER_ADDR": "127.0.0.1",
     }
 
 
@@ -191,6 +193,9 @@ SERVER = (
     "time.sleep(float(sys.argv[1]))\n"
     "class H(http.server.BaseHTTPRequestHandler):\n"
     "    def do_GET(self):\n"
+    "        token = os.environ.get('RLFLEET_GROUP_TOKEN')\n"
+    "        if token and self.headers.get('Authorization') != 'Bearer ' + token:\n"
+    "            self.send_response(401); self.end_headers(); return\n"
     "        self.send_response(200); self.end_headers(); self.wfile.write(b'ok')\n"
     "    def log_message(self, *a): pass\n"
     "open(os.path.join(sys.argv[2], 'server.pid'), 'w').write(str(os.getpid()))\n"
@@ -201,10 +206,14 @@ SERVER = (
 CLIENT = (
     "import os, sys, time, urllib.request\n"
     "url = 'http://%s:%s/' % (os.environ['RLFLEET_SRV_ADDR'], os.environ['RLFLEET_SRV_HTTP'])\n"
+    "token = os.environ.get('RLFLEET_GROUP_TOKEN')\n"
+    "headers = {'Authorization': 'Bearer ' + token} if token else {}\n"
     "try:\n"
-    "    urllib.request.urlopen(url, timeout=5).read(); print('first try ok', flush=True)\n"
+    "    urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5).read()\n"
+    "    print('first try ok', flush=True)\n"
     "except OSError as exc:\n"
     "    print('first try failed', exc, flush=True)\n"
+    "print('no_proxy=%s NO_PROXY=%s' % (os.environ.get('no_proxy'), os.environ.get('NO_PROXY')))\n"
     "open(os.path.join(sys.argv[2], 'client.pid'), 'w').write(str(os.getpid()))\n"
     "time.sleep(float(sys.argv[1]))\n"
 )
@@ -254,10 +263,11 @@ def write_group(
     return path, port
 
 
-def supervise(path: Path) -> subprocess.Popen[str]:
+def supervise(path: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     source = Path(__file__).resolve().parents[2] / "scheduler" / "supervisor.py"
     return subprocess.Popen(
         [sys.executable, str(source), str(path)],
+        env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -297,6 +307,26 @@ def test_the_client_starts_after_readiness_and_its_end_stops_the_server(tmp_path
     assert states["client"]["state"] == "exited" and states["client"]["exit_code"] == 0
     assert states["srv"]["state"] == "stopped"
     assert states["srv"]["pid"] == int((tmp_path / "server.pid").read_text())
+
+
+def test_readiness_and_roles_reach_the_group_past_a_proxy_with_the_token(tmp_path: Path) -> None:
+    """Given the attempt's token in the supervisor's environment (as the launch gives it)
+    and a proxy that answers nothing (`http_proxy`, as a VM's ~/.rlfleet/env may set for
+    downloads): the readiness check goes straight to the server with the token, and the
+    roles are told (`no_proxy`) to reach the group's addresses directly too."""
+    path, _port = write_group(tmp_path, server_delay=0.5, client_s=0.2)
+    dead = f"http://127.0.0.1:{free_port()}"
+    env = {"RLFLEET_GROUP_TOKEN": "ab" * 16, "http_proxy": dead, "HTTP_PROXY": dead}
+    env |= {"no_proxy": "example.org", "NO_PROXY": "intranet.example"}
+    proc = supervise(path, env)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    log = (tmp_path / "client.log").read_text()
+    assert "first try ok" in log
+    # Both spellings name the user's hosts and the group's (Python reads the lower-case one).
+    both = "example.org,intranet.example,127.0.0.1,localhost,::1"
+    assert f"no_proxy={both} NO_PROXY={both}" in log
+    assert "ab" * 16 not in out
 
 
 def test_a_dead_server_stops_the_client_and_fails_with_its_code(tmp_path: Path) -> None:

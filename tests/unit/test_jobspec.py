@@ -274,3 +274,56 @@ def test_the_reward_servers_own_knobs_can_be_set_in_a_roles_env() -> None:
         }
     )
     assert dict(group.env()) == {ROLE_ENV: "judge", TIMEOUT_ENV: "5"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        # YAML 1.1 reads these as 60, 8, 10 and 90.0: a job file is read as YAML 1.2, where
+        # they are text, and an integer field refuses them.
+        (b"roles:\n  t: {command: [y], gpus: 1:00}\n", "roles.t.gpus: must be an integer"),
+        (b"roles:\n  t: {command: [y], gpus: 0o10x}\n", "roles.t.gpus: must be an integer"),
+        (b"roles:\n  t: {command: [y], gpus: 1_0}\n", "roles.t.gpus: must be an integer"),
+        (b"priority: 1:30.0\nroles: {t: {command: [y]}}\n", "priority: must be an integer"),
+        (b"priority: 1.5\nroles: {t: {command: [y]}}\n", "priority: must be an integer"),
+        (
+            b"roles:\n  t: {command: [y], gpus: " + b"9" * 5000 + b"}\n",
+            "job file: line 2: a number",
+        ),
+        (b"roles:\n  t: {command: [" + b"1" * 5000 + b"]}\n", "job file: line 2: a number longer"),
+        (b"roles:\n  t: {command: [1e" + b"9" * 5000 + b"]}\n", "roles.t.command[0]: must be text"),
+        (b'roles:\n  "t\\n": {command: [y]}\n', "roles.'t\\n': 't\\n' is not a name"),
+        (b'roles:\n  t: {command: [y], ports: ["p\\n"]}\n', "roles.t.ports[0]: 'p\\n'"),
+        (b"roles: " + b"[" * 40000 + b"]" * 40000 + b"\n", "job file: line 1: nested deeper"),
+        (
+            b"roles:" + b"".join(b"\n" + b" " * i + b"- " for i in range(200)) + b"x\n",
+            "job file: line 33: nested deeper",
+        ),
+    ],
+)
+def test_numbers_names_and_nesting_yaml_would_misread_are_one_line(
+    raw: bytes, message: str
+) -> None:
+    with pytest.raises(BadInput) as caught:
+        parse_text(raw)
+    assert str(caught.value).startswith(message), str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_integers_are_read_as_yaml_1_2_gives_them() -> None:
+    spec = parse_text(
+        b"priority: 0x10\nmax_retries: 0o7\nroles:\n  t: {command: [y, 1:00, 010], gpus: +2}\n"
+    )
+    assert (spec.priority, spec.max_retries, spec.role("t").gpus) == (16, 7, 2)
+    assert spec.role("t").command == ("y", "1:00", "10")
+
+
+def test_deep_nesting_is_refused_in_bounded_time() -> None:
+    """40,000 nested brackets took a minute of CPU to parse: the nesting is bounded while
+    the file is read, so refusing it costs a few milliseconds."""
+    import time
+
+    started = time.process_time()
+    with pytest.raises(BadInput, match="nested deeper"):
+        parse_text(b"roles: " + b"[" * 400_000)
+    assert time.process_time() - started < 1.0

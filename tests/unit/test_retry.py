@@ -142,3 +142,11 @@ def test_machine_faults_do_not_use_up_retries(
         assert isinstance(decision, Retry) and not decision.counts
         capped = decide(J(), Failure(reason, exit_code, 6), NOW, random.Random(0), NO_JITTER)
         assert isinstance(capped, GiveUp)
+
+
+def test_the_backoff_of_any_stored_retry_count_is_the_cap_never_an_overflow() -> None:
+    """A retry count written by hand (any integer a column holds) gives the capped delay:
+    `factor ** retry_count` in floats would raise OverflowError in the requeue loop."""
+    policy = RetryPolicy(jitter=0.0)
+    for count in (1100, 2**31 - 1):
+        assert policy.backoff(count, random.Random(0)) == policy.max_delay_s

@@ -12,7 +12,10 @@ from scheduler.validate import (
     INT4,
     INT8,
     JOB_NAME_MAX,
+    MAX_JSON_DEPTH,
     TEXT_MAX,
+    UnreadableJson,
+    bounded_json_loads,
     check_database_url,
     check_int,
     check_text,
@@ -166,8 +169,65 @@ def _row(**fields: object) -> SimpleNamespace:
         ({"gpus_requested": 10**9}, "gpus_requested must be between 1 and 1024"),
         ({"reward_function": "a,,b"}, "empty name"),
         ({"model": ""}, "model is empty"),
+        ({"attempt": 2**31 - 1}, "attempt must be between 0 and 2147483646, not 2147483647"),
+        ({"attempt": -1}, "attempt must be between 0 and"),
+        ({"retry_count": 2**31 - 1}, "retry_count must be between 0 and 2147483646"),
+        ({"machine_faults": 2**31 - 1}, "machine_faults must be between 0 and 2147483646"),
+        ({"max_retries": 1001}, "max_retries must be between 0 and 1000"),
+        ({"nodes": 0}, "nodes must be between 1 and 64"),
+        ({"attempt": 2**31 - 2, "retry_count": 1000, "max_retries": 1000}, None),
+        ({"env": {"HF_TOKEN": "x"}}, None),
+        ({"env": 5}, "env must be a JSON object of strings, not a JSON number"),
+        ({"env": ["HF_TOKEN"]}, "env must be a JSON object of strings, not a JSON array"),
+        ({"env": {"A": 5}}, "env A: the value is not a string"),
+        ({"env": {"A": "x\ny"}}, "env A: the value must be one line"),
+        ({"env": {"RLFLEET_JOB_ID": "1"}}, "env: RLFLEET_JOB_ID is set by the scheduler"),
+        ({"env": {"A B": "x"}}, "is not a variable name"),
+        ({"env": UnreadableJson("JSON nested deeper than 64 levels", "object")}, "env: JSON"),
+        ({"extra_args": UnreadableJson("JSON nested deeper than 64 levels", "array")}, "deeper"),
+        ({"roles": UnreadableJson("JSON nested deeper than 64 levels", "object")}, "roles: JSON"),
+        ({"roles": {"roles": []}}, "roles: roles: must be a mapping"),
     ],
 )
 def test_job_rows_the_launch_cannot_use(fields: dict[str, object], problem: str | None) -> None:
     found = job_row_problem(_row(**fields))
     assert found == problem if problem is None else (found is not None and problem in found)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ('{"a": [1, "]]]]", {"b": null}]}', {"a": [1, "]]]]", {"b": None}]}),
+        ('"[[[[[[[["', "[[[[[[[["),
+        (b'["x"]', ["x"]),
+        (
+            "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH,
+            eval("[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH),
+        ),
+        ('{"s": "\\"[[[[\\""}', {"s": '"[[[["'}),
+    ],
+)
+def test_json_from_the_database_within_bounds_decodes_as_json_does(
+    text: str, value: object
+) -> None:
+    assert bounded_json_loads(text) == value
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "problem"),
+    [
+        ("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1), "array", "nested deeper than 64"),
+        ('{"roles": ' + "[" * 3000 + "]" * 3000 + "}", "object", "nested deeper than 64"),
+        ("[" * 100_000, "array", "nested deeper than 64"),
+        ("[" + "9" * 5000 + "]", "array", "cannot be read"),
+        (" 1" + "0" * 5000, "number", "cannot be read"),
+    ],
+)
+def test_json_from_the_database_beyond_bounds_is_unreadable_never_an_error(
+    text: str, kind: str, problem: str
+) -> None:
+    """A JSON column value too deep (Python's decoder recurses), or with a number past the
+    int digit limit, reads as an `UnreadableJson`: its row is refused, nothing raises."""
+    value = bounded_json_loads(text)
+    assert isinstance(value, UnreadableJson)
+    assert value.kind == kind and problem in value.problem

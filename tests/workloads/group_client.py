@@ -1,5 +1,8 @@
 """A stand-in trainer role of a job group (no torch): asks the `reward` role's server for its
-health and one score at the address and port the scheduler injected, prints what it got as
+health (a plain urllib request with the attempt's token, which honours the proxy variables as
+any client library does: the supervisor's `no_proxy` must let it through) and one score
+(`rewards.http.remote_score`, the trainer's own client) at the address and port the scheduler
+injected, and what the server answers a request without the token; prints what it got as
 one JSON line, then sleeps `argv[1]` seconds on the first attempt (`argv[2]` on later ones)
 and exits 0. A server that is not up yet fails it at once (exit 1), so a passing run proves
 the supervisor started it only after the server's readiness check passed.
@@ -16,8 +19,14 @@ import os
 import socket
 import sys
 import time
+import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # rewards, as on a VM checkout
+
+from rewards.http import RewardServerError, remote_score  # noqa: E402
 
 MEET_S = 60.0
 
@@ -26,22 +35,24 @@ def main(argv: list[str]) -> int:
     """Call the reward server once, meet the other ranks, report, sleep, exit 0."""
     addr, port = os.environ["RLFLEET_REWARD_ADDR"], os.environ["RLFLEET_REWARD_HTTP"]
     base = f"http://{addr}:{port}"
+    token = os.environ.get("RLFLEET_GROUP_TOKEN", "")
     try:
-        with urllib.request.urlopen(base + "/health", timeout=5) as answer:
-            health = json.loads(answer.read())
-        body = json.dumps({"prompts": ["p"], "completions": ["hello there"]}).encode()
         request = urllib.request.Request(
-            base + "/score", data=body, headers={"Content-Type": "application/json"}
+            base + "/health", headers={"Authorization": f"Bearer {token}"}
         )
         with urllib.request.urlopen(request, timeout=5) as answer:
-            scores = json.loads(answer.read())["scores"]
-    except OSError as exc:
+            health = json.loads(answer.read())
+        scores = remote_score(["p"], ["hello there"])
+        without_token = _status(base + "/health")
+    except (OSError, RewardServerError) as exc:
         print(f"group_client: the reward server did not answer: {exc}", flush=True)
         return 1
     attempt = os.environ.get("RLFLEET_ATTEMPT", "1")
     report: dict[str, Any] = {
         "health": health.get("status"),
         "scores": scores,
+        "without_token": without_token,
+        "has_token": len(token) == 32,
         "addr": addr,
         "port": int(port),
         "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -58,6 +69,15 @@ def main(argv: list[str]) -> int:
     print("group_client: " + json.dumps(report), flush=True)
     time.sleep(float(argv[1] if attempt == "1" else argv[2]))
     return 0
+
+
+def _status(url: str) -> int:
+    """The HTTP status the server answers a GET without the token."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def meet() -> dict[str, Any]:
