@@ -55,8 +55,8 @@ from scheduler.placement import (
     vm_order,
 )
 from scheduler.remote import ROOT, Attempt, default_output_dir, new_token
+from scheduler.rowcheck import job_row_problem
 from scheduler.states import FailureReason, JobStatus
-from scheduler.validate import job_row_problem
 
 DEFAULT_LEASE_S = 60.0
 CANDIDATE_VMS = 4
@@ -252,7 +252,7 @@ class NoClaim:
     """An earlier attempt of the job may still run (`leftover_may_run`): ask again once
     the requeue manager has killed it."""
     rejected: bool = False
-    """The job row cannot be launched (`validate.job_row_problem`): it failed just now."""
+    """The job row cannot be launched (`rowcheck.job_row_problem`): it failed just now."""
 
 
 def job_env_pairs(value: Any) -> tuple[tuple[str, str], ...]:

@@ -269,7 +269,7 @@ class Job(Base):
         CheckConstraint(TOKEN_CHECK, name="launch_token_hex"),
         CheckConstraint(ATTEMPT_DIR_CHECK, name="attempt_dir_absolute"),
         # What the dispatcher relies on when it launches a job (a row written by hand that
-        # still gets past these fails its job with config_error: validate.job_row_problem).
+        # still gets past these fails its job with config_error: rowcheck.job_row_problem).
         CheckConstraint(
             "jsonb_typeof(extra_args) = 'array' AND "
             "NOT jsonb_path_exists(extra_args, '$[*] ? (@.type() != \"string\")')",

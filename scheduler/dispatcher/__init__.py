@@ -494,7 +494,7 @@ class GlobalJobDispatcher:
         """Launch a job group's attempt: choose its roles' ports on the VM (recorded, unique
         per VM; a probe whose answer collides with another attempt's is asked again), then
         start the supervisor that runs the roles (`scheduler/supervisor.py`)."""
-        group = parse_data(claim.roles)  # checked by the claim (validate.job_row_problem)
+        group = parse_data(claim.roles)  # checked by the claim (rowcheck.job_row_problem)
         ports = await self._choose_ports_on(claim, [(target, node_port_needs(group)[0])])
         if isinstance(ports, str):
             return ports
@@ -561,7 +561,7 @@ class GlobalJobDispatcher:
         ports, and the rendezvous port of a role on several nodes), then start on every VM
         at once a supervisor for its own roles, which knows every role's address and
         ports. Like a multi-node job, any VM that does not start fails the whole attempt."""
-        group = parse_data(claim.roles)  # checked by the claim (validate.job_row_problem)
+        group = parse_data(claim.roles)  # checked by the claim (rowcheck.job_row_problem)
         layout = group.layout()
         if len(layout) != len(claim.nodes):
             return f"the group runs on {len(layout)} VMs, the claim has {len(claim.nodes)}"

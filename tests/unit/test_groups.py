@@ -439,7 +439,7 @@ def test_a_role_on_its_own_vm_is_a_node_of_its_own_and_each_vm_runs_only_its_rol
 def test_a_stored_group_over_vms_is_checked_against_its_layout() -> None:
     """`jobs.roles` of a group with an own-VM role needs `nodes` = its VMs and
     `gpus_requested` = every node's GPUs, a role on several nodes counting each of its."""
-    from scheduler.validate import roles_problem
+    from scheduler.rowcheck import roles_problem
 
     roles = parse_text(SPREAD_GROUP).to_data()
     assert roles_problem(roles, 4, 2) is None

@@ -8,6 +8,7 @@ import pytest
 
 from scheduler.errors import BadInput
 from scheduler.models import VM, Job, JobNode
+from scheduler.rowcheck import job_row_problem
 from scheduler.validate import (
     INT4,
     INT8,
@@ -20,7 +21,6 @@ from scheduler.validate import (
     check_int,
     check_text,
     int_range,
-    job_row_problem,
     max_length,
     parse_database_url,
     reserved_flag,

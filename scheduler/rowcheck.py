@@ -1,0 +1,94 @@
+"""What a stored job row must be before the scheduler launches it: every value read from
+`jobs` (possibly written by hand, or by an older rlfleet) is checked here, and a row that
+fails fails its own job once with the reason (docs/security.md). Apart from `validate`
+(the limits and value checks, a leaf of the import graph) because it reads a group's
+roles back through `jobspec`, which itself relies on `validate`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler.errors import BadInput
+from scheduler.jobspec import parse_data
+from scheduler.validate import (
+    INT4,
+    MAX_GPUS,
+    MAX_NODES,
+    MAX_RETRIES,
+    UnreadableJson,
+    env_problem,
+    extra_args_problem,
+    json_kind,
+    last_words,
+    utf8_problem,
+)
+
+ROW_COUNTS: tuple[tuple[str, int, int], ...] = (
+    # The scheduler adds one to each: the largest value must leave room for it.
+    ("attempt", 0, INT4[1] - 1),
+    ("retry_count", 0, INT4[1] - 1),
+    ("machine_faults", 0, INT4[1] - 1),
+    ("max_retries", 0, MAX_RETRIES),
+    ("nodes", 1, MAX_NODES),
+)
+"""A job row's counters and their ranges (`job_row_problem`)."""
+
+
+def job_row_problem(row: Any) -> str | None:
+    """Why a job row (from `jobs`, possibly written by hand) cannot be launched, or None.
+
+    Checks what the launch relies on: `extra_args` a JSON array of strings, `env` an object
+    of strings a job may set, `roles` a group spec, a GPU count and counters in range
+    (`ROW_COUNTS`: an attempt at the integer limit would overflow at the claim), non-empty
+    model, dataset and reward functions. A JSON column too deep to decode reads as an
+    `UnreadableJson` (`bounded_json_loads`) and is refused here."""
+    gpus = row.gpus_requested
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS:
+        return f"gpus_requested must be between 1 and {MAX_GPUS}, not {gpus!r}"
+    for field, low, high in ROW_COUNTS:
+        value = getattr(row, field, low)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            return f"{field} must be between {low} and {high}, not {value!r}"
+    for field in ("model", "dataset", "reward_function"):
+        value = getattr(row, field)
+        if not isinstance(value, str) or not value.strip():
+            return f"{field} is empty"
+        problem = utf8_problem(value)
+        if problem:
+            return f"{field} {problem}"
+    if not all(r.strip() for r in row.reward_function.split(",")):
+        return "reward_function has an empty name"
+    problem = env_problem(getattr(row, "env", {}))
+    if problem:
+        return problem
+    roles = getattr(row, "roles", None)
+    if roles is not None:
+        return roles_problem(roles, gpus, getattr(row, "nodes", 1))
+    extra = row.extra_args
+    if isinstance(extra, UnreadableJson):
+        return f"extra_args: {extra.problem}"
+    if not isinstance(extra, list):
+        return f"extra_args must be a JSON array of strings, not a JSON {json_kind(extra)}"
+    problem = extra_args_problem(extra)
+    return f"extra_args: {problem}" if problem else None
+
+
+def roles_problem(roles: Any, gpus: int, nodes: Any = 1) -> str | None:
+    """Why a job row's `roles` (a job group) cannot be launched, or None: it must read
+    back as a valid spec laid out on `nodes` VMs (`GroupSpec.layout`) whose GPUs together
+    are `gpus`."""
+    if isinstance(roles, UnreadableJson):
+        return f"roles: {roles.problem}"
+    try:
+        group = parse_data(roles)
+    except BadInput as exc:
+        return f"roles: {exc}"
+    except (ValueError, TypeError, RecursionError) as exc:  # a row no file could give
+        return f"roles: cannot be read ({last_words(exc)})"
+    layout = group.layout()
+    if nodes != len(layout):
+        return f"roles run on {len(layout)} VM(s), the row asks for {nodes!r}"
+    need = group.gpus if len(layout) == 1 else sum(n.gpus for n in layout)
+    if need != gpus:
+        return f"roles need {need} GPUs, the row asks for {gpus}"
+    return None
