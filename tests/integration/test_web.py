@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import time
 from collections.abc import AsyncIterator, Callable
 
 import httpx
@@ -280,3 +282,78 @@ async def test_a_database_that_cannot_be_reached_is_a_503_of_one_line(
         await dead.dispose()
     # And its log says so once a request, as a warning, not as a failure with a traceback
     assert log.calls == [("warning", "web_database_unavailable")] * 3, log.calls
+
+
+def _connect(port: int, head: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(head)
+    return sock
+
+
+def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> bool:
+    """Whether the server closes `sock` within `seconds`, `trickle` sent every 0.2 s."""
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            if trickle:
+                sock.sendall(trickle)
+            sock.settimeout(0.2)
+            try:
+                if sock.recv(65536) == b"":
+                    return True
+            except TimeoutError:
+                continue
+        return False
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    finally:
+        sock.close()
+
+
+@pytest.mark.slow
+async def test_half_sent_and_trickled_requests_cost_the_dashboard_one_connection_each_for_a_while(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from scheduler.web import server
+
+    # Given the dashboard served with room for 4 connections and 1 s to send a request head
+    monkeypatch.setattr(server, "MAX_CONNECTIONS", 4, raising=False)
+    monkeypatch.setattr(server, "HEADER_TIMEOUT_S", 1.0, raising=False)
+    port, stop, ready = free_port(), asyncio.Event(), asyncio.Event()
+    settings = Settings.load(database_url, "nats://127.0.0.1:4222")
+    serving = asyncio.create_task(
+        server.serve_web(settings, host="127.0.0.1", port=port, token=TOKEN, stop=stop, ready=ready)
+    )
+    half = b"GET /queue HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    whole = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+
+        def flood() -> None:
+            # When a client keeps 4 half-sent requests open, and opens one more
+            held = [_connect(port, half) for _ in range(4)]
+            time.sleep(0.2)
+            # Then the one more is closed at once
+            assert _closed_within(_connect(port, half), 0.5)
+            # And the 4 are closed once their second is up, though they keep sending
+            started = time.monotonic()
+            assert all(_closed_within(sock, 4.0, trickle=b"X: y\r\n") for sock in held)
+            assert time.monotonic() - started < 4
+            # And so is a kept-alive connection trickling its second request
+            sock = _connect(port, whole)
+            sock.settimeout(5)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 307")
+            sock.sendall(b"GET /queue HTTP/1.1\r\n")
+            assert _closed_within(sock, 4.0, trickle=b"X: y\r\n")
+            # And a whole request is answered as ever
+            sock = _connect(port, whole)
+            sock.settimeout(5)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 307")
+            sock.close()
+
+        await asyncio.to_thread(flood)
+    finally:
+        stop.set()
+        await asyncio.wait_for(serving, 30)
