@@ -4,8 +4,9 @@ Embedded PostgreSQL and NATS (JetStream) keep their data in a state directory, t
 migrations are applied, and the poller, the dispatcher and the requeue manager run in this
 one process; with `--web-port` the dashboard runs in a child process of its own
 (`WebProcess`), so that no flood of its connections can take the daemons' file
-descriptors, whose limit `up` raises to what the system allows (`raise_open_files_limit`). With `--local-vm` the machine registers itself as a VM (local transport): its
-real `nvidia-smi` when there is one, else a simulated one reporting `--gpus N` GPUs, so a
+descriptors, whose limit `up` raises to what the system allows (`raise_open_files_limit`).
+With `--local-vm` the machine registers itself as a VM (local transport): its real
+`nvidia-smi` when there is one, else a simulated one reporting `--gpus N` GPUs, so a
 CPU-only machine can run real (CPU) training jobs through the scheduler.
 
 The state directory remembers the ports (`up.json`), so running `up` again reuses the

@@ -35,6 +35,7 @@ from scheduler.redact import scrub_urls
 from scheduler.settings import Settings
 from scheduler.states import JobStatus
 from scheduler.transport import Transport
+from scheduler.validate import parse_job_id, shown
 from scheduler.web import data
 
 log = get_logger("web")
@@ -208,11 +209,22 @@ def name_param(request: Request) -> str | None:
 
 
 def job_id_param(request: Request) -> int:
-    """The job id in the path."""
-    raw = request.path_params["job_id"]
-    if not raw.isdigit() or not 1 <= int(raw) < 2**63:
-        raise BadInput("a job id is a positive whole number")
-    return int(raw)
+    """The job id in the path: ASCII digits only (`validate.parse_job_id`)."""
+    return parse_job_id(request.path_params["job_id"])
+
+
+EVENTS_SHOWN = 100
+"""Events a job's page and `/api/jobs/ID` carry unless `?events=` says otherwise: the
+newest; `events_older` counts the others, fetched with `?before=` the first one's id."""
+
+
+def events_params(request: Request) -> dict[str, int | None]:
+    """`?events=` (how many, newest first) and `?before=` (an event id) of a job's events."""
+    before = request.query_params.get("before")
+    return {
+        "events_limit": int_param(request, "events", EVENTS_SHOWN, lo=1, hi=MAX_LIMIT),
+        "events_before": int_param(request, "before", 1, lo=1, hi=2**63 - 1) if before else None,
+    }
 
 
 def jsonable(value: Any) -> Any:
@@ -253,7 +265,7 @@ async def queue_page(dash: Dashboard, request: Request) -> Response:
 async def job_page(dash: Dashboard, request: Request) -> Response:
     """One job: placement, events, curves, log, cancel and retry."""
     job_id = job_id_param(request)
-    details = await job_details(dash.db, job_id)
+    details = await job_details(dash.db, job_id, events_limit=EVENTS_SHOWN)
     async with dash.db.transaction() as session:
         curve = await data.job_curve(session, job_id)
     return dash.render(
@@ -304,10 +316,12 @@ async def api_queue(dash: Dashboard, request: Request) -> Response:
 
 
 async def api_job(dash: Dashboard, request: Request) -> Response:
-    """`job show --json`; ?progress=1 reads progress.json from the VM as the CLI does."""
+    """`job show --json` with the newest 100 events (?events=N, ?before=EVENT_ID: older
+    ones); ?progress=1 reads progress.json from the VM as the CLI does."""
     job_id = job_id_param(request)
+    events = events_params(request)
     transport = dash.transport if request.query_params.get("progress") == "1" else None
-    return as_json(await job_details(dash.db, job_id, transport))
+    return as_json(await job_details(dash.db, job_id, transport, **events))
 
 
 async def api_curve(dash: Dashboard, request: Request) -> Response:
@@ -368,8 +382,11 @@ async def api_vms(dash: Dashboard, request: Request) -> Response:
 
 async def api_vm(dash: Dashboard, request: Request) -> Response:
     """`vm show NAME --json`."""
+    name = request.path_params["name"]
+    if "\x00" in name or len(name) > 255:
+        raise NotFound(f"no VM named {shown(name)}")  # no name can hold it: nothing to ask
     async with dash.db.transaction() as session:
-        vm = await get_vm(session, request.path_params["name"], with_gpus=True)
+        vm = await get_vm(session, name, with_gpus=True)
         return as_json(vm_to_dict(vm))
 
 

@@ -357,3 +357,49 @@ async def test_half_sent_and_trickled_requests_cost_the_dashboard_one_connection
     finally:
         stop.set()
         await asyncio.wait_for(serving, 30)
+
+
+async def test_a_jobs_events_come_newest_first_by_pages(db: Database, client: Client) -> None:
+    from tests.integration.test_transitions import wait_round
+
+    # Given a job that waited for 130 different reasons: a row each, one row for its 130
+    # wake-ups, and its submission, 132 events in all
+    job_id = await new_job(db)
+    for i in range(130):
+        await wait_round(db, job_id, reason=f"reason {i:03d}")
+    web = client()
+    # When its page's data is fetched, then it holds the newest 100 events, oldest first,
+    # and says how many older ones there are
+    page = (await web.get(f"/api/jobs/{job_id}")).json()
+    assert len(page["events"]) == 100 and page["events_older"] == 32
+    assert page["events"][-1]["reason"] == "reason 129"
+    assert page["events"][-1]["count"] == 1
+    # And the older ones come by pages of the size asked, before the first one shown
+    older = await web.get(f"/api/jobs/{job_id}?events=200&before={page['events'][0]['id']}")
+    older = older.json()
+    assert len(older["events"]) == 32 and older["events_older"] == 0
+    assert older["events"][0]["reason"] == "submitted"
+    assert older["events"][-1]["id"] < page["events"][0]["id"]
+    # And the repeated wake-up is one row, counted
+    woken = [e for e in older["events"] + page["events"] if e["from"] == "pending"]
+    assert len(woken) == 1 and woken[0]["count"] == 130 and woken[0]["last_at"]
+    # And the job page itself carries the newest page only
+    html = (await web.get(f"/jobs/{job_id}")).text
+    assert "reason 129" in html and "reason 005" not in html
+    for bad in ("events=0", "events=1001", "before=x", "before=0"):
+        assert (await web.get(f"/api/jobs/{job_id}?{bad}")).status_code == 400, bad
+
+
+async def test_job_ids_are_ascii_digits_and_odd_names_are_not_found(
+    db: Database, client: Client
+) -> None:
+    job_id = await new_job(db)
+    web = client()
+    # A superscript two or an Arabic-Indic four is no job id: bad input, not 500, not job 4
+    for raw in ("%C2%B2", "%D9%A4", "1%C2%B2", "+1", "-1", "0x1", "1_0", " 1", "9" * 19):
+        assert (await web.get(f"/api/jobs/{raw}")).status_code == 400, raw
+        assert (await web.get(f"/jobs/{raw}")).status_code == 400, raw
+    assert (await web.get(f"/api/jobs/{job_id}")).status_code == 200
+    # A VM name with a NUL byte is simply no VM
+    assert (await web.get("/api/vms/%00")).status_code == 404
+    assert (await web.get("/api/vms/a%00b")).status_code == 404
