@@ -5,7 +5,9 @@ Who may do what (docs/security.md, "The web dashboard"):
   pages' buttons send it from the token field): missing 401, wrong 403. A header cannot be
   set by another site's form, so a request forged cross-site has no token (CSRF);
 - a read needs the token too, unless the client is on loopback and names a loopback host
-  (a page of another site that rebinds its name to 127.0.0.1 names that site's host).
+  (a page of another site that rebinds its name to 127.0.0.1 names that site's host), and
+  the request does not say a proxy forwarded it (`FORWARDED_HEADERS`): a proxy on this
+  machine connects from loopback for clients of anywhere.
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ TOKEN_HEADER = "x-rlfleet-token"
 ACTOR = "web"
 MAX_LIMIT = 1000
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]", "::1"})
+FORWARDED_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
+"""Headers with which a proxy says whose request it forwards: such a request is not this
+machine's, whatever address it comes from."""
 
 
 class Forbidden(Exception):
@@ -123,6 +128,8 @@ class Dashboard:
         client = request.client.host if request.client else None
         if not (is_loopback(client) and host_is_loopback(request.headers.get("host", ""))):
             raise Forbidden(401, "reading from another machine needs the token")
+        if any(name in request.headers for name in FORWARDED_HEADERS):
+            raise Forbidden(401, "reading through a proxy needs the token")
 
     def render(self, template_name: str, **context: Any) -> HTMLResponse:
         """A page from its template; `initial` is handed to its script as JSON."""

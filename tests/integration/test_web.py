@@ -403,3 +403,19 @@ async def test_job_ids_are_ascii_digits_and_odd_names_are_not_found(
     # A VM name with a NUL byte is simply no VM
     assert (await web.get("/api/vms/%00")).status_code == 404
     assert (await web.get("/api/vms/a%00b")).status_code == 404
+
+
+async def test_a_request_a_proxy_forwarded_needs_the_token_to_read(
+    db: Database, client: Client
+) -> None:
+    await new_job(db)
+    web = client()  # a proxy on this machine: the connection comes from loopback
+    # When it forwards a remote client's request, saying so in any of the usual headers
+    for header in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):
+        value = "for=203.0.113.9" if header == "Forwarded" else "203.0.113.9"
+        # Then reading needs the token, as from any other machine
+        assert (await web.get("/api/jobs", headers={header: value})).status_code == 401, header
+        with_token = {header: value, "x-rlfleet-token": TOKEN}
+        assert (await web.get("/api/jobs", headers=with_token)).status_code == 200, header
+    # And a request of this machine, not forwarded, still reads without it
+    assert (await web.get("/api/jobs")).status_code == 200
