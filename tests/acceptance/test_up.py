@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.embedded import EmbeddedPostgres, free_port
+from scheduler.statedir import port_is_free
 from scheduler.up import read_env_file, write_sim_nvidia_smi
 from tests.workloads.support import FAKE_TRAIN, RLFLEET, alive
 
@@ -516,6 +517,7 @@ def test_a_slow_loris_flood_on_the_dashboard_and_metrics_costs_the_flooder_not_t
     # And the flood was really held off: the servers closed the connections they had no
     # room or no patience for, so the flooder had to open many more than it keeps
     opened = int(flood_log.read_text().splitlines()[-1].split()[0])
+    print(f"\nflood: {opened} connections opened; up's log {len(up.output())} bytes")
     assert opened > 1400, flood_log.read_text()[-2000:]
     # And `up`'s log stayed small (no traceback per refused connection)
     assert len(up.output()) < 2_000_000, len(up.output())
@@ -531,3 +533,41 @@ def test_a_slow_loris_flood_on_the_dashboard_and_metrics_costs_the_flooder_not_t
     wait_for(lambda: answers(f"http://127.0.0.1:{web_port}/api/jobs"), 60, "the dashboard")
     wait_for(lambda: answers(f"http://127.0.0.1:{metrics_port}/metrics"), 60, "the metrics")
     assert up.stop() == 0, up.output()[-3000:]
+
+
+def children(pid: int) -> set[int]:
+    """The processes whose parent is `pid`."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+@pytest.mark.slow
+def test_the_dashboard_process_ends_with_up_even_when_up_is_killed(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    # Given `rlfleet up --web-port`, whose dashboard runs in a child process
+    state_dir, port = tmp_path / "state", free_port()
+    up = Up(state_dir, tmp_path, "--web-port", str(port))
+    ups.append(up)
+    up.wait_ready()
+    web = [
+        pid
+        for pid in children(up.proc.pid)
+        if b"web" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    ]
+    assert len(web) == 1, children(up.proc.pid)
+    servers = json.loads((state_dir / "up.json").read_text())["server_pids"]
+    try:
+        # When `up` is killed outright (no chance to stop anything)
+        up.proc.kill()
+        up.proc.wait(10)
+        # Then the dashboard's process ends too, and nothing listens on its port
+        wait_for(lambda: not alive(web[0]), 20, "the dashboard process to end")
+        assert port_is_free(port)
+    finally:
+        for pid in servers.values():  # what a killed `up` leaves for the next one to stop
+            with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+                os.kill(pid, signal.SIGKILL)
