@@ -32,7 +32,7 @@ KEEP_ALIVE_S = 5
 """An idle kept-alive connection is closed after this many seconds."""
 MAX_CONNECTIONS = 512
 """At most this many connections at once (fewer under a low open-files limit)."""
-MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADER_BYTES = 16 * 1024
 """A request head larger than this is refused (431)."""
 
 
