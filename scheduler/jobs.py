@@ -194,11 +194,11 @@ WHERE id = (
     SELECT e.id FROM job_events e
     WHERE e.job_id = :job_id AND e.attempt = :attempt
       AND e.from_status = :src AND e.to_status = :to AND e.reason IS NOT DISTINCT FROM :reason
-      AND NOT EXISTS (
-          SELECT 1 FROM job_events later
-          WHERE later.job_id = :job_id AND later.id > e.id
-            AND NOT (later.from_status IN ({_WAITING_SQL})
-                     AND later.to_status IN ({_WAITING_SQL}))
+      AND e.id > (
+          SELECT coalesce(max(other.id), 0) FROM job_events other
+          WHERE other.job_id = :job_id
+            AND NOT (other.from_status IN ({_WAITING_SQL})
+                     AND other.to_status IN ({_WAITING_SQL}))
       )
     ORDER BY e.id DESC LIMIT 1
 )
