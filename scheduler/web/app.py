@@ -37,7 +37,7 @@ from scheduler.redact import scrub_urls
 from scheduler.settings import Settings
 from scheduler.states import JobStatus
 from scheduler.transport import Transport
-from scheduler.validate import parse_job_id, shown
+from scheduler.validate import INTEGER_RE, parse_job_id, shown
 from scheduler.web import data
 
 log = get_logger("web")
@@ -187,10 +187,9 @@ def int_param(request: Request, name: str, default: int, *, lo: int, hi: int) ->
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return default
-    try:
-        value = int(raw, 10)
-    except ValueError:
-        raise BadInput(f"{name} must be a whole number") from None
+    if not INTEGER_RE.fullmatch(raw):  # ASCII digits: `int` also reads `٤` as 4
+        raise BadInput(f"{name} must be a whole number")
+    value = int(raw, 10)
     if not lo <= value <= hi:
         raise BadInput(f"{name} must be between {lo} and {hi}")
     return value

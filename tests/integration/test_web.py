@@ -400,6 +400,10 @@ async def test_job_ids_are_ascii_digits_and_odd_names_are_not_found(
         assert (await web.get(f"/api/jobs/{raw}")).status_code == 400, raw
         assert (await web.get(f"/jobs/{raw}")).status_code == 400, raw
     assert (await web.get(f"/api/jobs/{job_id}")).status_code == 200
+    # And so are the numbers of the query strings
+    for query in ("limit=%D9%A4", "limit=1_0", "limit=%C2%B2", "limit=" + "9" * 5000):
+        assert (await web.get(f"/api/jobs?{query}")).status_code == 400, query
+    assert (await web.get(f"/api/jobs/{job_id}/log?offset=%D9%A4")).status_code == 400
     # A VM name with a NUL byte is simply no VM
     assert (await web.get("/api/vms/%00")).status_code == 404
     assert (await web.get("/api/vms/a%00b")).status_code == 404
