@@ -553,11 +553,7 @@ def test_the_dashboard_process_ends_with_up_even_when_up_is_killed(
     up = Up(state_dir, tmp_path, "--web-port", str(port))
     ups.append(up)
     up.wait_ready()
-    web = [
-        pid
-        for pid in children(up.proc.pid)
-        if b"web" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    ]
+    web = web_children(up)
     assert len(web) == 1, children(up.proc.pid)
     servers = json.loads((state_dir / "up.json").read_text())["server_pids"]
     try:
@@ -571,3 +567,38 @@ def test_the_dashboard_process_ends_with_up_even_when_up_is_killed(
         for pid in servers.values():  # what a killed `up` leaves for the next one to stop
             with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def web_children(up: Up) -> list[int]:
+    """The pids of the dashboard's process of `up` (`rlfleet web` started by it)."""
+    found = []
+    for pid in children(up.proc.pid):
+        with contextlib.suppress(OSError):
+            if b"web" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                found.append(pid)
+    return found
+
+
+@pytest.mark.slow
+def test_a_dashboard_process_that_dies_is_started_again(tmp_path: Path, ups: list[Up]) -> None:
+    # Given `rlfleet up --web-port` serving its dashboard
+    state_dir, port = tmp_path / "state", free_port()
+    up = Up(state_dir, tmp_path, "--web-port", str(port))
+    ups.append(up)
+    up.wait_ready()
+    [first] = web_children(up)
+    # When the dashboard's process is killed
+    os.kill(first, signal.SIGKILL)
+
+    def answers() -> bool:
+        try:
+            url = f"http://127.0.0.1:{port}/api/jobs"
+            with urllib.request.urlopen(url, timeout=5) as answer:  # noqa: S310 (loopback)
+                return answer.status == 200
+        except OSError:
+            return False
+
+    # Then `up` goes on and starts another, which serves the dashboard again
+    wait_for(lambda: web_children(up) not in ([], [first]) and answers(), 30, "a new dashboard")
+    assert up.proc.poll() is None
+    assert up.stop() == 0, up.output()[-3000:]
