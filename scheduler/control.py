@@ -137,13 +137,22 @@ def place_of(job: Any, installation: str) -> JobPlace:
 
 
 async def job_details(
-    db: Database, job_id: int, transport: Transport | None = None
+    db: Database,
+    job_id: int,
+    transport: Transport | None = None,
+    *,
+    events_limit: int | None = None,
+    events_before: int | None = None,
 ) -> dict[str, Any]:
-    """A job as `job show --json` prints it: its row, its events, where its outputs are,
-    and, with a `transport`, its training progress read from the VM (a few seconds at
-    most; `progress_error` says why there is none). `NotFound` if no such job."""
+    """A job as `job show --json` prints it: its row, its events (the newest
+    `events_limit` of those before event `events_before`, when given: `show_job`), where
+    its outputs are, and, with a `transport`, its training progress read from the VM (a
+    few seconds at most; `progress_error` says why there is none). `NotFound` if no such
+    job."""
     async with db.transaction() as session:
-        data = await show_job(session, job_id)
+        data = await show_job(
+            session, job_id, events_limit=events_limit, events_before=events_before
+        )
         job = await get_job(session, job_id)
         installation = await installation_id(session)
         place = place_of(job, installation)

@@ -24,7 +24,7 @@ from scheduler.db import SessionSql
 from scheduler.errors import NotFound
 from scheduler.jobstore import EVENT_COLUMNS, JOB_FIELDS, NewJob, job_dict
 from scheduler.jobstore import JobSpec as JobSpec  # where callers have always found it
-from scheduler.models import Job, JobNode
+from scheduler.models import Job, JobEvent, JobNode
 from scheduler.retry import is_machine_fault
 from scheduler.states import STATE_TIMESTAMP, JobStatus, check_move
 from scheduler.validate import INT4, UnreadableJson
@@ -175,11 +175,41 @@ async def transition(
     ).first()
     if row is None:
         return False
-    await session.execute(
-        _event_statement(src, to),
-        {"job_id": job_id, "reason": reason, "actor": actor, "attempt": row.attempt},
-    )
+    event = {"job_id": job_id, "reason": reason, "actor": actor, "attempt": row.attempt}
+    if src in WAITING and to in WAITING:
+        repeat = {"job_id": job_id, "attempt": row.attempt, "reason": reason}
+        repeat.update(src=src.value, to=to.value)
+        if (await session.execute(_REPEAT_SQL, repeat)).first() is not None:
+            return True
+    await session.execute(_event_statement(src, to), event)
     return True
+
+
+WAITING = frozenset({JobStatus.QUEUED, JobStatus.PENDING})
+"""The states of a job waiting for GPUs: moves between them repeat (the dispatcher parks
+the job, the requeue manager wakes it) and are counted, not appended (`_REPEAT_SQL`)."""
+
+_WAITING_SQL = ", ".join(f"'{state.value}'" for state in sorted(WAITING))
+_REPEAT_SQL = text(
+    f"""
+UPDATE job_events SET count = count + 1, last_at = now()
+WHERE id = (
+    SELECT e.id FROM job_events e
+    WHERE e.job_id = :job_id AND e.attempt = :attempt
+      AND e.from_status = :src AND e.to_status = :to AND e.reason IS NOT DISTINCT FROM :reason
+      AND e.id > (
+          SELECT coalesce(max(other.id), 0) FROM job_events other
+          WHERE other.job_id = :job_id
+            AND NOT (other.from_status IN ({_WAITING_SQL})
+                     AND other.to_status IN ({_WAITING_SQL}))
+      )
+    ORDER BY e.id DESC LIMIT 1
+)
+RETURNING id
+"""
+)
+"""Count one more of a waiting move in its row of the current waiting spell (the same
+move, reason and attempt, with nothing but waiting moves since); no row: none yet."""
 
 
 def _is_machine_fault(changes: Mapping[str, Any]) -> bool:
@@ -231,11 +261,57 @@ async def mark_published(session: AsyncSession, job_id: int) -> None:
     await jobstore.mark_published(SessionSql(session), job_id)
 
 
-async def show_job(session: AsyncSession, job_id: int) -> dict[str, Any]:
+async def show_job(
+    session: AsyncSession,
+    job_id: int,
+    *,
+    events_limit: int | None = None,
+    events_before: int | None = None,
+) -> dict[str, Any]:
     """Everything `job show` (and any other viewer) shows of one job, as plain data: the
-    row, its event history and every node it runs on (`NotFound` if no such job)."""
-    job = await get_job(session, job_id, with_events=True, with_ranks=True)
-    return job_to_dict(job, events=True, ranks=True)
+    row, its event history and every node it runs on (`NotFound` if no such job).
+
+    `events_limit` keeps the newest events only (oldest first, as always), those before
+    event id `events_before` if given; `events_older` says how many older ones were left
+    out (ask again with `events_before` = the first event's id)."""
+    job = await get_job(session, job_id, with_ranks=True)
+    data = job_to_dict(job, ranks=True)
+    query = select(JobEvent).where(JobEvent.job_id == job_id)
+    if events_before is not None:
+        query = query.where(JobEvent.id < events_before)
+    query = query.order_by(JobEvent.id.desc())
+    if events_limit is not None:
+        query = query.limit(events_limit)
+    events = list(reversed((await session.scalars(query)).all()))
+    older = 0
+    if events and events_limit is not None and len(events) == events_limit:
+        older = int(
+            await session.scalar(
+                select(func.count())
+                .select_from(JobEvent)
+                .where(JobEvent.job_id == job_id, JobEvent.id < events[0].id)
+            )
+            or 0
+        )
+    data["events"] = [event_to_dict(e) for e in events]
+    data["events_older"] = older
+    return data
+
+
+def event_to_dict(event: JobEvent) -> dict[str, Any]:
+    """One event as `job show --json` prints it; `count` > 1 for a waiting move repeated
+    (the last one at `last_at`)."""
+    return {
+        "id": event.id,
+        "at": event.created_at,
+        "from": event.from_status,
+        "to": event.to_status,
+        "reason": event.reason,
+        "actor": event.actor,
+        "attempt": event.attempt,
+        "count": event.count,
+        "last_at": event.last_at,
+    }
 
 
 def rank_state(job_status: str, exit_code: int | None, pid: int | None) -> str:
@@ -353,15 +429,5 @@ def job_to_dict(job: Job, *, events: bool = False, ranks: bool = False) -> dict[
         data["ranks"] = ranks_to_dicts(job)
         data["roles"] = roles_to_dicts(job)
     if events:
-        data["events"] = [
-            {
-                "at": e.created_at,
-                "from": e.from_status,
-                "to": e.to_status,
-                "reason": e.reason,
-                "actor": e.actor,
-                "attempt": e.attempt,
-            }
-            for e in job.events
-        ]
+        data["events"] = [event_to_dict(e) for e in job.events]
     return data

@@ -1,7 +1,10 @@
 """Prometheus metrics of the daemons: every metric object lives here, with the helpers
 the daemons call (`observe_dispatch`, `observe_poll_sweep`, `count_retry`…).
 
-A daemon started with `--metrics-port N` (N > 0) serves them on http://0.0.0.0:N/metrics.
+A daemon started with `--metrics-port N` (N > 0) serves them on http://0.0.0.0:N/metrics,
+in a thread of its own with at most `METRICS_MAX_CONNECTIONS` connections at once, each
+closed after `METRICS_CONNECTION_S` seconds whatever it sends (a client that never finishes
+its request costs one connection for that long, never the daemon's file descriptors).
 The gauges (jobs by state, VMs by status, GPUs free/allocated) are refreshed from the
 database by `refresh_gauges`, one short read-only transaction per tick, so they are right
 whichever daemon moved the job.
@@ -10,10 +13,16 @@ whichever daemon moved the job.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import threading
+import time
 from datetime import datetime
-from wsgiref.simple_server import WSGIServer
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
 from sqlalchemy import case, func, select
 
 from scheduler.aio import sleep_or_stop
@@ -73,6 +82,60 @@ RECOVERIES = Counter(
 FAILURES = Counter("rlfleet_job_failures_total", "Jobs that failed, by failure reason.", ["reason"])
 
 DEFAULT_REFRESH_S = 5.0
+METRICS_MAX_CONNECTIONS = 32
+"""Connections the metrics endpoint serves at once; one more is closed at once."""
+METRICS_CONNECTION_S = 10.0
+"""A connection to the metrics endpoint is closed this long after it was accepted."""
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """One request per connection, each read waiting at most `timeout` seconds; no log."""
+
+    timeout = 5.0
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        """Log nothing per request."""
+
+
+class MetricsServer(ThreadingMixIn, WSGIServer):
+    """The metrics endpoint: a thread per connection, at most `max_connections` of them,
+    each cut off `deadline_s` after it was accepted (checked between two accepts, twice a
+    second), errors as one log line."""
+
+    daemon_threads = True
+    request_queue_size = 64
+    max_connections = METRICS_MAX_CONNECTIONS
+    deadline_s = METRICS_CONNECTION_S
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._open: dict[socket.socket, float] = {}
+        self._open_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        with self._open_lock:
+            if len(self._open) >= self.max_connections:
+                return False  # closed by the caller, at once
+            self._open[request] = time.monotonic()
+        return True
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.pop(request, None)
+        super().shutdown_request(request)
+
+    def service_actions(self) -> None:
+        now = time.monotonic()
+        with self._open_lock:
+            late = [sock for sock, at in self._open.items() if now - at > self.deadline_s]
+        for sock in late:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # its thread's read ends; it closes it
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        import sys
+
+        log.debug("metrics_request_failed", error=str(sys.exc_info()[1]))
 
 
 def start_metrics_server(port: int | None, addr: str = "0.0.0.0") -> WSGIServer | None:
@@ -80,10 +143,15 @@ def start_metrics_server(port: int | None, addr: str = "0.0.0.0") -> WSGIServer 
     Call `.shutdown()` on the returned server to stop it."""
     if not port:
         return None
+
+    class Server(MetricsServer):
+        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
     try:
-        server, _thread = start_http_server(port, addr=addr)
+        server = make_server(addr, port, make_wsgi_app(), Server, handler_class=_QuietHandler)
     except OSError as exc:
         raise ServiceUnavailable(f"cannot serve metrics on port {port}: {exc.strerror}") from exc
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     log.info("metrics_serving", port=port, addr=addr)
     return server
 

@@ -361,8 +361,15 @@ class JobEvent(Base):
     """Who made the move: `cli`, `dispatcher:<host>:<pid>`, `poller`, `requeue`…"""
     attempt: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    count: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    """How many times this move happened with this reason in a waiting spell (queued ↔
+    pending, `jobs.transition`): repeats update this row instead of adding one."""
+    last_at: Mapped[datetime | None] = mapped_column(_now())
+    """When the last repeat happened; NULL while `count` is 1."""
 
     job: Mapped[Job] = relationship(back_populates="events")
+
+    __table_args__ = (CheckConstraint("count >= 1", name="count_positive"),)
 
 
 class Leftover(Base):

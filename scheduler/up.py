@@ -2,8 +2,11 @@
 
 Embedded PostgreSQL and NATS (JetStream) keep their data in a state directory, the
 migrations are applied, and the poller, the dispatcher and the requeue manager run in this
-one process. With `--local-vm` the machine registers itself as a VM (local transport): its
-real `nvidia-smi` when there is one, else a simulated one reporting `--gpus N` GPUs, so a
+one process; with `--web-port` the dashboard runs in a child process of its own
+(`WebProcess`), so that no flood of its connections can take the daemons' file
+descriptors, whose limit `up` raises to what the system allows (`raise_open_files_limit`).
+With `--local-vm` the machine registers itself as a VM (local transport): its real
+`nvidia-smi` when there is one, else a simulated one reporting `--gpus N` GPUs, so a
 CPU-only machine can run real (CPU) training jobs through the scheduler.
 
 The state directory remembers the ports (`up.json`), so running `up` again reuses the
@@ -23,20 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import json
 import os
-import secrets
 import shlex
 import shutil
 import signal
-import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
 
 from scheduler import migrate, sim_gpu
 from scheduler.db import Database
@@ -44,47 +42,23 @@ from scheduler.embedded import (
     EmbeddedNats,
     EmbeddedPostgres,
     EmbeddedServiceError,
-    free_port,
-    postgres_system_user,
     write_private,
 )
-from scheduler.errors import BadInput, RlfleetError, ServiceUnavailable
+from scheduler.errors import BadInput, ServiceUnavailable
 from scheduler.fleet import VMSpec, add_vm
 from scheduler.logging import get_logger
 from scheduler.models import DEFAULT_ENTRYPOINT
 from scheduler.redact import redact_url
 from scheduler.settings import Settings
+from scheduler.statedir import (
+    ENV_FILE,
+    NATS_TOKEN_FILE,
+    PG_PASSWORD_FILE,
+    StateDir,
+    default_state_dir,  # noqa: F401 - where the commands have always found it
+)
 
 log = get_logger("up")
-
-STATE_FILE = "up.json"
-LOCK_FILE = "up.lock"
-ENV_FILE = "env"
-PG_PASSWORD_FILE = "postgres.password"
-NATS_TOKEN_FILE = "nats.token"
-
-
-class AlreadyRunning(RlfleetError):
-    """Another `rlfleet up` uses this state directory."""
-
-    exit_code = 1
-
-
-def default_state_dir() -> Path:
-    """$XDG_DATA_HOME/rlfleet, else ~/.local/share/rlfleet."""
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "rlfleet"
-
-
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether nothing listens on `host:port` and it can be bound."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 @dataclass
@@ -99,88 +73,6 @@ class UpOptions:
     metrics_port: int = 0
     web_port: int = 0
     """Serve the dashboard on 127.0.0.1:web_port; 0: not at all."""
-
-
-@dataclass
-class StateDir:
-    """The state directory: data of both servers, the remembered ports, a lock."""
-
-    path: Path
-    _lock: IO[str] | None = field(default=None, repr=False)
-
-    @property
-    def state_file(self) -> Path:
-        """up.json: ports, URLs, and the pid of the `up` that runs (while it runs)."""
-        return self.path / STATE_FILE
-
-    def read(self) -> dict[str, Any]:
-        """The remembered state; {} for a new or unreadable file."""
-        try:
-            data = json.loads(self.state_file.read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    def write(self, data: dict[str, Any]) -> None:
-        """Replace up.json atomically (mode 0600; it holds no secret, but no reason to share)."""
-        write_private(self.state_file, json.dumps(data, indent=2) + "\n")
-
-    @property
-    def env_file(self) -> Path:
-        """The file to `source`: the service URLs and their credentials (mode 0600)."""
-        return self.path / ENV_FILE
-
-    def secret(self, name: str) -> str:
-        """The secret kept in file `name` (mode 0600), generated on first use."""
-        path = self.path / name
-        with contextlib.suppress(OSError, UnicodeError):
-            value = path.read_text(encoding="utf-8").strip()
-            if value:
-                path.chmod(0o600)
-                return value
-        value = secrets.token_urlsafe(32)
-        write_private(path, value + "\n")
-        return value
-
-    def secure(self) -> None:
-        """Make the directory private: 0700, or 0710 with the PostgreSQL system user's group
-        when running as root (that user must pass through to its data directory)."""
-        self.path.chmod(0o700)
-        entry = postgres_system_user()
-        if entry is not None:
-            os.chown(self.path, -1, entry.pw_gid)
-            self.path.chmod(0o710)
-
-    def lock(self) -> None:
-        """Take the directory for this process, or raise `AlreadyRunning`."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        self.secure()
-        handle = open(self.path / LOCK_FILE, "a+")  # noqa: SIM115 - held for the process's life
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            handle.close()
-            pid = self.read().get("pid")
-            raise AlreadyRunning(
-                f"another `rlfleet up` (pid {pid or '?'}) uses {self.path}; "
-                "stop it first or pass another --state-dir"
-            ) from exc
-        self._lock = handle
-
-    def unlock(self) -> None:
-        """Release the directory."""
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
-
-    def pick_port(self, service: str) -> int:
-        """The remembered port of `service` when it is free, else a new free one."""
-        remembered = self.read().get("ports", {}).get(service)
-        if isinstance(remembered, int) and port_is_free(remembered):
-            return remembered
-        if remembered:
-            log.warning("port_taken", service=service, port=remembered)
-        return free_port()
 
 
 def kill_leftover_servers(state: StateDir) -> None:
@@ -423,6 +315,139 @@ def announce(
     print("\n".join(lines), flush=True)
 
 
+def raise_open_files_limit() -> int:
+    """Raise this process's open-files limit (soft) to what the system allows it (hard):
+    the daemons' SSH sessions, database pools and the local VM's jobs share it. Returns the
+    limit now in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:
+        try:
+            target = int(Path("/proc/sys/fs/nr_open").read_text())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (OSError, ValueError) as exc:
+        log.warning("open_files_limit_kept", limit=soft, error=str(exc))
+        return soft
+    log.info("open_files_limit_raised", previous=soft, limit=target)
+    return target
+
+
+class WebProcess:
+    """The dashboard of `up --web-port`, served by `rlfleet web` in a child process: a flood
+    of connections then costs that process's file descriptors and event loop, never the
+    daemons'. It reads its token as `up` does (`RLFLEET_WEB_TOKEN`, else STATE_DIR/web.token)
+    and reaches the services with `up`'s settings, handed over in its environment (which
+    only this user can read). It is stopped with `up` (and dies with it, even killed), and
+    started again, a little later each time, if it ends by itself."""
+
+    STOP_GRACE_S = 10.0
+    START_TIMEOUT_S = 60.0
+
+    def __init__(self, settings: Settings, state_dir: Path, port: int) -> None:
+        self.settings = settings
+        self.state_dir = state_dir
+        self.port = port
+
+    def command(self) -> list[str]:
+        """The child's command line: the same `rlfleet web` a user runs, on loopback."""
+        return [
+            sys.executable, "-m", "scheduler.cli", "web", "--host", "127.0.0.1",
+            "--port", str(self.port), "--state-dir", str(self.state_dir),
+        ]  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            RLFLEET_DATABASE_URL=self.settings.database_url,
+            RLFLEET_NATS_URL=self.settings.nats_url,
+            RLFLEET_NATS_TOKEN=self.settings.nats_token or "",
+        )
+        env.setdefault("RLFLEET_LOG_LEVEL", "INFO")
+        return env
+
+    async def run(self, stop: asyncio.Event, ready: asyncio.Event) -> None:
+        """Serve until `stop`. Raises `OSError` if the first start fails (the port is
+        taken, say): `up` then stops, as it would for any service it cannot start."""
+        delay = 1.0
+        while not stop.is_set():
+            proc = await asyncio.create_subprocess_exec(
+                *self.command(),
+                env=self.environment(),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                preexec_fn=_die_with_parent,
+                # Ctrl-C in the terminal reaches `up`, which stops this process itself.
+                start_new_session=True,
+            )
+            try:
+                started = await self._started(proc)
+                if not started and not ready.is_set():
+                    code = await proc.wait()
+                    raise OSError(f"the dashboard did not start on port {self.port} (exit {code})")
+                if started:
+                    log.info("web_process_started", pid=proc.pid, port=self.port)
+                    ready.set()
+                    delay = 1.0
+                    drain = asyncio.create_task(_drain(proc.stdout))
+                    ended = asyncio.create_task(proc.wait())
+                    stopper = asyncio.create_task(stop.wait())
+                    await asyncio.wait({ended, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                    stopper.cancel()
+                    drain.cancel()
+            finally:
+                await self._stop(proc)
+            if stop.is_set():
+                break
+            log.warning("web_process_ended", code=proc.returncode, restart_in_s=delay)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(delay * 2, 30.0)
+
+    async def _started(self, proc: asyncio.subprocess.Process) -> bool:
+        """Whether the child says it serves (its first line) before it ends or times out."""
+        assert proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), self.START_TIMEOUT_S)
+        except TimeoutError:
+            return False
+        return line.startswith(b"rlfleet web:")
+
+    async def _stop(self, proc: asyncio.subprocess.Process) -> None:
+        if proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), self.STOP_GRACE_S)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+
+async def _drain(stream: asyncio.StreamReader | None) -> None:
+    """Read and drop what the child prints after its first line (nothing, normally)."""
+    while stream is not None and await stream.read(4096):
+        pass
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (even killed), so a dashboard
+    never outlives its `up` (Linux; elsewhere `up` stopping it is all there is)."""
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -432,6 +457,7 @@ def run_up(options: UpOptions) -> None:
     from scheduler.daemon import serve
 
     options.state_dir = options.state_dir.expanduser().resolve()
+    raise_open_files_limit()
     state = StateDir(options.state_dir)
     state.lock()
     services: Services | None = None
@@ -459,40 +485,30 @@ def run_up(options: UpOptions) -> None:
         )
 
         ready = asyncio.Event()
-        web_token = None
+        web_where = None
         if options.web_port:
             from scheduler.web.server import load_token
 
-            web_token = load_token(options.state_dir)
+            # Made (or checked) here, so a bad token stops `up` before anything runs; the
+            # dashboard's process reads it the same way.
+            web_where = load_token(options.state_dir)[1]
 
         async def main(stop: asyncio.Event) -> None:
             daemons_ready, web_ready = asyncio.Event(), asyncio.Event()
 
             async def mark_ready() -> None:
                 await daemons_ready.wait()
-                if web_token is not None:
+                if web_where is not None:
                     await web_ready.wait()
                 ready.set()
                 state.write({**state.read(), "ready": True})
-                announce(options, settings, gpu_note, web_token[1] if web_token else None)
+                announce(options, settings, gpu_note, web_where)
 
             marker = asyncio.create_task(mark_ready())
             tasks = [asyncio.ensure_future(run_daemons(settings, stop, daemons_ready))]
-            if web_token is not None:
-                from scheduler.web.server import serve_web
-
-                tasks.append(
-                    asyncio.ensure_future(
-                        serve_web(
-                            settings,
-                            host="127.0.0.1",
-                            port=options.web_port,
-                            token=web_token[0],
-                            stop=stop,
-                            ready=web_ready,
-                        )
-                    )
-                )
+            if web_where is not None:
+                web = WebProcess(settings, options.state_dir, options.web_port)
+                tasks.append(asyncio.ensure_future(web.run(stop, web_ready)))
             try:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
                 stop.set()

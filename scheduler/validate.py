@@ -135,6 +135,21 @@ def check_int(
     return value
 
 
+JOB_ID_RE = re.compile(r"[0-9]{1,19}")
+"""A job id as typed, sent or put in a URL: ASCII digits only (`int` would also take `٤`,
+`²` breaks `str.isdigit` users, `+4` and `4_0` are no ids), a bounded number of them."""
+
+INTEGER_RE = re.compile(r"[+-]?[0-9]{1,40}")
+"""An integer as typed: ASCII digits, an optional sign, a bounded length."""
+
+
+def parse_job_id(text: str) -> int:
+    """The job id `text` spells (1 ≤ id < 2**63), or `BadInput`."""
+    if not JOB_ID_RE.fullmatch(text) or not 0 < int(text) <= INT8[1]:
+        raise BadInput(f"{shown(text)} is not a valid integer between 1 and {INT8[1]} (a job id)")
+    return int(text)
+
+
 def check_seconds(value: float, what: str, *, hi: float = 86400.0) -> float:
     """A duration in seconds: finite, not negative, at most `hi`."""
     if math.isnan(value) or not 0 <= value <= hi:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import unicodedata
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -17,12 +18,14 @@ from scheduler.errors import BadInput, RlfleetError, ServiceUnavailable, error_l
 from scheduler.redact import redact_url, scrub_urls
 from scheduler.settings import Settings
 from scheduler.validate import (
+    INTEGER_RE,
     check_argv,
     check_database_url,
     check_int,
     check_nats_url,
     check_seconds,
     check_text,
+    parse_job_id,
     shown,
 )
 
@@ -172,16 +175,32 @@ class ColumnInt(click.ParamType):
         if isinstance(value, int) and not isinstance(value, bool):
             number = value
         else:
-            try:
-                number = int(str(value).strip(), 10)
-            except ValueError:
+            text = str(value).strip()
+            # ASCII digits only: `int` also reads `٤` as 4.
+            if not INTEGER_RE.fullmatch(text):
                 self.fail(f"{shown(str(value))} is not a valid integer", param, ctx)
+            number = int(text, 10)
         try:
             return check_int(
                 number, "it", column=self.column, lo=self.lo, hi=self.hi, bounds=self.bounds
             )
         except BadInput as exc:
             self.fail(str(exc).removeprefix("it "), param, ctx)
+
+
+class JobId(click.ParamType):
+    """A job id: ASCII digits only, 1 to 2**63 - 1 (`validate.parse_job_id`)."""
+
+    name = "job_id"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        """Parse one job id."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        try:
+            return parse_job_id(str(value))
+        except BadInput as exc:
+            self.fail(str(exc), param, ctx)
 
 
 class ColumnText(click.ParamType):
@@ -246,9 +265,36 @@ def fmt_time(value: datetime | None) -> str:
     return value.astimezone().strftime("%Y-%m-%d %H:%M:%S") if value else "-"
 
 
+def printable(value: Any) -> str:
+    """`value` as text a terminal shows as it is: control characters (ESC, CR…), bidi
+    overrides and other format characters escaped (`\\x1b`, `\\u202e`), so a name a user
+    typed can neither move the cursor, recolour the screen nor reorder what follows.
+    `--json` prints the exact value."""
+    text = str(value)
+    if text.isprintable() and text.isascii():
+        return text
+    return "".join(
+        ch if ch == " " or unicodedata.category(ch) not in _UNSHOWN else _escaped(ch) for ch in text
+    )
+
+
+_UNSHOWN = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+
+
+def _escaped(ch: str) -> str:
+    code = ord(ch)
+    if ch in "\n\r\t":
+        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}[ch]
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 def echo_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """A plain aligned table, like `squeue`."""
-    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in r] for r in rows]
+    """A plain aligned table, like `squeue` (every cell `printable`)."""
+    cells = [[str(h) for h in headers]] + [
+        ["-" if c is None else printable(c) for c in r] for r in rows
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     for row in cells:
         click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())

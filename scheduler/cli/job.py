@@ -12,6 +12,7 @@ from scheduler.cli._common import (
     CliContext,
     ColumnInt,
     ColumnText,
+    JobId,
     Seconds,
     echo_json,
     echo_table,
@@ -19,6 +20,7 @@ from scheduler.cli._common import (
     json_flag,
     json_option,
     pass_cli,
+    printable,
     warn,
 )
 from scheduler.errors import BadInput, ServiceUnavailable
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
 CANCEL_GRACE_S = 10.0
 """scheduler.control.DEFAULT_GRACE_S (tests/unit/test_import_graph.py checks they agree)."""
 
-job_id_argument = click.argument("job_id", type=ColumnInt(lo=1, bounds=INT8))
+job_id_argument = click.argument("job_id", type=JobId())
 """The JOB_ID argument of the commands about one job (`jobs.id` is a BigInteger)."""
 
 
@@ -400,13 +402,13 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
         echo_json(job)
         return
     for key, value in job.items():
-        if key not in ("events", "progress", "progress_error", "ranks", "roles"):
-            click.echo(f"{key + ':':18}{'-' if value in (None, []) else value}")
+        if key not in ("events", "events_older", "progress", "progress_error", "ranks", "roles"):
+            click.echo(f"{key + ':':18}{'-' if value in (None, []) else printable(value)}")
     progress = job["progress"]
     if isinstance(progress, dict):
-        click.echo(f"{'progress:':18}{_progress_line(progress)}")
+        click.echo(f"{'progress:':18}{printable(_progress_line(progress))}")
     elif job["progress_error"] and job["progress_error"] != "not started":
-        click.echo(f"{'progress:':18}unavailable ({job['progress_error']})")
+        click.echo(f"{'progress:':18}unavailable ({printable(job['progress_error'])})")
     if job["nodes"] > 1:
         click.echo("\nnodes:")
         echo_table(
@@ -448,10 +450,18 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
     echo_table(
         ["AT", "FROM", "TO", "ATTEMPT", "ACTOR", "REASON"],
         [
-            (fmt_time(e["at"]), e["from"] or "", e["to"], e["attempt"], e["actor"], e["reason"])
+            (fmt_time(e["at"]), e["from"] or "", e["to"], e["attempt"], e["actor"], _reason(e))
             for e in job["events"]
         ],
     )
+
+
+def _reason(event: dict[str, Any]) -> str:
+    """An event's reason, with how often a waiting move repeated: `… (×40, last at T)`."""
+    reason = event["reason"] or ""
+    if event.get("count", 1) > 1:
+        reason += f" (×{event['count']}, last at {fmt_time(event['last_at'])})"
+    return reason
 
 
 def _progress_line(progress: dict[str, Any]) -> str:

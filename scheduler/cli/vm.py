@@ -16,6 +16,7 @@ from scheduler.cli._common import (
     fmt_time,
     json_option,
     pass_cli,
+    printable,
     warn,
 )
 from scheduler.db import Database
@@ -183,7 +184,7 @@ def show(ctx: CliContext, name: str, as_json: bool) -> None:
         return
     for key, value in vm.items():
         if key != "gpus":
-            click.echo(f"{key + ':':22}{'-' if value is None else value}")
+            click.echo(f"{key + ':':22}{'-' if value is None else printable(value)}")
     rows = [
         (
             g["index"],

@@ -27,9 +27,10 @@ from scheduler.cli._common import CliContext, pass_cli, state_dir_option
 def web(ctx: CliContext, port: int, host: str, state_dir: Path | None) -> None:
     """Serve the web dashboard and its JSON API (/api/…, as the CLI's --json).
 
-    Reading needs no token from this machine (127.0.0.1); cancel and retry, and any request
-    from another machine, need the token: $RLFLEET_WEB_TOKEN, else STATE_DIR/web.token
-    (generated, mode 0600). Ctrl-C stops it.
+    Reading needs no token from this machine (127.0.0.1): every local user can read every
+    job and its log. Cancel and retry, any request from another machine and any request a
+    proxy forwarded (X-Forwarded-For) need the token: $RLFLEET_WEB_TOKEN, else
+    STATE_DIR/web.token (generated, mode 0600). Ctrl-C stops it.
     """
     import asyncio
 

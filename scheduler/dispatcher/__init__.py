@@ -78,6 +78,7 @@ from scheduler.remote import (
 from scheduler.settings import Settings
 from scheduler.states import FailureReason, JobStatus
 from scheduler.transport import Transport, TransportError, VMTarget, make_transport
+from scheduler.validate import JOB_ID_RE
 
 log = get_logger("dispatcher")
 
@@ -105,7 +106,7 @@ def parse_job_id(payload: bytes) -> int:
         text = payload.decode("utf-8").strip()
     except UnicodeDecodeError as exc:
         raise ValueError("payload is not UTF-8") from exc
-    if not text.isascii() or not text.isdigit():
+    if not JOB_ID_RE.fullmatch(text):
         raise ValueError(f"payload {text[:40]!r} is not a job id")
     job_id = int(text)
     if not 0 < job_id < 2**63:

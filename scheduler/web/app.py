@@ -5,7 +5,9 @@ Who may do what (docs/security.md, "The web dashboard"):
   pages' buttons send it from the token field): missing 401, wrong 403. A header cannot be
   set by another site's form, so a request forged cross-site has no token (CSRF);
 - a read needs the token too, unless the client is on loopback and names a loopback host
-  (a page of another site that rebinds its name to 127.0.0.1 names that site's host).
+  (a page of another site that rebinds its name to 127.0.0.1 names that site's host), and
+  the request does not say a proxy forwarded it (`FORWARDED_HEADERS`): a proxy on this
+  machine connects from loopback for clients of anywhere.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from scheduler.redact import scrub_urls
 from scheduler.settings import Settings
 from scheduler.states import JobStatus
 from scheduler.transport import Transport
+from scheduler.validate import INTEGER_RE, parse_job_id, shown
 from scheduler.web import data
 
 log = get_logger("web")
@@ -44,6 +47,9 @@ TOKEN_HEADER = "x-rlfleet-token"
 ACTOR = "web"
 MAX_LIMIT = 1000
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]", "::1"})
+FORWARDED_HEADERS = ("forwarded", "x-forwarded-for", "x-real-ip")
+"""Headers with which a proxy says whose request it forwards: such a request is not this
+machine's, whatever address it comes from."""
 
 
 class Forbidden(Exception):
@@ -122,6 +128,8 @@ class Dashboard:
         client = request.client.host if request.client else None
         if not (is_loopback(client) and host_is_loopback(request.headers.get("host", ""))):
             raise Forbidden(401, "reading from another machine needs the token")
+        if any(name in request.headers for name in FORWARDED_HEADERS):
+            raise Forbidden(401, "reading through a proxy needs the token")
 
     def render(self, template_name: str, **context: Any) -> HTMLResponse:
         """A page from its template; `initial` is handed to its script as JSON."""
@@ -179,10 +187,9 @@ def int_param(request: Request, name: str, default: int, *, lo: int, hi: int) ->
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return default
-    try:
-        value = int(raw, 10)
-    except ValueError:
-        raise BadInput(f"{name} must be a whole number") from None
+    if not INTEGER_RE.fullmatch(raw):  # ASCII digits: `int` also reads `٤` as 4
+        raise BadInput(f"{name} must be a whole number")
+    value = int(raw, 10)
     if not lo <= value <= hi:
         raise BadInput(f"{name} must be between {lo} and {hi}")
     return value
@@ -208,11 +215,22 @@ def name_param(request: Request) -> str | None:
 
 
 def job_id_param(request: Request) -> int:
-    """The job id in the path."""
-    raw = request.path_params["job_id"]
-    if not raw.isdigit() or not 1 <= int(raw) < 2**63:
-        raise BadInput("a job id is a positive whole number")
-    return int(raw)
+    """The job id in the path: ASCII digits only (`validate.parse_job_id`)."""
+    return parse_job_id(request.path_params["job_id"])
+
+
+EVENTS_SHOWN = 100
+"""Events a job's page and `/api/jobs/ID` carry unless `?events=` says otherwise: the
+newest; `events_older` counts the others, fetched with `?before=` the first one's id."""
+
+
+def events_params(request: Request) -> dict[str, int | None]:
+    """`?events=` (how many, newest first) and `?before=` (an event id) of a job's events."""
+    before = request.query_params.get("before")
+    return {
+        "events_limit": int_param(request, "events", EVENTS_SHOWN, lo=1, hi=MAX_LIMIT),
+        "events_before": int_param(request, "before", 1, lo=1, hi=2**63 - 1) if before else None,
+    }
 
 
 def jsonable(value: Any) -> Any:
@@ -253,7 +271,7 @@ async def queue_page(dash: Dashboard, request: Request) -> Response:
 async def job_page(dash: Dashboard, request: Request) -> Response:
     """One job: placement, events, curves, log, cancel and retry."""
     job_id = job_id_param(request)
-    details = await job_details(dash.db, job_id)
+    details = await job_details(dash.db, job_id, events_limit=EVENTS_SHOWN)
     async with dash.db.transaction() as session:
         curve = await data.job_curve(session, job_id)
     return dash.render(
@@ -304,10 +322,12 @@ async def api_queue(dash: Dashboard, request: Request) -> Response:
 
 
 async def api_job(dash: Dashboard, request: Request) -> Response:
-    """`job show --json`; ?progress=1 reads progress.json from the VM as the CLI does."""
+    """`job show --json` with the newest 100 events (?events=N, ?before=EVENT_ID: older
+    ones); ?progress=1 reads progress.json from the VM as the CLI does."""
     job_id = job_id_param(request)
+    events = events_params(request)
     transport = dash.transport if request.query_params.get("progress") == "1" else None
-    return as_json(await job_details(dash.db, job_id, transport))
+    return as_json(await job_details(dash.db, job_id, transport, **events))
 
 
 async def api_curve(dash: Dashboard, request: Request) -> Response:
@@ -368,8 +388,11 @@ async def api_vms(dash: Dashboard, request: Request) -> Response:
 
 async def api_vm(dash: Dashboard, request: Request) -> Response:
     """`vm show NAME --json`."""
+    name = request.path_params["name"]
+    if "\x00" in name or len(name) > 255:
+        raise NotFound(f"no VM named {shown(name)}")  # no name can hold it: nothing to ask
     async with dash.db.transaction() as session:
-        vm = await get_vm(session, request.path_params["name"], with_gpus=True)
+        vm = await get_vm(session, name, with_gpus=True)
         return as_json(vm_to_dict(vm))
 
 

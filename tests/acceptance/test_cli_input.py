@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -290,3 +291,49 @@ def test_arbitrary_argv_is_exit_0_1_or_2_with_at_most_one_error_line(
     assert "Traceback" not in stderr
     if code != 0:
         assert len(stderr.splitlines()) <= 1, stderr
+
+
+def test_job_ids_are_ascii_digits_only(env: dict[str, str]) -> None:
+    # Given job 4 exists
+    for _ in range(4):
+        assert rlfleet(env, *SUBMIT).returncode == 0
+    assert rlfleet(env, "job", "show", "4", "--no-progress").returncode == 0
+    # Then an Arabic-Indic four, a superscript two or digits in disguise are no job id
+    for raw in ("٤", "²", "4²", "0x4", "4_0", "+4", "9" * 30):
+        shown = rlfleet(env, "job", "show", raw, "--no-progress")
+        assert shown.returncode == 2, (raw, shown.stdout, shown.stderr)
+        assert len(shown.stderr.strip().splitlines()) == 1, (raw, shown.stderr)
+    # And another integer flag refuses non-ASCII digits as well
+    assert rlfleet(env, *SUBMIT, "--gpus", "١").returncode == 2
+
+
+def test_control_and_bidi_characters_a_user_typed_are_shown_escaped(env: dict[str, str]) -> None:
+    # Given a job and a VM whose names hold ESC, CR and a right-to-left override
+    name = "ok\x1b[31mred\rX\u202eevil"
+    assert rlfleet(env, *SUBMIT, "--name", name).returncode == 0
+    sql(env["RLFLEET_DATABASE_URL"], "INSERT INTO vms (name, host) VALUES (E'v\\x1b[2J', 'h')")
+    # When they are listed and shown, then no such character reaches the terminal, and the
+    # name reads escaped
+    for args in (("job", "list"), ("job", "show", "1", "--no-progress"), ("vm", "list")):
+        out = rlfleet(env, *args)
+        assert out.returncode == 0, (args, out.stderr)
+        assert not {"\x1b", "\r", "\u202e"} & set(out.stdout), (args, out.stdout)
+    assert "ok\\x1b[31mred\\rX\\u202eevil" in rlfleet(env, "job", "list").stdout
+    # And --json keeps the exact name
+    listed = json.loads(rlfleet(env, "job", "list", "--json").stdout)
+    assert listed[0]["name"] == name
+
+
+def test_job_show_says_how_often_a_waiting_move_repeated(env: dict[str, str]) -> None:
+    # Given a job whose wake-up event was counted 5 times
+    assert rlfleet(env, *SUBMIT).returncode == 0
+    sql(
+        env["RLFLEET_DATABASE_URL"],
+        "INSERT INTO job_events (job_id, from_status, to_status, reason, actor, count, last_at)"
+        " VALUES (1, 'pending', 'queued', 'looking again', 'requeue', 5, now())",
+    )
+    # Then `job show` says so next to the reason, and --json has the count and the time
+    shown = rlfleet(env, "job", "show", "1", "--no-progress").stdout
+    assert re.search(r"looking again \(×5, last at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d\)", shown), shown
+    events = json.loads(rlfleet(env, "job", "show", "1", "--json", "--no-progress").stdout)
+    assert [(e["count"], bool(e["last_at"])) for e in events["events"]] == [(1, False), (5, True)]

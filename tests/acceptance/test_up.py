@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.embedded import EmbeddedPostgres, free_port
+from scheduler.statedir import port_is_free
 from scheduler.up import read_env_file, write_sim_nvidia_smi
 from tests.workloads.support import FAKE_TRAIN, RLFLEET, alive
 
@@ -28,7 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 class Up:
     """One `rlfleet up` subprocess in its own process group."""
 
-    def __init__(self, state_dir: Path, home: Path, *args: str) -> None:
+    def __init__(
+        self, state_dir: Path, home: Path, *args: str, open_files: int | None = None
+    ) -> None:
+        """`open_files`: start it under that open-files limit (soft and hard)."""
         self.state_dir = state_dir
         self.env = {**os.environ, "HOME": str(home), "RLFLEET_LOG_LEVEL": "INFO"}
         for var in (
@@ -44,6 +48,7 @@ class Up:
                 stdout=handle,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=None if open_files is None else _limit_open_files(open_files),
             )
 
     def output(self) -> str:
@@ -82,6 +87,17 @@ class Up:
                 self.proc.wait(10)
                 raise
         return self.proc.returncode
+
+
+def _limit_open_files(n: int):  # type: ignore[no-untyped-def]
+    """A `preexec_fn` setting the open-files limit to `n` (soft and hard), as `ulimit -n`."""
+
+    def limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+    return limit
 
 
 @pytest.fixture
@@ -403,3 +419,186 @@ def test_up_serves_the_dashboard_with_a_token_it_keeps_to_itself(
     assert up.cli("job", "show", job_id, "--json", "--no-progress").stdout.count('"cancelled"')
     assert str(token_file) in up.output() and token not in up.output()
     assert up.stop() == 0
+
+
+SLOW_LORIS = r"""
+import resource, socket, sys, time
+# The flooder's own limit, not the server's: enough descriptors for every connection.
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+targets = [(int(port), int(count)) for port, count in (a.split(":") for a in sys.argv[1:])]
+open_ = {port: [] for port, _ in targets}
+opened = 0
+while True:
+    for port, count in targets:
+        alive = []
+        for sock in open_[port]:
+            try:
+                sock.send(b"X-a: b\r\n")  # a header line now and then, never the end
+                alive.append(sock)
+            except OSError:
+                sock.close()
+        while len(alive) < count:
+            try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=2)
+                sock.send(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+                alive.append(sock)
+                opened += 1
+            except OSError:
+                break
+        open_[port] = alive
+    print(opened, {p: len(s) for p, s in open_.items()}, flush=True)
+    time.sleep(1)
+"""
+
+
+@pytest.mark.slow
+def test_a_slow_loris_flood_on_the_dashboard_and_metrics_costs_the_flooder_not_the_jobs(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    state_dir, home = tmp_path / "state", tmp_path / "home"
+    home.mkdir()
+    web_port, metrics_port = free_port(), free_port()
+    # Given `rlfleet up --web-port --metrics-port` with a local VM, under the common limit
+    # of 1,024 open files (soft and hard: it cannot raise it)
+    up = Up(
+        state_dir, home, "--local-vm", "--gpus", "1", "--entrypoint", str(FAKE_TRAIN),
+        "--web-port", str(web_port), "--metrics-port", str(metrics_port), open_files=1024,
+    )  # fmt: skip
+    ups.append(up)
+    up.wait_ready()
+    wait_for(
+        lambda: (
+            json.loads(up.cli("vm", "show", "local", "--json").stdout or "{}").get("status")
+            == "healthy"
+        ),
+        60,
+        "the local VM to be healthy",
+    )
+    # When a local user without any token keeps 1,100 half-sent requests open on the
+    # dashboard and 300 on the metrics endpoint, reopening what the server closes
+    flood_log = tmp_path / "flood.log"
+    with flood_log.open("wb") as out:
+        flood = subprocess.Popen(
+            [sys.executable, "-c", SLOW_LORIS, f"{web_port}:1100", f"{metrics_port}:300"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for(lambda: len(flood_log.read_text().splitlines()) >= 5, 60, "the flood")
+        # And a job that trains for 40 s (longer than a VM may stay unanswered) is
+        # submitted and runs through it
+        submitted = up.cli(
+            "job", "submit", "--model", "m", "--dataset", "d.jsonl", "--reward-function",
+            "r", "--", "--fake_seconds", "40",
+        )  # fmt: skip
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = submitted.stdout.strip()
+        job = wait_for(
+            lambda: (
+                (j := json.loads(up.cli("job", "show", job_id, "--json").stdout or "{}"))
+                and j.get("status") in ("completed", "failed", "cancelled")
+                and j
+            ),
+            150,
+            f"job {job_id} to finish",
+        )
+        vm = json.loads(up.cli("vm", "show", "local", "--json").stdout)
+        still_flooding = flood.poll() is None
+    finally:
+        flood.kill()
+        flood.wait(10)
+    # Then the job completed on its first attempt, never taken for lost, the VM healthy
+    assert still_flooding, flood_log.read_text()[-2000:]
+    assert job["status"] == "completed", job
+    assert job["retry_count"] == 0 and job["attempt"] == 1, job
+    assert not [e for e in job["events"] if "node_lost" in (e["reason"] or "")], job["events"]
+    assert vm["status"] == "healthy", vm
+    # And the flood was really held off: the servers closed the connections they had no
+    # room or no patience for, so the flooder had to open many more than it keeps
+    opened = int(flood_log.read_text().splitlines()[-1].split()[0])
+    print(f"\nflood: {opened} connections opened; up's log {len(up.output())} bytes")
+    assert opened > 1400, flood_log.read_text()[-2000:]
+    # And `up`'s log stayed small (no traceback per refused connection)
+    assert len(up.output()) < 2_000_000, len(up.output())
+
+    # And once the flood stops, both servers answer again
+    def answers(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as answer:  # noqa: S310 (loopback)
+                return answer.status == 200
+        except OSError:
+            return False
+
+    wait_for(lambda: answers(f"http://127.0.0.1:{web_port}/api/jobs"), 60, "the dashboard")
+    wait_for(lambda: answers(f"http://127.0.0.1:{metrics_port}/metrics"), 60, "the metrics")
+    assert up.stop() == 0, up.output()[-3000:]
+
+
+def children(pid: int) -> set[int]:
+    """The processes whose parent is `pid`."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+@pytest.mark.slow
+def test_the_dashboard_process_ends_with_up_even_when_up_is_killed(
+    tmp_path: Path, ups: list[Up]
+) -> None:
+    # Given `rlfleet up --web-port`, whose dashboard runs in a child process
+    state_dir, port = tmp_path / "state", free_port()
+    up = Up(state_dir, tmp_path, "--web-port", str(port))
+    ups.append(up)
+    up.wait_ready()
+    web = web_children(up)
+    assert len(web) == 1, children(up.proc.pid)
+    servers = json.loads((state_dir / "up.json").read_text())["server_pids"]
+    try:
+        # When `up` is killed outright (no chance to stop anything)
+        up.proc.kill()
+        up.proc.wait(10)
+        # Then the dashboard's process ends too, and nothing listens on its port
+        wait_for(lambda: not alive(web[0]), 20, "the dashboard process to end")
+        assert port_is_free(port)
+    finally:
+        for pid in servers.values():  # what a killed `up` leaves for the next one to stop
+            with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def web_children(up: Up) -> list[int]:
+    """The pids of the dashboard's process of `up` (`rlfleet web` started by it)."""
+    found = []
+    for pid in children(up.proc.pid):
+        with contextlib.suppress(OSError):
+            if b"web" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0"):
+                found.append(pid)
+    return found
+
+
+@pytest.mark.slow
+def test_a_dashboard_process_that_dies_is_started_again(tmp_path: Path, ups: list[Up]) -> None:
+    # Given `rlfleet up --web-port` serving its dashboard
+    state_dir, port = tmp_path / "state", free_port()
+    up = Up(state_dir, tmp_path, "--web-port", str(port))
+    ups.append(up)
+    up.wait_ready()
+    [first] = web_children(up)
+    # When the dashboard's process is killed
+    os.kill(first, signal.SIGKILL)
+
+    def answers() -> bool:
+        try:
+            url = f"http://127.0.0.1:{port}/api/jobs"
+            with urllib.request.urlopen(url, timeout=5) as answer:  # noqa: S310 (loopback)
+                return answer.status == 200
+        except OSError:
+            return False
+
+    # Then `up` goes on and starts another, which serves the dashboard again
+    wait_for(lambda: web_children(up) not in ([], [first]) and answers(), 30, "a new dashboard")
+    assert up.proc.poll() is None
+    assert up.stop() == 0, up.output()[-3000:]

@@ -529,3 +529,41 @@ async def test_the_fleet_page_refreshes_in_place_and_shows_a_failed_refresh(
         polling.cancel()
         await asyncio.gather(polling, return_exceptions=True)
         await server.halt()
+
+
+async def test_a_jobs_page_shows_its_newest_events_counts_repeats_and_shows_more(
+    db: Database, database_url: str, browser: Browser
+) -> None:
+    from scheduler.web.server import serve_web
+    from tests.integration.test_transitions import wait_round
+    from tests.workloads.support import new_job
+
+    # Given a job that waited for 130 different reasons, woken 130 times (132 events)
+    job_id = await new_job(db)
+    for i in range(130):
+        await wait_round(db, job_id, reason=f"reason {i:03d}")
+    settings = Settings.load(database_url, "nats://127.0.0.1:4222")
+    stop, ready, port = asyncio.Event(), asyncio.Event(), free_port()
+    serving = asyncio.create_task(
+        serve_web(settings, host="127.0.0.1", port=port, token=TOKEN, stop=stop, ready=ready)
+    )
+    rows = "return [...document.querySelectorAll('#events tr')].map((r) => r.textContent)"
+    more = "return document.getElementById('older-events')"
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        # When its page is opened, then it lists the newest 100 and offers the 32 older
+        await browser.get(f"http://127.0.0.1:{port}/jobs/{job_id}")
+        await browser.until(lambda: len(browser.js(rows)) == 100, 20)
+        assert "reason 129" in browser.js(rows)[-1]
+        assert browser.js(more + ".textContent") == "32 older events: show more"
+        # When the user asks for more, then all 132 are listed, oldest first, and the
+        # wake-up shows how often it happened
+        await browser.call(browser.driver.find_element("id", "older-events").click)
+        await browser.until(lambda: len(browser.js(rows)) == 132, 20)
+        listed = browser.js(rows)
+        assert "submitted" in listed[0]
+        assert re.search(r"looking again \(×130, last at ", listed[2]), listed[2]
+        assert browser.js(more + ".hidden") is True
+    finally:
+        stop.set()
+        await asyncio.wait_for(serving, 30)

@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 import urllib.request
@@ -182,3 +183,50 @@ def test_a_daemon_started_with_metrics_port_serves_them(
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     assert proc.returncode == 0
+
+
+def half_sent(port: int) -> socket.socket:
+    """A connection that sends the start of a request and never its end."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    return sock
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes `sock` within `seconds` (sending nothing first)."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        sock.close()
+
+
+@pytest.mark.slow
+def test_half_sent_requests_hold_the_metrics_endpoint_only_a_few_connections_for_a_while(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given the metrics endpoint, whose connections last 3 s at most
+    if hasattr(metrics, "MetricsServer"):
+        monkeypatch.setattr(metrics.MetricsServer, "deadline_s", 3.0)
+    limit = getattr(metrics, "METRICS_MAX_CONNECTIONS", 32)
+    port = free_port()
+    server = metrics.start_metrics_server(port, addr="127.0.0.1")
+    assert server is not None
+    try:
+        # When a client opens as many half-sent requests as it may, and one more
+        held = [half_sent(port) for _ in range(limit)]
+        # Then the one more is closed at once
+        assert closed_within(half_sent(port), 2.0)
+        # And the others are closed by the server once their time is up
+        started = time.monotonic()
+        assert all(closed_within(sock, 10.0) for sock in held)
+        assert time.monotonic() - started < 8
+        # And a scrape is answered again
+        assert "rlfleet_jobs" in scrape(port)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -155,3 +155,55 @@ async def test_news_about_an_old_attempt_cannot_move_the_next_one(db: Database) 
     assert (stale, current) == (False, True)
     async with db.transaction() as session:
         assert (await get_job(session, job_id)).status == "running"
+
+
+async def wait_round(db: Database, job_id: int, reason: str = "no GPU free") -> None:
+    """One round of a waiting job: parked pending by the dispatcher, woken by the requeue
+    manager (the two moves of `claims` and `requeue_steps.wake_pending`)."""
+    async with db.transaction() as session:
+        assert await transition(
+            session, job_id, expected=JobStatus.QUEUED, to=JobStatus.PENDING,
+            reason=reason, actor="dispatcher:h:1",
+        )  # fmt: skip
+    async with db.transaction() as session:
+        assert await transition(
+            session, job_id, expected=JobStatus.PENDING, to=JobStatus.QUEUED,
+            reason="pending for 300s: looking again", actor="requeue",
+        )  # fmt: skip
+
+
+async def test_a_waiting_job_keeps_one_event_per_reason_with_a_count_and_last_time(
+    db: Database,
+) -> None:
+    from scheduler.jobs import show_job
+
+    job_id = await new_job(db)
+    # Given a job that waited 40 rounds for a GPU
+    for _ in range(40):
+        await wait_round(db, job_id)
+    # When it waits once for another reason, then runs, fails and waits again
+    await wait_round(db, job_id, reason="needs 2 GPUs, largest free block is 1")
+    async with db.transaction() as session:
+        for src, to in (("queued", "starting"), ("starting", "failed"), ("failed", "queued")):
+            assert await transition(
+                session, job_id, expected=JobStatus(src), to=JobStatus(to), reason=to, actor="t"
+            )
+    for _ in range(3):
+        await wait_round(db, job_id)
+    async with db.transaction() as session:
+        events = (await show_job(session, job_id))["events"]
+    # Then each reason of a waiting spell is one row, counted, with when it was last seen
+    seen = [(e["from"], e["to"], e["reason"], e["count"]) for e in events]
+    assert seen == [
+        (None, "queued", "submitted", 1),
+        ("queued", "pending", "no GPU free", 40),
+        ("pending", "queued", "pending for 300s: looking again", 41),
+        ("queued", "pending", "needs 2 GPUs, largest free block is 1", 1),
+        ("queued", "starting", "starting", 1),
+        ("starting", "failed", "failed", 1),
+        ("failed", "queued", "queued", 1),
+        ("queued", "pending", "no GPU free", 3),
+        ("pending", "queued", "pending for 300s: looking again", 3),
+    ]
+    assert events[1]["last_at"] > events[1]["at"]
+    assert events[3]["last_at"] is None

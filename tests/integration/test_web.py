@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import time
 from collections.abc import AsyncIterator, Callable
 
 import httpx
@@ -280,3 +282,144 @@ async def test_a_database_that_cannot_be_reached_is_a_503_of_one_line(
         await dead.dispose()
     # And its log says so once a request, as a warning, not as a failure with a traceback
     assert log.calls == [("warning", "web_database_unavailable")] * 3, log.calls
+
+
+def _connect(port: int, head: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(head)
+    return sock
+
+
+def _closed_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> bool:
+    """Whether the server closes `sock` within `seconds`, `trickle` sent every 0.2 s."""
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            if trickle:
+                sock.sendall(trickle)
+            sock.settimeout(0.2)
+            try:
+                if sock.recv(65536) == b"":
+                    return True
+            except TimeoutError:
+                continue
+        return False
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    finally:
+        sock.close()
+
+
+@pytest.mark.slow
+async def test_half_sent_and_trickled_requests_cost_the_dashboard_one_connection_each_for_a_while(
+    database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from scheduler.web import server
+
+    # Given the dashboard served with room for 4 connections and 1 s to send a request head
+    monkeypatch.setattr(server, "MAX_CONNECTIONS", 4, raising=False)
+    monkeypatch.setattr(server, "HEADER_TIMEOUT_S", 1.0, raising=False)
+    port, stop, ready = free_port(), asyncio.Event(), asyncio.Event()
+    settings = Settings.load(database_url, "nats://127.0.0.1:4222")
+    serving = asyncio.create_task(
+        server.serve_web(settings, host="127.0.0.1", port=port, token=TOKEN, stop=stop, ready=ready)
+    )
+    half = b"GET /queue HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    whole = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+
+        def flood() -> None:
+            # When a client keeps 4 half-sent requests open, and opens one more
+            held = [_connect(port, half) for _ in range(4)]
+            time.sleep(0.2)
+            # Then the one more is closed at once
+            assert _closed_within(_connect(port, half), 0.5)
+            # And the 4 are closed once their second is up, though they keep sending
+            started = time.monotonic()
+            assert all(_closed_within(sock, 4.0, trickle=b"X: y\r\n") for sock in held)
+            assert time.monotonic() - started < 4
+            # And so is a kept-alive connection trickling its second request
+            sock = _connect(port, whole)
+            sock.settimeout(5)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 307")
+            sock.sendall(b"GET /queue HTTP/1.1\r\n")
+            assert _closed_within(sock, 4.0, trickle=b"X: y\r\n")
+            # And a whole request is answered as ever
+            sock = _connect(port, whole)
+            sock.settimeout(5)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 307")
+            sock.close()
+
+        await asyncio.to_thread(flood)
+    finally:
+        stop.set()
+        await asyncio.wait_for(serving, 30)
+
+
+async def test_a_jobs_events_come_newest_first_by_pages(db: Database, client: Client) -> None:
+    from tests.integration.test_transitions import wait_round
+
+    # Given a job that waited for 130 different reasons: a row each, one row for its 130
+    # wake-ups, and its submission, 132 events in all
+    job_id = await new_job(db)
+    for i in range(130):
+        await wait_round(db, job_id, reason=f"reason {i:03d}")
+    web = client()
+    # When its page's data is fetched, then it holds the newest 100 events, oldest first,
+    # and says how many older ones there are
+    page = (await web.get(f"/api/jobs/{job_id}")).json()
+    assert len(page["events"]) == 100 and page["events_older"] == 32
+    assert page["events"][-1]["reason"] == "reason 129"
+    assert page["events"][-1]["count"] == 1
+    # And the older ones come by pages of the size asked, before the first one shown
+    older = await web.get(f"/api/jobs/{job_id}?events=200&before={page['events'][0]['id']}")
+    older = older.json()
+    assert len(older["events"]) == 32 and older["events_older"] == 0
+    assert older["events"][0]["reason"] == "submitted"
+    assert older["events"][-1]["id"] < page["events"][0]["id"]
+    # And the repeated wake-up is one row, counted
+    woken = [e for e in older["events"] + page["events"] if e["from"] == "pending"]
+    assert len(woken) == 1 and woken[0]["count"] == 130 and woken[0]["last_at"]
+    # And the job page itself carries the newest page only
+    html = (await web.get(f"/jobs/{job_id}")).text
+    assert "reason 129" in html and "reason 005" not in html
+    for bad in ("events=0", "events=1001", "before=x", "before=0"):
+        assert (await web.get(f"/api/jobs/{job_id}?{bad}")).status_code == 400, bad
+
+
+async def test_job_ids_are_ascii_digits_and_odd_names_are_not_found(
+    db: Database, client: Client
+) -> None:
+    job_id = await new_job(db)
+    web = client()
+    # A superscript two or an Arabic-Indic four is no job id: bad input, not 500, not job 4
+    for raw in ("%C2%B2", "%D9%A4", "1%C2%B2", "+1", "-1", "0x1", "1_0", " 1", "9" * 19):
+        assert (await web.get(f"/api/jobs/{raw}")).status_code == 400, raw
+        assert (await web.get(f"/jobs/{raw}")).status_code == 400, raw
+    assert (await web.get(f"/api/jobs/{job_id}")).status_code == 200
+    # And so are the numbers of the query strings
+    for query in ("limit=%D9%A4", "limit=1_0", "limit=%C2%B2", "limit=" + "9" * 5000):
+        assert (await web.get(f"/api/jobs?{query}")).status_code == 400, query
+    assert (await web.get(f"/api/jobs/{job_id}/log?offset=%D9%A4")).status_code == 400
+    # A VM name with a NUL byte is simply no VM
+    assert (await web.get("/api/vms/%00")).status_code == 404
+    assert (await web.get("/api/vms/a%00b")).status_code == 404
+
+
+async def test_a_request_a_proxy_forwarded_needs_the_token_to_read(
+    db: Database, client: Client
+) -> None:
+    await new_job(db)
+    web = client()  # a proxy on this machine: the connection comes from loopback
+    # When it forwards a remote client's request, saying so in any of the usual headers
+    for header in ("X-Forwarded-For", "Forwarded", "X-Real-IP"):
+        value = "for=203.0.113.9" if header == "Forwarded" else "203.0.113.9"
+        # Then reading needs the token, as from any other machine
+        assert (await web.get("/api/jobs", headers={header: value})).status_code == 401, header
+        with_token = {header: value, "x-rlfleet-token": TOKEN}
+        assert (await web.get("/api/jobs", headers=with_token)).status_code == 200, header
+    # And a request of this machine, not forwarded, still reads without it
+    assert (await web.get("/api/jobs")).status_code == 200

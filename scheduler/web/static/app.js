@@ -158,7 +158,40 @@ function queuePage() {
 
 // --- job -----------------------------------------------------------------------------
 
-const SHOWN_ELSEWHERE = new Set(["events", "ranks", "id", "name", "status", "status_reason", "failure_reason"]);
+const SHOWN_ELSEWHERE = new Set(["events", "events_older", "ranks", "id", "name", "status", "status_reason", "failure_reason"]);
+
+// Older events the user asked for (the API sends the newest 100; "more" fetches the 100
+// before the oldest one shown), and how many are still older than those.
+const olderEvents = { events: [], left: null };
+
+// An event's reason, with how often a waiting move repeated: "… (×40, last at T)".
+function eventReason(e) {
+  const reason = e.reason || "";
+  return e.count > 1 ? `${reason} (×${e.count}, last at ${fmtTime(e.last_at)})` : reason;
+}
+
+function renderEvents(job) {
+  const newest = job.events;
+  const first = newest.length ? newest[0].id : Infinity;
+  const shown = olderEvents.events.filter((e) => e.id < first).concat(newest);
+  document.getElementById("events").replaceChildren(...shown.map((e) => el(
+    "tr", {},
+    el("td", {}, fmtTime(e.at)), el("td", {}, e.from || ""), el("td", {}, e.to),
+    el("td", {}, String(e.attempt)), el("td", {}, e.actor), el("td", {}, eventReason(e)),
+  )));
+  const left = olderEvents.left === null ? job.events_older : olderEvents.left;
+  const more = document.getElementById("older-events");
+  more.hidden = !left;
+  more.textContent = `${left} older event${left === 1 ? "" : "s"}: show more`;
+  more.dataset.before = shown.length ? String(shown[0].id) : "";
+}
+
+async function showOlderEvents(jobId) {
+  const more = document.getElementById("older-events");
+  const page = await api(`/api/jobs/${jobId}?events=100&before=${more.dataset.before}`);
+  olderEvents.events = page.events.concat(olderEvents.events);
+  olderEvents.left = page.events_older;
+}
 
 // One row per node of the attempt (`ranks` of `job show --json`), rank 0 first.
 function renderNodes(ranks) {
@@ -190,11 +223,7 @@ function renderJob(job) {
   }
   document.getElementById("placement").replaceChildren(...rows);
   renderNodes(job.ranks);
-  document.getElementById("events").replaceChildren(...job.events.map((e) => el(
-    "tr", {},
-    el("td", {}, fmtTime(e.at)), el("td", {}, e.from || ""), el("td", {}, e.to),
-    el("td", {}, String(e.attempt)), el("td", {}, e.actor), el("td", {}, e.reason || ""),
-  )));
+  renderEvents(job);
   document.getElementById("cancel").disabled = ["completed", "failed", "cancelled"].includes(job.status);
   document.getElementById("retry").disabled = job.status !== "failed";
 }
@@ -267,6 +296,10 @@ function jobPage() {
   const refresh = autoRefresh(REFRESH_MS.job, () => refreshJob(jobId));
   document.getElementById("cancel").addEventListener("click", () => act(jobId, "cancel", refresh));
   document.getElementById("retry").addEventListener("click", () => act(jobId, "retry", refresh));
+  document.getElementById("older-events").addEventListener("click", async () => {
+    await showOlderEvents(jobId);
+    refresh();
+  });
 }
 
 // --- fleet ---------------------------------------------------------------------------
