@@ -162,3 +162,84 @@ def test_loggers_load_structlog_at_their_first_use_and_log_as_configured() -> No
     ]
     assert lines[0]["x"] == 1 and lines[0]["y"] == 2 and "y" not in lines[1]
     assert "hunter2" not in done.stderr and lines[0]["url"].startswith("postgresql://u:")
+
+
+def scheduler_imports() -> dict[str, set[str]]:
+    """Every module of `scheduler/` and the modules of `scheduler/` it imports, at the top
+    or inside a function (a lazy import is an edge too), read from the source."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    modules: dict[str, Path] = {}
+    for path in (root / "scheduler").rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                targets = [f"{base}.{alias.name}" for alias in node.names]
+            for target in targets:
+                found = known(target)
+                # importing a package's module loads the package first: not a cycle
+                if found and found != name and not name.startswith(found + "."):
+                    edges.add(found)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph (its modules in order, the first repeated at the end), or
+    None."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_import_cycle_in_the_scheduler() -> None:
+    """No module of `scheduler/` imports, even lazily inside a function, one that imports
+    it back: the engines never reach the CLI (`python -m` goes through each engine
+    package's `__main__.py`), `statedir` serves both `up` and the dashboard, and
+    `rowcheck` reads roles through `jobspec`, which relies on `validate` alone."""
+    graph = scheduler_imports()
+    assert {"scheduler.gpu_poller", "scheduler.cli.daemons", "scheduler.validate"} <= set(graph)
+    assert "scheduler.jobspec" in graph["scheduler.rowcheck"]
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
