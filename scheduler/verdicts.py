@@ -122,10 +122,18 @@ _SHELL_PREFIX = re.compile(r"\S*/launch\.sh: (?:line )?\d+: ")
 
 
 def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None:
-    """The move a probed job needs, or None while it runs or is still being launched."""
+    """The move a probed job needs, or None while it runs or is still being launched.
+
+    A `running` row whose launch left no pid file, with no pid recorded (a row written by
+    hand, or by a bug), fails as `vanished`, once, with a reason: nothing else would ever
+    resolve it, and it would hold its GPUs for good (`untracked_verdict` for a row with
+    no launch token at all)."""
     if state is None or state.state == "running":
         return None
     if state.state == "unknown" and job.remote_pid is None:
+        if job.status == JobStatus.RUNNING.value and job.nodes == 1:
+            why = "running without a pid: its launch was never confirmed on the VM"
+            return JobVerdict(job, JobStatus.FAILED, None, FailureReason.VANISHED, why)
         return None  # launching: no pid file yet; the lease expiry handles a launch that died
     if state.state == "exited" and state.fenced is not None:
         # Its watchdog stopped it: the scheduler had lost contact, not the job's fault.
@@ -153,6 +161,16 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
             why = f"{why}: {group_line}"
         return JobVerdict(job, JobStatus.FAILED, code, failure, why)
     why = "no pid file" if state.state == "unknown" else "process gone without an exit code"
+    return JobVerdict(job, JobStatus.FAILED, None, FailureReason.VANISHED, why)
+
+
+def untracked_verdict(job: LiveJob) -> JobVerdict | None:
+    """The move of a live job the poller cannot probe (`job.run` is None: no launch token,
+    so no directory anyone may look at): a `running` one fails as `vanished`, once, saying
+    why; a `starting` one is left to its lease (`claims.expire_leases`)."""
+    if job.run is not None or job.status != JobStatus.RUNNING.value:
+        return None
+    why = "running without a launch token: its attempt cannot be found on the VM"
     return JobVerdict(job, JobStatus.FAILED, None, FailureReason.VANISHED, why)
 
 

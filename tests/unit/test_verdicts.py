@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.remote import RemoteJobState
+from scheduler.remote import Attempt, RemoteJobState
 from scheduler.retry import counts_against_limit
 from scheduler.states import FailureReason, JobStatus
-from scheduler.verdicts import LiveJob, classify_failure, job_verdict, launch_error_line
+from scheduler.verdicts import (
+    LiveJob,
+    classify_failure,
+    job_verdict,
+    launch_error_line,
+    untracked_verdict,
+)
 
 
 @pytest.mark.parametrize(
@@ -64,6 +70,7 @@ def test_a_trainings_exit_127_is_a_failure_of_the_job_not_of_its_vm() -> None:
     assert counts_against_limit(verdict.failure_reason.value, verdict.exit_code)
 
 
+INSTALLATION = "1b4e28ba-2fa1-41d2-883f-0016d3cca427"
 RUNNING = LiveJob(id=1, vm_id=1, status="running", attempt=1, remote_pid=4242)
 STARTING = LiveJob(id=1, vm_id=1, status="starting", attempt=1, remote_pid=None)
 
@@ -180,3 +187,19 @@ def test_a_plain_exit_1_stays_1() -> None:
         LiveJob(7, 1, "running", 2, 4242), RemoteJobState("exited", 1, "Traceback …\nValueError")
     )
     assert verdict is not None and (verdict.exit_code, verdict.reason) == (1, "exited 1")
+
+
+def test_a_running_row_without_a_launch_token_or_a_pid_fails_once_as_vanished() -> None:
+    """A `running` row the probe cannot look at (no token), or whose launch left no pid
+    file though none was recorded, fails as vanished saying why; a `starting` one waits
+    for its lease (which expires even when the row has none)."""
+    no_token = untracked_verdict(RUNNING)
+    assert no_token is not None and no_token.failure_reason == FailureReason.VANISHED
+    assert "without a launch token" in no_token.reason
+    assert untracked_verdict(STARTING) is None
+    no_pid = LiveJob(1, 1, "running", 1, None, run=Attempt(INSTALLATION, 1, 1, "0" * 16))
+    verdict = job_verdict(no_pid, RemoteJobState("unknown"))
+    assert verdict is not None and "without a pid" in verdict.reason
+    launching = LiveJob(1, 1, "starting", 1, None, run=Attempt(INSTALLATION, 1, 1, "0" * 16))
+    assert job_verdict(launching, RemoteJobState("unknown")) is None
+    assert job_verdict(STARTING, None) is None
