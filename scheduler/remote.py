@@ -921,7 +921,8 @@ def _read_pid_lines(variable: str = "pid") -> list[str]:
     """Set `$variable` to the attempt's pid (in `$d`), or empty when its pid file holds no
     plausible pid (`pid_check_lines`)."""
     return [
-        f'{variable}=$(head -c {PID_BYTES} "$d/pid" 2>/dev/null | tr -d "\\n")',
+        # One process, as `cat` was (the substitution drops the trailing newline).
+        f'{variable}=$(head -c {PID_BYTES} "$d/pid" 2>/dev/null)',
         *pid_check_lines(variable),
     ]
 
