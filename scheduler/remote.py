@@ -623,17 +623,28 @@ def marker_pattern(run: Attempt) -> str:
     return f"^RLFLEET_PROGRESS_FILE=.*/{rel}/"
 
 
-def marked_kill_lines(run: Attempt, signal: str, indent: str = "") -> list[str]:
+def marked_kill_lines(
+    run: Attempt, signal: str, indent: str = "", *, outside: str | None = None
+) -> list[str]:
     """Send `signal` to every process of this VM account whose environment carries the
     attempt's marker (`marker_pattern`): what the job started that left its process group
-    (`setsid`, a daemon). One `grep` over /proc/*/environ (only the account's own
-    processes are readable); a process that cleared its environment is not found, and no
-    /proc (not Linux) finds nothing."""
+    (`setsid`, a daemon). With `outside` (a shell word: a process group id), members of
+    that group are left alone (they get the group's own signal, once). One `grep` over
+    /proc/*/environ (only the account's own processes are readable); a process that
+    cleared its environment is not found, and no /proc (not Linux) finds nothing."""
     pattern = shlex.quote(marker_pattern(run))
+    skip = []
+    if outside is not None:
+        # /proc/N/stat: "pid (comm) state ppid pgrp …"; comm may hold spaces and ")".
+        skip = [
+            f'{indent}  read -r rlfleet_st < "/proc/$rlfleet_m/stat" 2>/dev/null || continue',
+            f'{indent}  set -- ${{rlfleet_st##*) }}; [ "$3" = {outside} ] && continue',
+        ]
     return [
         f"{indent}for rlfleet_m in $(grep -lzs -e {pattern} /proc/[0-9]*/environ 2>/dev/null); do",
-        f"{indent}  rlfleet_m=${{rlfleet_m#/proc/}};"
-        f' kill -{signal} "${{rlfleet_m%/environ}}" 2>/dev/null',
+        f"{indent}  rlfleet_m=${{rlfleet_m#/proc/}}; rlfleet_m=${{rlfleet_m%/environ}}",
+        *skip,
+        f'{indent}  kill -{signal} "$rlfleet_m" 2>/dev/null',
         f"{indent}done",
     ]
 
@@ -661,20 +672,27 @@ def watchdog_lines(fence_after_s: float, grace_s: float, run: Attempt | None = N
     (writing exit code 137, as the kill script does). It ignores the group's TERM, leaves
     when the wrapper is gone, and `watchdog_stop_lines` ends it with the training; it costs
     one `sleep` a second. `fence_after_s <= 0` starts no watchdog. With `run`, the fence
-    also stops what the job started outside its process group (`marked_kill_lines`).
+    also stops what the job started outside its process group (`marked_kill_lines`): TERM
+    with the group, KILL once the group has ended or its grace has passed.
     """
     if fence_after_s <= 0:
         return ["rlfleet_wd="]
     after = max(1, math.ceil(fence_after_s))
     grace = max(0, math.ceil(grace_s))
     period = int(WATCHDOG_PERIOD_S)
+    leftovers = marked_kill_lines(run, "KILL", "  ") if run is not None else ["  :"]
     return [
         "if [ -r /proc/uptime ]; then rlfleet_now() { read -r t _ </proc/uptime; t=${t%%.*}; }",
         "else rlfleet_now() { t=$(date +%s); }; fi",
+        # What the job started outside its process group, killed once a fence is under way.
+        "rlfleet_leftovers() {",
+        *leftovers,
+        "}",
         "(",
         "  trap '' TERM INT HUP",
-        '  trap \'kill -KILL "$s" 2>/dev/null; wait "$s"; exit 0\' USR1',
-        "  w=$$; s=; rlfleet_now; seen=$t",
+        '  trap \'kill -KILL "$s" 2>/dev/null; wait "$s"; [ -z "$f" ] || rlfleet_leftovers;'
+        " exit 0' USR1",
+        "  w=$$; s=; f=; rlfleet_now; seen=$t",
         "  while :; do",
         f'    sleep {period} & s=$!; wait "$s"',
         '    if [ -s "$d/exit_code" ] || ! kill -0 "$w" 2>/dev/null; then exit 0; fi',
@@ -688,18 +706,19 @@ def watchdog_lines(fence_after_s: float, grace_s: float, run: Attempt | None = N
         f'  printf "%s\\n" "$why" > "$d/{FENCED_FILE}.tmp"'
         f' && mv -f "$d/{FENCED_FILE}.tmp" "$d/{FENCED_FILE}"',
         f'  echo "rlfleet: fenced: $why; stopping the attempt (TERM, KILL after {grace}s)"',
-        '  kill -TERM -"$w" 2>/dev/null',
-        *(marked_kill_lines(run, "TERM", "  ") if run is not None else []),
+        '  f=1; kill -TERM -"$w" 2>/dev/null',
+        *(marked_kill_lines(run, "TERM", "  ", outside='"$w"') if run is not None else []),
         "  n=0",
         f'  while [ "$n" -lt {grace} ]; do',
         f'    sleep {period} & s=$!; wait "$s"',
-        '    if [ -s "$d/exit_code" ] || ! kill -0 "$w" 2>/dev/null; then exit 0; fi',
+        '    if [ -s "$d/exit_code" ] || ! kill -0 "$w" 2>/dev/null; then'
+        " rlfleet_leftovers; exit 0; fi",
         f"    n=$((n + {period}))",
         "  done",
         f'  echo "rlfleet: fenced: still running {grace}s after TERM: KILL"',
         '  [ -e "$d/exit_code" ] || echo 137 > "$d/exit_code"',
         '  kill -KILL -"$w" 2>/dev/null',
-        *(marked_kill_lines(run, "KILL", "  ") if run is not None else []),
+        "  rlfleet_leftovers",
         ") 2>/dev/null &",  # its messages go to stdout (train.log); the shell's own, nowhere
         "rlfleet_wd=$!",
     ]
@@ -898,7 +917,8 @@ def kill_script(
             f' echo "{DIR_MARK} $(cd "$d" && pwd)"; exit 0',
             "fi",
             'if [ -n "$pid" ] && kill -TERM -"$pid" 2>/dev/null; then g=1; else g=; fi',
-            *marked_kill_lines(run, "TERM"),
+            # What left the group gets its TERM too (the group's members only the group's).
+            *marked_kill_lines(run, "TERM", outside='"$pid"'),
             f'if [ -z "$g" ] && ! {marked_alive(run)}; then echo "{KILL_MARK} gone"; exit 0; fi',
             "n=0",
             f'while {{ [ -n "$g" ] && kill -0 -"$pid" 2>/dev/null; }} || {marked_alive(run)}; do',

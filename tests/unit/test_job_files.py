@@ -415,3 +415,31 @@ async def test_a_setsid_child_is_killed_even_after_the_job_ended(home: Path) -> 
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.slow
+async def test_a_fence_stops_a_setsid_child_of_the_job_too(home: Path) -> None:
+    """Given a job with a setsid child whose lease is never renewed (the scheduler lost
+    the VM), its watchdog fences it: the training and the child outside its group stop."""
+    launch = spec(
+        7,
+        extra_args=["--fake_seconds", "60", "--fake_setsid_child"],
+        fence_after_s=1,
+        fence_grace_s=1,
+    )
+    result = remote.parse_launch((await sh(remote.launch_script(launch)))[1])
+    assert result is not None
+    out_dir = home / ".rlfleet" / INSTALLATION / "outputs" / "7"
+    child = int(await wait_file(out_dir / "setsid_child.pid"))
+    try:
+        await wait_file(home / run(7).relative / remote.FENCED_FILE, timeout=30)
+        for pid in (result.pid, child):
+            for _ in range(300):
+                if not alive(pid):
+                    break
+                await asyncio.sleep(0.05)
+            assert not alive(pid), f"{pid} survived the fence"
+    finally:
+        for pid in (child, result.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
