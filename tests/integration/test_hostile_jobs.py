@@ -176,10 +176,11 @@ async def test_the_wrappers_variables_in_a_jobs_env_change_nothing_but_that_job(
     """Given jobs on one VM whose env names the wrapper's shell variables (`d` is where it
     writes the exit code; `rlfleet_sig`, `rlfleet_wd` are refused at submit, so written
     into the rows by hand), a job whose PATH has no python, and a job whose training exits
-    127: the first three complete on their first attempt (the stranger `rlfleet_wd` named
-    is never signalled), the last two fail as `exit_nonzero` 127, counted against their
-    retries (retried once, then given up), and the VM stays healthy throughout, with no
-    launch error."""
+    127: the `d` job completes on its first attempt; the hand-written ones either complete
+    (their refused names left out) or fail once as a row that cannot be launched, never
+    `killed`, and the stranger `rlfleet_wd` named is never signalled; the last two fail as
+    `exit_nonzero` 127, counted against their retries (retried once, then given up); and
+    the VM stays healthy throughout, with no launch error."""
     fleet = await sim_fleet(1, gpus_per_vm=4)
     # The VM's python is found on its PATH (as `python3` on a real VM), so that a job's
     # own PATH decides whether its training finds it.
@@ -202,7 +203,16 @@ async def test_the_wrappers_variables_in_a_jobs_env_change_nothing_but_that_job(
         async with daemons(db, nats):
             await wait_vm_healthy(db, vm_id)
             with VMWatch(db, vm_id) as watch:
-                ok = [await wait_status(db, j, "completed", 60) for j in (d, sig, wd)]
+                ok = [await wait_status(db, d, "completed", 60)]
+                for job_id in (sig, wd):
+                    job = await wait_status(db, job_id, {"completed", "failed"}, 60)
+                    if job.status == "completed":
+                        ok.append(job)
+                    else:  # refused as a row: once, saying why, before any VM saw it
+                        assert job.failure_reason == "config_error", job.status_reason
+                        why = await reasons(db, job_id)
+                        assert any("is set by the scheduler" in r for r in why), why
+                        assert job.attempt == 0 and job.vm_id is None
                 bad = []
                 for job_id in (path, exit127):  # failed, retried once, then given up
                     deadline = time.monotonic() + 60
