@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, func, insert, literal_column, select, text, update
+from sqlalchemy import delete, func, insert, literal_column, or_, select, text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from scheduler import jobstore
@@ -760,7 +760,8 @@ async def record_group_ports(
 
 
 async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:
-    """Take back claims whose launch was never confirmed: `starting` jobs past their lease.
+    """Take back claims whose launch was never confirmed: `starting` jobs past their lease
+    (or with none: a row no claim wrote).
 
     Each such job goes back to `queued` (publish it again) and its GPUs are freed. The
     attempt may still have started on the VM (a dispatcher that died after the launch but
@@ -775,7 +776,8 @@ async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:
                 select(*AttemptRecord.columns())
                 .where(
                     Job.status == JobStatus.STARTING.value,
-                    Job.lease_expires_at < func.now(),
+                    # No lease at all: a row no claim wrote (by hand); it would wait for ever.
+                    or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < func.now()),
                 )
                 .order_by(Job.id)
                 .with_for_update(skip_locked=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,7 +28,9 @@ from scheduler.remote import (
     READ_CHUNK_BYTES,
     Attempt,
     default_output_dir,
+    load_json,
     parse_tokens,
+    printable,
     read_file_script,
     role_log,
     stored_attempt,
@@ -43,6 +45,11 @@ log = get_logger("control")
 
 DEFAULT_GRACE_S = 10.0
 PROGRESS_TIMEOUT_S = 5.0
+STATE_FILE_BYTES = 64 * 1024
+"""At most this much of progress.json or roles.json is read for `job show` (they are a
+few hundred bytes; a bigger one is cut, and then unreadable)."""
+SAFE_DEPTH = 16
+"""How deep `json_safe` keeps nested values of a job-written JSON file."""
 
 
 @dataclass(frozen=True)
@@ -179,10 +186,12 @@ async def read_role_states(transport: Transport, place: JobPlace) -> dict[str, A
     """The group supervisor's `roles.json` of the current attempt ({} when unreadable)."""
     assert place.run is not None
     try:
-        text = await _read(transport, place, place.run, "roles.json", 0, PROGRESS_TIMEOUT_S)
-        data = json.loads(text) if text else {}
-    except (ServiceUnavailable, ValueError):
+        text = await _read(
+            transport, place, place.run, "roles.json", 0, PROGRESS_TIMEOUT_S, STATE_FILE_BYTES
+        )
+    except ServiceUnavailable:
         return {}
+    data = load_json(text) if text else None
     return data if isinstance(data, dict) else {}
 
 
@@ -389,15 +398,21 @@ async def _locate(transport: Transport, place: JobPlace, attempt: int) -> Attemp
 
 
 async def _read(
-    transport: Transport, place: JobPlace, run: Attempt, name: str, offset: int, timeout: float
+    transport: Transport,
+    place: JobPlace,
+    run: Attempt,
+    name: str,
+    offset: int,
+    timeout: float,
+    limit: int = READ_CHUNK_BYTES,
 ) -> bytes | None:
-    """The file's bytes from `offset` (at most `READ_CHUNK_BYTES`), exactly as written, or
-    None when it does not exist (yet)."""
+    """The file's bytes from `offset` (at most `limit`), exactly as written, or None when it
+    does not exist (yet)."""
     assert place.target is not None
     try:
         result = await transport.run(
             place.target,
-            read_file_script(run, name, offset=offset, hex=True, limit=READ_CHUNK_BYTES),
+            read_file_script(run, name, offset=offset, hex=True, limit=limit),
             timeout=timeout,
         )
     except TransportError as exc:
@@ -550,13 +565,48 @@ async def read_progress(
     if place.target is None or place.run is None:
         return None, "not started"
     try:
-        text = await _read(transport, place, place.run, "progress.json", 0, timeout)
+        text = await _read(
+            transport, place, place.run, "progress.json", 0, timeout, STATE_FILE_BYTES
+        )
     except ServiceUnavailable as exc:
         return None, str(exc)
     if text is None:
         return None, "no progress.json yet"
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None, "progress.json is being rewritten"
-    return (data, None) if isinstance(data, dict) else (None, "progress.json is not an object")
+    return progress_view(text)
+
+
+def progress_view(text: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """A progress.json as `job show` and the job API give it: (its values made safe to
+    print and to serve as strict JSON, None), or (None, why it cannot be read). The file
+    is the job's to write (docs/invariants.md, invariant 9): whatever it holds, this
+    returns."""
+    data = load_json(text)
+    if data is None:
+        return None, "progress.json is not readable JSON (being rewritten, or not JSON)"
+    if not isinstance(data, dict):
+        return None, "progress.json is not an object"
+    safe = json_safe(data)
+    assert isinstance(safe, dict)
+    return safe, None
+
+
+def json_safe(value: Any, depth: int = 0) -> Any:
+    """A JSON value read from a job's file, made safe to print and to serve as strict JSON
+    (no NaN or infinity, which a training whose loss diverged writes): non-finite numbers,
+    integers beyond 2**53 and anything nested deeper than `SAFE_DEPTH` become None;
+    strings lose their control characters and are cut to 1,000 characters."""
+    if depth > SAFE_DEPTH:
+        return None
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return value if -(2**53) <= value <= 2**53 else None
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, str):
+        return printable(value)[:1000]
+    if isinstance(value, list):
+        return [json_safe(item, depth + 1) for item in value]
+    if isinstance(value, dict):
+        return {printable(str(k))[:200]: json_safe(v, depth + 1) for k, v in value.items()}
+    return None

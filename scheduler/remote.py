@@ -48,12 +48,33 @@ def output_lines(stdout: str) -> list[str]:
     return stdout.split("\n")
 
 
+INT_DIGITS = 18
+"""Most digits `as_int` reads: a pid, an exit code or a job id; a longer number in a file a
+job can write is garbage (and `int` refuses strings of over 4,300 digits anyway)."""
+
+
 def as_int(text: str) -> int | None:
-    """`text` as an integer when it is plain ASCII digits (an optional minus); else None.
-    (`str.isdigit` accepts `²` and other digits `int` refuses.)"""
-    return int(text) if _INTEGER.fullmatch(text) else None
+    """`text` as an integer when it is plain ASCII digits (an optional minus), at most
+    `INT_DIGITS` of them; else None. (`str.isdigit` accepts `²` and other digits `int`
+    refuses.)"""
+    if len(text.lstrip("-")) > INT_DIGITS or not _INTEGER.fullmatch(text):
+        return None
+    return int(text)
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def printable(text: str) -> str:
+    """`text` from a file a job can write, without NUL and other control characters
+    (tabs and newlines kept): what may be stored in a reason or shown on a terminal."""
+    return _CONTROL.sub("", text)
+
+
+PID_BYTES = 24
+"""At most this much of a `pid` file is read: it holds one number (the job can rewrite it)."""
+EXIT_CODE_BYTES = 32
+"""At most this much of an `exit_code` file is read."""
 NO_FILE_EXIT = 3
 """Exit status of the read snippets when the file does not exist (yet)."""
 FENCED_EXIT = 96
@@ -196,7 +217,7 @@ def env_key_problem(key: str) -> str | None:
     """Why `key` cannot be a job's environment variable, or None when it can."""
     if not _ENV_KEY.fullmatch(key):
         return f"{key!r} is not a variable name (letters, digits, _; not starting with a digit)"
-    if key.startswith("RLFLEET_") or key in SCHEDULER_ENV:
+    if key.upper().startswith("RLFLEET_") or key in SCHEDULER_ENV:
         return f"{key} is set by the scheduler"
     return None
 
@@ -219,9 +240,11 @@ def load_env_lines(files: Sequence[str]) -> list[str]:
 
     The files are read, never run: a line is `KEY=VALUE` (an `export ` in front and one
     pair of quotes around the value are accepted), `#` starts a comment line, a key that
-    is not a variable name or is the scheduler's own (`SCHEDULER_ENV`) is skipped. The
-    scheduler's variables are exported after this, so they always win."""
-    skipped = "|".join(SCHEDULER_ENV)
+    is not a variable name, is the scheduler's own (`SCHEDULER_ENV`) or starts with
+    `rlfleet_` (the loader's and the wrapper's own shell variables) is skipped. They run
+    only in the subshell that then execs the training (`wrapper_script`), never in the
+    wrapper itself: nothing they set reaches the wrapper's bookkeeping."""
+    skipped = "|".join(SCHEDULER_ENV) + "|rlfleet_*"
     return [
         f"for rlfleet_f in {' '.join(files)}; do",
         '  [ -r "$rlfleet_f" ] || continue',
@@ -363,6 +386,10 @@ ENTRY_BROKEN_EXIT = 127
 """Exit code of an attempt whose python or entrypoint is unusable on its VM (as the shell's
 126/127 for a command that cannot run): the VM's fault, not the job's."""
 ENTRY_BROKEN_MARK = "rlfleet: training cannot start on this VM"
+CANNOT_START_FILE = "cannot_start"
+"""Written by the wrapper (only) when its own check of the VM's python and entrypoint
+failed: the one sign that an attempt's 126/127 is the VM's fault, not the job's."""
+CANNOT_START_MARK = "rlfleet-cannot-start"
 
 
 def visible_devices(spec: LaunchSpec) -> str:
@@ -409,8 +436,18 @@ def wrapper_script(spec: LaunchSpec) -> str:
     when the group is sent TERM/INT/HUP; the training process itself still gets the default
     action because a trapped (not ignored) signal is reset on exec. A watchdog runs beside
     the training (`watchdog_lines`) and is stopped the moment the training ends.
+
+    The job's environment (the VM's env file, then the job's `job.env`) is loaded only in
+    the subshell that execs the training, after the scheduler's variables and the training
+    command are set there: no variable of the job reaches the wrapper's own (`d`,
+    `rlfleet_sig`, `rlfleet_wd`, `PATH`…), so a job cannot redirect its exit code, fake a
+    signal or make the wrapper's check of python fail (docs/invariants.md, invariant 9).
+    Only that check (run with the VM's env file, not the job's) says the VM cannot run
+    training: it writes `CANNOT_START_FILE`; any exit code of the training itself, 126 and
+    127 included, is the job's.
     """
     d = spec.run.word()
+    command = train_words(spec) if spec.group is None else supervisor_words(spec)
     return "\n".join(
         [
             "#!/bin/sh",
@@ -420,20 +457,18 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "trap 'rlfleet_sig=TERM' TERM",
             "trap 'rlfleet_sig=INT' INT",
             "trap 'rlfleet_sig=HUP' HUP",
-            *watchdog_lines(spec.fence_after_s, spec.fence_grace_s),
+            *watchdog_lines(spec.fence_after_s, spec.fence_grace_s, spec.run),
             'cd "$HOME" || exit 1',
-            *load_env_lines([home_path(VM_ENV_FILE), f'"$d/{JOB_ENV_FILE}"']),
-            f"export CUDA_VISIBLE_DEVICES={shlex.quote(visible_devices(spec))}",
-            f"export CUDA_DEVICE_ORDER={DEVICE_ORDER}",
-            'export RLFLEET_PROGRESS_FILE="$d/progress.json"',
-            f"export RLFLEET_JOB_ID={int(spec.job_id)} RLFLEET_ATTEMPT={int(spec.attempt)}",
-            *rendezvous_lines(spec),
             f"mkdir -p {home_path(spec.output_dir)}",
             'echo "rlfleet: attempt started on $(hostname) at $(date -u +%FT%TZ)'
-            ' CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"',
+            f' CUDA_VISIBLE_DEVICES="{shlex.quote(visible_devices(spec))}',
             # A python or entrypoint the VM cannot run ends the attempt with 127 and one
-            # line saying why, before training starts (the poller marks the VM).
-            f"rlfleet_check=$({' '.join(_check_words(spec))} 2>&1)",
+            # line saying why, before training starts (the poller marks the VM). The check
+            # sees the VM's env file (a PATH set there), never the job's own variables.
+            "rlfleet_check=$(",
+            *load_env_lines([home_path(VM_ENV_FILE)]),
+            f"  {' '.join(_check_words(spec))} 2>&1",
+            ")",
             "rc=$?",
             # Killed meanwhile: training never starts, the exit code says by what.
             'if [ -n "${rlfleet_sig:-}" ]; then',
@@ -442,9 +477,23 @@ def wrapper_script(spec: LaunchSpec) -> str:
             f'  [ "$rc" -eq 126 ] || rc={ENTRY_BROKEN_EXIT}',
             f'  echo "{ENTRY_BROKEN_MARK} (exit $rc):'
             ' $(printf "%s\\n" "$rlfleet_check" | tail -n 1)"',
+            f'  echo "$rc" > "$d/{CANNOT_START_FILE}"',
             'elif [ "$rc" -eq 0 ]; then',
-            "  " + " ".join(train_words(spec) if spec.group is None else supervisor_words(spec)),
+            # The training in a subshell: the command and the scheduler's variables first
+            # (the loader skips their names), then the job's environment, then exec.
+            "  (",
+            "  set -- " + " ".join(command),
+            f"  export CUDA_VISIBLE_DEVICES={shlex.quote(visible_devices(spec))}",
+            f"  export CUDA_DEVICE_ORDER={DEVICE_ORDER}",
+            '  export RLFLEET_PROGRESS_FILE="$d/progress.json"',
+            f"  export RLFLEET_JOB_ID={int(spec.job_id)} RLFLEET_ATTEMPT={int(spec.attempt)}",
+            *("  " + line for line in rendezvous_lines(spec)),
+            *load_env_lines([home_path(VM_ENV_FILE), f'"$d/{JOB_ENV_FILE}"']),
+            '  exec "$@"',
+            "  )",
             "  rc=$?",
+            # Only the check above may say the VM cannot start training, not the job.
+            f'  rm -f "$d/{CANNOT_START_FILE}"',
             "fi",
             *watchdog_stop_lines(),
             'echo "$rc" > "$d/exit_code.tmp" && mv -f "$d/exit_code.tmp" "$d/exit_code"',
@@ -566,7 +615,52 @@ def parse_free_port(stdout: str) -> int | None:
     return None
 
 
-def watchdog_lines(fence_after_s: float, grace_s: float) -> list[str]:
+def marker_pattern(run: Attempt) -> str:
+    """A `grep -z` pattern for the environment entry every process of the attempt `run`
+    inherits: `RLFLEET_PROGRESS_FILE` in its directory (the launch token makes it unique).
+    How a kill finds what the job started outside its process group (`setsid`)."""
+    rel = re.escape(run.relative).replace("\\/", "/").replace("\\-", "-")
+    return f"^RLFLEET_PROGRESS_FILE=.*/{rel}/"
+
+
+def marked_kill_lines(
+    run: Attempt, signal: str, indent: str = "", *, outside: str | None = None
+) -> list[str]:
+    """Send `signal` to every process of this VM account whose environment carries the
+    attempt's marker (`marker_pattern`): what the job started that left its process group
+    (`setsid`, a daemon). With `outside` (a shell word: a process group id), members of
+    that group are left alone (they get the group's own signal, once). One `grep` over
+    /proc/*/environ (only the account's own processes are readable); a process that
+    cleared its environment is not found, and no /proc (not Linux) finds nothing."""
+    pattern = shlex.quote(marker_pattern(run))
+    skip = []
+    if outside is not None:
+        # /proc/N/stat: "pid (comm) state ppid pgrp …"; comm may hold spaces and ")".
+        skip = [
+            f'{indent}  read -r rlfleet_st < "/proc/$rlfleet_m/stat" 2>/dev/null || continue',
+            f'{indent}  set -- ${{rlfleet_st##*) }}; [ "$3" = {outside} ] && continue',
+        ]
+    return [
+        f"{indent}for rlfleet_m in $(grep -lzs -e {pattern} /proc/[0-9]*/environ 2>/dev/null); do",
+        f"{indent}  rlfleet_m=${{rlfleet_m#/proc/}}; rlfleet_m=${{rlfleet_m%/environ}}",
+        *skip,
+        f'{indent}  kill -{signal} "$rlfleet_m" 2>/dev/null',
+        f"{indent}done",
+    ]
+
+
+def marked_alive(run: Attempt) -> str:
+    """A shell condition: some process carrying the attempt's marker still runs."""
+    return f"grep -qzs -e {shlex.quote(marker_pattern(run))} /proc/[0-9]*/environ 2>/dev/null"
+
+
+def pid_check_lines(variable: str) -> list[str]:
+    """Empty `$variable` unless it is a plain pid above 1: the pid file is the job's to
+    write, and `kill -0 0`, `kill -TERM -1` or `-5` would reach far more than its attempt."""
+    return [f'case "${variable}" in ""|*[!0-9]*|0*|1) {variable}= ;; esac']
+
+
+def watchdog_lines(fence_after_s: float, grace_s: float, run: Attempt | None = None) -> list[str]:
     """Start the attempt's watchdog in the background (POSIX sh, run by the wrapper).
 
     Every `WATCHDOG_PERIOD_S` it takes the lease file the poller creates on each successful
@@ -577,20 +671,28 @@ def watchdog_lines(fence_after_s: float, grace_s: float) -> list[str]:
     attempt's process group, and KILL after `grace_s` if the training is still running
     (writing exit code 137, as the kill script does). It ignores the group's TERM, leaves
     when the wrapper is gone, and `watchdog_stop_lines` ends it with the training; it costs
-    one `sleep` a second. `fence_after_s <= 0` starts no watchdog.
+    one `sleep` a second. `fence_after_s <= 0` starts no watchdog. With `run`, the fence
+    also stops what the job started outside its process group (`marked_kill_lines`): TERM
+    with the group, KILL once the group has ended or its grace has passed.
     """
     if fence_after_s <= 0:
         return ["rlfleet_wd="]
     after = max(1, math.ceil(fence_after_s))
     grace = max(0, math.ceil(grace_s))
     period = int(WATCHDOG_PERIOD_S)
+    leftovers = marked_kill_lines(run, "KILL", "  ") if run is not None else ["  :"]
     return [
         "if [ -r /proc/uptime ]; then rlfleet_now() { read -r t _ </proc/uptime; t=${t%%.*}; }",
         "else rlfleet_now() { t=$(date +%s); }; fi",
+        # What the job started outside its process group, killed once a fence is under way.
+        "rlfleet_leftovers() {",
+        *leftovers,
+        "}",
         "(",
         "  trap '' TERM INT HUP",
-        '  trap \'kill -KILL "$s" 2>/dev/null; wait "$s"; exit 0\' USR1',
-        "  w=$$; s=; rlfleet_now; seen=$t",
+        '  trap \'kill -KILL "$s" 2>/dev/null; wait "$s"; [ -z "$f" ] || rlfleet_leftovers;'
+        " exit 0' USR1",
+        "  w=$$; s=; f=; rlfleet_now; seen=$t",
         "  while :; do",
         f'    sleep {period} & s=$!; wait "$s"',
         '    if [ -s "$d/exit_code" ] || ! kill -0 "$w" 2>/dev/null; then exit 0; fi',
@@ -604,16 +706,19 @@ def watchdog_lines(fence_after_s: float, grace_s: float) -> list[str]:
         f'  printf "%s\\n" "$why" > "$d/{FENCED_FILE}.tmp"'
         f' && mv -f "$d/{FENCED_FILE}.tmp" "$d/{FENCED_FILE}"',
         f'  echo "rlfleet: fenced: $why; stopping the attempt (TERM, KILL after {grace}s)"',
-        '  kill -TERM -"$w" 2>/dev/null',
+        '  f=1; kill -TERM -"$w" 2>/dev/null',
+        *(marked_kill_lines(run, "TERM", "  ", outside='"$w"') if run is not None else []),
         "  n=0",
         f'  while [ "$n" -lt {grace} ]; do',
         f'    sleep {period} & s=$!; wait "$s"',
-        '    if [ -s "$d/exit_code" ] || ! kill -0 "$w" 2>/dev/null; then exit 0; fi',
+        '    if [ -s "$d/exit_code" ] || ! kill -0 "$w" 2>/dev/null; then'
+        " rlfleet_leftovers; exit 0; fi",
         f"    n=$((n + {period}))",
         "  done",
         f'  echo "rlfleet: fenced: still running {grace}s after TERM: KILL"',
         '  [ -e "$d/exit_code" ] || echo 137 > "$d/exit_code"',
         '  kill -KILL -"$w" 2>/dev/null',
+        "  rlfleet_leftovers",
         ") 2>/dev/null &",  # its messages go to stdout (train.log); the shell's own, nowhere
         "rlfleet_wd=$!",
     ]
@@ -628,14 +733,17 @@ def watchdog_stop_lines() -> list[str]:
 def lease_touch_lines() -> list[str]:
     """Renew the lease of the attempt in `$d` (run by each poll): the attempt's watchdog
     sees that the scheduler still reaches this VM. Creates nothing else."""
-    return [f'if [ -d "$d" ]; then : 2>/dev/null > "$d/{LEASE_FILE}"; fi']
+    # `<>` opens read-write: it creates the file, truncates nothing, and does not wait for
+    # a reader when a job made the lease a FIFO.
+    return [f'if [ -d "$d" ]; then : 2>/dev/null <>"$d/{LEASE_FILE}"; fi']
 
 
 def fenced_lines(job_id: int, attempt: int) -> list[str]:
     """Print `rlfleet-fenced <id> <attempt> <why>` if the attempt in `$d` was fenced."""
     j, a = int(job_id), int(attempt)
     return [
-        f'if [ -s "$d/{FENCED_FILE}" ]; then echo "{FENCED_MARK} {j} {a}'
+        f'if [ -f "$d/{FENCED_FILE}" ] && [ -s "$d/{FENCED_FILE}" ]; then'
+        f' echo "{FENCED_MARK} {j} {a}'
         f' $(head -c {FENCED_REASON_BYTES} "$d/{FENCED_FILE}" | tr -d "\\n")"; fi'
     ]
 
@@ -653,7 +761,7 @@ def parse_fenced(stdout: str) -> dict[tuple[int, int], str]:
         if len(parts) >= 3 and parts[0] == FENCED_MARK:
             job_id, attempt = as_int(parts[1]), as_int(parts[2])
             if job_id is not None and attempt is not None:
-                out[(job_id, attempt)] = (parts[3] if len(parts) == 4 else "").strip()
+                out[(job_id, attempt)] = printable(parts[3] if len(parts) == 4 else "").strip()
     return out
 
 
@@ -690,9 +798,10 @@ def launch_script(spec: LaunchSpec, *, pid_wait_s: float = PID_WAIT_S) -> str:
             " exit 98; fi",
             "  sleep 0.05",
             "done",
-            f'echo "{PID_MARK} $(cat "$d/pid")"',
+            f'echo "{PID_MARK} $(head -c {PID_BYTES} "$d/pid" | tr -d "\\n")"',
             f'echo "{DIR_MARK} $(cd "$d" && pwd)"',
-            f'if [ -s "$d/exit_code" ]; then echo "{EXITED_MARK} $(cat "$d/exit_code")"; fi',
+            f'if [ -f "$d/exit_code" ] && [ -s "$d/exit_code" ]; then'
+            f' echo "{EXITED_MARK} $(head -c {EXIT_CODE_BYTES} "$d/exit_code" | tr -d "\\n")"; fi',
             "",
         ]
     )
@@ -770,6 +879,12 @@ def kill_script(
     its fate is unknown). After a KILL the wrapper cannot record an exit code, so the
     script writes 137 (128 + SIGKILL) for it. `gone` after an exit is followed by
     `rlfleet-exited <code>` and `rlfleet-dir <absolute directory>`.
+
+    What the job started outside its process group (`setsid`) is found by its environment
+    (`marked_kill_lines`) and signalled with the group. The pid file is the job's to write:
+    a pid that is not a plausible one (`pid_check_lines`: never `-1`, `0`, `1`) is not
+    signalled; an `exit_code` beside a live wrapper (written by someone else) does not stop
+    the kill.
     """
     polls = max(1, int(grace_s / 0.1))
     pid_polls = max(1, int(pid_wait_s / 0.05))
@@ -792,17 +907,25 @@ def kill_script(
             "    sleep 0.05",
             "  done",
             "fi",
-            # The attempt ended: its pid may belong to someone else by now.
-            f'if [ -s "$d/exit_code" ]; then echo "{KILL_MARK} gone";'
-            f' echo "{EXITED_MARK} $(head -c 32 "$d/exit_code" | tr -d "\\n")";'
-            f' echo "{DIR_MARK} $(cd "$d" && pwd)"; exit 0; fi',
-            'pid=$(cat "$d/pid")',
-            f'kill -TERM -"$pid" 2>/dev/null || {{ echo "{KILL_MARK} gone"; exit 0; }}',
+            *_read_pid_lines(),
+            # The attempt ended (its wrapper is gone): its pid may be someone else's by now.
+            # An exit code beside a live wrapper was written by someone else: kill on.
+            f'if [ -s "$d/exit_code" ] && ! {{ {_wrapper_alive(run)}; }}; then',
+            *marked_kill_lines(run, "KILL", "  "),
+            f'  echo "{KILL_MARK} gone";'
+            f' echo "{EXITED_MARK} $(head -c {EXIT_CODE_BYTES} "$d/exit_code" | tr -d "\\n")";'
+            f' echo "{DIR_MARK} $(cd "$d" && pwd)"; exit 0',
+            "fi",
+            'if [ -n "$pid" ] && kill -TERM -"$pid" 2>/dev/null; then g=1; else g=; fi',
+            # What left the group gets its TERM too (the group's members only the group's).
+            *marked_kill_lines(run, "TERM", outside='"$pid"'),
+            f'if [ -z "$g" ] && ! {marked_alive(run)}; then echo "{KILL_MARK} gone"; exit 0; fi',
             "n=0",
-            'while kill -0 -"$pid" 2>/dev/null; do',
+            f'while {{ [ -n "$g" ] && kill -0 -"$pid" 2>/dev/null; }} || {marked_alive(run)}; do',
             "  n=$((n + 1))",
             f'  if [ "$n" -gt {polls} ]; then',
-            '    kill -KILL -"$pid" 2>/dev/null',
+            '    [ -z "$g" ] || kill -KILL -"$pid" 2>/dev/null',
+            *marked_kill_lines(run, "KILL", "    "),
             '    [ -e "$d/exit_code" ] || echo 137 > "$d/exit_code"',
             f'    echo "{KILL_MARK} killed"; exit 0',
             "  fi",
@@ -811,6 +934,27 @@ def kill_script(
             f'echo "{KILL_MARK} terminated"',
             "",
         ]
+    )
+
+
+def _read_pid_lines(variable: str = "pid") -> list[str]:
+    """Set `$variable` to the attempt's pid (in `$d`), or empty when its pid file holds no
+    plausible pid (`pid_check_lines`)."""
+    return [
+        # One process, as `cat` was (the substitution drops the trailing newline).
+        f'{variable}=$(head -c {PID_BYTES} "$d/pid" 2>/dev/null)',
+        *pid_check_lines(variable),
+    ]
+
+
+def _wrapper_alive(run: Attempt, pid: str = "$pid") -> str:
+    """A shell condition: `pid` is alive and /proc shows it is the attempt's wrapper
+    (without /proc this cannot be told, and the condition is false)."""
+    cmdline = f"/proc/{pid}/cmdline"
+    word = shlex.quote(f"{run.relative}/launch.sh")
+    return (
+        f'[ -n "{pid}" ] && kill -0 "{pid}" 2>/dev/null && [ -r {cmdline} ]'
+        f" && grep -qaF -e {word} {cmdline}"
     )
 
 
@@ -893,8 +1037,12 @@ PROGRESS_BYTES = 2048
 """At most this much of an attempt's progress.json is read by a poll (it is a few hundred
 bytes; a bigger one is cut and then ignored as unreadable)."""
 JOB_STATES = ("running", "exited", "vanished", "unknown")
+MAX_EXIT_CODE = 255
+"""The largest exit code a wrapper records (`$?`); anything else in `exit_code` is garbage."""
 LOG_TAIL_LINES = 20
+"""At most this many lines of an exited attempt's log are kept (from its last bytes)."""
 LOG_TAIL_BYTES = 4096
+"""At most this many bytes from the end of an exited attempt's log are read."""
 
 
 @dataclass(frozen=True)
@@ -913,6 +1061,9 @@ class RemoteJobState:
     """Why the attempt's watchdog fenced it off, if it did."""
     progress: ProgressPoint | None = None
     """The attempt's progress.json as this poll read it; None: none, or unreadable."""
+    cannot_start: bool = False
+    """The wrapper's own check of the VM's python and entrypoint failed
+    (`CANNOT_START_FILE`): the exit code is the VM's fault, not the job's."""
 
 
 @dataclass(frozen=True)
@@ -924,15 +1075,24 @@ class ProgressPoint:
     loss: float | None = None
 
 
-def parse_progress(text: str) -> ProgressPoint | None:
-    """A progress.json's step, reward and loss; None for anything that is not such a file
-    (half-written, cut, a step that is not a whole number, values that are not finite)."""
+def load_json(text: str | bytes) -> Any:
+    """`text` parsed as JSON, or None when it is not JSON that can be read: invalid
+    (UTF-8 included), nested too deep (`RecursionError`), an integer of more digits than
+    `int` converts. Never raises: the text comes from a file a job can write, and a bad
+    file is that attempt's problem (docs/invariants.md, invariant 9). The caller bounds
+    its size."""
     import json
 
     try:
-        data = json.loads(text)
-    except ValueError:
+        return json.loads(text)
+    except (ValueError, RecursionError, MemoryError):
         return None
+
+
+def parse_progress(text: str) -> ProgressPoint | None:
+    """A progress.json's step, reward and loss; None for anything that is not such a file
+    (half-written, cut, a step that is not a whole number, values that are not finite)."""
+    data = load_json(text)
     if not isinstance(data, dict):
         return None
     step = data.get("step")
@@ -951,43 +1111,70 @@ def parse_progress(text: str) -> ProgressPoint | None:
 def status_probe(jobs: Sequence[Attempt]) -> str:
     """Shell text printing one `rlfleet-job <id> <attempt> <state> [code]` line per attempt.
 
-    An exited attempt is followed by the last lines of its train.log, each prefixed with
-    `rlfleet-log <id> <attempt> `. Each probe renews the attempt's lease, and reports a
-    fenced attempt with a `rlfleet-fenced` line. exit_code is checked before and after the
-    liveness test because the wrapper writes it just before it exits.
+    An exited attempt is followed by the end of its train.log (its last `LOG_TAIL_BYTES`),
+    each line prefixed with `rlfleet-log <id> <attempt> `, and by a `rlfleet-cannot-start`
+    line when the wrapper's own check failed. Each probe renews the attempt's lease, and
+    reports a fenced attempt with a `rlfleet-fenced` line.
+
+    Every file here is the job's to write (docs/invariants.md, invariant 9), so each is
+    read with a byte bound (`head -c`, `tail -c`: a sparse 10 GB log without newlines costs
+    what 4 KB does), only when it is a regular file (a FIFO would block the read), and
+    nothing in them is trusted: the attempt runs while its wrapper (the pid in `pid`, a
+    live process whose command line is this attempt's `launch.sh`) runs, whatever
+    `exit_code` says, so an exit code written by someone else beside a live wrapper is
+    not taken. Only once the wrapper is gone is `exit_code` read; the wrapper writes it
+    just before it exits, so it is there by then.
     """
     lines = []
     for run in jobs:
         j, a = int(run.job_id), int(run.attempt)
         lines += [f"d={run.word()}", *lease_touch_lines(), *fenced_lines(j, a)]
         lines += [
-            'if [ -s "$d/exit_code" ]; then s=exited',
-            'elif [ -s "$d/pid" ] && p=$(cat "$d/pid") && kill -0 "$p" 2>/dev/null'
+            "s=unknown; p=",
+            'if [ -f "$d/pid" ] && [ -s "$d/pid" ]; then',
+            *("  " + line for line in _read_pid_lines("p")),
+            "fi",
+            'if [ -n "$p" ] && kill -0 "$p" 2>/dev/null'
             # A zombie answers kill -0 but is dead (its reaper may be slow or absent).
             " && ! { [ -r /proc/$p/stat ] && cut -d')' -f2- /proc/$p/stat | grep -q '^ Z'; };"
-            " then s=running",
-            'elif [ -s "$d/exit_code" ]; then s=exited',
-            'elif [ -s "$d/pid" ]; then s=vanished',
-            "else s=unknown; fi",
+            " then",
+            # Alive; with an exit code beside it, only the wrapper itself counts as running
+            # (its pid may have been reused since it ended).
+            f'  if [ -s "$d/exit_code" ] && ! {{ {_wrapper_alive(run, "$p")}; }};'
+            " then s=exited; else s=running; fi",
+            'elif [ -f "$d/exit_code" ] && [ -s "$d/exit_code" ]; then s=exited',
+            'elif [ -e "$d/pid" ]; then s=vanished',
+            "fi",
             'if [ "$s" = exited ]; then',
-            f'  echo "{STATUS_MARK} {j} {a} exited $(head -c 32 "$d/exit_code" | tr -d "\\n")"',
-            f'  tail -n {LOG_TAIL_LINES} "$d/train.log" 2>/dev/null | tail -c {LOG_TAIL_BYTES}'
-            f' | sed "s/^/{LOG_MARK} {j} {a} /"',
+            f'  echo "{STATUS_MARK} {j} {a} exited'
+            f' $(head -c {EXIT_CODE_BYTES} "$d/exit_code" 2>/dev/null | tr -d "\\n")"',
+            f'  if [ -e "$d/{CANNOT_START_FILE}" ]; then echo "{CANNOT_START_MARK} {j} {a}"; fi',
+            f'  if [ -f "$d/train.log" ]; then tail -c {LOG_TAIL_BYTES} "$d/train.log"'
+            f' | sed "s/^/{LOG_MARK} {j} {a} /"; fi',
             "  echo",
             f'else echo "{STATUS_MARK} {j} {a} $s"; fi',
             # One line: the JSON's own newlines are only whitespace between its tokens.
-            f'if [ -s "$d/progress.json" ]; then printf "%s " "{PROGRESS_MARK} {j} {a}";'
+            f'if [ -f "$d/progress.json" ] && [ -s "$d/progress.json" ]; then'
+            f' printf "%s " "{PROGRESS_MARK} {j} {a}";'
             f' head -c {PROGRESS_BYTES} "$d/progress.json" 2>/dev/null | tr -d "\\n\\r"; echo; fi',
         ]
     return "\n".join(lines) + "\n"
 
 
 def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
-    """Read `status_probe` output; an unreadable line for an attempt makes it `unknown`."""
+    """Read `status_probe` output; an unreadable line for an attempt makes it `unknown`.
+    Never raises: what the attempts' files held is text here, parsed by `parse_progress`
+    and `as_int`, which return None for anything they do not read."""
     states: dict[tuple[int, int], tuple[str, int | None]] = {}
     logs: dict[tuple[int, int], list[str]] = {}
     progress: dict[tuple[int, int], ProgressPoint] = {}
+    cannot_start: set[tuple[int, int]] = set()
     for line in output_lines(stdout):
+        if line.startswith(CANNOT_START_MARK + " "):
+            ids = [as_int(p) for p in line.split()[1:]]
+            if len(ids) == 2 and ids[0] is not None and ids[1] is not None:
+                cannot_start.add((ids[0], ids[1]))
+            continue
         if line.startswith(PROGRESS_MARK + " "):
             parts = line.split(" ", 3)
             key = tuple(as_int(p) for p in parts[1:3]) if len(parts) == 4 else (None, None)
@@ -1009,13 +1196,26 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
             continue
         if parts[3] == "exited":
             code = as_int(parts[4]) if len(parts) == 5 else None
+            if code is not None and not 0 <= code <= MAX_EXIT_CODE:
+                code = None  # not what a wrapper or a kill writes: garbage
             states[(job_id, attempt)] = ("exited", code) if code is not None else ("unknown", None)
         else:
             states[(job_id, attempt)] = (parts[3], None)
     fenced = parse_fenced(stdout)
     return {
         key: RemoteJobState(
-            state, code, "\n".join(logs.get(key, [])), fenced.get(key), progress.get(key)
+            state,
+            code,
+            log_tail(logs.get(key, [])),
+            fenced.get(key),
+            progress.get(key),
+            key in cannot_start,
         )
         for key, (state, code) in states.items()
     }
+
+
+def log_tail(lines: Sequence[str]) -> str:
+    """The last `LOG_TAIL_LINES` lines of what the probe read of a log, printable (no NUL or
+    other control character: it may end up in a reason or on a terminal)."""
+    return printable("\n".join(lines[-LOG_TAIL_LINES:]))

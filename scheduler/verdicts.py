@@ -19,19 +19,24 @@ _OOM = re.compile(r"CUDA out of memory|OutOfMemoryError", re.IGNORECASE)
 _SIGNAL = re.compile(r"\b(SIG(KILL|TERM|INT|HUP|SEGV|ABRT|BUS)|Killed|Terminated)\b")
 
 
-def classify_failure(exit_code: int | None, log_tail: str = "") -> FailureReason | None:
+def classify_failure(
+    exit_code: int | None, log_tail: str = "", *, cannot_start: bool = False
+) -> FailureReason | None:
     """Why an attempt failed, from its exit code and the end of its log; None for success.
 
-    64 is permanent (bad arguments or input); 126/127 (the VM's python or entrypoint cannot
-    run) is `launch_failed`; 75 or an out-of-memory message is `oom`; an exit of 128+N or
-    a signal name at the end of the log is `killed`; no exit code at all is `vanished`;
-    anything else non-zero is `exit_nonzero`.
+    64 is permanent (bad arguments or input); 126/127 with `cannot_start` (the wrapper's
+    own check found that the VM's python or entrypoint cannot run) is `launch_failed`;
+    75 or an out-of-memory message is `oom`; an exit of 128+N or a signal name at the end
+    of the log is `killed`; no exit code at all is `vanished`; anything else non-zero,
+    126 and 127 of the training itself included (a reward calling a tool the VM lacks, a
+    job that broke its own PATH), is `exit_nonzero`: the job's, counted against its
+    retries (docs/invariants.md, invariant 9).
     """
     if exit_code is None:
         return FailureReason.VANISHED
     if exit_code == 0:
         return None
-    if exit_code in VM_FAULT_EXITS:
+    if exit_code in VM_FAULT_EXITS and cannot_start:
         return FailureReason.LAUNCH_FAILED
     if exit_code == EXIT_USAGE:
         return FailureReason.CONFIG_ERROR
@@ -69,7 +74,8 @@ class JobVerdict:
     failure_reason: FailureReason | None
     reason: str
     vm_error: str | None = None
-    """Set when the VM cannot run training at all (exit 126/127): the VM is marked with it."""
+    """Set when the VM cannot run training at all (the wrapper's own check failed with
+    126/127): the VM is marked with it."""
 
 
 def launch_error_line(log_tail: str) -> str:
@@ -96,8 +102,8 @@ def launcher_exit(exit_code: int | None, log_tail: str = "") -> int | None:
     fails, and name the first failure's own code in the report that ends the log ("Root
     Cause (first observed failure): … exitcode : 64"). That code is the attempt's, so that
     a bad argument is still a config error (never retried) and 75 still retryable; a
-    process killed by signal N (reported as -N) is 128+N. Anything else is kept as it is:
-    a VM fault (126/127) comes from the wrapper's own check, never from a process."""
+    process killed by signal N (reported as -N) is 128+N. Anything else is kept as it is
+    (126/127 too: the launcher's own 1 is the job's failure either way)."""
     if exit_code != 1:
         return exit_code
     found = _ROOT_CAUSE.search(log_tail)
@@ -116,10 +122,18 @@ _SHELL_PREFIX = re.compile(r"\S*/launch\.sh: (?:line )?\d+: ")
 
 
 def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None:
-    """The move a probed job needs, or None while it runs or is still being launched."""
+    """The move a probed job needs, or None while it runs or is still being launched.
+
+    A `running` row whose launch left no pid file, with no pid recorded (a row written by
+    hand, or by a bug), fails as `vanished`, once, with a reason: nothing else would ever
+    resolve it, and it would hold its GPUs for good (`untracked_verdict` for a row with
+    no launch token at all)."""
     if state is None or state.state == "running":
         return None
     if state.state == "unknown" and job.remote_pid is None:
+        if job.status == JobStatus.RUNNING.value and job.nodes == 1:
+            why = "running without a pid: its launch was never confirmed on the VM"
+            return JobVerdict(job, JobStatus.FAILED, None, FailureReason.VANISHED, why)
         return None  # launching: no pid file yet; the lease expiry handles a launch that died
     if state.state == "exited" and state.fenced is not None:
         # Its watchdog stopped it: the scheduler had lost contact, not the job's fault.
@@ -132,7 +146,7 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
         )
     if state.state == "exited":
         code = launcher_exit(state.exit_code, state.log_tail)
-        failure = classify_failure(code, state.log_tail)
+        failure = classify_failure(code, state.log_tail, cannot_start=state.cannot_start)
         if failure is None:
             return JobVerdict(job, JobStatus.COMPLETED, 0, None, "exited 0")
         if failure == FailureReason.LAUNCH_FAILED:
@@ -147,6 +161,16 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
             why = f"{why}: {group_line}"
         return JobVerdict(job, JobStatus.FAILED, code, failure, why)
     why = "no pid file" if state.state == "unknown" else "process gone without an exit code"
+    return JobVerdict(job, JobStatus.FAILED, None, FailureReason.VANISHED, why)
+
+
+def untracked_verdict(job: LiveJob) -> JobVerdict | None:
+    """The move of a live job the poller cannot probe (`job.run` is None: no launch token,
+    so no directory anyone may look at): a `running` one fails as `vanished`, once, saying
+    why; a `starting` one is left to its lease (`claims.expire_leases`)."""
+    if job.run is not None or job.status != JobStatus.RUNNING.value:
+        return None
+    why = "running without a launch token: its attempt cannot be found on the VM"
     return JobVerdict(job, JobStatus.FAILED, None, FailureReason.VANISHED, why)
 
 

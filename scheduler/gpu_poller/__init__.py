@@ -58,7 +58,7 @@ from scheduler.remote import entry_check_words, stored_attempt
 from scheduler.settings import Settings
 from scheduler.states import LIVE_STATES, JobStatus, VMStatus
 from scheduler.transport import Transport, TransportError, VMTarget, make_transport
-from scheduler.verdicts import JobVerdict, LiveJob, job_verdict
+from scheduler.verdicts import JobVerdict, LiveJob, job_verdict, untracked_verdict
 
 log = get_logger("gpu_poller")
 
@@ -536,7 +536,10 @@ class GpuPoller:
             if outcome.result is None:
                 continue
             for job in outcome.vm.jobs:
-                verdict = job_verdict(job, outcome.result.jobs.get((job.id, job.attempt)))
+                if job.run is None:
+                    verdict = untracked_verdict(job)
+                else:
+                    verdict = job_verdict(job, outcome.result.jobs.get((job.id, job.attempt)))
                 if verdict is not None and await self._finish(outcome.vm, verdict):
                     outcome.finished.add(job.id)
                     outcome.launch_error = verdict.vm_error or outcome.launch_error

@@ -5,9 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.remote import RemoteJobState
+from scheduler.remote import Attempt, RemoteJobState
+from scheduler.retry import counts_against_limit
 from scheduler.states import FailureReason, JobStatus
-from scheduler.verdicts import LiveJob, classify_failure, job_verdict, launch_error_line
+from scheduler.verdicts import (
+    LiveJob,
+    classify_failure,
+    job_verdict,
+    launch_error_line,
+    untracked_verdict,
+)
 
 
 @pytest.mark.parametrize(
@@ -27,11 +34,14 @@ from scheduler.verdicts import LiveJob, classify_failure, job_verdict, launch_er
         (1, "Traceback ... ValueError", FailureReason.EXIT_NONZERO),
         (2, "", FailureReason.EXIT_NONZERO),
         (None, "", FailureReason.VANISHED),
-        (126, "sh: 1: /opt/py: Permission denied", FailureReason.LAUNCH_FAILED),
+        # The training's own 126/127 (a tool the VM lacks, a job's broken PATH) is the
+        # job's, even when its log says what the wrapper says: a job can print anything.
+        (126, "sh: 1: /opt/py: Permission denied", FailureReason.EXIT_NONZERO),
+        (127, "exec: python3: not found", FailureReason.EXIT_NONZERO),
         (
             127,
             "rlfleet: training cannot start on this VM (exit 127): x",
-            FailureReason.LAUNCH_FAILED,
+            FailureReason.EXIT_NONZERO,
         ),
     ],
 )
@@ -41,6 +51,26 @@ def test_failure_classification(
     assert classify_failure(exit_code, log) == expected
 
 
+@pytest.mark.parametrize("code", [126, 127])
+def test_only_the_wrappers_own_check_makes_126_and_127_a_vm_fault(code: int) -> None:
+    """With the wrapper's `cannot_start` mark, 126/127 is `launch_failed` (the VM's fault);
+    any other exit code with that mark is still what it is."""
+    assert classify_failure(code, cannot_start=True) == FailureReason.LAUNCH_FAILED
+    assert classify_failure(code) == FailureReason.EXIT_NONZERO
+    assert classify_failure(1, cannot_start=True) == FailureReason.EXIT_NONZERO
+
+
+def test_a_trainings_exit_127_is_a_failure_of_the_job_not_of_its_vm() -> None:
+    """An attempt whose training exited 127 (no wrapper mark) fails as exit_nonzero, which
+    counts against the job's retries, and marks no VM."""
+    tail = "sh: 1: exec: python3: not found\nrlfleet: attempt ended with exit code 127\n"
+    verdict = job_verdict(RUNNING, RemoteJobState("exited", 127, tail))
+    assert verdict is not None and verdict.failure_reason == FailureReason.EXIT_NONZERO
+    assert verdict.vm_error is None and verdict.exit_code == 127
+    assert counts_against_limit(verdict.failure_reason.value, verdict.exit_code)
+
+
+INSTALLATION = "1b4e28ba-2fa1-41d2-883f-0016d3cca427"
 RUNNING = LiveJob(id=1, vm_id=1, status="running", attempt=1, remote_pid=4242)
 STARTING = LiveJob(id=1, vm_id=1, status="starting", attempt=1, remote_pid=None)
 
@@ -70,14 +100,15 @@ def test_job_verdicts(
 
 
 def test_an_attempt_that_could_not_start_names_the_vm_problem() -> None:
-    """Exit 127 with the wrapper's verdict: launch_failed, the verdict line as the reason,
+    """Exit 127 with the wrapper's mark (its own check failed): launch_failed, the verdict
+    line as the reason,
     and the same line for the VM (whose python or entrypoint is broken)."""
     tail = (
         "rlfleet: attempt started on vm0\n"
         "rlfleet: training cannot start on this VM (exit 127): No module named 'training'\n"
         "rlfleet: attempt ended with exit code 127\n"
     )
-    verdict = job_verdict(RUNNING, RemoteJobState("exited", 127, tail))
+    verdict = job_verdict(RUNNING, RemoteJobState("exited", 127, tail, cannot_start=True))
     assert verdict is not None and verdict.failure_reason == FailureReason.LAUNCH_FAILED
     line = "rlfleet: training cannot start on this VM (exit 127): No module named 'training'"
     assert verdict.vm_error == line
@@ -156,3 +187,19 @@ def test_a_plain_exit_1_stays_1() -> None:
         LiveJob(7, 1, "running", 2, 4242), RemoteJobState("exited", 1, "Traceback …\nValueError")
     )
     assert verdict is not None and (verdict.exit_code, verdict.reason) == (1, "exited 1")
+
+
+def test_a_running_row_without_a_launch_token_or_a_pid_fails_once_as_vanished() -> None:
+    """A `running` row the probe cannot look at (no token), or whose launch left no pid
+    file though none was recorded, fails as vanished saying why; a `starting` one waits
+    for its lease (which expires even when the row has none)."""
+    no_token = untracked_verdict(RUNNING)
+    assert no_token is not None and no_token.failure_reason == FailureReason.VANISHED
+    assert "without a launch token" in no_token.reason
+    assert untracked_verdict(STARTING) is None
+    no_pid = LiveJob(1, 1, "running", 1, None, run=Attempt(INSTALLATION, 1, 1, "0" * 16))
+    verdict = job_verdict(no_pid, RemoteJobState("unknown"))
+    assert verdict is not None and "without a pid" in verdict.reason
+    launching = LiveJob(1, 1, "starting", 1, None, run=Attempt(INSTALLATION, 1, 1, "0" * 16))
+    assert job_verdict(launching, RemoteJobState("unknown")) is None
+    assert job_verdict(STARTING, None) is None

@@ -6,7 +6,11 @@ It accepts and ignores train_grpo.py's flags and obeys a few of its own:
 `--fake_exit N` exits with N, `--fake_oom_once` fails with a
 CUDA out-of-memory error (exit 75) on the first attempt only (a marker file in
 `--output_dir` remembers it); `--fake_fail_rank R` makes those two apply on node rank R of
-a multi-node job only, at once (no sleep), the other ranks running normally. It writes
+a multi-node job only, at once (no sleep), the other ranks running normally;
+`--fake_hostile` writes hostile files into its attempt directory instead of its progress
+(`hostile`: what a job may write there must cost only that job); `--fake_setsid_child`
+starts a `sleep` in a session of its own (outside the attempt's process group) and writes
+its pid to `setsid_child.pid` in `--output_dir`. It writes
 progress.json to $RLFLEET_PROGRESS_FILE and, when `RLFLEET_FAKE_RECORD` names a
 directory, one JSON line per run there saying where, as which rank and on which GPUs it
 ran, so tests can prove that no GPU was shared.
@@ -32,6 +36,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fake_oom_once", action="store_true")
     parser.add_argument("--fake_fail_rank", type=int, default=None)
     parser.add_argument("--max_steps", type=int, default=10)
+    parser.add_argument("--fake_hostile", action="store_true")
+    parser.add_argument("--fake_setsid_child", action="store_true")
     args, _unknown = parser.parse_known_args(argv)
     rank = os.environ.get("RLFLEET_NODE_RANK")
     if args.fake_fail_rank is None:
@@ -55,6 +61,47 @@ def write_progress(step: int, max_steps: int, status: str) -> None:
         data.update(reward=round(step / max_steps, 3), loss=round(1.0 / (step + 1), 3))
         json.dump(data, handle)
     os.replace(tmp, path)
+
+
+HOSTILE_PROGRESS = (
+    b"[" * 2040,  # json.loads: RecursionError
+    b'{"step": ' + b"9" * 5000 + b"}",  # more digits than int() converts
+    b'{"step": 3, "status": "\xff\xfe\x00\x1b[2J"}',  # invalid UTF-8, NUL, an escape
+    b'{"step": 4, "loss": NaN, "reward": Infinity, "eta_s": -Infinity}',
+    bytes(range(256)) * 4,  # binary
+)
+HOSTILE_EXIT_CODES = (b"garbage\n", b"9" * 30 + b"\n", b"0\n")
+SPARSE_LOG_BYTES = 100 << 30
+"""The size the hostile job gives its train.log: sparse (no disk used), no newline."""
+
+
+def hostile(seconds: float) -> None:
+    """Write, one after the other over `seconds`, what a hostile job may write into its
+    attempt directory: progress.json that cannot be parsed (nested 2,040 deep, a 5,000-digit
+    number, invalid UTF-8, NaN, binary), exit_code garbage (words, a 30-digit number, a
+    forged 0 while it still runs), and last a sparse 100 GB train.log without a newline.
+    Ends with the deepest progress.json in place."""
+    directory = Path(os.environ["RLFLEET_PROGRESS_FILE"]).parent
+    pause = seconds / (len(HOSTILE_PROGRESS) + len(HOSTILE_EXIT_CODES) + 1)
+    for data in HOSTILE_PROGRESS:
+        (directory / "progress.json").write_bytes(data)
+        time.sleep(pause)
+    for data in HOSTILE_EXIT_CODES:
+        (directory / "exit_code").write_bytes(data)
+        time.sleep(pause)
+    (directory / "progress.json").write_bytes(HOSTILE_PROGRESS[0])
+    sys.stdout.flush()
+    os.truncate(directory / "train.log", SPARSE_LOG_BYTES)
+    time.sleep(pause)
+
+
+def setsid_child(output_dir: Path) -> None:
+    """Start a `sleep` that leaves the attempt's process group (a session of its own), as
+    a careless or hostile job may, and say its pid in `setsid_child.pid`."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    (output_dir / "setsid_child.pid").write_text(f"{child.pid}\n")
 
 
 def record(event: str, **fields: object) -> None:
@@ -99,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     seconds = args.fake_seconds
     if args.fake_retry_seconds is not None and os.environ.get("RLFLEET_ATTEMPT", "1") != "1":
         seconds = args.fake_retry_seconds
+    if args.fake_setsid_child:
+        setsid_child(out)
+    if args.fake_hostile:
+        hostile(seconds)
+        record("end", exit_code=args.fake_exit)
+        return args.fake_exit
     steps = max(1, min(args.max_steps, 5))
     for step in range(1, steps + 1):
         time.sleep(seconds / steps)
