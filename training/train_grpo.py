@@ -10,6 +10,7 @@ with a checkpoint; see training/errors.py.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -75,7 +76,9 @@ def _quiet_until_training() -> Iterator[None]:
 
 
 def run(args: ScriptArguments) -> TrainResult:
-    """Check the cheap things first (rewards, resume), then load data and model, train, save."""
+    """Check the cheap things first (rewards, resume, TRL's own checks of its configuration,
+    what the machine lacks), then load data and model, train, save."""
+    os.environ.update(args.env)  # A recipe's `env`, as `trl grpo` sets it.
     if args.use_unsloth:
         require_unsloth()  # Before anything imports trl or transformers.
     if args.use_vllm:
@@ -85,21 +88,30 @@ def run(args: ScriptArguments) -> TrainResult:
     checkpoint = resolve_resume(args.resume, args.output_dir)
 
     from training import model as loading
-    from training.data import check_columns, load_raw_dataset, preprocess
+    from training.data import check_columns, load_mixture, load_raw_dataset, preprocess
+    from training.trainer import build_config, check_environment
 
+    check_environment(args)
+    config = build_config(args)
+    model_args = loading.model_config(args)
+    init_kwargs = loading.model_init_kwargs(args, model_args)
     with _quiet_until_training():
-        raw = load_raw_dataset(args.dataset, args.dataset_split, args.dataset_config)
+        mixture = args.trl_group("mixture")
+        if mixture.get("datasets"):
+            raw = load_mixture(mixture, args.dataset_split)
+        else:
+            raw = load_raw_dataset(args.dataset, args.dataset_split, args.dataset_config)
         if args.use_unsloth:
             model, tokenizer = loading.load_unsloth_model(args)
             peft_config = None
         else:
             tokenizer = loading.load_tokenizer(args.model)
-            model, peft_config = None, loading.lora_config(args)
+            model, peft_config = None, loading.lora_config(args, model_args)
         conversational = tokenizer.chat_template is not None
         dataset = preprocess(raw, args.preprocess, conversational=conversational)
         check_columns(dataset, required_columns)
         if model is None:
-            model = loading.load_model(args.model)
+            model = loading.load_model(args.model, **init_kwargs)
 
         from training.callbacks import NodeCheckpointCallback, ScoreCheckCallback, StopOnSigterm
         from training.progress import ProgressCallback, progress_path
@@ -110,7 +122,9 @@ def run(args: ScriptArguments) -> TrainResult:
         progress = ProgressCallback(progress_path(args.output_dir), names, lambda: stop.stopped)
         score_check = ScoreCheckCallback(tally, args.reward_function)
         callbacks = [score_check, stop, progress, NodeCheckpointCallback()]
-        trainer = build_trainer(args, model, tokenizer, dataset, rewards, callbacks, peft_config)
+        trainer = build_trainer(
+            args, model, tokenizer, dataset, rewards, callbacks, peft_config, config
+        )
         stop.accelerator = score_check.accelerator = trainer.accelerator
         if trainer.accelerator.num_processes > 1:
             checkpoint = agree_on_resume(args.resume, args.output_dir, _gather)
