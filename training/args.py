@@ -568,6 +568,8 @@ def check_values(data: dict[str, Any], where: str) -> dict[str, Any]:
         if name in own:
             if value is not None:  # null: rlfleet's default, as for TRL's fields.
                 values[name] = _own_value(own[name], value, where)
+        elif name == "resume_from_checkpoint" and isinstance(value, bool):
+            values[name] = value  # TRL's "the newest checkpoint" (--resume auto)
         elif name in trl:
             try:
                 values[name] = convert(trl[name], value)

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     # Run as a file: make `training` and `rewards` importable, and do not let this directory
@@ -97,10 +98,16 @@ def run(args: ScriptArguments) -> TrainResult:
     init_kwargs = loading.model_init_kwargs(args, model_args)
     with _quiet_until_training():
         mixture = args.trl_group("mixture")
-        if mixture.get("datasets"):
-            raw = load_mixture(mixture, args.dataset_split)
-        else:
-            raw = load_raw_dataset(args.dataset, args.dataset_split, args.dataset_config)
+
+        def load(split: str) -> Any:
+            if mixture.get("datasets"):
+                return load_mixture(mixture, split)
+            return load_raw_dataset(args.dataset, split, args.dataset_config)
+
+        raw = load(args.dataset_split)
+        # As `trl grpo`: evaluation (eval_strategy) runs on the dataset's dataset_test_split.
+        evaluating = str(getattr(config.eval_strategy, "value", config.eval_strategy)) != "no"
+        raw_eval = load(str(args.trl.get("dataset_test_split", "test"))) if evaluating else None
         if args.use_unsloth:
             model, tokenizer = loading.load_unsloth_model(args)
             peft_config = None
@@ -110,6 +117,10 @@ def run(args: ScriptArguments) -> TrainResult:
         conversational = tokenizer.chat_template is not None
         dataset = preprocess(raw, args.preprocess, conversational=conversational)
         check_columns(dataset, required_columns)
+        eval_dataset = None
+        if raw_eval is not None:
+            eval_dataset = preprocess(raw_eval, args.preprocess, conversational=conversational)
+            check_columns(eval_dataset, required_columns)
         if model is None:
             model = loading.load_model(args.model, **init_kwargs)
 
@@ -123,7 +134,7 @@ def run(args: ScriptArguments) -> TrainResult:
         score_check = ScoreCheckCallback(tally, args.reward_function)
         callbacks = [score_check, stop, progress, NodeCheckpointCallback()]
         trainer = build_trainer(
-            args, model, tokenizer, dataset, rewards, callbacks, peft_config, config
+            args, model, tokenizer, dataset, rewards, callbacks, peft_config, config, eval_dataset
         )
         stop.accelerator = score_check.accelerator = trainer.accelerator
         if trainer.accelerator.num_processes > 1:

@@ -155,6 +155,7 @@ def build_trainer(
     callbacks: list[Any],
     peft_config: Any = None,
     config: GRPOConfig | None = None,
+    eval_dataset: Any = None,
 ) -> GRPOTrainer:
     """A GRPOTrainer ready to train (with `config`, or the GRPOConfig of `args`)."""
     return GRPOTrainer(
@@ -162,6 +163,7 @@ def build_trainer(
         reward_funcs=list(rewards),  # type: ignore[arg-type]  # TRL also accepts list[float]
         args=config if config is not None else build_config(args),
         train_dataset=dataset,
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
         callbacks=callbacks,
         peft_config=peft_config,

@@ -238,3 +238,8 @@ def test_what_the_machine_lacks_exits_64_before_loading(
     err = result.stderr.strip()
     assert message in err
     assert len(err.splitlines()) == 1, err
+
+
+def test_a_recipes_resume_from_checkpoint_true_is_resume_auto(tmp_path: Path):
+    (tmp_path / "r.yaml").write_text("resume_from_checkpoint: true\n")
+    assert parse_args([*BASE, "--config", str(tmp_path / "r.yaml")]).resume == "auto"
