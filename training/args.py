@@ -448,7 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
         "       %(prog)s --config RECIPE.yaml [options]",
         description="Train a causal LM with GRPO (TRL) on a prompt dataset and reward functions. "
         "Every field of TRL's GRPOConfig, ModelConfig and DatasetMixtureConfig is a flag too, "
-        "under its own name, and a key of a --config recipe.",
+        "under its own name, and a key of a --config recipe; their defaults are TRL's, except "
+        "that bf16 and gradient checkpointing are on with a GPU only, report_to is none and "
+        "LoRA is off unless use_peft or --lora_r asks for it.",
         epilog="Exit codes: 0 done, 64 bad arguments or input (a reward function that raises or "
         "returns no valid scores included), 75 transient failure (retry), 143 stopped by SIGTERM "
         "after saving a checkpoint of the current step (--resume auto continues from it).",
