@@ -212,6 +212,12 @@ class ScriptArguments:
     env: dict[str, str] = field(default_factory=dict, metadata={"cli": False})
     """The recipe's `env` mapping: variables set before anything is loaded."""
 
+    def report_to(self) -> list[str]:
+        """The trackers `report_to` names (none when it was not given)."""
+        value = self.trl.get("report_to")
+        names = [value] if isinstance(value, str) else list(value or [])
+        return [str(name) for name in names if name not in (None, "none")]
+
     def trl_group(self, group: str) -> dict[str, Any]:
         """The TRL fields of class `group` ('grpo', 'model', 'mixture' or 'script', see
         `training.trl_schema.GROUPS`) given beyond rlfleet's own flags, by name."""

@@ -76,10 +76,22 @@ def _quiet_until_training() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
+def _logs_in_output_dir(args: ScriptArguments) -> None:
+    """Point the trackers that write locally at the output directory, so that their logs go
+    with the job's output (and to its store). tensorboard writes to OUTPUT_DIR/runs itself.
+    Before trl is imported: it imports trackio, which reads TRACKIO_DIR once."""
+    names = args.report_to()
+    if "trackio" in names or names == ["all"]:
+        os.environ.setdefault("TRACKIO_DIR", str(Path(args.output_dir) / "trackio"))
+    if "wandb" in names or names == ["all"]:
+        os.environ.setdefault("WANDB_DIR", args.output_dir)
+
+
 def run(args: ScriptArguments) -> TrainResult:
     """Check the cheap things first (rewards, resume, TRL's own checks of its configuration,
     what the machine lacks), then load data and model, train, save."""
     os.environ.update(args.env)  # A recipe's `env`, as `trl grpo` sets it.
+    _logs_in_output_dir(args)
     if args.use_unsloth:
         require_unsloth()  # Before anything imports trl or transformers.
     if args.use_vllm:

@@ -88,16 +88,10 @@ def build_config(args: ScriptArguments) -> GRPOConfig:
 _TRUTHY = {"1", "true", "yes", "on"}
 
 
-def _report_to(args: ScriptArguments) -> list[str]:
-    value = args.trl.get("report_to")
-    names = [value] if isinstance(value, str) else list(value or [])
-    return [str(name) for name in names if name not in (None, "none")]
-
-
 def check_environment(args: ScriptArguments) -> None:
     """UsageError, naming the key and the way out, for what this machine cannot do: bf16 or
     fp16 without a GPU, pushing to an offline hub, a tracker that is not installed. Runs
-    before anything is loaded. Also points trackers that write locally at the output dir."""
+    before anything is loaded."""
     if not torch.cuda.is_available():
         for key in ("bf16", "fp16", "tf32", "bf16_full_eval", "fp16_full_eval"):
             if args.trl.get(key):
@@ -121,7 +115,7 @@ def check_environment(args: ScriptArguments) -> None:
                     "push_to_hub: no hub token here; set HF_TOKEN in the job's environment "
                     "(rlfleet job submit --env HF_TOKEN) or leave push_to_hub out"
                 )
-    names = _report_to(args)
+    names = args.report_to()
     if names and names != ["all"]:
         from transformers.integrations import get_available_reporting_integrations
 
@@ -139,11 +133,6 @@ def check_environment(args: ScriptArguments) -> None:
                 "report_to wandb: no WANDB_API_KEY here; set it in the job's environment "
                 "(--env WANDB_API_KEY), or WANDB_MODE=offline to log to the output directory"
             )
-        os.environ.setdefault("WANDB_DIR", args.output_dir)
-    if "trackio" in names or names == ["all"]:
-        # trackio keeps its runs under ~/.cache by default; with the job's output they are
-        # pulled and stored with it.
-        os.environ.setdefault("TRACKIO_DIR", str(Path(args.output_dir) / "trackio"))
 
 
 def build_trainer(

@@ -122,3 +122,17 @@ def test_the_run_leaves_model_progress_and_tensorboard_events(recipe_run: Path):
     assert progress["status"] == "finished" and progress["step"] == 3
     events = list((recipe_run / "runs").rglob("events.out.tfevents.*"))
     assert events and all(e.stat().st_size > 0 for e in events)
+
+
+@pytest.mark.slow
+def test_trackio_logs_land_in_the_output_dir(tiny_model: Path, tmp_path: Path):
+    from tests.training.helpers import tiny_run_args
+
+    out = tmp_path / "out"
+    home = tmp_path / "home"  # where trackio would write by default (~/.cache/huggingface)
+    argv = tiny_run_args(tiny_model, out, "--max_steps", "1", "--report_to", "trackio",
+                         "--project", "recipe-test")  # fmt: skip
+    result = train_grpo(*argv, env={"HOME": str(home), "HF_HOME": str(home / "hf")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "trackio" / "recipe-test.db").is_file()
+    assert not (home / "hf" / "trackio").exists()
