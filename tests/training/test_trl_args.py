@@ -67,6 +67,7 @@ def _cases(cls: type) -> list[tuple[str, str]]:
             for f in _installed_fields(cls)]  # fmt: skip
 
 
+@pytest.mark.slow  # imports trl (seconds)
 def test_the_shipped_schema_is_the_installed_trls():
     # The flags come from TRL's dataclasses; the shipped copy (read by --help) must be what
     # they give now. On failure: python -m training.trl_schema --write
@@ -74,6 +75,7 @@ def test_the_shipped_schema_is_the_installed_trls():
     assert shipped == json.loads(json.dumps(live_schema())), "run make trl-schema"
 
 
+@pytest.mark.slow  # imports trl (seconds)
 def test_every_grpo_and_model_config_field_is_accepted_under_its_own_name():
     from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig
 
@@ -101,6 +103,7 @@ def test_every_grpo_and_model_config_field_is_accepted_under_its_own_name():
     assert checked >= len(names) - 5
 
 
+@pytest.mark.slow  # imports trl (seconds)
 def test_a_recipe_may_hold_every_grpo_config_field_at_its_default(tmp_path: Path):
     from trl import GRPOConfig
 
