@@ -223,7 +223,8 @@ def test_help_is_fast_lists_rlfleets_flags_first_and_imports_no_torch():
         ("bf16: true\n", {}, "bf16: needs a CUDA GPU"),
         ("push_to_hub: true\n", {"HF_HUB_OFFLINE": "1"}, "push_to_hub: the hub is offline here"),
         ("hub_model_id: me/model\n", {"HF_HUB_OFFLINE": "1"}, "hub_model_id: the hub is offline"),
-        ("report_to: wandb\n", {}, "report_to wandb: wandb is not installed here"),
+        # Not installed here; where it is, the missing key is what is named.
+        ("report_to: wandb\n", {"WANDB_API_KEY": "", "WANDB_MODE": ""}, "report_to wandb: "),
         ("use_vllm: true\n", {}, "--use_vllm: vllm is not installed"),
         ("generation_batch_size: 16\nsteps_per_generation: 2\n", {}, "steps_per_generation"),
     ],
@@ -246,3 +247,17 @@ def test_what_the_machine_lacks_exits_64_before_loading(
 def test_a_recipes_resume_from_checkpoint_true_is_resume_auto(tmp_path: Path):
     (tmp_path / "r.yaml").write_text("resume_from_checkpoint: true\n")
     assert parse_args([*BASE, "--config", str(tmp_path / "r.yaml")]).resume == "auto"
+
+
+@pytest.mark.slow
+def test_push_to_hub_without_a_token_exits_64_naming_the_way_out(tmp_path: Path):
+    (tmp_path / "r.yaml").write_text("push_to_hub: true\n")
+    argv = ["--model", str(tmp_path / "no-model"), "--dataset", str(tmp_path / "no.jsonl"),
+            "--reward_function", "soft_format", "--config", str(tmp_path / "r.yaml")]  # fmt: skip
+    env = {"HF_HUB_OFFLINE": "0", "HF_TOKEN": "", "HF_HOME": str(tmp_path / "hf")}
+    result = train_grpo(*argv, env=env)
+    assert result.returncode == 64, result.stderr[-2000:]
+    assert result.stderr.strip() == (
+        "train-grpo: error: push_to_hub: no hub token here; set HF_TOKEN in the job's "
+        "environment (rlfleet job submit --env HF_TOKEN) or leave push_to_hub out"
+    )
