@@ -136,8 +136,10 @@ def main() -> None:
                                        ("rlfleet", rlfleet_seconds, "train_grpo.py")):  # fmt: skip
                 wall = timed(model, Path(tmp) / f"{side}-{i}", args.steps)
                 runs[side].append((wall, _timed.cpu))  # type: ignore[attr-defined]
-                print(f"{title}, {args.steps} steps: {wall:.1f} s wall, "
-                      f"{_timed.cpu:.1f} s CPU", flush=True)  # type: ignore[attr-defined]
+                print(
+                    f"{title}, {args.steps} steps: {wall:.1f} s wall, {_timed.cpu:.1f} s CPU",
+                    flush=True,
+                )  # type: ignore[attr-defined]
     # The CPU time of the fastest run of each side: on a shared machine the wall time
     # mostly measures the neighbours.
     trl_wall, trl_s = min(runs["trl"], key=lambda r: r[1])

@@ -504,6 +504,7 @@ def _canonical(values: dict[str, Any], where: str) -> dict[str, Any]:
 def _own_value(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
     """A recipe's value for one of rlfleet's own fields, checked like its flag."""
     kind = str(f.type)
+
     def wrong(expected: str) -> str:
         return f"{where}: key {f.name}: expected {expected}, got {value!r}"
 

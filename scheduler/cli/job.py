@@ -227,9 +227,7 @@ def from_recipe(
     dataset: str | None,
     reward_functions: tuple[str, ...],
     extra_args: tuple[str, ...],
-) -> tuple[
-    str | None, str | None, tuple[str, ...], tuple[str, ...], tuple[tuple[str, str], ...]
-]:
+) -> tuple[str | None, str | None, tuple[str, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
     """`job submit --config`: the model, dataset, reward functions and train_grpo.py arguments
     of the recipe at `path` under the flags given (which win), and its `env` as job
     variables (--env values win), with a warning for each key the scheduler owns."""
