@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # not pull gigabytes of CUDA wheels to satisfy the `train` extra.
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: venv sshd test test-fast lint demo bench clean
+.PHONY: venv sshd test test-fast lint demo bench clean trl-schema
 
 venv: $(STAMP)
 
@@ -55,6 +55,11 @@ demo: venv
 
 bench: venv
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# The installed TRL's fields, as train_grpo.py's --help reads them (tests/training/
+# test_trl_args.py fails when the shipped copy no longer matches the installed TRL).
+trl-schema: venv
+	$(PY) -m training.trl_schema --write
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -48,6 +48,16 @@ RESERVED_TRAIN_FLAGS: dict[str, str] = {
     "--reward_function": "use `job submit --reward-function` (repeatable)",
     "--output_dir": "use `job submit --output-dir`",
     "--resume": "rlfleet passes `--resume auto` to every retry itself",
+    # TRL's spellings of the same flags, which train_grpo.py accepts too.
+    "--model_name_or_path": "use `job submit --model`",
+    "--model-name-or-path": "use `job submit --model`",
+    "--dataset_name": "use `job submit --dataset`",
+    "--dataset-name": "use `job submit --dataset`",
+    "--reward_funcs": "use `job submit --reward-function` (repeatable)",
+    "--reward-funcs": "use `job submit --reward-function` (repeatable)",
+    "--resume_from_checkpoint": "rlfleet passes `--resume auto` to every retry itself",
+    "--resume-from-checkpoint": "rlfleet passes `--resume auto` to every retry itself",
+    "--config": "use `job submit --config RECIPE.yaml`, which ships the recipe with the job",
 }
 """train_grpo.py flags that rlfleet sets itself, and what to use instead."""
 

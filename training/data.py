@@ -50,6 +50,28 @@ def load_raw_dataset(name: str, split: str, config: str | None = None) -> Datase
         raise UsageError(f"cannot read dataset {name}: {_reason(exc)}") from exc
 
 
+def load_mixture(mixture: dict[str, Any], split: str) -> Dataset:
+    """`split` of a TRL dataset mixture (the `datasets`, `streaming` and `test_split_size`
+    keys of a recipe), loaded by TRL's get_dataset as `trl grpo` loads it."""
+    from trl import DatasetMixtureConfig, get_dataset
+    from trl.scripts.utils import DatasetConfig
+
+    try:
+        entries = [DatasetConfig(**entry) for entry in mixture["datasets"]]
+        config = DatasetMixtureConfig(**{**mixture, "datasets": entries})
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"datasets: {one_line(exc)}") from exc
+    try:
+        loaded = get_dataset(config)
+    except Exception as exc:  # noqa: BLE001 - datasets raises many types; sort them by cause
+        if is_network_timeout(exc):
+            raise TransientError(f"downloading datasets failed: {one_line(exc)}") from exc
+        raise UsageError(f"cannot read datasets: {_reason(exc)}") from exc
+    if split not in loaded:
+        raise UsageError(f"datasets: no split {split!r} (splits: {', '.join(loaded)})")
+    return loaded[split]
+
+
 def prompt_column(columns: list[str]) -> str:
     """The column the prompt comes from: `prompt`, else `question`."""
     for column in PROMPT_COLUMNS:

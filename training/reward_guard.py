@@ -153,7 +153,7 @@ class GuardedReward:
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> Any:
         """Call the reward function and check what it returned."""
         try:
-            result = self.func(prompts, completions, **kwargs)
+            result = self.func(prompts=prompts, completions=completions, **kwargs)
         except Exception as exc:
             raise failure(self.spec, exc) from exc
         return self._checked(result, len(completions))
@@ -172,7 +172,9 @@ class AsyncGuardedReward(GuardedReward):
     ) -> list[float | None]:
         """Await the reward function and check what it returned."""
         try:
-            result = await self.func(prompts, completions, **kwargs)  # type: ignore[misc]
+            result = await self.func(  # type: ignore[misc]
+                prompts=prompts, completions=completions, **kwargs
+            )
         except Exception as exc:
             raise failure(self.spec, exc) from exc
         return self._checked(result, len(completions))

@@ -10,11 +10,13 @@ with a checkpoint; see training/errors.py.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):
     # Run as a file: make `training` and `rewards` importable, and do not let this directory
@@ -74,8 +76,22 @@ def _quiet_until_training() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
+def _logs_in_output_dir(args: ScriptArguments) -> None:
+    """Point the trackers that write locally at the output directory, so that their logs go
+    with the job's output (and to its store). tensorboard writes to OUTPUT_DIR/runs itself.
+    Before trl is imported: it imports trackio, which reads TRACKIO_DIR once."""
+    names = args.report_to()
+    if "trackio" in names or names == ["all"]:
+        os.environ.setdefault("TRACKIO_DIR", str(Path(args.output_dir) / "trackio"))
+    if "wandb" in names or names == ["all"]:
+        os.environ.setdefault("WANDB_DIR", args.output_dir)
+
+
 def run(args: ScriptArguments) -> TrainResult:
-    """Check the cheap things first (rewards, resume), then load data and model, train, save."""
+    """Check the cheap things first (rewards, resume, TRL's own checks of its configuration,
+    what the machine lacks), then load data and model, train, save."""
+    os.environ.update(args.env)  # A recipe's `env`, as `trl grpo` sets it.
+    _logs_in_output_dir(args)
     if args.use_unsloth:
         require_unsloth()  # Before anything imports trl or transformers.
     if args.use_vllm:
@@ -85,21 +101,40 @@ def run(args: ScriptArguments) -> TrainResult:
     checkpoint = resolve_resume(args.resume, args.output_dir)
 
     from training import model as loading
-    from training.data import check_columns, load_raw_dataset, preprocess
+    from training.data import check_columns, load_mixture, load_raw_dataset, preprocess
+    from training.trainer import build_config, check_environment
 
+    check_environment(args)
+    config = build_config(args)
+    model_args = loading.model_config(args)
+    init_kwargs = loading.model_init_kwargs(args, model_args)
     with _quiet_until_training():
-        raw = load_raw_dataset(args.dataset, args.dataset_split, args.dataset_config)
+        mixture = args.trl_group("mixture")
+
+        def load(split: str) -> Any:
+            if mixture.get("datasets"):
+                return load_mixture(mixture, split)
+            return load_raw_dataset(args.dataset, split, args.dataset_config)
+
+        raw = load(args.dataset_split)
+        # As `trl grpo`: evaluation (eval_strategy) runs on the dataset's dataset_test_split.
+        evaluating = str(getattr(config.eval_strategy, "value", config.eval_strategy)) != "no"
+        raw_eval = load(str(args.trl.get("dataset_test_split", "test"))) if evaluating else None
         if args.use_unsloth:
             model, tokenizer = loading.load_unsloth_model(args)
             peft_config = None
         else:
             tokenizer = loading.load_tokenizer(args.model)
-            model, peft_config = None, loading.lora_config(args)
+            model, peft_config = None, loading.lora_config(args, model_args)
         conversational = tokenizer.chat_template is not None
         dataset = preprocess(raw, args.preprocess, conversational=conversational)
         check_columns(dataset, required_columns)
+        eval_dataset = None
+        if raw_eval is not None:
+            eval_dataset = preprocess(raw_eval, args.preprocess, conversational=conversational)
+            check_columns(eval_dataset, required_columns)
         if model is None:
-            model = loading.load_model(args.model)
+            model = loading.load_model(args.model, **init_kwargs)
 
         from training.callbacks import NodeCheckpointCallback, ScoreCheckCallback, StopOnSigterm
         from training.progress import ProgressCallback, progress_path
@@ -110,7 +145,9 @@ def run(args: ScriptArguments) -> TrainResult:
         progress = ProgressCallback(progress_path(args.output_dir), names, lambda: stop.stopped)
         score_check = ScoreCheckCallback(tally, args.reward_function)
         callbacks = [score_check, stop, progress, NodeCheckpointCallback()]
-        trainer = build_trainer(args, model, tokenizer, dataset, rewards, callbacks, peft_config)
+        trainer = build_trainer(
+            args, model, tokenizer, dataset, rewards, callbacks, peft_config, config, eval_dataset
+        )
         stop.accelerator = score_check.accelerator = trainer.accelerator
         if trainer.accelerator.num_processes > 1:
             checkpoint = agree_on_resume(args.resume, args.output_dir, _gather)

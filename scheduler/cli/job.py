@@ -65,6 +65,17 @@ def group() -> None:
     "it, validated before anything is submitted; --model, --dataset, --reward-function, "
     "--gpus, --nodes, --output-dir and train arguments then come from the file.",
 )
+@click.option(
+    "--config",
+    "recipe",
+    type=click.Path(dir_okay=False),
+    metavar="RECIPE.yaml",
+    help="A training recipe in `trl grpo --config`'s format, read here and shipped with the "
+    "job: its model_name_or_path, dataset_name and reward_funcs stand for --model, --dataset "
+    "and --reward-function (flags given override them), every other key becomes a "
+    "train_grpo.py argument (arguments after -- override those). output_dir and "
+    "resume_from_checkpoint are left out: the scheduler sets them.",
+)
 @click.option("--model", help="Model name on the hub, or a path on the VM (required without -f).")
 @click.option(
     "--dataset", help="Dataset name on the hub, or a file on the VM (required without -f)."
@@ -139,6 +150,7 @@ def group() -> None:
 def submit(
     ctx: CliContext,
     spec_file: str | None,
+    recipe: str | None,
     model: str | None,
     dataset: str | None,
     reward_functions: tuple[str, ...],
@@ -162,9 +174,16 @@ def submit(
     HOME, USER, LANG…, its RLFLEET_* variables, CUDA_VISIBLE_DEVICES), plus the VM's
     ~/.rlfleet/env and its own --env values.
     """
+    if spec_file is not None and recipe is not None:
+        raise BadInput("--config: give the recipe's keys under train: in the job file, not both")
     if spec_file is not None:
         spec = spec_from_file(spec_file, parse_env_options(env))
     else:
+        recipe_env: tuple[tuple[str, str], ...] = ()
+        if recipe is not None:
+            model, dataset, reward_functions, extra_args, recipe_env = from_recipe(
+                recipe, model, dataset, reward_functions, extra_args
+            )
         for flag, value in (("--model", model), ("--dataset", dataset)):
             if value is None:
                 raise BadInput(f"missing option {flag} (or give a job spec file with -f)")
@@ -181,7 +200,7 @@ def submit(
             name=name,
             extra_args=extra_args,
             output_dir=output_dir,
-            env=parse_env_options(env),
+            env=recipe_env + parse_env_options(env),
         )
         if vllm_server_gpus is not None:
             spec = with_vllm_server(spec, vllm_server_gpus, own_vm=vllm_server_own_vm)
@@ -202,6 +221,53 @@ def submit(
             f"job {result.job_id} is queued but not announced ({result.publish_error}); "
             "the requeue manager will publish it"
         )
+
+
+def from_recipe(
+    path: str,
+    model: str | None,
+    dataset: str | None,
+    reward_functions: tuple[str, ...],
+    extra_args: tuple[str, ...],
+) -> tuple[str | None, str | None, tuple[str, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """`job submit --config`: the model, dataset, reward functions and train_grpo.py arguments
+    of the recipe at `path` under the flags given (which win), and its `env` as job
+    variables (--env values win), with a warning for each key the scheduler owns."""
+    from scheduler.jobspec import MAX_FILE_BYTES, recipe_train
+
+    try:
+        with open(path, "rb") as stream:
+            raw = stream.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise BadInput(f"--config {path}: cannot read it: {exc.strerror or exc}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise BadInput(f"--config {path}: larger than {MAX_FILE_BYTES} bytes")
+    import yaml
+
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise BadInput(f"--config {path}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise BadInput(f"--config {path}: expected a mapping of field names to values")
+    env = data.pop("env", None) or {}
+    if not isinstance(env, dict):
+        raise BadInput(f"--config {path}: env: expected a mapping of variable names to values")
+    pairs = tuple((str(k), "" if v is None else str(v)) for k, v in env.items())
+    found, args, notes = recipe_train(data, f"--config {path}")
+    for note in notes:
+        warn(note)
+    if not reward_functions and found.get("reward_function"):
+        reward_functions = tuple(found["reward_function"])
+    return (
+        model or found.get("model"),
+        dataset or found.get("dataset"),
+        reward_functions,
+        args + extra_args,
+        pairs,
+    )
 
 
 FILE_CONFLICTS = (

@@ -77,9 +77,10 @@ def test_bad_arguments_exit_64_with_one_line(
 
 def test_every_field_has_help_and_a_flag():
     help_text = build_parser().format_help()
-    for name in ScriptArguments.__dataclass_fields__:
-        assert f"--{name}" in help_text
-        assert ScriptArguments.__dataclass_fields__[name].metadata["help"]
+    for name, f in ScriptArguments.__dataclass_fields__.items():
+        if f.metadata.get("cli", True):
+            assert f"--{name}" in help_text
+            assert f.metadata["help"]
 
 
 def test_check_args_accepts_sensible_arguments():

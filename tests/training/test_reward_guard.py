@@ -222,3 +222,19 @@ def test_with_several_processes_a_step_counts_as_scored_when_any_process_scored(
     # calls it at every step) and counts when another process called its rewards.
     with pytest.raises(UsageError, match="for 1 steps in a row"):
         tally.end_step(["f"], lambda called, scored: (True, False))
+
+
+def test_rewards_get_their_arguments_by_name_as_trl_passes_them():
+    # TRL's own rewards (think_format_reward(completions, **kwargs)) take no `prompts`
+    # positionally: TRL calls every reward with keywords, and so must the guard.
+    def completions_only(completions: list[Any], **kwargs: Any) -> list[float]:
+        assert kwargs["prompts"] == PROMPTS
+        return [1.0] * len(completions)
+
+    async def completions_only_async(completions: list[Any], **kwargs: Any) -> list[float]:
+        return [0.5] * len(completions)
+
+    tally = ScoreTally(3)
+    assert guard(completions_only, "c", tally)(PROMPTS, COMPLETIONS) == [1.0, 1.0]
+    scores = asyncio.run(guard(completions_only_async, "a", tally)(PROMPTS, COMPLETIONS))
+    assert scores == [0.5, 0.5]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import pytest
 
 from scheduler.errors import BadInput
@@ -327,3 +330,51 @@ def test_deep_nesting_is_refused_in_bounded_time() -> None:
     with pytest.raises(BadInput, match="nested deeper"):
         parse_text(b"roles: " + b"[" * 400_000)
     assert time.process_time() - started < 1.0
+
+
+def _trainer(train: dict[str, Any]) -> Any:
+    group = parse_data({"roles": {"trainer": {"gpus": 1, "train": train}}})
+    return group.role("trainer").train
+
+
+def test_train_takes_a_recipes_keys_as_train_grpo_arguments():
+    # `train:` takes what a `trl grpo --config` recipe holds: TRL's names for the model,
+    # dataset and rewards, and any other field as an argument (before `args`, which win).
+    train = _trainer(
+        {
+            "model_name_or_path": "Qwen/Qwen2.5-0.5B-Instruct",
+            "dataset_name": "d.jsonl",
+            "reward_funcs": ["accuracy_reward", "my_lib.rewards.fn"],
+            "loss_type": "dr_grpo",
+            "gradient_checkpointing": True,
+            "lora_target_modules": ["q_proj", "v_proj"],
+            "model_init_kwargs": {"attn_implementation": "sdpa"},
+            "learning_rate": "1e-5",
+            "args": ["--seed", "3"],
+        }
+    )
+    assert (train.model, train.dataset) == ("Qwen/Qwen2.5-0.5B-Instruct", "d.jsonl")
+    assert train.reward_functions == ("accuracy_reward", "my_lib.rewards.fn")
+    assert train.args == (
+        "--loss_type", "dr_grpo", "--gradient_checkpointing", "true",
+        "--lora_target_modules", "q_proj", "v_proj",
+        "--model_init_kwargs", '{"attn_implementation": "sdpa"}',
+        "--learning_rate", "1e-05", "--seed", "3",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("train", "message"),
+    [
+        ({"loss_typo": "x"}, "train: unknown key 'loss_typo' (did you mean loss_type?)"),
+        ({"num_iterations": "two"}, "key num_iterations: expected int, got 'two'"),
+        ({"output_dir": "/x"}, "output_dir is left out: the scheduler sets it"),
+        ({"resume_from_checkpoint": True}, "resume_from_checkpoint is left out"),
+        ({"model_name_or_path": "n"}, "give model once"),
+        ({"env": {"A": "1"}}, "roles.trainer.train.env: give the job's variables"),
+    ],
+)
+def test_bad_recipe_keys_in_train_name_the_key(train: dict[str, Any], message: str):
+    base = {"model": "m", "dataset": "d", "reward_functions": ["r"]}
+    with pytest.raises(BadInput, match=re.escape(message)):
+        _trainer({**base, **train})
