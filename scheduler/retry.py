@@ -30,20 +30,18 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Protocol
 
-from scheduler.states import FailureReason
+from scheduler.states import FAILURE_RETRY, FailureReason, RetryClass
 
 CANCELLED = "cancelled"
 """Not a `FailureReason` (cancelled is a state of its own) but never retried either."""
 
-PERMANENT = frozenset({FailureReason.CONFIG_ERROR.value, CANCELLED})
+PERMANENT = frozenset(
+    {r.value for r, c in FAILURE_RETRY.items() if c == RetryClass.PERMANENT} | {CANCELLED}
+)
 COUNTED = frozenset(
-    {
-        FailureReason.OOM.value,
-        FailureReason.EXIT_NONZERO.value,
-        FailureReason.KILLED.value,
-        FailureReason.LAUNCH_FAILED.value,
-        FailureReason.VANISHED.value,
-    }
+    r.value
+    for r, c in FAILURE_RETRY.items()
+    if c in (RetryClass.COUNTED, RetryClass.MACHINE_FAULT_ON_VM_EXIT)
 )
 VM_FAULT_EXITS = frozenset({126, 127})
 """Exit codes of an attempt whose VM could not run its python or entrypoint."""
@@ -143,9 +141,13 @@ def decide(
 def is_machine_fault(reason: str | None, exit_code: int | None = None) -> bool:
     """Whether a failure is the VM's fault, not the job's: a lost or removed VM, or one that
     could not run its python or entrypoint (exit 126/127)."""
-    if reason in (FailureReason.NODE_LOST.value, FailureReason.VM_REMOVED.value):
+    try:
+        kind = FAILURE_RETRY[FailureReason(reason)] if reason is not None else None
+    except ValueError:  # a reason this release does not know: the job's, counted
+        return False
+    if kind == RetryClass.MACHINE_FAULT:
         return True
-    return reason == FailureReason.LAUNCH_FAILED.value and exit_code in VM_FAULT_EXITS
+    return kind == RetryClass.MACHINE_FAULT_ON_VM_EXIT and exit_code in VM_FAULT_EXITS
 
 
 def counts_against_limit(reason: str | None, exit_code: int | None = None) -> bool:

@@ -119,7 +119,10 @@ class RetryDecision(StrEnum):
 
 
 class FailureReason(StrEnum):
-    """Why a job failed; the requeue policy decides from this whether to retry."""
+    """Why a job failed. Each reason has its `RetryClass` (`FAILURE_RETRY`), from which the
+    requeue policy (`scheduler.retry`) decides whether to retry: a new reason is added here,
+    with its class, and set by the code that detects it (a probed attempt's:
+    `verdicts.classify_failure`)."""
 
     CONFIG_ERROR = "config_error"  # train_grpo.py exit 64: permanent
     OOM = "oom"  # exit 75 or CUDA out of memory in the log
@@ -129,3 +132,26 @@ class FailureReason(StrEnum):
     NODE_LOST = "node_lost"
     VM_REMOVED = "vm_removed"  # `vm remove --force` while it ran
     VANISHED = "vanished"  # process gone without an exit code
+
+
+class RetryClass(StrEnum):
+    """How the requeue policy treats a failure reason."""
+
+    PERMANENT = "permanent"  # never retried
+    COUNTED = "counted"  # retried while retries are left, with backoff
+    MACHINE_FAULT = "machine_fault"  # the VM's fault: retried at once, not counted
+    MACHINE_FAULT_ON_VM_EXIT = "machine_fault_on_vm_exit"
+    """The VM's fault with exit 126/127 (its python or entrypoint cannot run), else counted."""
+
+
+FAILURE_RETRY: dict[FailureReason, RetryClass] = {
+    FailureReason.CONFIG_ERROR: RetryClass.PERMANENT,
+    FailureReason.OOM: RetryClass.COUNTED,
+    FailureReason.EXIT_NONZERO: RetryClass.COUNTED,
+    FailureReason.KILLED: RetryClass.COUNTED,
+    FailureReason.LAUNCH_FAILED: RetryClass.MACHINE_FAULT_ON_VM_EXIT,
+    FailureReason.NODE_LOST: RetryClass.MACHINE_FAULT,
+    FailureReason.VM_REMOVED: RetryClass.MACHINE_FAULT,
+    FailureReason.VANISHED: RetryClass.COUNTED,
+}
+"""Every failure reason's retry class (`tests/unit/test_retry.py` checks none is missing)."""

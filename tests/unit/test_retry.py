@@ -150,3 +150,18 @@ def test_the_backoff_of_any_stored_retry_count_is_the_cap_never_an_overflow() ->
     policy = RetryPolicy(jitter=0.0)
     for count in (1100, 2**31 - 1):
         assert policy.backoff(count, random.Random(0)) == policy.max_delay_s
+
+
+def test_every_failure_reason_has_its_retry_class() -> None:
+    """A new failure reason is added in one place, with its retry class: none is missing,
+    and the policy's sets and machine-fault rule follow from the table."""
+    from scheduler.retry import COUNTED, PERMANENT, is_machine_fault
+    from scheduler.states import FAILURE_RETRY, FailureReason, RetryClass
+
+    assert set(FAILURE_RETRY) == set(FailureReason)
+    for reason, kind in FAILURE_RETRY.items():
+        assert (reason.value in PERMANENT) == (kind == RetryClass.PERMANENT)
+        assert is_machine_fault(reason.value, 1) == (kind == RetryClass.MACHINE_FAULT)
+        if kind == RetryClass.MACHINE_FAULT_ON_VM_EXIT:
+            assert is_machine_fault(reason.value, 127) and reason.value in COUNTED
+    assert not is_machine_fault("a_reason_from_a_newer_release", 127)
