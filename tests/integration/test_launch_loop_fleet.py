@@ -80,7 +80,7 @@ async def test_single_multi_node_and_group_attempts_go_through_the_one_launch_lo
 
     # One loop launched each attempt once, and the same function each of its nodes.
     assert sorted(attempts) == sorted(kinds)
-    assert {j: [n.rank for n in nodes[j]] for j in kinds} == {
+    assert {j: [n.rank for n in nodes.get(j, [])] for j in kinds} == {
         single: [0],
         multi: [0, 1],
         group: [0],
