@@ -226,7 +226,7 @@ async def test_a_dispatcher_dying_between_claim_and_launch_blocks_nothing_for_ev
         await publish(nc, job_id)
         await asyncio.wait_for(stalling.launch_started.wait(), 10)
         job = await job_row(db, job_id)
-        for task in list(doomed._tasks):  # the process dies: its work is gone
+        for task in list(doomed.consumer._tasks):  # the process dies: its work is gone
             task.cancel()
     await stalling.close()
     assert job.status == "starting" and job.lease_expires_at is not None
@@ -266,7 +266,7 @@ async def test_a_dispatcher_dying_between_claim_and_launch_blocks_nothing_for_ev
 @pytest.mark.parametrize("payload", [b"\xff", b"-3", b"1e9", b"99999999999999999999999"])
 def test_malformed_payloads_are_refused(payload: bytes) -> None:
     """Only a decimal id in range is a job id."""
-    from scheduler.dispatcher import parse_job_id
+    from scheduler.dispatcher.consumer import parse_job_id
 
     with pytest.raises(ValueError):
         parse_job_id(payload)

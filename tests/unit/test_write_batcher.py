@@ -1,4 +1,4 @@
-"""The dispatcher's group commit: one call at a time, waiting batches go together."""
+"""The dispatcher's batched writes: one call at a time, waiting batches go together."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from scheduler.dispatcher import GroupCommit
+from scheduler.dispatcher.records import WriteBatcher
 
 
 async def test_batches_that_wait_are_run_together_and_answered_in_order() -> None:
@@ -19,10 +19,10 @@ async def test_batches_that_wait_are_run_together_and_answered_in_order() -> Non
             await gate.wait()  # the first call is slow: the others queue up behind it
         return [2 * i for i in items]
 
-    group: GroupCommit[int, int] = GroupCommit(double, most=10)
-    first = asyncio.create_task(group.submit([1]))
+    batcher: WriteBatcher[int, int] = WriteBatcher(double, most=10)
+    first = asyncio.create_task(batcher.submit([1]))
     await asyncio.sleep(0)
-    waiting = [asyncio.create_task(group.submit(b)) for b in ([2, 3], [4], [5, 6, 7])]
+    waiting = [asyncio.create_task(batcher.submit(b)) for b in ([2, 3], [4], [5, 6, 7])]
     await asyncio.sleep(0)
     gate.set()
     assert await first == [2]
@@ -39,8 +39,8 @@ async def test_a_round_is_capped_at_most_items() -> None:
         await gate.wait()
         return items
 
-    group: GroupCommit[int, int] = GroupCommit(echo, most=3)
-    tasks = [asyncio.create_task(group.submit([i, i])) for i in range(3)]
+    batcher: WriteBatcher[int, int] = WriteBatcher(echo, most=3)
+    tasks = [asyncio.create_task(batcher.submit([i, i])) for i in range(3)]
     await asyncio.sleep(0)
     gate.set()
     assert [await t for t in tasks] == [[0, 0], [1, 1], [2, 2]]
@@ -58,10 +58,10 @@ async def test_an_error_reaches_every_caller_of_its_round_only() -> None:
             raise ConnectionError("database went away")
         return items
 
-    group: GroupCommit[int, int] = GroupCommit(flaky, most=10)
-    first = asyncio.create_task(group.submit([1]))
+    batcher: WriteBatcher[int, int] = WriteBatcher(flaky, most=10)
+    first = asyncio.create_task(batcher.submit([1]))
     await asyncio.sleep(0)
-    second = asyncio.create_task(group.submit([2]))
+    second = asyncio.create_task(batcher.submit([2]))
     with pytest.raises(ConnectionError):
         await first
     assert await second == [2]

@@ -1,0 +1,360 @@
+"""Launching a claimed attempt: one loop over the claim's nodes, whatever the job's shape.
+
+Every attempt is a list of nodes (one per VM, rank 0 first; a single-node job's claim is
+its one VM). What differs between a job of one VM, a multi-node job, a job group on one VM
+and a group over several VMs is data built per node before the loop (`NodeLaunch`): the
+rank's rendezvous place (`NodeRole`, a multi-node job that is not a group), the
+supervisor's `group.json` for the roles that run there (`GroupLaunch`, a group), and the
+group's token. The loop then starts every node with the same function (`launch_node`),
+concurrently, over SSH with no transaction open, and `settle` records each rank's pid and
+directory when the claim has rows for them (`job_nodes`). Any node that does not start
+fails the whole attempt: its caller abandons it, and every rank becomes a leftover to
+kill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import select
+
+from scheduler.claims import Claim, NodeClaim, PortCollision, record_group_ports, record_ranks
+from scheduler.db import Database, is_unavailable
+from scheduler.groups import (
+    TOKEN_ENV,
+    GroupPlace,
+    GroupSpec,
+    group_launch,
+    group_token,
+    node_port_needs,
+)
+from scheduler.jobspec import parse_data
+from scheduler.remote import (
+    GroupLaunch,
+    LaunchResult,
+    LaunchSpec,
+    NodeRole,
+    free_port_script,
+    free_ports_script,
+    launch_input,
+    launch_script,
+    parse_free_port,
+    parse_free_ports,
+    parse_launch,
+)
+from scheduler.transport import Transport, TransportError, VMTarget
+
+from .consumer import TransientError, db_error
+
+VM_CACHE_TTL_S = 15.0
+PORT_TRIES = 5
+"""Port probes a group launch makes before it fails: each collision is another attempt's
+port chosen on the same VM between our probe and our record."""
+
+Ports = dict[tuple[str, str], int]
+Secret = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class NodeLaunch:
+    """One node of an attempt as it is started: what differs from node to node."""
+
+    rank: int
+    target: VMTarget
+    gpu_indices: Sequence[int]
+    gpu_uuids: Sequence[str]
+    rendezvous: NodeRole | None = None
+    """This rank's place in a multi-node job's rendezvous; None for a job of one VM or a
+    group (whose supervisor gets the places of its roles' ranks)."""
+    group: GroupLaunch | None = None
+    """The supervisor's config for the roles that run here; None for a job not a group."""
+
+
+def claimed_nodes(claim: Claim) -> tuple[NodeClaim, ...]:
+    """Every node of the claimed attempt, rank 0 first: the claim's ranks, or its one VM
+    when the claim lists none (a single-node attempt)."""
+    if claim.nodes:
+        return claim.nodes
+    return (NodeClaim(0, claim.vm_id, tuple(claim.gpu_indices), tuple(claim.gpu_uuids)),)
+
+
+def last_line(text: str) -> str:
+    """The launch's stderr says what went wrong last."""
+    text = text.strip()
+    return text.splitlines()[-1][:300] if text else ""
+
+
+class Targets:
+    """The VMs' connection fields, from a cache of every VM refreshed in one query."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._vms: dict[int, tuple[VMTarget, float]] = {}
+        self._lock = asyncio.Lock()
+
+    async def get(self, vm_id: int) -> VMTarget:
+        """VM `vm_id`'s target; TransientError when the database is away, RuntimeError
+        when the VM is gone."""
+        cached = self._vms.get(vm_id)
+        if cached is not None and time.monotonic() - cached[1] < VM_CACHE_TTL_S:
+            return cached[0]
+        async with self._lock:  # one reload for all the claims that missed at once
+            cached = self._vms.get(vm_id)
+            if cached is None or time.monotonic() - cached[1] >= VM_CACHE_TTL_S:
+                await self._load()
+        cached = self._vms.get(vm_id)
+        if cached is None:
+            raise RuntimeError(f"VM {vm_id} vanished under a claim")
+        return cached[0]
+
+    async def _load(self) -> None:
+        try:
+            async with self.db.transaction() as session:
+                rows = (await session.execute(select(*VMTarget.columns()))).all()
+        except Exception as exc:
+            if is_unavailable(exc):
+                raise TransientError(db_error(exc)) from exc
+            raise
+        now = time.monotonic()
+        self._vms = {row.id: (VMTarget.from_row(row), now) for row in rows}
+
+
+class Launcher:
+    """Starts claimed attempts on their VMs (`launch`), one node at a time through
+    `launch_node`."""
+
+    def __init__(
+        self,
+        db: Database,
+        transport: Transport,
+        targets: Targets,
+        *,
+        launch_timeout_s: float,
+        fence_after_s: float,
+        fence_grace_s: float,
+    ) -> None:
+        self.db = db
+        self.transport = transport
+        self.targets = targets
+        self.launch_timeout_s = launch_timeout_s
+        self.fence_after_s = fence_after_s
+        self.fence_grace_s = fence_grace_s
+
+    async def launch(self, claim: Claim, target: VMTarget) -> LaunchResult | str:
+        """Start the claimed attempt on every node (`target` is rank 0's VM): rank 0's pid
+        and directory, or why it did not start."""
+        planned = await self.plan(claim, target)
+        if isinstance(planned, str):
+            return planned
+        nodes, secret = planned
+        outcomes = await asyncio.gather(*(self.launch_node(claim, n, secret) for n in nodes))
+        return await self.settle(claim, nodes, list(outcomes))
+
+    async def plan(self, claim: Claim, target: VMTarget) -> tuple[list[NodeLaunch], Secret] | str:
+        """Each node's launch, built from the job's shape (its nodes and roles), with the
+        ports it needs chosen on its VM; or why the attempt cannot start."""
+        nodes = claimed_nodes(claim)
+        try:
+            targets = [target] + [await self.targets.get(node.vm_id) for node in nodes[1:]]
+        except (TransientError, RuntimeError) as exc:
+            return str(exc)
+        addrs = tuple(t.training_address for t in targets)
+        spread = len(nodes) > 1
+        if claim.roles is None:
+            port = await self._rendezvous_port(targets[0]) if spread else None
+            if isinstance(port, str):
+                return port
+            return [
+                NodeLaunch(
+                    node.rank,
+                    node_target,
+                    node.gpu_indices,
+                    node.gpu_uuids,
+                    rendezvous=None if port is None else NodeRole(node.rank, addrs, port),
+                )
+                for node, node_target in zip(nodes, targets, strict=True)
+            ], ()
+        group = parse_data(claim.roles)  # checked by the claim (rowcheck.job_row_problem)
+        return await self._plan_group(claim, group, nodes, targets)
+
+    async def _plan_group(
+        self,
+        claim: Claim,
+        group: GroupSpec,
+        nodes: Sequence[NodeClaim],
+        targets: Sequence[VMTarget],
+    ) -> tuple[list[NodeLaunch], Secret] | str:
+        """A job group's nodes (`GroupSpec.layout`, one claimed node per VM): the ports of
+        the roles whose rank 0 runs on each VM (named ports, and the rendezvous port of a
+        role on several nodes), chosen there; on every VM a supervisor for its own roles,
+        which knows every role's address and ports (a group on one VM: every role, its
+        services on loopback); one token per attempt, the same on every VM."""
+        layout = group.layout()
+        if len(layout) != len(nodes):
+            return f"the group runs on {len(layout)} VMs, the claim has {len(nodes)}"
+        ports = await self._choose_ports_on(
+            claim, list(zip(targets, node_port_needs(group), strict=True))
+        )
+        if isinstance(ports, str):
+            return ports
+        spread = len(nodes) > 1
+        addresses = [target.training_address for target in targets]
+        launches = []
+        for index, (node, target) in enumerate(zip(nodes, targets, strict=True)):
+            place = _group_place(claim, target, node.gpu_indices, node.gpu_uuids)
+            config = (
+                group_launch(group, place, ports, node=index, node_addresses=addresses)
+                if spread
+                else group_launch(group, place, ports)
+            )
+            launches.append(
+                NodeLaunch(node.rank, target, node.gpu_indices, node.gpu_uuids, group=config)
+            )
+        return launches, ((TOKEN_ENV, group_token()),)
+
+    async def _rendezvous_port(self, target: VMTarget) -> int | str:
+        """A free port on rank 0's VM for a multi-node job's rendezvous, or why none."""
+        try:
+            probe = await self.transport.run(
+                target, free_port_script(target.python), timeout=self.launch_timeout_s
+            )
+        except TransportError as exc:
+            return f"rank 0 ({target.name}): {exc or type(exc).__name__}"
+        port = parse_free_port(probe.stdout)
+        if port is None:
+            why = last_line(probe.stderr) or f"exit {probe.exit_status}"
+            return f"rank 0 ({target.name}): no free port: {why}"
+        return port
+
+    async def _choose_ports_on(
+        self, claim: Claim, wanted: Sequence[tuple[VMTarget, list[tuple[str, str]]]]
+    ) -> Ports | str:
+        """Free ports for every (role, name) on the VM that runs it, probed on all the VMs
+        at once (SSH, no transaction) and recorded for this attempt in one transaction; a
+        probe answer that collides with another attempt's record is asked again."""
+        asked = [(target, needs) for target, needs in wanted if needs]
+        if not asked:
+            return {}
+        for _try in range(PORT_TRIES):
+            probes = await asyncio.gather(*(self._probe_ports(t, n) for t, n in asked))
+            errors = [p for p in probes if isinstance(p, str)]
+            if errors:
+                return "; ".join(errors)
+            chosen = {key: port for p in probes if isinstance(p, dict) for key, port in p.items()}
+            rows = [
+                (target.id, role, name, chosen[(role, name)])
+                for target, needs in asked
+                for role, name in needs
+            ]
+            try:
+                async with self.db.engine.begin() as conn:
+                    await record_group_ports(conn, claim.job_id, claim.attempt, rows)
+            except PortCollision:
+                continue
+            except Exception as exc:
+                if not is_unavailable(exc):
+                    raise
+                return db_error(exc)
+            return chosen
+        return f"no free ports: {PORT_TRIES} probes collided with other attempts' ports"
+
+    async def _probe_ports(self, target: VMTarget, needs: list[tuple[str, str]]) -> Ports | str:
+        """Ask `target` for as many free ports as `needs` has (one probe, so they differ)."""
+        try:
+            probe = await self.transport.run(
+                target,
+                free_ports_script(target.python, len(needs)),
+                timeout=self.launch_timeout_s,
+            )
+        except TransportError as exc:
+            return f"choosing ports on {target.name}: {exc or type(exc).__name__}"
+        found = parse_free_ports(probe.stdout)
+        if len(found) < len(needs):
+            why = last_line(probe.stderr) or f"exit {probe.exit_status}"
+            return f"no free ports on {target.name}: {why}"
+        return dict(zip(needs, found, strict=False))
+
+    async def launch_node(
+        self, claim: Claim, node: NodeLaunch, secret_env: Secret = ()
+    ) -> LaunchResult | str:
+        """Start one node of the claimed attempt: its pid and directory, or why it did not
+        start. `secret_env` (a group's token) goes with the job's own variables into
+        job.env (mode 0600, through stdin), never on a command line."""
+        spec = LaunchSpec(
+            run=claim.run,
+            python=node.target.python,
+            entrypoint=node.target.entrypoint,
+            gpu_indices=node.gpu_indices,
+            gpu_uuids=node.gpu_uuids,
+            model=claim.model,
+            dataset=claim.dataset,
+            reward_functions=claim.reward_functions,
+            output_dir=claim.output_dir,
+            extra_args=claim.extra_args,
+            env=claim.env + secret_env,
+            fence_after_s=self.fence_after_s,
+            fence_grace_s=self.fence_grace_s,
+            node=node.rendezvous,
+            group=node.group,
+        )
+        try:
+            result = await self.transport.run(
+                node.target,
+                launch_script(spec),
+                timeout=self.launch_timeout_s,
+                input=launch_input(spec),
+            )
+        except TransportError as exc:
+            return str(exc) or type(exc).__name__
+        launched = parse_launch(result.stdout, claim.run)
+        if launched is None:
+            return last_line(result.stderr) or f"launch exited {result.exit_status}"
+        return launched
+
+    async def settle(
+        self, claim: Claim, nodes: Sequence[NodeLaunch], outcomes: Sequence[LaunchResult | str]
+    ) -> LaunchResult | str:
+        """Every node started: record each rank's pid and directory when the claim has
+        rows for its ranks (a short transaction after the SSH calls) and return rank 0's;
+        else why some did not start (each rank named, for an attempt over several VMs)."""
+        errors = [
+            f"rank {node.rank} ({node.target.name}): {outcome}" if len(nodes) > 1 else outcome
+            for node, outcome in zip(nodes, outcomes, strict=True)
+            if not isinstance(outcome, LaunchResult)
+        ]
+        if errors:
+            return "; ".join(errors)
+        launched = [o for o in outcomes if isinstance(o, LaunchResult)]
+        if not claim.nodes:
+            return launched[0]
+        try:
+            async with self.db.engine.begin() as conn:
+                await record_ranks(
+                    conn,
+                    claim.job_id,
+                    claim.attempt,
+                    [(n.rank, o.pid, o.path) for n, o in zip(nodes, launched, strict=True)],
+                )
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            return db_error(exc)
+        return launched[0]
+
+
+def _group_place(
+    claim: Claim, target: VMTarget, gpu_indices: Sequence[int], gpu_uuids: Sequence[str]
+) -> GroupPlace:
+    """Where a group's attempt runs on `target`, with the GPUs claimed there (UUIDs, else
+    indices for a claim made before UUIDs were recorded)."""
+    return GroupPlace(
+        python=target.python,
+        entrypoint=target.entrypoint,
+        address=target.training_address,
+        gpus=list(gpu_uuids) or [str(i) for i in gpu_indices],
+        output_dir=claim.output_dir,
+        attempt=claim.attempt,
+    )
