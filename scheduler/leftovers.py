@@ -336,7 +336,8 @@ async def _ranks_succeeded(session: AsyncSession, item: _Open) -> bool:
         )
     )
     for rank, code in ledger.all():
-        codes[rank] = code if codes.get(rank) is None else codes[rank]
+        if rank is not None and codes.get(rank) is None:
+            codes[rank] = code
     return succeeded(shape, codes)
 
 
