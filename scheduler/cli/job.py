@@ -24,7 +24,7 @@ from scheduler.cli._common import (
     warn,
 )
 from scheduler.errors import BadInput, ServiceUnavailable
-from scheduler.jobstore import JobSpec, list_jobs
+from scheduler.jobstore import list_jobs
 from scheduler.states import JobStatus
 from scheduler.validate import INT4, INT8, JOB_NAME_MAX, MAX_GPUS, MAX_NODES, MAX_RETRIES
 
@@ -173,31 +173,20 @@ def submit(
     HOME, USER, LANG…, its RLFLEET_* variables, CUDA_VISIBLE_DEVICES), plus the VM's
     ~/.rlfleet/env and its own --env values.
     """
-    from scheduler.cli.jobfile import (
-        from_recipe,
-        parse_env_options,
-        spec_from_file,
-        with_vllm_server,
-    )
+    from scheduler.cli.jobfile import parse_env_options, spec_from_file, spec_from_flags
 
     if spec_file is not None and recipe is not None:
         raise BadInput("--config: give the recipe's keys under train: in the job file, not both")
     if spec_file is not None:
         spec = spec_from_file(spec_file, parse_env_options(env))
     else:
-        recipe_env: tuple[tuple[str, str], ...] = ()
-        if recipe is not None:
-            model, dataset, reward_functions, extra_args, recipe_env = from_recipe(
-                recipe, model, dataset, reward_functions, extra_args
-            )
-        for flag, value in (("--model", model), ("--dataset", dataset)):
-            if value is None:
-                raise BadInput(f"missing option {flag} (or give a job spec file with -f)")
-        if not reward_functions:
-            raise BadInput("missing option --reward-function (or give a job spec file with -f)")
-        spec = JobSpec(
-            model=str(model),
-            dataset=str(dataset),
+        spec = spec_from_flags(
+            recipe,
+            env,
+            vllm_server_gpus,
+            vllm_server_own_vm,
+            model=model,
+            dataset=dataset,
             reward_functions=reward_functions,
             gpus=gpus,
             nodes=nodes,
@@ -206,12 +195,7 @@ def submit(
             name=name,
             extra_args=extra_args,
             output_dir=output_dir,
-            env=recipe_env + parse_env_options(env),
         )
-        if vllm_server_gpus is not None:
-            spec = with_vllm_server(spec, vllm_server_gpus, own_vm=vllm_server_own_vm)
-        elif vllm_server_own_vm:
-            raise BadInput("--vllm-server-own-vm: only with --vllm-server-gpus")
     spec.validate()
     from scheduler.submit import submit_job
 

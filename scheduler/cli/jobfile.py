@@ -8,7 +8,7 @@ Imported by `job submit` alone; the job file itself is read by `scheduler.jobspe
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -18,6 +18,46 @@ from scheduler.jobstore import JobSpec
 
 if TYPE_CHECKING:
     from scheduler.jobspec import GroupSpec
+
+
+def spec_from_flags(
+    recipe: str | None,
+    env: tuple[str, ...],
+    vllm_server_gpus: int | None,
+    vllm_server_own_vm: bool,
+    *,
+    model: str | None,
+    dataset: str | None,
+    reward_functions: tuple[str, ...],
+    extra_args: tuple[str, ...],
+    **job: Any,
+) -> JobSpec:
+    """The job `job submit`'s flags describe (without `-f`): a recipe's fields under the
+    flags given, `--env` values over the recipe's, and a vLLM server beside the trainer
+    with `--vllm-server-gpus`. `job` holds the other `JobSpec` fields (gpus, nodes, …)."""
+    recipe_env: tuple[tuple[str, str], ...] = ()
+    if recipe is not None:
+        model, dataset, reward_functions, extra_args, recipe_env = from_recipe(
+            recipe, model, dataset, reward_functions, extra_args
+        )
+    for flag, value in (("--model", model), ("--dataset", dataset)):
+        if value is None:
+            raise BadInput(f"missing option {flag} (or give a job spec file with -f)")
+    if not reward_functions:
+        raise BadInput("missing option --reward-function (or give a job spec file with -f)")
+    spec = JobSpec(
+        model=str(model),
+        dataset=str(dataset),
+        reward_functions=reward_functions,
+        extra_args=extra_args,
+        env=recipe_env + parse_env_options(env),
+        **job,
+    )
+    if vllm_server_gpus is not None:
+        spec = with_vllm_server(spec, vllm_server_gpus, own_vm=vllm_server_own_vm)
+    elif vllm_server_own_vm:
+        raise BadInput("--vllm-server-own-vm: only with --vllm-server-gpus")
+    return spec
 
 
 def from_recipe(
