@@ -35,6 +35,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from scheduler import migrate, sim_gpu
 from scheduler.db import Database
@@ -454,8 +455,6 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def run_up(options: UpOptions) -> None:
     """Start everything, serve until SIGINT/SIGTERM, then stop everything."""
-    from scheduler.daemon import serve
-
     options.state_dir = options.state_dir.expanduser().resolve()
     raise_open_files_limit()
     state = StateDir(options.state_dir)
@@ -471,81 +470,98 @@ def run_up(options: UpOptions) -> None:
         if options.local_vm:
             asyncio.run(_register(settings, options.vm_name, options.entrypoint))
         write_env_file(state, settings)
-        state.write(
-            {
-                **state.read(),
-                "pid": os.getpid(),
-                # Without the password: the credentials are in the env file only.
-                "database_url": services.postgres.url(with_password=False),
-                "nats_url": settings.nats_url,
-                "env_file": str(state.env_file),
-                "local_vm": options.vm_name if options.local_vm else None,
-                "ready": False,
-            }
-        )
-
-        ready = asyncio.Event()
-        web_where = None
-        if options.web_port:
-            from scheduler.web.server import load_token
-
-            # Made (or checked) here, so a bad token stops `up` before anything runs; the
-            # dashboard's process reads it the same way.
-            web_where = load_token(options.state_dir)[1]
-
-        async def main(stop: asyncio.Event) -> None:
-            daemons_ready, web_ready = asyncio.Event(), asyncio.Event()
-
-            async def mark_ready() -> None:
-                await daemons_ready.wait()
-                if web_where is not None:
-                    await web_ready.wait()
-                ready.set()
-                state.write({**state.read(), "ready": True})
-                announce(options, settings, gpu_note, web_where)
-
-            marker = asyncio.create_task(mark_ready())
-            tasks = [asyncio.ensure_future(run_daemons(settings, stop, daemons_ready))]
-            if web_where is not None:
-                web = WebProcess(settings, options.state_dir, options.web_port)
-                tasks.append(asyncio.ensure_future(web.run(stop, web_ready)))
-            try:
-                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-                stop.set()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                for task in done:
-                    if task.exception() is not None:
-                        raise task.exception()  # type: ignore[misc]
-            finally:
-                stop.set()
-                marker.cancel()
-
-        asyncio.run(
-            serve(
-                "up",
-                main,
-                ready=ready,
-                metrics_port=options.metrics_port,
-                database_url=settings.database_url,
-            )
-        )
+        _record_started(state, services, options)
+        _serve(options, state, settings, gpu_note)
     except (OSError, EmbeddedServiceError) as exc:
         raise ServiceUnavailable(f"cannot start the embedded services: {exc}") from exc
     finally:
-        # A second Ctrl-C or SIGTERM must not cut the shutdown short (it is bounded anyway).
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _shut_down(state, services, previous_sigterm)
+
+
+def _record_started(state: StateDir, services: Services, options: UpOptions) -> None:
+    """Write this process and the services' addresses to the state file (not ready yet)."""
+    state.write(
+        {
+            **state.read(),
+            "pid": os.getpid(),
+            # Without the password: the credentials are in the env file only.
+            "database_url": services.postgres.url(with_password=False),
+            "nats_url": services.settings.nats_url,
+            "env_file": str(state.env_file),
+            "local_vm": options.vm_name if options.local_vm else None,
+            "ready": False,
+        }
+    )
+
+
+def _serve(options: UpOptions, state: StateDir, settings: Settings, gpu_note: str | None) -> None:
+    """Run the daemons (and the dashboard with `--web-port`) until a signal stops them;
+    once all are ready, mark the state file ready and announce it."""
+    from scheduler.daemon import serve
+
+    ready = asyncio.Event()
+    web_where = None
+    if options.web_port:
+        from scheduler.web.server import load_token
+
+        # Made (or checked) here, so a bad token stops `up` before anything runs; the
+        # dashboard's process reads it the same way.
+        web_where = load_token(options.state_dir)[1]
+
+    async def main(stop: asyncio.Event) -> None:
+        daemons_ready, web_ready = asyncio.Event(), asyncio.Event()
+
+        async def mark_ready() -> None:
+            await daemons_ready.wait()
+            if web_where is not None:
+                await web_ready.wait()
+            ready.set()
+            state.write({**state.read(), "ready": True})
+            announce(options, settings, gpu_note, web_where)
+
+        marker = asyncio.create_task(mark_ready())
+        tasks = [asyncio.ensure_future(run_daemons(settings, stop, daemons_ready))]
+        if web_where is not None:
+            web = WebProcess(settings, options.state_dir, options.web_port)
+            tasks.append(asyncio.ensure_future(web.run(stop, web_ready)))
         try:
-            if services is not None:
-                print("rlfleet up: stopping", file=sys.stderr, flush=True)
-                services.stop()
-                data = state.read()
-                data.update(pid=None, ready=False, server_pids={})
-                state.write(data)
-            state.unlock()
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
         finally:
-            signal.signal(signal.SIGTERM, previous_sigterm)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            stop.set()
+            marker.cancel()
+
+    asyncio.run(
+        serve(
+            "up",
+            main,
+            ready=ready,
+            metrics_port=options.metrics_port,
+            database_url=settings.database_url,
+        )
+    )
+
+
+def _shut_down(state: StateDir, services: Services | None, previous_sigterm: Any) -> None:
+    """Stop the services started (if any), clear the state file's pid and unlock it."""
+    # A second Ctrl-C or SIGTERM must not cut the shutdown short (it is bounded anyway).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        if services is not None:
+            print("rlfleet up: stopping", file=sys.stderr, flush=True)
+            services.stop()
+            data = state.read()
+            data.update(pid=None, ready=False, server_pids={})
+            state.write(data)
+        state.unlock()
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 async def _register(settings: Settings, name: str, entrypoint: str) -> None:

@@ -124,6 +124,11 @@ def check_text(
     return value
 
 
+def is_int(value: Any) -> bool:
+    """Whether `value` is an integer: `True` and `False` are not, here."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_int(
     value: int,
     what: str,
@@ -135,7 +140,7 @@ def check_int(
 ) -> int:
     """`value` if it lies in [lo, hi] and fits `column`'s integer type (or `bounds`, one of
     INT2, INT4, INT8: else INT8); else `BadInput`."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise BadInput(f"{what} must be an integer")
     low, high = int_range(column) if column is not None else (bounds or INT8)
     low = low if lo is None else max(low, lo)
@@ -305,6 +310,16 @@ MAX_ENV_VALUE = 32768
 """Longest value of one job variable (`--env KEY=VALUE`)."""
 
 
+def env_value_problem(value: str) -> str | None:
+    """Why a job variable's value cannot be handed to a job (not one line, too long), or
+    None."""
+    if any(c in value for c in "\r\n\0"):
+        return "the value must be one line"
+    if len(value) > MAX_ENV_VALUE:
+        return f"the value is longer than {MAX_ENV_VALUE} characters"
+    return None
+
+
 @dataclass(frozen=True)
 class UnreadableJson:
     """What a JSON column reads back as when its value is not decoded (`bounded_json_loads`):
@@ -385,10 +400,9 @@ def env_problem(env: Any) -> str | None:
             return f"env: {problem}"
         if not isinstance(value, str):
             return f"env {key}: the value is not a string"
-        if any(c in value for c in "\r\n\0"):
-            return f"env {key}: the value must be one line"
-        if len(value) > MAX_ENV_VALUE:
-            return f"env {key}: the value is longer than {MAX_ENV_VALUE} characters"
+        problem = env_value_problem(value)
+        if problem:
+            return f"env {key}: {problem}"
     return None
 
 

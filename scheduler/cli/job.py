@@ -1,8 +1,8 @@
-"""`rlfleet job …`: submit training jobs and follow them."""
+"""`rlfleet job …`: submit training jobs and follow them (what `job submit` reads from a
+job file, a recipe or its options is `scheduler.cli.jobfile`)."""
 
 from __future__ import annotations
 
-import re
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -24,13 +24,12 @@ from scheduler.cli._common import (
     warn,
 )
 from scheduler.errors import BadInput, ServiceUnavailable
-from scheduler.jobstore import JobSpec, list_jobs
+from scheduler.jobstore import list_jobs
 from scheduler.states import JobStatus
 from scheduler.validate import INT4, INT8, JOB_NAME_MAX, MAX_GPUS, MAX_NODES, MAX_RETRIES
 
 if TYPE_CHECKING:
     from scheduler.db import Database
-    from scheduler.jobspec import GroupSpec
     from scheduler.pgconn import PgDatabase
 
 # SSH (scheduler.transport, scheduler.control) and NATS (scheduler.submit) are imported by
@@ -174,24 +173,20 @@ def submit(
     HOME, USER, LANG…, its RLFLEET_* variables, CUDA_VISIBLE_DEVICES), plus the VM's
     ~/.rlfleet/env and its own --env values.
     """
+    from scheduler.cli.jobfile import parse_env_options, spec_from_file, spec_from_flags
+
     if spec_file is not None and recipe is not None:
         raise BadInput("--config: give the recipe's keys under train: in the job file, not both")
     if spec_file is not None:
         spec = spec_from_file(spec_file, parse_env_options(env))
     else:
-        recipe_env: tuple[tuple[str, str], ...] = ()
-        if recipe is not None:
-            model, dataset, reward_functions, extra_args, recipe_env = from_recipe(
-                recipe, model, dataset, reward_functions, extra_args
-            )
-        for flag, value in (("--model", model), ("--dataset", dataset)):
-            if value is None:
-                raise BadInput(f"missing option {flag} (or give a job spec file with -f)")
-        if not reward_functions:
-            raise BadInput("missing option --reward-function (or give a job spec file with -f)")
-        spec = JobSpec(
-            model=str(model),
-            dataset=str(dataset),
+        spec = spec_from_flags(
+            recipe,
+            env,
+            vllm_server_gpus,
+            vllm_server_own_vm,
+            model=model,
+            dataset=dataset,
             reward_functions=reward_functions,
             gpus=gpus,
             nodes=nodes,
@@ -200,12 +195,7 @@ def submit(
             name=name,
             extra_args=extra_args,
             output_dir=output_dir,
-            env=recipe_env + parse_env_options(env),
         )
-        if vllm_server_gpus is not None:
-            spec = with_vllm_server(spec, vllm_server_gpus, own_vm=vllm_server_own_vm)
-        elif vllm_server_own_vm:
-            raise BadInput("--vllm-server-own-vm: only with --vllm-server-gpus")
     spec.validate()
     from scheduler.submit import submit_job
 
@@ -221,182 +211,6 @@ def submit(
             f"job {result.job_id} is queued but not announced ({result.publish_error}); "
             "the requeue manager will publish it"
         )
-
-
-def from_recipe(
-    path: str,
-    model: str | None,
-    dataset: str | None,
-    reward_functions: tuple[str, ...],
-    extra_args: tuple[str, ...],
-) -> tuple[str | None, str | None, tuple[str, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
-    """`job submit --config`: the model, dataset, reward functions and train_grpo.py arguments
-    of the recipe at `path` under the flags given (which win), and its `env` as job
-    variables (--env values win), with a warning for each key the scheduler owns."""
-    from scheduler.jobspec import MAX_FILE_BYTES, recipe_train
-
-    try:
-        with open(path, "rb") as stream:
-            raw = stream.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise BadInput(f"--config {path}: cannot read it: {exc.strerror or exc}") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise BadInput(f"--config {path}: larger than {MAX_FILE_BYTES} bytes")
-    import yaml
-
-    try:
-        data = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise BadInput(f"--config {path}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise BadInput(f"--config {path}: expected a mapping of field names to values")
-    env = data.pop("env", None) or {}
-    if not isinstance(env, dict):
-        raise BadInput(f"--config {path}: env: expected a mapping of variable names to values")
-    pairs = tuple((str(k), "" if v is None else str(v)) for k, v in env.items())
-    found, args, notes = recipe_train(data, f"--config {path}")
-    for note in notes:
-        warn(note)
-    if not reward_functions and found.get("reward_function"):
-        reward_functions = tuple(found["reward_function"])
-    return (
-        model or found.get("model"),
-        dataset or found.get("dataset"),
-        reward_functions,
-        args + extra_args,
-        pairs,
-    )
-
-
-FILE_CONFLICTS = (
-    "model", "dataset", "reward_functions", "gpus", "nodes", "max_retries", "priority", "name",
-    "output_dir", "extra_args", "vllm_server_gpus", "vllm_server_own_vm",
-)  # fmt: skip
-"""`job submit` parameters a spec file gives: refused beside `-f`, never silently mixed."""
-
-
-def spec_from_file(path: str, env: tuple[tuple[str, str], ...]) -> JobSpec:
-    """The job a spec file describes, validated whole (`BadInput` naming the field); `--env`
-    values are added to the role's own."""
-    from click.core import ParameterSource
-
-    from scheduler.jobspec import load_file
-
-    click_ctx = click.get_current_context()
-    for param in FILE_CONFLICTS:
-        if click_ctx.get_parameter_source(param) not in (None, ParameterSource.DEFAULT):
-            flag = "train arguments after --" if param == "extra_args" else param
-            raise BadInput(f"-f {path}: give {flag.replace('_', '-')} in the file, not as well")
-    group = load_file(path)
-    if len(group.roles) != 1 or group.roles[0].train is None:
-        return group_job_spec(group, env)
-    role = group.roles[0]
-    train = role.train
-    assert train is not None  # checked above
-    return JobSpec(
-        model=train.model,
-        dataset=train.dataset,
-        reward_functions=train.reward_functions,
-        gpus=role.gpus,
-        nodes=role.nodes,
-        max_retries=group.max_retries,
-        priority=group.priority,
-        name=group.name,
-        extra_args=train.args,
-        output_dir=group.output_dir,
-        env=role.env + env,
-    )
-
-
-def group_job_spec(group: GroupSpec, env: tuple[tuple[str, str], ...]) -> JobSpec:
-    """The job row of a job group: its roles (without env values, which go to the job's
-    environment), the VMs of its layout (one unless roles have `own_vm` or `nodes`) and
-    every node's GPUs together, and the first training role's model, dataset and rewards
-    for listings (`-` for a group without one)."""
-    layout = group.layout()
-    if len(layout) == 1 and group.gpus < 1:
-        raise BadInput("roles: a job needs at least one GPU (give a role gpus: 1 or more)")
-    train = next((r.train for r in group.roles if r.train is not None), None)
-    return JobSpec(
-        model=train.model if train else "-",
-        dataset=train.dataset if train else "-",
-        reward_functions=train.reward_functions if train else ("-",),
-        gpus=group.gpus if len(layout) == 1 else sum(n.gpus for n in layout),
-        nodes=len(layout),
-        max_retries=group.max_retries,
-        priority=group.priority,
-        name=group.name,
-        output_dir=group.output_dir,
-        env=group.env() + env,
-        roles=group.to_data(),
-    )
-
-
-def with_vllm_server(spec: JobSpec, gpus: int, *, own_vm: bool = False) -> JobSpec:
-    """`--vllm-server-gpus`: the flags' one training role as a group with a `vllm` role
-    (on a VM of its own with `--vllm-server-own-vm`)."""
-    from scheduler.jobspec import parse_data
-
-    spec.validate()  # errors name the flags, not the group's fields
-    data = {
-        "vllm_server_gpus": gpus,
-        "vllm_server_own_vm": own_vm,
-        "roles": {
-            "trainer": {
-                "gpus": spec.gpus,
-                "nodes": spec.nodes,
-                "train": {
-                    "model": spec.model,
-                    "dataset": spec.dataset,
-                    "reward_functions": list(spec.reward_functions),
-                    "args": list(spec.extra_args),
-                },
-            }
-        },
-    }
-    try:
-        group = parse_data(data)
-    except BadInput as exc:
-        # The group's field names mean nothing to someone who typed flags.
-        text = re.sub(
-            r"^roles\.trainer\.train\.args\[(\d+)\]",
-            lambda m: f"argument {int(m.group(1)) + 1} after --",
-            str(exc),
-        )
-        raise BadInput(text) from None
-    group = replace_top(group, spec)
-    return group_job_spec(group, spec.env)
-
-
-def replace_top(group: GroupSpec, spec: JobSpec) -> GroupSpec:
-    """The group with the job-wide fields of `spec` (name, priority, retries, output)."""
-    from dataclasses import replace
-
-    return replace(
-        group,
-        name=spec.name,
-        priority=spec.priority,
-        max_retries=spec.max_retries,
-        output_dir=spec.output_dir,
-    )
-
-
-def parse_env_options(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-    """`--env KEY=VALUE` and `--env KEY` (value from this process's environment) as pairs;
-    `BadInput` for a KEY alone that is not set here."""
-    import os
-
-    pairs = []
-    for item in values:
-        key, eq, value = item.partition("=")
-        if not eq:
-            if key not in os.environ:
-                raise BadInput(f"--env {key}: not set in this shell (give KEY=VALUE)")
-            value = os.environ[key]
-        pairs.append((key, value))
-    return tuple(pairs)
 
 
 @group.command("list")

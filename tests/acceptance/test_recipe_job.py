@@ -81,7 +81,7 @@ async def test_a_trl_recipe_trains_through_the_scheduler_on_a_test_vm(
     transport: Transport,
     tmp_path: Path,
 ) -> None:
-    from scheduler.cli.job import from_recipe
+    from scheduler.cli.jobfile import from_recipe
     from training.tiny_model import save_tiny_model
 
     tiny = save_tiny_model(tmp_path / "tiny-model")

@@ -355,7 +355,7 @@ async def test_vllm_server_mode_starts_the_server_then_the_trainer_with_its_addr
     VM's address, its port and one GPU; the trainer starts after it answers, on the other
     GPU, in server mode with the same address and ports; the job completes and the server
     is stopped."""
-    from scheduler.cli.job import with_vllm_server
+    from scheduler.cli.jobfile import with_vllm_server
     from scheduler.jobs import JobSpec
 
     fleet = await sim_fleet(1, gpus_per_vm=2)

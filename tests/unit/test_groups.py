@@ -122,7 +122,7 @@ def test_vllm_server_mode_command_lines_and_environment() -> None:
 
 def test_the_vllm_flag_gives_the_same_group_as_the_file() -> None:
     """`job submit … --vllm-server-gpus 2` stores the roles the YAML key gives."""
-    from scheduler.cli.job import with_vllm_server
+    from scheduler.cli.jobfile import with_vllm_server
     from scheduler.jobs import JobSpec
 
     spec = with_vllm_server(

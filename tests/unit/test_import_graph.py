@@ -243,3 +243,12 @@ def test_no_import_cycle_in_the_scheduler() -> None:
     assert {"scheduler.gpu_poller", "scheduler.cli.daemons", "scheduler.validate"} <= set(graph)
     assert "scheduler.jobspec" in graph["scheduler.rowcheck"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_validate_is_a_leaf_that_the_job_file_checks_rely_on() -> None:
+    """`validate` holds the rules for values (integers, text, env values); the job file
+    package `jobspec` calls them, never the other way round."""
+    graph = scheduler_imports()
+    assert not {m for m in graph["scheduler.validate"] if m.startswith("scheduler.jobspec")}
+    assert "scheduler.validate" in graph["scheduler.jobspec.fields"]
+    assert "scheduler.validate" in graph["scheduler.jobspec.roles"]

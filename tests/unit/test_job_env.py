@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.claims import job_env_pairs
-from scheduler.cli.job import parse_env_options
+from scheduler.cli.jobfile import parse_env_options
 from scheduler.errors import BadInput
 from scheduler.jobs import JobSpec
 from scheduler.remote import clean_env_words, job_env_text, load_env_lines

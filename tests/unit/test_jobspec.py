@@ -9,6 +9,7 @@ import pytest
 
 from scheduler.errors import BadInput
 from scheduler.jobspec import load_file, parse_data, parse_text
+from scheduler.validate import MAX_ENV_VALUE, check_int, env_problem
 
 GROUP = b"""
 name: grpo-with-reward
@@ -378,3 +379,22 @@ def test_bad_recipe_keys_in_train_name_the_key(train: dict[str, Any], message: s
     base = {"model": "m", "dataset": "d", "reward_functions": ["r"]}
     with pytest.raises(BadInput, match=re.escape(message)):
         _trainer({**base, **train})
+
+
+@pytest.mark.parametrize("value", ["a\nb", "a\rb", "a\x00b", "x" * (MAX_ENV_VALUE + 1)])
+def test_a_job_file_refuses_the_env_values_a_job_row_refuses_in_the_same_words(value: str):
+    """One rule for a job variable's value (`validate.env_value_problem`), whether it comes
+    from a job file or from a job row."""
+    row = env_problem({"K": value})
+    assert row is not None and row.startswith("env K: ")
+    with pytest.raises(BadInput) as caught:
+        parse_data({"roles": {"a": {"command": ["x"], "env": {"K": value}}}})
+    assert str(caught.value) == "roles.a.env.K: " + row.removeprefix("env K: ")
+
+
+@pytest.mark.parametrize("field", ["priority", "max_retries"])
+def test_a_boolean_is_no_integer_in_a_job_file_nor_on_the_command_line(field: str):
+    with pytest.raises(BadInput, match=f"^{field}: must be an integer"):
+        parse_data({field: True, "roles": {"a": {"command": ["x"]}}})
+    with pytest.raises(BadInput, match="must be an integer$"):
+        check_int(True, field)

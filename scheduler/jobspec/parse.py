@@ -1,0 +1,61 @@
+"""A whole job file's data, validated (`parse_data`): its top-level fields (name, priority,
+retries, output directory, a vLLM server) and its roles, as one `GroupSpec`. Also reads
+back what `GroupSpec.to_data` stored in `jobs.roles`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler.errors import BadInput
+from scheduler.jobspec.fields import _flag, _int, _mapping, _opt_text
+from scheduler.jobspec.model import GroupSpec
+from scheduler.jobspec.roles import (
+    MAX_ROLE_GPUS,
+    MAX_ROLES,
+    _check_references,
+    _role,
+    _start_order,
+    _with_primary,
+)
+from scheduler.jobspec.vllm import with_vllm_server
+from scheduler.validate import INT4, JOB_NAME_MAX, MAX_NODES, MAX_RETRIES, TEXT_MAX
+
+TOP_KEYS = (
+    "name", "priority", "max_retries", "output_dir", "vllm_server_gpus", "vllm_server_own_vm",
+    "roles",
+)  # fmt: skip
+
+
+def parse_data(data: Any) -> GroupSpec:
+    """Validate an already loaded spec (a mapping)."""
+    top = _mapping(data, "job file", TOP_KEYS)
+    roles_data = _mapping(top.get("roles"), "roles", None)
+    if not roles_data:
+        raise BadInput("roles: at least one role is needed")
+    if len(roles_data) > MAX_ROLES:
+        raise BadInput(f"roles: at most {MAX_ROLES} roles")
+    roles = [_role(name, value) for name, value in roles_data.items()]
+    vllm_gpus = top.get("vllm_server_gpus")
+    own_vm = _flag(top.get("vllm_server_own_vm", False), "vllm_server_own_vm")
+    if vllm_gpus is not None:
+        gpus = _int(vllm_gpus, "vllm_server_gpus", 1, MAX_ROLE_GPUS)
+        roles = with_vllm_server(roles, gpus, own_vm=own_vm)
+    elif own_vm:
+        raise BadInput("vllm_server_own_vm: only with vllm_server_gpus")
+    roles = _with_primary(roles)
+    _check_references(roles)
+    order = _start_order(roles)
+    group = GroupSpec(
+        roles=tuple(roles),
+        name=_opt_text(top.get("name"), "name", JOB_NAME_MAX),
+        priority=_int(top.get("priority", 0), "priority", *INT4),
+        max_retries=_int(top.get("max_retries", 3), "max_retries", 0, MAX_RETRIES),
+        output_dir=_opt_text(top.get("output_dir"), "output_dir", TEXT_MAX),
+        _order=order,
+    )
+    if len(group.layout()) > MAX_NODES:
+        raise BadInput(
+            f"roles: the group would span {len(group.layout())} VMs, at most {MAX_NODES}"
+        )
+    return group
