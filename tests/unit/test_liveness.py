@@ -178,7 +178,7 @@ def test_a_renewed_lease_keeps_the_attempt_and_the_watchdog_ends_with_it(tmp_pat
 
 
 def test_lease_touch_needs_the_attempt_directory() -> None:
-    assert lease_touch_lines() == ['if [ -d "$d" ]; then : 2>/dev/null > "$d/lease"; fi']
+    assert lease_touch_lines() == ['if [ -d "$d" ]; then : 2>/dev/null <>"$d/lease"; fi']
     assert watchdog_lines(0, 5) == ["rlfleet_wd="]
 
 
