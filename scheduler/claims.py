@@ -54,7 +54,7 @@ from scheduler.placement import (
     unsatisfiable_reason,
     vm_order,
 )
-from scheduler.remote import ROOT, Attempt, default_output_dir, new_token
+from scheduler.remote.layout import ROOT, Attempt, default_output_dir, new_token
 from scheduler.rowcheck import job_row_problem
 from scheduler.states import FailureReason, JobStatus
 
@@ -258,7 +258,7 @@ class NoClaim:
 def job_env_pairs(value: Any) -> tuple[tuple[str, str], ...]:
     """A job row's `env` as (key, value) pairs; entries that are not string pairs a job may
     set (a row written by hand) are left out rather than trusted."""
-    from scheduler.remote import env_key_problem
+    from scheduler.validate import env_key_problem
 
     if not isinstance(value, dict):
         return ()

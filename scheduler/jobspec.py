@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.errors import BadInput
-from scheduler.validate import INT4, MAX_NODES, MAX_RETRIES, TEXT_MAX
+from scheduler.validate import (
+    INT4,
+    MAX_NODES,
+    MAX_RETRIES,
+    SCHEDULER_ENV,
+    TEXT_MAX,
+    env_key_problem,
+)
 
 MAX_FILE_BYTES = 1 << 20
 """Largest spec file read (1 MiB): a job description is a few hundred bytes."""
@@ -442,8 +449,6 @@ def _train(value: Any, where: str) -> Train:
 
 def _env(value: Any, where: str) -> tuple[tuple[str, str], ...]:
     """The role's own variables: names a job may set, one-line values."""
-    from scheduler.remote import env_key_problem
-
     data = _mapping(value, where, None)
     pairs = []
     for key, raw in data.items():
@@ -572,8 +577,6 @@ def _check_references(roles: list[Role]) -> None:
                     f"roles.{role.name}.same_vm_as: {role.same_vm_as} or {role.name} has "
                     "own_vm: true"
                 )
-    from scheduler.remote import SCHEDULER_ENV
-
     # A role's or port's variable must not shadow one the scheduler sets (role `node`, port
     # `rank` would be RLFLEET_NODE_RANK).
     seen = dict.fromkeys(SCHEDULER_ENV, "a variable the scheduler sets")

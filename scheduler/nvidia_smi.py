@@ -12,14 +12,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scheduler.remote import (
-    Attempt,
-    RemoteJobState,
-    as_int,
-    output_lines,
-    parse_status,
-    status_probe,
-)
+from scheduler.remote.layout import Attempt
+from scheduler.remote.output import as_int, output_lines
+from scheduler.remote.probe import RemoteJobState, parse_status, status_probe
 
 GPU_QUERY = "index,uuid,name,memory.total,memory.used,utilization.gpu"
 APPS_QUERY = "gpu_uuid,pid,used_memory"

@@ -60,21 +60,22 @@ from scheduler.kill import kill_attempt
 from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.liveness import Liveness
 from scheduler.logging import get_logger
-from scheduler.remote import (
-    DEFAULT_FENCE_AFTER_S,
-    DEFAULT_FENCE_GRACE_S,
-    GroupLaunch,
+from scheduler.remote.launch import (
     LaunchResult,
     LaunchSpec,
-    NodeRole,
-    free_port_script,
-    free_ports_script,
     launch_input,
     launch_script,
-    parse_free_port,
-    parse_free_ports,
     parse_launch,
 )
+from scheduler.remote.rendezvous import (
+    GroupLaunch,
+    RankRendezvous,
+    free_port_script,
+    free_ports_script,
+    parse_free_port,
+    parse_free_ports,
+)
+from scheduler.remote.watchdog import DEFAULT_FENCE_AFTER_S, DEFAULT_FENCE_GRACE_S
 from scheduler.settings import Settings
 from scheduler.states import FailureReason, JobStatus
 from scheduler.transport import Transport, TransportError, VMTarget, make_transport
@@ -619,7 +620,7 @@ class GlobalJobDispatcher:
                     target,
                     node.gpu_indices,
                     node.gpu_uuids,
-                    NodeRole(node.rank, addrs, port),
+                    RankRendezvous(node.rank, addrs, port),
                 )
                 for node, target in zip(claim.nodes, targets, strict=True)
             )
@@ -662,7 +663,7 @@ class GlobalJobDispatcher:
         target: VMTarget,
         gpu_indices: Sequence[int],
         gpu_uuids: Sequence[str],
-        node: NodeRole | None = None,
+        node: RankRendezvous | None = None,
         *,
         group: GroupLaunch | None = None,
         secret_env: tuple[tuple[str, str], ...] = (),

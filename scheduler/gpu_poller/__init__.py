@@ -54,7 +54,8 @@ from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM, Job, JobNode
 from scheduler.nvidia_smi import PollResult, parse_poll, poll_command
-from scheduler.remote import entry_check_words, stored_attempt
+from scheduler.remote.launch import entry_check_words
+from scheduler.remote.layout import stored_attempt
 from scheduler.settings import Settings
 from scheduler.states import LIVE_STATES, JobStatus, VMStatus
 from scheduler.transport import Transport, TransportError, VMTarget, make_transport

@@ -14,7 +14,7 @@ from scheduler.nvidia_smi import (
     GpuInfo,
     parse_poll,
 )
-from scheduler.remote import RemoteJobState
+from scheduler.remote.probe import RemoteJobState
 from scheduler.states import FailureReason
 from scheduler.verdicts import classify_failure
 
