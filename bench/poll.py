@@ -40,7 +40,7 @@ from scheduler.gpu_poller import GpuPoller  # noqa: E402
 from scheduler.logging import configure  # noqa: E402
 from scheduler.migrate import upgrade  # noqa: E402
 from scheduler.models import VM  # noqa: E402
-from scheduler.nvidia_smi import APPS, APPS_RC, END, GPUS, GPUS_RC, JOBS, parse_poll  # noqa: E402
+from scheduler.poll import APPS, APPS_RC, END, GPUS, GPUS_RC, JOBS, parse_poll  # noqa: E402
 from scheduler.transport import (  # noqa: E402
     SESSION_END,
     SSHTransport,

@@ -3,7 +3,7 @@
 A sweep is load → probe → apply (docs/invariants.md, invariant 4: no transaction is open during
 SSH):
 1. one short transaction reads every VM, its GPU rows and its live jobs;
-2. every VM runs `nvidia_smi.poll_command` concurrently (the transport bounds how many);
+2. every VM runs `poll.poll_command` concurrently (the transport bounds how many);
    the poll also renews the lease of each attempt it probes (the attempt's watchdog
    stops the training when its lease runs out: `remote.watchdog_lines`);
 3. as results come in, in batches (so writing overlaps the probes still out): finished
@@ -53,7 +53,7 @@ from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM, Job, JobNode
-from scheduler.nvidia_smi import PollResult, parse_poll, poll_command
+from scheduler.poll import PollResult, parse_poll, poll_command
 from scheduler.remote.launch import entry_check_words
 from scheduler.remote.layout import stored_attempt
 from scheduler.settings import Settings
