@@ -124,6 +124,10 @@ def test_finding_postgres_prints_no_runtime_dir_warning() -> None:
         "scheduler.placement",
         "scheduler.attempts.outcome",
         "scheduler.attempts.shape",
+        "scheduler.remote.launch",
+        "scheduler.remote.kill",
+        "scheduler.remote.probe",
+        "scheduler.poll",
     ],
 )
 def test_a_pure_decision_module_loads_no_database_ssh_or_nats(module: str) -> None:
@@ -243,3 +247,12 @@ def test_no_import_cycle_in_the_scheduler() -> None:
     assert {"scheduler.gpu_poller", "scheduler.cli.daemons", "scheduler.validate"} <= set(graph)
     assert "scheduler.jobspec" in graph["scheduler.rowcheck"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
+
+
+def test_validate_and_jobspec_import_no_remote_module() -> None:
+    """`validate` is a leaf (it imports nothing of `scheduler` but `errors`, not even
+    lazily): the rules for which variables a job may set live there, so `jobspec` and a
+    job row's check need nothing of the shell snippets in `scheduler.remote`."""
+    graph = scheduler_imports()
+    assert graph["scheduler.validate"] <= {"scheduler.errors"}
+    assert graph["scheduler.jobspec"] <= {"scheduler.errors", "scheduler.validate"}
