@@ -120,7 +120,7 @@ WITH {LEFTOVER_GPUS}, cand AS (
         vm_id = (SELECT vm_id FROM chosen_vm),
         gpu_indices = (SELECT array_agg(index ORDER BY index) FROM chosen),
         gpu_uuids = (SELECT array_agg(uuid ORDER BY index) FROM chosen),
-        -- remote.default_output_dir(installation, job_id)
+        -- remote.layout.default_output_dir(installation, job_id)
         output_dir = coalesce(output_dir, '~/' || :root || '/'
                               || (SELECT CAST(id AS text) FROM installation) || '/outputs/'
                               || CAST(:job_id AS text)),

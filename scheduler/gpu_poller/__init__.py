@@ -5,7 +5,7 @@ SSH):
 1. one short transaction reads every VM, its GPU rows and its live jobs;
 2. every VM runs `poll.poll_command` concurrently (the transport bounds how many);
    the poll also renews the lease of each attempt it probes (the attempt's watchdog
-   stops the training when its lease runs out: `remote.watchdog_lines`);
+   stops the training when its lease runs out: `remote.watchdog.watchdog_lines`);
 3. as results come in, in batches (so writing overlaps the probes still out): finished
    jobs are moved (one short transaction each, GPUs freed in it), then one short
    transaction writes the batch's VM and GPU rows, one array statement per kind of write.
