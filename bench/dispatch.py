@@ -47,7 +47,7 @@ from scheduler.db import Database  # noqa: E402
 from scheduler.embedded import EmbeddedNats, EmbeddedPostgres  # noqa: E402
 from scheduler.gpus import DOUBLE_BOOKED_SQL, PARTIAL_CLAIMS_SQL  # noqa: E402
 from scheduler.migrate import upgrade  # noqa: E402
-from scheduler.remote import FREE_PORT_MARK  # noqa: E402
+from scheduler.remote.rendezvous import FREE_PORT_MARK  # noqa: E402
 from scheduler.transport import CommandResult, VMTarget  # noqa: E402
 
 GPUS_PER_VM = 8

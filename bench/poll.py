@@ -40,13 +40,9 @@ from scheduler.gpu_poller import GpuPoller  # noqa: E402
 from scheduler.logging import configure  # noqa: E402
 from scheduler.migrate import upgrade  # noqa: E402
 from scheduler.models import VM  # noqa: E402
-from scheduler.nvidia_smi import APPS, APPS_RC, END, GPUS, GPUS_RC, JOBS, parse_poll  # noqa: E402
-from scheduler.transport import (  # noqa: E402
-    SESSION_END,
-    SSHTransport,
-    VMTarget,
-    remote_timeout_wrapper,
-)
+from scheduler.poll import APPS, APPS_RC, END, GPUS, GPUS_RC, JOBS, parse_poll  # noqa: E402
+from scheduler.ssh_channel import remote_timeout_wrapper  # noqa: E402
+from scheduler.transport import SESSION_END, SSHTransport, VMTarget  # noqa: E402
 
 LATENCY_S = 0.05
 # The last line of a request to a persistent session (see scheduler.transport._Session).

@@ -54,7 +54,7 @@ from scheduler.placement import (
     unsatisfiable_reason,
     vm_order,
 )
-from scheduler.remote import ROOT, Attempt, default_output_dir, new_token
+from scheduler.remote.layout import ROOT, Attempt, default_output_dir, new_token
 from scheduler.rowcheck import job_row_problem
 from scheduler.states import FailureReason, JobStatus
 
@@ -120,7 +120,7 @@ WITH {LEFTOVER_GPUS}, cand AS (
         vm_id = (SELECT vm_id FROM chosen_vm),
         gpu_indices = (SELECT array_agg(index ORDER BY index) FROM chosen),
         gpu_uuids = (SELECT array_agg(uuid ORDER BY index) FROM chosen),
-        -- remote.default_output_dir(installation, job_id)
+        -- remote.layout.default_output_dir(installation, job_id)
         output_dir = coalesce(output_dir, '~/' || :root || '/'
                               || (SELECT CAST(id AS text) FROM installation) || '/outputs/'
                               || CAST(:job_id AS text)),
@@ -258,7 +258,7 @@ class NoClaim:
 def job_env_pairs(value: Any) -> tuple[tuple[str, str], ...]:
     """A job row's `env` as (key, value) pairs; entries that are not string pairs a job may
     set (a row written by hand) are left out rather than trusted."""
-    from scheduler.remote import env_key_problem
+    from scheduler.validate import env_key_problem
 
     if not isinstance(value, dict):
         return ()

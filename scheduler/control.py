@@ -23,19 +23,16 @@ from scheduler.kill import kill_attempt
 from scheduler.leftovers import AttemptRecord, abandon_attempt, close_leftover
 from scheduler.logging import get_logger
 from scheduler.models import Job
-from scheduler.remote import (
+from scheduler.remote.layout import Attempt, default_output_dir, stored_attempt
+from scheduler.remote.logs import (
     NO_FILE_EXIT,
     READ_CHUNK_BYTES,
-    Attempt,
-    default_output_dir,
-    load_json,
     parse_tokens,
-    printable,
     read_file_script,
     role_log,
-    stored_attempt,
     tokens_script,
 )
+from scheduler.remote.output import load_json, printable
 from scheduler.settings import Settings
 from scheduler.states import FINAL_STATES, LIVE_STATES, JobStatus
 from scheduler.submit import announce

@@ -1,6 +1,6 @@
 """Job groups at launch: what each role of a group runs, on which GPUs, with which ports.
 
-Pure: builds the supervisor's `group.json` (`remote.GroupLaunch`) from a validated
+Pure: builds the supervisor's `group.json` (`remote.rendezvous.GroupLaunch`) from a validated
 `jobspec.GroupSpec`, the claimed GPUs, the VM and the ports chosen for this attempt. No
 shell ever runs these commands: argv lists go to the supervisor as they are, with
 `$RLFLEET_*` variables put in by the supervisor itself.
@@ -29,7 +29,8 @@ from scheduler.jobspec import (
     addr_variable,
     port_variable,
 )
-from scheduler.remote import GroupLaunch, NodeRole, launcher_argv, rendezvous_env
+from scheduler.remote.launch import launcher_argv
+from scheduler.remote.rendezvous import GroupLaunch, RankRendezvous, rendezvous_env
 
 GROUP_GRACE_S = 5.0
 """Once every primary role exited 0, the others get TERM, and KILL after this long."""
@@ -112,7 +113,7 @@ def shared_env(
 
 
 def role_argv(
-    group: GroupSpec, role: Role, place: GroupPlace, node: NodeRole | None = None
+    group: GroupSpec, role: Role, place: GroupPlace, node: RankRendezvous | None = None
 ) -> list[str]:
     """What one role runs, as argv: its command (the `vllm-serve` shorthand expanded), or
     the training entrypoint with the job's arguments (contract 5, without a shell); `node`
@@ -176,7 +177,7 @@ def group_launch(
     group over several VMs, only the roles (ranks) of layout node `node`, whose VMs'
     internal addresses are `node_addresses` (layout order). A role's address is its rank
     0's VM's, where its readiness check is made; a rank of a role on several nodes gets
-    its place (`remote.rendezvous_env`) with its rank 0's rendezvous port. A group on one
+    its place (`remote.rendezvous.rendezvous_env`) with its rank 0's rendezvous port. A group on one
     VM (`node` None) has every client of its services beside them: each role's address is
     loopback, so that a service that listens at its address is on no network."""
     layout = group.layout()
@@ -200,7 +201,7 @@ def group_launch(
             env["RLFLEET_PROGRESS_FILE"] = f"{name}.progress.json"  # only one progress.json
         rank = None
         if role.nodes > 1:
-            rank = NodeRole(
+            rank = RankRendezvous(
                 members[name],
                 tuple(addresses[i] for i in nodes_of[name]),
                 int(ports[(name, RENDEZVOUS_PORT)]),

@@ -30,6 +30,7 @@ from scheduler.validate import (
     UnreadableJson,
     check_int,
     check_text,
+    env_key_problem,
     extra_args_problem,
 )
 
@@ -77,7 +78,7 @@ class JobSpec:
     name: str | None = None
     extra_args: tuple[str, ...] = ()
     output_dir: str | None = None
-    """Where train_grpo.py writes on the VM; None means `remote.default_output_dir`."""
+    """Where train_grpo.py writes on the VM; None means `remote.layout.default_output_dir`."""
     env: tuple[tuple[str, str], ...] = ()
     """`--env KEY=VALUE` pairs for the job's environment."""
     roles: dict[str, Any] | None = None
@@ -118,9 +119,7 @@ def validate_job_env(env: Iterable[tuple[str, str]]) -> None:
     stored in the one-line-per-variable `job.env` (the value itself is never quoted)."""
     pairs = tuple(env)
     if not pairs:
-        return  # most jobs set nothing: `job submit` then need not load the launch module
-    from scheduler.remote import env_key_problem
-
+        return
     seen: set[str] = set()
     for key, value in pairs:
         problem = env_key_problem(key)

@@ -3,7 +3,7 @@ sweep (`scheduler.leftovers`) all do it, so they read the answer the same way.
 
 `KillResult.dead` is the only thing that may free an attempt's GPUs: it is true when the
 kill script reports that the attempt runs no process and never will (see
-`remote.kill_script`). Anything else (VM unreachable, script failed, a launch that holds
+`remote.kill.kill_script`). Anything else (VM unreachable, script failed, a launch that holds
 its lock but wrote no pid) leaves the attempt's fate unknown, and its GPUs stay blocked.
 """
 
@@ -11,15 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.remote import (
-    DEAD_KILL_OUTCOMES,
-    PID_WAIT_S,
-    Attempt,
-    kill_script,
-    parse_dir,
-    parse_exit,
-    parse_kill,
-)
+from scheduler.remote.kill import DEAD_KILL_OUTCOMES, PID_WAIT_S, kill_script, parse_kill
+from scheduler.remote.layout import Attempt, parse_dir
+from scheduler.remote.output import parse_exit
 from scheduler.transport import Transport, TransportError, VMTarget
 
 SSH_MARGIN_S = 15.0
@@ -60,7 +54,7 @@ async def kill_attempt(
 ) -> KillResult:
     """TERM, then KILL after `grace_s`, the attempt `run` on `target`. `launched`: its
     launch was confirmed (a pid is recorded), so a missing pid file is not fenced but
-    reported as `missing` (see `remote.kill_script`).
+    reported as `missing` (see `remote.kill.kill_script`).
 
     Never raises for the VM's sake: an SSH failure is a result with `error` set."""
     script = kill_script(run, grace_s, launched=launched)

@@ -40,7 +40,8 @@ from scheduler.jobs import transition
 from scheduler.kill import KillResult, kill_attempt
 from scheduler.logging import get_logger
 from scheduler.models import VM, Job, JobEvent, JobNode, Leftover
-from scheduler.remote import Attempt, fenced_script, parse_fenced, stored_attempt
+from scheduler.remote.layout import Attempt, stored_attempt
+from scheduler.remote.watchdog import fenced_script, parse_fenced
 from scheduler.states import FINAL_STATES, LIVE_STATES, JobStatus, VMStatus
 from scheduler.transport import Transport, TransportError, VMTarget
 

@@ -62,7 +62,7 @@ def _now() -> DateTime:
 
 
 TOKEN_CHECK = "launch_token ~ '^[0-9a-f]{16}$'"
-"""What a launch token is (`remote.new_token`): 16 lowercase hex digits."""
+"""What a launch token is (`remote.layout.new_token`): 16 lowercase hex digits."""
 ATTEMPT_DIR_CHECK = "attempt_dir LIKE '/%'"
 """A recorded attempt directory is absolute."""
 
@@ -224,10 +224,10 @@ class Job(Base):
     """Process-group leader on the VM; NULL until the launch is confirmed."""
     launch_token: Mapped[str | None] = mapped_column(String(16))
     """Random name part of the current attempt's directory, drawn at claim time; NULL
-    before the first claim. See `remote.Attempt`."""
+    before the first claim. See `remote.layout.Attempt`."""
     attempt_dir: Mapped[str | None] = mapped_column(Text)
     """Absolute directory of the current attempt on its VM, as its launch reported it; NULL
-    until the launch is confirmed (then `$HOME/<remote.Attempt.relative>` is meant)."""
+    until the launch is confirmed (then `$HOME/<remote.layout.Attempt.relative>` is meant)."""
     completed_attempt: Mapped[int | None] = mapped_column(Integer)
     """The attempt whose exit 0 completed the job (its VM is `vm_id`, its directory
     `attempt_dir`); NULL unless completed."""

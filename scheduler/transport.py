@@ -2,7 +2,8 @@
 
 Every caller goes through `Transport.run(target, command, timeout=…)`. Commands are
 built by the caller with `shlex.quote` on every user-supplied piece
-(docs/invariants.md, invariant 5).
+(docs/invariants.md, invariant 5). How one command travels over an open SSH connection
+(a one-shot channel, the VM-side timeout, what a failure means) is `ssh_channel`.
 """
 
 from __future__ import annotations
@@ -10,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import math
 import os
 import secrets
-import shlex
 import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,14 @@ import asyncssh
 from scheduler.liveness import SSHDeadlines
 from scheduler.logging import get_logger
 from scheduler.models import DEFAULT_ENTRYPOINT, VM
+from scheduler.ssh_channel import (
+    dead_connection,
+    describe,
+    exit_status,
+    remote_timeout_wrapper,
+    run_once,
+    text,
+)
 
 log = get_logger("transport")
 
@@ -178,20 +185,6 @@ def _prefer(preferred: tuple[str, ...], defaults: list[bytes]) -> list[str]:
     return [p for p in preferred if p in names] + [n for n in names if n not in preferred]
 
 
-def remote_timeout_wrapper(command: str, timeout: float) -> str:
-    """`command` wrapped so the VM itself kills it after `timeout` (+ a little) seconds.
-
-    The local timeout closes the channel, but OpenSSH does not kill a command without a
-    tty when its channel closes, so the VM enforces the limit too when it has `timeout`.
-    """
-    limit = max(1, math.ceil(timeout) + 1)
-    inner = shlex.quote(command)
-    return (
-        f"if command -v timeout >/dev/null 2>&1; then exec timeout -k 5 {limit} /bin/sh -c {inner};"
-        f" else exec /bin/sh -c {inner}; fi"
-    )
-
-
 CLOSE_WAIT_S = 2.0
 """How long `close()` waits for VMs to acknowledge the end of their connections."""
 
@@ -303,7 +296,7 @@ class SSHTransport:
                     os.path.expanduser(target.known_hosts), asyncssh.read_known_hosts
                 )
         except (OSError, ValueError, asyncssh.Error) as exc:
-            raise TransportError(f"{target.name}: {_describe(exc)}") from exc
+            raise TransportError(f"{target.name}: {describe(exc)}") from exc
         if not target.verify_host_key:
             log.warning(
                 "ssh_host_key_not_verified",
@@ -331,7 +324,7 @@ class SSHTransport:
             ) from exc
         except (OSError, asyncssh.Error) as exc:
             raise TransportError(
-                f"{target.name}: cannot connect to {target.host}:{target.port}: {_describe(exc)}"
+                f"{target.name}: cannot connect to {target.host}:{target.port}: {describe(exc)}"
             ) from exc
         log.debug("ssh_connected", vm=target.name, host=target.host, port=target.port)
         return conn
@@ -380,25 +373,23 @@ class SSHTransport:
             for attempt in (1, 2):
                 conn = await self._connection(target, stale=stale)
                 try:
-                    result = await asyncio.wait_for(_run_once(conn, wrapped, input), timeout)
+                    result = await asyncio.wait_for(run_once(conn, wrapped, input), timeout)
                 except (asyncssh.ChannelOpenError, asyncssh.ConnectionLost) as exc:
                     # The pooled connection died under us (VM rebooted, network blip): the
                     # command never started, so reconnecting once and retrying is safe.
                     opened = isinstance(exc, asyncssh.ChannelOpenError)
-                    if attempt == 1 and opened and _dead_connection(conn, exc):
+                    if attempt == 1 and opened and dead_connection(conn, exc):
                         stale = conn
                         continue
-                    raise TransportError(f"{target.name}: {_describe(exc)}") from exc
+                    raise TransportError(f"{target.name}: {describe(exc)}") from exc
                 except TimeoutError as exc:
                     self._abandon(target, conn, f"command timed out after {timeout:g}s")
                     raise TransportError(
                         f"{target.name}: command timed out after {timeout:g}s"
                     ) from exc
                 except (OSError, asyncssh.Error) as exc:
-                    raise TransportError(f"{target.name}: {_describe(exc)}") from exc
-                return CommandResult(
-                    _exit_status(result), _text(result.stdout), _text(result.stderr)
-                )
+                    raise TransportError(f"{target.name}: {describe(exc)}") from exc
+                return CommandResult(exit_status(result), text(result.stdout), text(result.stderr))
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _abandon(self, target: VMTarget, conn: asyncssh.SSHClientConnection, why: str) -> None:
@@ -442,12 +433,12 @@ class SSHTransport:
                             f"{target.name}: no answer to a channel open within {timeout:g}s"
                         ) from exc
                     except (asyncssh.ChannelOpenError, asyncssh.ConnectionLost) as exc:
-                        if attempt == 1 and _dead_connection(conn, exc):
+                        if attempt == 1 and dead_connection(conn, exc):
                             stale = conn
                             continue  # the pooled connection died: reconnect once
-                        raise TransportError(f"{target.name}: {_describe(exc)}") from exc
+                        raise TransportError(f"{target.name}: {describe(exc)}") from exc
                     except (OSError, asyncssh.Error) as exc:
-                        raise TransportError(f"{target.name}: {_describe(exc)}") from exc
+                        raise TransportError(f"{target.name}: {describe(exc)}") from exc
                     self._sessions[key] = session
             try:
                 return await session.run(command, timeout)
@@ -457,7 +448,7 @@ class SSHTransport:
                     f"{target.name}: command timed out after {timeout:g}s"
                 ) from exc
             except (OSError, asyncssh.Error, EOFError, asyncio.IncompleteReadError) as exc:
-                raise TransportError(f"{target.name}: session lost: {_describe(exc)}") from exc
+                raise TransportError(f"{target.name}: session lost: {describe(exc)}") from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def close(self) -> None:
@@ -528,51 +519,6 @@ class _Session:
         """End the remote shell's channel."""
         self.closed = True
         self.process.close()
-
-
-async def _run_once(
-    conn: asyncssh.SSHClientConnection, command: str, input: str | None
-) -> asyncssh.SSHCompletedProcess:
-    # A log tail cut inside a multi-byte character must not be a protocol error that
-    # closes the VM's whole connection: undecodable bytes become U+FFFD.
-    process = await conn.create_process(command, input=input, errors="replace")
-    try:
-        return await process.wait(check=False)
-    finally:
-        # On timeout or cancellation, close the channel rather than leave it half open.
-        process.close()
-
-
-def _dead_connection(conn: asyncssh.SSHClientConnection, exc: BaseException) -> bool:
-    """Whether a failed channel open means the connection is gone. A live connection that
-    refuses a channel (OpenSSH's MaxSessions reached by commands running on it) is not:
-    closing it would kill those commands."""
-    if conn.is_closed() or isinstance(exc, asyncssh.ConnectionLost):
-        return True
-    return getattr(exc, "code", None) != asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, asyncssh.DisconnectError | asyncssh.ChannelOpenError):
-        return exc.reason or type(exc).__name__
-    return str(exc).strip() or type(exc).__name__
-
-
-def _text(data: str | bytes | None) -> str:
-    if data is None:
-        return ""
-    return data.decode(errors="replace") if isinstance(data, bytes) else data
-
-
-def _exit_status(result: asyncssh.SSHCompletedProcess) -> int:
-    """The shell's convention: the exit code, or 128 + N when killed by signal N."""
-    if result.exit_status is not None and result.exit_status >= 0:
-        return result.exit_status
-    if result.exit_signal:
-        signame = result.exit_signal[0]
-        num = getattr(signal, f"SIG{signame}", None)
-        return 128 + int(num) if num is not None else 255
-    return 255
 
 
 class RoutingTransport:

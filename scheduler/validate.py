@@ -385,11 +385,30 @@ def last_words(exc: BaseException) -> str:
     return text[:80]
 
 
+# --- which environment variables a job may set (docs/invariants.md, invariant 7)
+
+SCHEDULER_ENV = (
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "RLFLEET_JOB_ID", "RLFLEET_ATTEMPT",
+    "RLFLEET_PROGRESS_FILE", "RLFLEET_NODE_RANK", "RLFLEET_NUM_NODES",
+    "RLFLEET_GPUS_PER_NODE", "RLFLEET_NODE_ADDRS", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE",
+)  # fmt: skip
+"""Set by the scheduler for every job: no env file sets them (`--env` refuses every
+`RLFLEET_*` name: that namespace is the scheduler's)."""
+_ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def env_key_problem(key: str) -> str | None:
+    """Why `key` cannot be a job's environment variable, or None when it can."""
+    if not _ENV_KEY.fullmatch(key):
+        return f"{key!r} is not a variable name (letters, digits, _; not starting with a digit)"
+    if key.upper().startswith("RLFLEET_") or key in SCHEDULER_ENV:
+        return f"{key} is set by the scheduler"
+    return None
+
+
 def env_problem(env: Any) -> str | None:
     """Why a job row's `env` (a JSON object of one-line strings, names a job may set)
     cannot be used, or None."""
-    from scheduler.remote import env_key_problem
-
     if isinstance(env, UnreadableJson):
         return f"env: {env.problem}"
     if not isinstance(env, dict):

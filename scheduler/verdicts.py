@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from scheduler.remote import ENTRY_BROKEN_MARK, Attempt, RemoteJobState
+from scheduler.remote.launch import ENTRY_BROKEN_MARK
+from scheduler.remote.layout import Attempt
+from scheduler.remote.probe import RemoteJobState
 from scheduler.retry import VM_FAULT_EXITS
 from scheduler.states import FailureReason, JobStatus
 from training.errors import EXIT_TRANSIENT, EXIT_USAGE

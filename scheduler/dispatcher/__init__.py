@@ -44,7 +44,8 @@ from scheduler.db import Database, is_unavailable
 from scheduler.gpus import refresh_available
 from scheduler.liveness import Liveness
 from scheduler.logging import get_logger
-from scheduler.remote import DEFAULT_FENCE_AFTER_S, DEFAULT_FENCE_GRACE_S, LaunchResult
+from scheduler.remote.launch import LaunchResult
+from scheduler.remote.watchdog import DEFAULT_FENCE_AFTER_S, DEFAULT_FENCE_GRACE_S
 from scheduler.settings import Settings
 from scheduler.states import JobStatus
 from scheduler.transport import Transport, make_transport

@@ -3,7 +3,7 @@
 Every attempt is a list of nodes (one per VM, rank 0 first; a single-node job's claim is
 its one VM). What differs between a job of one VM, a multi-node job, a job group on one VM
 and a group over several VMs is data built per node before the loop (`NodeLaunch`): the
-rank's rendezvous place (`NodeRole`, a multi-node job that is not a group), the
+rank's rendezvous place (`RankRendezvous`, a multi-node job that is not a group), the
 supervisor's `group.json` for the roles that run there (`GroupLaunch`, a group), and the
 group's token. The loop then starts every node with the same function (`launch_node`),
 concurrently, over SSH with no transaction open, and `settle` records each rank's pid and
@@ -32,18 +32,20 @@ from scheduler.groups import (
     node_port_needs,
 )
 from scheduler.jobspec import parse_data
-from scheduler.remote import (
-    GroupLaunch,
+from scheduler.remote.launch import (
     LaunchResult,
     LaunchSpec,
-    NodeRole,
-    free_port_script,
-    free_ports_script,
     launch_input,
     launch_script,
+    parse_launch,
+)
+from scheduler.remote.rendezvous import (
+    GroupLaunch,
+    RankRendezvous,
+    free_port_script,
+    free_ports_script,
     parse_free_port,
     parse_free_ports,
-    parse_launch,
 )
 from scheduler.transport import Transport, TransportError, VMTarget
 
@@ -66,7 +68,7 @@ class NodeLaunch:
     target: VMTarget
     gpu_indices: Sequence[int]
     gpu_uuids: Sequence[str]
-    rendezvous: NodeRole | None = None
+    rendezvous: RankRendezvous | None = None
     """This rank's place in a multi-node job's rendezvous; None for a job of one VM or a
     group (whose supervisor gets the places of its roles' ranks)."""
     group: GroupLaunch | None = None
@@ -173,7 +175,7 @@ class Launcher:
                     node_target,
                     node.gpu_indices,
                     node.gpu_uuids,
-                    rendezvous=None if port is None else NodeRole(node.rank, addrs, port),
+                    rendezvous=None if port is None else RankRendezvous(node.rank, addrs, port),
                 )
                 for node, node_target in zip(nodes, targets, strict=True)
             ], ()

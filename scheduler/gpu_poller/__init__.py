@@ -3,9 +3,9 @@
 A sweep is load → probe → apply (docs/invariants.md, invariant 4: no transaction is open during
 SSH):
 1. one short transaction reads every VM, its GPU rows and its live jobs;
-2. every VM runs `nvidia_smi.poll_command` concurrently (the transport bounds how many);
+2. every VM runs `poll.poll_command` concurrently (the transport bounds how many);
    the poll also renews the lease of each attempt it probes (the attempt's watchdog
-   stops the training when its lease runs out: `remote.watchdog_lines`);
+   stops the training when its lease runs out: `remote.watchdog.watchdog_lines`);
 3. as results come in, in batches (so writing overlaps the probes still out): finished
    jobs are moved (one short transaction each, GPUs freed in it), then one short
    transaction writes the batch's VM and GPU rows, one array statement per kind of write.
@@ -53,8 +53,9 @@ from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM, Job, JobNode
-from scheduler.nvidia_smi import PollResult, parse_poll, poll_command
-from scheduler.remote import entry_check_words, stored_attempt
+from scheduler.poll import PollResult, parse_poll, poll_command
+from scheduler.remote.launch import entry_check_words
+from scheduler.remote.layout import stored_attempt
 from scheduler.settings import Settings
 from scheduler.states import LIVE_STATES, JobStatus, VMStatus
 from scheduler.transport import Transport, TransportError, VMTarget, make_transport

@@ -12,7 +12,7 @@ from scheduler.errors import BadInput
 from scheduler.jobspec.fields import _command, _flag, _int, _mapping, _name, _shown, _text
 from scheduler.jobspec.model import Ready, Role, addr_variable, port_variable
 from scheduler.jobspec.recipe import _train
-from scheduler.validate import MAX_NODES, env_value_problem
+from scheduler.validate import MAX_NODES, SCHEDULER_ENV, env_key_problem, env_value_problem
 
 MAX_ROLES = 16
 MAX_PORTS = 16
@@ -30,8 +30,6 @@ READY_KEYS = ("http", "tcp", "port", "timeout")
 
 def _env(value: Any, where: str) -> tuple[tuple[str, str], ...]:
     """The role's own variables: names a job may set, one-line values."""
-    from scheduler.remote import env_key_problem
-
     data = _mapping(value, where, None)
     pairs = []
     for key, raw in data.items():
@@ -152,8 +150,6 @@ def _check_references(roles: list[Role]) -> None:
                     f"roles.{role.name}.same_vm_as: {role.same_vm_as} or {role.name} has "
                     "own_vm: true"
                 )
-    from scheduler.remote import SCHEDULER_ENV
-
     # A role's or port's variable must not shadow one the scheduler sets (role `node`, port
     # `rank` would be RLFLEET_NODE_RANK).
     seen = dict.fromkeys(SCHEDULER_ENV, "a variable the scheduler sets")

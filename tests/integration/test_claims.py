@@ -23,7 +23,7 @@ from scheduler.gpus import refresh_available, release_in_session
 from scheduler.jobs import get_job
 from scheduler.leftovers import close_leftover, record_leftover
 from scheduler.models import GPU, VM, Job, Leftover
-from scheduler.remote import default_output_dir
+from scheduler.remote.layout import default_output_dir
 from tests.workloads.support import add_vm_row, new_job
 
 

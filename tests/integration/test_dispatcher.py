@@ -19,7 +19,7 @@ from scheduler.control import CancelResult, cancel_job
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats, free_port
 from scheduler.models import GPU, Job, JobEvent, Leftover
-from scheduler.remote import job_base
+from scheduler.remote.layout import job_base
 from scheduler.requeue import RequeueManager
 from scheduler.transport import CommandResult, Transport, VMTarget, make_transport
 from tests.backdate import age_lease

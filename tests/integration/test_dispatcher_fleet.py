@@ -22,7 +22,7 @@ from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller, run_poller
 from scheduler.models import GPU, Job, JobEvent
-from scheduler.remote import job_base
+from scheduler.remote.layout import job_base
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.transport import make_transport
 from tests.fleet import SimFleet

@@ -21,7 +21,6 @@ import nats as nats_client
 import pytest
 from sqlalchemy import select, update
 
-from scheduler import remote
 from scheduler.control import cancel_job, job_details
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
@@ -29,6 +28,8 @@ from scheduler.fleet import VMSpec, add_vm
 from scheduler.gpu_poller import GpuPoller, run_poller
 from scheduler.jobs import JobSpec, insert_job, transition
 from scheduler.models import GPU, VM, Job, JobEvent
+from scheduler.remote.launch import LaunchSpec, launch_script, parse_launch
+from scheduler.remote.layout import default_output_dir, new_token
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.retry import RetryPolicy
 from scheduler.states import JobStatus
@@ -265,7 +266,7 @@ async def test_a_setsid_child_of_a_job_dies_when_the_job_is_cancelled(
         job_id = await new_job(db, 1, ("--fake_seconds", "60", "--fake_setsid_child"))
         running = await wait_status(db, job_id, "running", 30)
         inst = await installation(db)
-        pid_file = fleet[0].home / remote.default_output_dir(inst, job_id)[2:] / "setsid_child.pid"
+        pid_file = fleet[0].home / default_output_dir(inst, job_id)[2:] / "setsid_child.pid"
         child = int(await wait_file(pid_file, timeout=30))
         assert alive(child) and alive(running.remote_pid)
         result = await cancel_job(db, transport, job_id, grace_s=2)
@@ -296,7 +297,7 @@ async def launch_on(
                 "vm_id": target.id,
                 "attempt": 1,
                 "gpu_indices": [gpu],
-                "launch_token": remote.new_token(),
+                "launch_token": new_token(),
             },
         )
         await session.execute(
@@ -304,7 +305,7 @@ async def launch_on(
         )
         job_id = job.id
     run = await current_attempt(db, job_id)
-    spec = remote.LaunchSpec(
+    spec = LaunchSpec(
         run=run,
         python=sys.executable,
         entrypoint=str(FAKE_TRAIN),
@@ -312,11 +313,11 @@ async def launch_on(
         model="m",
         dataset="d",
         reward_functions=["format"],
-        output_dir=remote.default_output_dir(run.installation, job_id),
+        output_dir=default_output_dir(run.installation, job_id),
         extra_args=list(args),
     )
-    result = await transport.run(target, remote.launch_script(spec), timeout=20)
-    launched = remote.parse_launch(result.stdout, run)
+    result = await transport.run(target, launch_script(spec), timeout=20)
+    launched = parse_launch(result.stdout, run)
     assert launched is not None and launched.path is not None, result.stderr
     async with db.transaction() as session:
         await transition(
@@ -425,9 +426,7 @@ async def test_hand_written_live_rows_without_token_or_lease_are_resolved_once(
     async with daemons(db, nats):
         await wait_vm_healthy(db, vm_id)
         no_token = await hand_written(db, vm_id, 0, JobStatus.RUNNING, remote_pid=4242)
-        no_pid = await hand_written(
-            db, vm_id, 1, JobStatus.RUNNING, launch_token=remote.new_token()
-        )
+        no_pid = await hand_written(db, vm_id, 1, JobStatus.RUNNING, launch_token=new_token())
         no_lease = await hand_written(db, vm_id, 2, JobStatus.STARTING)
         failed = [await wait_status(db, j, "failed", 30) for j in (no_token, no_pid)]
         done = await wait_status(db, no_lease, "completed", 60)

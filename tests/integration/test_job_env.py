@@ -17,7 +17,8 @@ import pytest
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.jobs import get_job, job_to_dict
-from scheduler.remote import PASSED_ENV, SCHEDULER_ENV
+from scheduler.remote.env import PASSED_ENV
+from scheduler.validate import SCHEDULER_ENV
 from tests.fleet import SimFleet
 from tests.workloads.support import add_vm_row, mark_polled, new_job, publish, running_dispatcher
 

@@ -10,7 +10,7 @@ from sqlalchemy import update
 from scheduler.control import stream_log
 from scheduler.db import Database
 from scheduler.models import Job
-from scheduler.remote import new_token
+from scheduler.remote.layout import new_token
 from scheduler.transport import make_transport
 from tests.fleet import SimFleet
 from tests.workloads.support import current_attempt, new_job

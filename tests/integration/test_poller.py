@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select, update
 
-from scheduler import remote
 from scheduler.db import Database
 from scheduler.gpu_poller import GpuPoller, SweepStats
 from scheduler.jobs import JobSpec, insert_job, transition
 from scheduler.models import GPU, VM, JobEvent
+from scheduler.remote.launch import LaunchSpec, launch_script, parse_launch
+from scheduler.remote.layout import default_output_dir, new_token
 from scheduler.states import JobStatus
 from scheduler.transport import Transport
 from tests.fleet import FAKE_TRAIN, SimFleet, SimVM
@@ -54,7 +55,7 @@ async def launch_job(
                 "vm_id": vm_id,
                 "attempt": 1,
                 "gpu_indices": [gpu],
-                "launch_token": remote.new_token(),
+                "launch_token": new_token(),
             },
         )
         await session.execute(
@@ -62,7 +63,7 @@ async def launch_job(
         )
         job_id = job.id
     run = await current_attempt(db, job_id)
-    spec = remote.LaunchSpec(
+    spec = LaunchSpec(
         run=run,
         python=sys.executable,
         entrypoint=str(FAKE_TRAIN),
@@ -70,11 +71,11 @@ async def launch_job(
         model="m",
         dataset="d",
         reward_functions=["format"],
-        output_dir=remote.default_output_dir(run.installation, job_id),
+        output_dir=default_output_dir(run.installation, job_id),
         extra_args=list(fake_args),
     )
-    result = await transport.run(vm.target(vm_id), remote.launch_script(spec), timeout=20)
-    launched = remote.parse_launch(result.stdout, run)
+    result = await transport.run(vm.target(vm_id), launch_script(spec), timeout=20)
+    launched = parse_launch(result.stdout, run)
     assert launched is not None and launched.path is not None, result.stderr
     async with db.transaction() as session:
         await transition(

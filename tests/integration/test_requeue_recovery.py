@@ -22,7 +22,7 @@ from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
 from scheduler.jobs import transition
 from scheduler.models import GPU, VM, JobEvent, Leftover
-from scheduler.remote import FENCED_EXIT, LaunchSpec, launch_script
+from scheduler.remote.launch import FENCED_EXIT, LaunchSpec, launch_script
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.states import JobStatus
 from scheduler.transport import Transport, VMTarget

@@ -30,7 +30,7 @@ from scheduler.gpu_poller import run_poller
 from scheduler.jobs import JobSpec
 from scheduler.liveness import Liveness, SSHDeadlines
 from scheduler.models import VM, Job, JobEvent
-from scheduler.remote import FENCED_FILE
+from scheduler.remote.watchdog import FENCED_FILE
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.settings import Settings
 from scheduler.submit import submit_job

@@ -9,13 +9,13 @@ import time
 import asyncssh
 import pytest
 
+from scheduler.ssh_channel import dead_connection
 from scheduler.transport import (
     HostKeyMismatch,
     LocalTransport,
     SSHTransport,
     TransportError,
     VMTarget,
-    _dead_connection,
     make_transport,
 )
 from tests.workloads.support import alive, wait_file
@@ -253,8 +253,8 @@ async def test_a_reconnect_replaces_only_the_connection_that_failed(sim_fleet) -
         again = await transport._connection(target, stale=old)
         assert again is new and not new.is_closed()
         refused = asyncssh.ChannelOpenError(asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, "max")
-        assert not _dead_connection(new, refused)
-        assert _dead_connection(old, refused)
+        assert not dead_connection(new, refused)
+        assert dead_connection(old, refused)
         assert (await transport.run(target, "echo ok", timeout=10)).stdout == "ok\n"
     finally:
         await transport.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.remote import LOG_TAIL_BYTES, LOG_TAIL_LINES, RemoteJobState
+from scheduler.remote.probe import LOG_TAIL_BYTES, LOG_TAIL_LINES, RemoteJobState
 from scheduler.states import FailureReason
 from scheduler.verdicts import LiveJob, job_verdict
 from tests.training.test_multinode import free_port

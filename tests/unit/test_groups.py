@@ -364,7 +364,7 @@ def test_a_stopped_supervisor_stops_every_role(tmp_path: Path) -> None:
 def test_a_failed_groups_reason_keeps_the_role_and_why() -> None:
     """The poller's reason names the role (from the supervisor's line); the retry step keeps
     that part when it rewrites the status reason."""
-    from scheduler.remote import RemoteJobState
+    from scheduler.remote.probe import RemoteJobState
     from scheduler.verdicts import LiveJob, group_reason_detail, job_verdict
 
     tail = "rlfleet-group: role srv started, pid 9\nrlfleet-group: role srv not ready after 120s\n"

@@ -124,6 +124,10 @@ def test_finding_postgres_prints_no_runtime_dir_warning() -> None:
         "scheduler.placement",
         "scheduler.attempts.outcome",
         "scheduler.attempts.shape",
+        "scheduler.remote.launch",
+        "scheduler.remote.kill",
+        "scheduler.remote.probe",
+        "scheduler.poll",
     ],
 )
 def test_a_pure_decision_module_loads_no_database_ssh_or_nats(module: str) -> None:
@@ -252,3 +256,18 @@ def test_validate_is_a_leaf_that_the_job_file_checks_rely_on() -> None:
     assert not {m for m in graph["scheduler.validate"] if m.startswith("scheduler.jobspec")}
     assert "scheduler.validate" in graph["scheduler.jobspec.fields"]
     assert "scheduler.validate" in graph["scheduler.jobspec.roles"]
+
+
+def test_validate_and_jobspec_import_no_remote_module() -> None:
+    """`validate` is a leaf (it imports nothing of `scheduler` but `errors`, not even
+    lazily): the rules for which variables a job may set live there, so `jobspec` and a
+    job row's check need nothing of the shell snippets in `scheduler.remote`."""
+    graph = scheduler_imports()
+    assert graph["scheduler.validate"] <= {"scheduler.errors"}
+    assert not {
+        m
+        for m in graph
+        if m.startswith("scheduler.jobspec")
+        for t in graph[m]
+        if t.startswith("scheduler.remote")
+    }

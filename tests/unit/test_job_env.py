@@ -13,7 +13,7 @@ from scheduler.claims import job_env_pairs
 from scheduler.cli.jobfile import parse_env_options
 from scheduler.errors import BadInput
 from scheduler.jobs import JobSpec
-from scheduler.remote import clean_env_words, job_env_text, load_env_lines
+from scheduler.remote.env import clean_env_words, job_env_text, load_env_lines
 
 
 def spec(*env: tuple[str, str]) -> JobSpec:

@@ -18,10 +18,29 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import remote
 from scheduler.control import json_safe, progress_view
-from scheduler.remote import Attempt, LaunchSpec
+from scheduler.remote.kill import kill_script, parse_kill
+from scheduler.remote.launch import (
+    CANNOT_START_FILE,
+    ENTRY_BROKEN_MARK,
+    LaunchSpec,
+    launch_input,
+    launch_script,
+    parse_launch,
+)
+from scheduler.remote.layout import Attempt, default_output_dir
+from scheduler.remote.output import as_int, pid_check_lines
+from scheduler.remote.probe import (
+    LOG_TAIL_BYTES,
+    ProgressPoint,
+    RemoteJobState,
+    parse_progress,
+    parse_status,
+    status_probe,
+)
+from scheduler.remote.watchdog import FENCED_FILE
 from scheduler.transport import LocalTransport, TransportError, VMTarget
+from scheduler.validate import env_key_problem
 from tests.workloads.fake_train import HOSTILE_PROGRESS
 from tests.workloads.support import FAKE_TRAIN, alive, wait_file
 
@@ -45,7 +64,7 @@ def spec(job_id: int = 7, **over: object) -> LaunchSpec:
         "model": "m",
         "dataset": "d",
         "reward_functions": ["format"],
-        "output_dir": remote.default_output_dir(INSTALLATION, job_id),
+        "output_dir": default_output_dir(INSTALLATION, job_id),
     }
     base.update(over)
     return LaunchSpec(**base)  # type: ignore[arg-type]
@@ -64,13 +83,11 @@ async def sh(command: str, timeout: float = 20, input: str | None = None) -> tup
     return result.exit_status, result.stdout, result.stderr
 
 
-async def probe(
-    *runs: Attempt, timeout: float = 10
-) -> dict[tuple[int, int], remote.RemoteJobState]:
+async def probe(*runs: Attempt, timeout: float = 10) -> dict[tuple[int, int], RemoteJobState]:
     """One status probe of `runs`, parsed."""
-    code, out, err = await sh(remote.status_probe(runs), timeout=timeout)
+    code, out, err = await sh(status_probe(runs), timeout=timeout)
     assert code == 0, err
-    return remote.parse_status(out)
+    return parse_status(out)
 
 
 # --- the parsers: whatever the file holds, they return --------------------------------------
@@ -93,7 +110,7 @@ def test_no_job_written_json_makes_a_parser_raise(data: bytes) -> None:
     `job show` says the file is unreadable or shows values that print and serve as strict
     JSON, and none raises."""
     text = data.decode("utf-8", errors="replace")  # what the transports hand over
-    point = remote.parse_progress(text)
+    point = parse_progress(text)
     assert point is None or 0 <= point.step < 2**31
     for raw in (data, text):
         view, why = progress_view(raw if isinstance(raw, bytes) else raw.encode())
@@ -107,7 +124,7 @@ def test_a_diverged_loss_is_shown_as_no_value_not_as_an_error() -> None:
         b'{"step": 4, "loss": NaN, "reward": Infinity, "status": "run\\u001b[2J"}'
     )
     assert why is None and view == {"step": 4, "loss": None, "reward": None, "status": "run[2J"}
-    assert remote.parse_progress('{"step": 4, "loss": NaN}') == remote.ProgressPoint(4, None, None)
+    assert parse_progress('{"step": 4, "loss": NaN}') == ProgressPoint(4, None, None)
 
 
 def test_json_safe_bounds_depth_and_numbers() -> None:
@@ -122,8 +139,8 @@ def test_json_safe_bounds_depth_and_numbers() -> None:
 @pytest.mark.parametrize("text", ["9" * 19, "9" * 5000, "-" + "1" * 30])
 def test_a_number_too_long_to_be_a_pid_or_an_exit_code_is_not_read(text: str) -> None:
     """`as_int` reads ids, pids and exit codes: 5,000 digits would raise in int()."""
-    assert remote.as_int(text) is None
-    assert remote.as_int("9" * 18) == int("9" * 18)
+    assert as_int(text) is None
+    assert as_int("9" * 18) == int("9" * 18)
 
 
 def test_the_status_parser_survives_whatever_the_attempts_files_held() -> None:
@@ -144,7 +161,7 @@ def test_the_status_parser_survives_whatever_the_attempts_files_held() -> None:
             "rlfleet-job " + "9" * 5000 + " 1 running",
         ]
     )
-    states = remote.parse_status(out)
+    states = parse_status(out)
     assert [states[(i, 1)].state for i in (1, 2, 3)] == ["unknown"] * 3
     four = states[(4, 1)]
     assert (four.state, four.exit_code, four.progress, four.fenced) == ("exited", 0, None, "why")
@@ -175,7 +192,7 @@ async def test_a_sparse_log_without_newlines_costs_the_probe_nothing(home: Path)
         log.truncate(100 << 30)
     states = await probe(run(7), timeout=10)
     assert states[(7, 1)].state == "exited" and states[(7, 1)].exit_code == 0
-    assert len(states[(7, 1)].log_tail) <= remote.LOG_TAIL_BYTES
+    assert len(states[(7, 1)].log_tail) <= LOG_TAIL_BYTES
 
 
 @pytest.mark.parametrize("name", ["train.log", "progress.json", "exit_code", "pid", "lease"])
@@ -204,14 +221,14 @@ async def test_an_exit_code_forged_beside_a_live_wrapper_is_not_accepted(home: P
     VM account) wrote 0, the probe still sees it running and a kill still kills it; once
     the wrapper has really ended, its own exit code is the one read."""
     launch = spec(7, extra_args=["--fake_seconds", "30"])
-    result = remote.parse_launch((await sh(remote.launch_script(launch)))[1])
+    result = parse_launch((await sh(launch_script(launch)))[1])
     assert result is not None
     d = home / run(7).relative
     try:
         (d / "exit_code").write_text("0\n")
         assert (await probe(run(7)))[(7, 1)].state == "running"
-        code, out, _ = await sh(remote.kill_script(run(7), grace_s=5))
-        assert code == 0 and remote.parse_kill(out) == "terminated", out
+        code, out, _ = await sh(kill_script(run(7), grace_s=5))
+        assert code == 0 and parse_kill(out) == "terminated", out
         assert not alive(result.pid)
         state = (await probe(run(7)))[(7, 1)]
         assert (state.state, state.exit_code) == ("exited", 143)
@@ -232,8 +249,8 @@ async def test_a_pid_file_that_names_no_plausible_pid_is_never_signalled(
     d = home / run(9).relative
     d.mkdir(parents=True)
     (d / "pid").write_text(pid + "\n")
-    code, out, _ = await sh(remote.kill_script(run(9), grace_s=0.3))
-    assert code == 0 and remote.parse_kill(out) == "gone", out
+    code, out, _ = await sh(kill_script(run(9), grace_s=0.3))
+    assert code == 0 and parse_kill(out) == "gone", out
     assert (await probe(run(9)))[(9, 1)].state == "vanished"
 
 
@@ -241,11 +258,11 @@ async def test_a_pid_file_that_names_no_plausible_pid_is_never_signalled(
 def test_the_pid_check_refuses_what_would_signal_more_than_the_attempt(pid: str) -> None:
     """`pid_check_lines` empties a pid of 0, 1, a negative or several words (checked in sh
     without signalling anything)."""
-    script = "\n".join([f"pid={shlex.quote(pid)}", *remote.pid_check_lines("pid"), 'echo "[$pid]"'])
+    script = "\n".join([f"pid={shlex.quote(pid)}", *pid_check_lines("pid"), 'echo "[$pid]"'])
     out = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-    kill = remote.kill_script(run(9))
-    assert kill.index(remote.pid_check_lines("pid")[0]) < kill.index("kill -")
+    kill = kill_script(run(9))
+    assert kill.index(pid_check_lines("pid")[0]) < kill.index("kill -")
 
 
 # --- the job's environment never reaches the wrapper's bookkeeping ---------------------------
@@ -268,7 +285,7 @@ def env_dump(tmp_path: Path) -> str:
 
 async def attempt_of(home: Path, launch: LaunchSpec) -> tuple[str, str, Path]:
     """Launch `launch`, wait for its end: its exit code and log, and its directory."""
-    code, _, err = await sh(remote.launch_script(launch), 30, remote.launch_input(launch))
+    code, _, err = await sh(launch_script(launch), 30, launch_input(launch))
     assert code == 0, err
     d = home / launch.run.relative
     exit_code = (await wait_file(d / "exit_code", timeout=30)).strip()
@@ -297,7 +314,7 @@ async def test_a_jobs_variables_never_reach_the_wrappers_own(
     seen = json.loads((home / "env.json").read_text())
     for key, value in env:
         assert seen.get(key) == (None if key.startswith("rlfleet_") else value), key
-    assert remote.ENTRY_BROKEN_MARK not in log
+    assert ENTRY_BROKEN_MARK not in log
 
 
 async def test_a_jobs_rlfleet_wd_cannot_make_the_wrapper_signal_anyone(
@@ -327,17 +344,17 @@ async def test_a_job_that_breaks_its_own_path_fails_itself_not_the_vm(
     launch = spec(7, python=python, entrypoint=env_dump, env=[("PATH", "/nonexistent")])
     vm_path = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
     code, _, err = await sh(
-        f"PATH={shlex.quote(vm_path)}; export PATH\n{remote.launch_script(launch)}",
+        f"PATH={shlex.quote(vm_path)}; export PATH\n{launch_script(launch)}",
         30,
-        remote.launch_input(launch),
+        launch_input(launch),
     )
     assert code == 0, err
     d = home / launch.run.relative
     exit_code = (await wait_file(d / "exit_code", timeout=30)).strip()
     log = (d / "train.log").read_text(errors="replace")
     assert exit_code == "127", log
-    assert remote.ENTRY_BROKEN_MARK not in log
-    assert not (d / remote.CANNOT_START_FILE).exists()
+    assert ENTRY_BROKEN_MARK not in log
+    assert not (d / CANNOT_START_FILE).exists()
     state = (await probe(launch.run))[(7, 1)]
     assert (state.state, state.exit_code, state.cannot_start) == ("exited", 127, False)
 
@@ -349,7 +366,7 @@ async def test_the_wrappers_own_check_marks_the_vm_and_a_job_cannot_forge_the_ma
     mark. A training that creates the mark itself and exits 127 has it removed."""
     broken = spec(7, python="/nonexistent/python3")
     exit_code, _, d = await attempt_of(home, broken)
-    assert exit_code == "127" and (d / remote.CANNOT_START_FILE).exists()
+    assert exit_code == "127" and (d / CANNOT_START_FILE).exists()
     assert (await probe(broken.run))[(7, 1)].cannot_start
 
     forger = home / "forger.py"
@@ -361,16 +378,16 @@ async def test_the_wrappers_own_check_marks_the_vm_and_a_job_cannot_forge_the_ma
     )
     forged = spec(8, entrypoint=str(forger))
     exit_code, _, d = await attempt_of(home, forged)
-    assert exit_code == "127" and not (d / remote.CANNOT_START_FILE).exists()
+    assert exit_code == "127" and not (d / CANNOT_START_FILE).exists()
     assert not (await probe(forged.run))[(8, 1)].cannot_start
 
 
 def test_job_env_names_of_the_wrappers_namespace_are_refused() -> None:
     """`rlfleet_*` in any case is the scheduler's; `d`, `PATH` and the like are the job's."""
-    assert remote.env_key_problem("rlfleet_sig") is not None
-    assert remote.env_key_problem("Rlfleet_wd") is not None
+    assert env_key_problem("rlfleet_sig") is not None
+    assert env_key_problem("Rlfleet_wd") is not None
     for key in ("d", "rc", "PATH", "IFS"):
-        assert remote.env_key_problem(key) is None
+        assert env_key_problem(key) is None
 
 
 # --- what the job started outside its process group dies with it -----------------------------
@@ -381,14 +398,14 @@ async def test_a_setsid_child_of_the_job_is_killed_with_it(home: Path) -> None:
     """Given a job that started a process in a session of its own (out of the attempt's
     process group), a kill of the attempt stops that process too."""
     launch = spec(7, extra_args=["--fake_seconds", "30", "--fake_setsid_child"])
-    result = remote.parse_launch((await sh(remote.launch_script(launch)))[1])
+    result = parse_launch((await sh(launch_script(launch)))[1])
     assert result is not None
     out_dir = home / ".rlfleet" / INSTALLATION / "outputs" / "7"
     child = int(await wait_file(out_dir / "setsid_child.pid"))
     try:
         assert os.getpgid(child) != result.pid, "the child did not leave the group"
-        code, out, _ = await sh(remote.kill_script(run(7), grace_s=5))
-        assert code == 0 and remote.parse_kill(out) == "terminated", out
+        code, out, _ = await sh(kill_script(run(7), grace_s=5))
+        assert code == 0 and parse_kill(out) == "terminated", out
         assert not alive(child), "the setsid child survived the kill"
     finally:
         for pid in (child, result.pid):
@@ -408,8 +425,8 @@ async def test_a_setsid_child_is_killed_even_after_the_job_ended(home: Path) -> 
     )
     try:
         assert alive(child)
-        code, out, _ = await sh(remote.kill_script(run(7), grace_s=1))
-        assert code == 0 and remote.parse_kill(out) == "gone", out
+        code, out, _ = await sh(kill_script(run(7), grace_s=1))
+        assert code == 0 and parse_kill(out) == "gone", out
         await asyncio.sleep(0.1)
         assert not alive(child), "the setsid child survived the kill"
     finally:
@@ -427,12 +444,12 @@ async def test_a_fence_stops_a_setsid_child_of_the_job_too(home: Path) -> None:
         fence_after_s=1,
         fence_grace_s=1,
     )
-    result = remote.parse_launch((await sh(remote.launch_script(launch)))[1])
+    result = parse_launch((await sh(launch_script(launch)))[1])
     assert result is not None
     out_dir = home / ".rlfleet" / INSTALLATION / "outputs" / "7"
     child = int(await wait_file(out_dir / "setsid_child.pid"))
     try:
-        await wait_file(home / run(7).relative / remote.FENCED_FILE, timeout=30)
+        await wait_file(home / run(7).relative / FENCED_FILE, timeout=30)
         for pid in (result.pid, child):
             for _ in range(300):
                 if not alive(pid):

@@ -13,14 +13,12 @@ from pathlib import Path
 import pytest
 
 from scheduler.liveness import Liveness, SSHDeadlines
-from scheduler.remote import (
+from scheduler.remote.layout import Attempt
+from scheduler.remote.probe import RemoteJobState, parse_status, status_probe
+from scheduler.remote.watchdog import (
     FENCED_FILE,
     LEASE_FILE,
-    Attempt,
-    RemoteJobState,
     lease_touch_lines,
-    parse_status,
-    status_probe,
     watchdog_lines,
     watchdog_stop_lines,
 )

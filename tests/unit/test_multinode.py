@@ -9,14 +9,9 @@ from scheduler.claims import gang_never_reason, gang_wait_reason
 from scheduler.jobspec import GroupSpec, Role
 from scheduler.pending import PendingJob, plan_pending
 from scheduler.placement import demand_order, demands_fit, short_of, vm_order
-from scheduler.remote import (
-    Attempt,
-    LaunchSpec,
-    NodeRole,
-    entry_words,
-    parse_free_port,
-    wrapper_script,
-)
+from scheduler.remote.launch import LaunchSpec, entry_words, wrapper_script
+from scheduler.remote.layout import Attempt
+from scheduler.remote.rendezvous import RankRendezvous, parse_free_port
 
 INSTALLATION = "0f0e0d0c-0b0a-4908-8706-050403020100"
 
@@ -133,7 +128,7 @@ def _spec(rank: int, gpus: int = 1) -> LaunchSpec:
         dataset="d",
         reward_functions=("format",),
         output_dir="~/out",
-        node=NodeRole(rank, ("10.0.0.1", "10.0.0.2 ;rm -rf /"), 41234),
+        node=RankRendezvous(rank, ("10.0.0.1", "10.0.0.2 ;rm -rf /"), 41234),
     )
 
 

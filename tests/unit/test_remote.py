@@ -14,8 +14,21 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import remote
-from scheduler.remote import Attempt, LaunchSpec
+from scheduler.remote.kill import DEAD_KILL_OUTCOMES, kill_script, parse_kill
+from scheduler.remote.launch import (
+    ENTRY_BROKEN_MARK,
+    FENCED_EXIT,
+    LaunchSpec,
+    entry_words,
+    launch_script,
+    parse_launch,
+    train_words,
+    wrapper_script,
+)
+from scheduler.remote.layout import Attempt, default_output_dir, home_path, new_token, parse_dir
+from scheduler.remote.logs import NO_FILE_EXIT, parse_tokens, read_file_script, tokens_script
+from scheduler.remote.output import parse_exit
+from scheduler.remote.probe import parse_status, status_probe
 from scheduler.transport import LocalTransport, VMTarget
 from tests.workloads.support import FAKE_TRAIN, wait_file
 
@@ -39,7 +52,7 @@ def spec(**over: object) -> LaunchSpec:
         "model": "m",
         "dataset": "d",
         "reward_functions": ["format"],
-        "output_dir": remote.default_output_dir(INSTALLATION, 7),
+        "output_dir": default_output_dir(INSTALLATION, 7),
         "extra_args": [],
     }
     base.update(over)
@@ -61,9 +74,9 @@ async def sh(command: str, timeout: float = 20) -> tuple[int, str, str]:
 
 def test_entry_words_follow_contract_5() -> None:
     """A .py entrypoint is a script, anything else a module; N > 1 GPUs go via accelerate."""
-    assert remote.entry_words("py", "training.train_grpo", 1) == ["py", "-m", "training.train_grpo"]
-    assert remote.entry_words("py", "/x/t.py", 1) == ["py", "/x/t.py"]
-    assert remote.entry_words("py", "training.train_grpo", 4) == [
+    assert entry_words("py", "training.train_grpo", 1) == ["py", "-m", "training.train_grpo"]
+    assert entry_words("py", "/x/t.py", 1) == ["py", "/x/t.py"]
+    assert entry_words("py", "training.train_grpo", 4) == [
         "py",
         "-m",
         "accelerate.commands.launch",
@@ -76,14 +89,14 @@ def test_entry_words_follow_contract_5() -> None:
 
 def test_train_words_order_and_resume() -> None:
     """Model, dataset, one flag per reward, output dir, extra args verbatim; resume after 1."""
-    words = remote.train_words(spec(reward_functions=["a", "b"], extra_args=["--max_steps", "5"]))
+    words = train_words(spec(reward_functions=["a", "b"], extra_args=["--max_steps", "5"]))
     text = " ".join(words)
     assert text.endswith(
         "--model m --dataset d --reward_function a --reward_function b "
         '--output_dir "$HOME"/.rlfleet/'
         f"{INSTALLATION}/outputs/7 --max_steps 5"
     )
-    assert remote.train_words(spec(run=run(7, 2)))[-2:] == ["--resume", "auto"]
+    assert train_words(spec(run=run(7, 2)))[-2:] == ["--resume", "auto"]
 
 
 @pytest.mark.parametrize(
@@ -96,7 +109,7 @@ def test_train_words_order_and_resume() -> None:
 )
 def test_home_path_quotes(path: str, word: str) -> None:
     """Paths under ~ expand $HOME and nothing else."""
-    assert remote.home_path(path) == word
+    assert home_path(path) == word
 
 
 async def test_hostile_arguments_reach_the_program_verbatim(home: Path) -> None:
@@ -104,7 +117,7 @@ async def test_hostile_arguments_reach_the_program_verbatim(home: Path) -> None:
     then the training program receives them byte for byte and nothing else runs."""
     evil = ["$(touch pwned)", "`touch pwned`", "a;touch pwned", "x\nEOF\ntouch pwned\n", "'\""]
     launch = spec(model="$(touch pwned)", extra_args=evil)
-    code, out, err = await sh(remote.launch_script(launch))
+    code, out, err = await sh(launch_script(launch))
     assert code == 0, err
     log = home / run(7, 1).relative / "train.log"
     await wait_file(home / run(7, 1).relative / "exit_code")
@@ -119,9 +132,9 @@ async def test_hostile_arguments_reach_the_program_verbatim(home: Path) -> None:
 async def test_launch_runs_detached_with_contract_files(home: Path) -> None:
     """Given a launch, then pid, train.log, progress.json, launch.sh and exit_code appear,
     CUDA_VISIBLE_DEVICES names the claimed GPUs and the pid leads its own process group."""
-    code, out, err = await sh(remote.launch_script(spec(gpu_indices=[1, 3])))
+    code, out, err = await sh(launch_script(spec(gpu_indices=[1, 3])))
     assert code == 0, err
-    result = remote.parse_launch(out)
+    result = parse_launch(out)
     assert result is not None
     d = home / run(7, 1).relative
     assert int((d / "pid").read_text()) == result.pid
@@ -136,10 +149,10 @@ async def test_launch_is_idempotent_per_attempt(home: Path) -> None:
     """Given a running attempt, when the launch is repeated, then the same pid is reported
     and only one process ever started."""
     launch = spec(extra_args=["--fake_seconds", "30"])
-    first = remote.parse_launch((await sh(remote.launch_script(launch)))[1])
+    first = parse_launch((await sh(launch_script(launch)))[1])
     assert first is not None
     try:
-        second = remote.parse_launch((await sh(remote.launch_script(launch)))[1])
+        second = parse_launch((await sh(launch_script(launch)))[1])
         assert second is not None
         assert first.pid == second.pid
         log = (home / run(7, 1).relative / "train.log").read_text()
@@ -151,7 +164,7 @@ async def test_launch_is_idempotent_per_attempt(home: Path) -> None:
 
 async def test_exit_code_is_recorded(home: Path) -> None:
     """The wrapper records the training process's exit status."""
-    await sh(remote.launch_script(spec(extra_args=["--fake_exit", "3"])))
+    await sh(launch_script(spec(extra_args=["--fake_exit", "3"])))
     assert (await wait_file(home / run(7, 1).relative / "exit_code")).strip() == "3"
 
 
@@ -160,32 +173,32 @@ async def test_kill_terminates_the_group_and_records_the_signal(home: Path) -> N
     """Given a long attempt, when killed, then the group is gone, exit_code says 143
     (128 + TERM) and killing again is harmless."""
     launch = spec(extra_args=["--fake_seconds", "30"])
-    result = remote.parse_launch((await sh(remote.launch_script(launch)))[1])
+    result = parse_launch((await sh(launch_script(launch)))[1])
     assert result is not None
-    code, out, _ = await sh(remote.kill_script(run(7, 1), grace_s=5))
+    code, out, _ = await sh(kill_script(run(7, 1), grace_s=5))
     assert code == 0
-    assert remote.parse_kill(out) == "terminated"
+    assert parse_kill(out) == "terminated"
     with pytest.raises(ProcessLookupError):
         os.killpg(result.pid, 0)
     assert (await wait_file(home / run(7, 1).relative / "exit_code")).strip() == "143"
-    assert remote.parse_kill((await sh(remote.kill_script(run(7, 1))))[1]) == "gone"
+    assert parse_kill((await sh(kill_script(run(7, 1))))[1]) == "gone"
 
 
 async def test_a_kill_before_the_launch_fences_it_off(home: Path) -> None:
     """Given an attempt killed before its launch arrived, the kill says `fenced`, the late
     launch starts nothing and exits FENCED_EXIT at once, and killing again still says
     `fenced` (it never ran)."""
-    code, out, _ = await sh(remote.kill_script(run(7, 1)))
-    assert (code, remote.parse_kill(out)) == (0, "fenced")
+    code, out, _ = await sh(kill_script(run(7, 1)))
+    assert (code, parse_kill(out)) == (0, "fenced")
     started = time.monotonic()
-    code, out, err = await sh(remote.launch_script(spec(extra_args=["--fake_seconds", "30"])))
-    assert code == remote.FENCED_EXIT, err
-    assert remote.parse_launch(out) is None
+    code, out, err = await sh(launch_script(spec(extra_args=["--fake_seconds", "30"])))
+    assert code == FENCED_EXIT, err
+    assert parse_launch(out) is None
     assert "killed before it started" in err
     assert time.monotonic() - started < 5, "the launch waited out its pid timeout"
     d = home / run(7, 1).relative
     assert not (d / "pid").exists() and not (d / "train.log").exists()
-    assert remote.parse_kill((await sh(remote.kill_script(run(7, 1))))[1]) == "fenced"
+    assert parse_kill((await sh(kill_script(run(7, 1))))[1]) == "fenced"
 
 
 @pytest.mark.slow
@@ -205,8 +218,8 @@ async def test_a_kill_during_the_launch_waits_for_the_pid(home: Path) -> None:
         + "; exec sleep 30"
     )
     await sh(f"setsid sh -c {shlex.quote(script)} </dev/null >/dev/null 2>&1 &")
-    code, out, _ = await sh(remote.kill_script(run(8, 1), grace_s=2))
-    assert remote.parse_kill(out) == "terminated"
+    code, out, _ = await sh(kill_script(run(8, 1), grace_s=2))
+    assert parse_kill(out) == "terminated"
     with pytest.raises(ProcessLookupError):
         os.killpg(int((d / "pid").read_text()), 0)
 
@@ -215,9 +228,9 @@ async def test_a_launch_that_never_writes_its_pid_is_nopid(home: Path) -> None:
     """Given a lock held with no pid ever written, the kill gives up after its wait and
     says `nopid`, an outcome that does not count as dead."""
     (home / run(9, 1).relative / ".launch.lock").mkdir(parents=True)
-    code, out, _ = await sh(remote.kill_script(run(9, 1), pid_wait_s=0.3))
-    assert (code, remote.parse_kill(out)) == (0, "nopid")
-    assert "nopid" not in remote.DEAD_KILL_OUTCOMES
+    code, out, _ = await sh(kill_script(run(9, 1), pid_wait_s=0.3))
+    assert (code, parse_kill(out)) == (0, "nopid")
+    assert "nopid" not in DEAD_KILL_OUTCOMES
 
 
 async def test_kill_escalates_to_kill_after_grace(home: Path) -> None:
@@ -227,8 +240,8 @@ async def test_kill_escalates_to_kill_after_grace(home: Path) -> None:
     script = "trap '' TERM; echo $$ > " + shlex.quote(str(d / "pid")) + "; sleep 30"
     await sh(f"setsid sh -c {shlex.quote(script)} </dev/null >/dev/null 2>&1 &")
     await wait_file(d / "pid")
-    code, out, _ = await sh(remote.kill_script(run(8, 1), grace_s=0.3))
-    assert remote.parse_kill(out) == "killed"
+    code, out, _ = await sh(kill_script(run(8, 1), grace_s=0.3))
+    assert parse_kill(out) == "killed"
     assert (d / "exit_code").read_text().strip() == "137"
 
 
@@ -237,8 +250,8 @@ async def test_read_file_from_offset(home: Path) -> None:
     d = home / run(9, 2).relative
     d.mkdir(parents=True)
     (d / "train.log").write_text("hello world\n")
-    assert (await sh(remote.read_file_script(run(9, 2), "train.log", offset=6)))[1] == "world\n"
-    assert (await sh(remote.read_file_script(run(9, 3), "train.log")))[0] == remote.NO_FILE_EXIT
+    assert (await sh(read_file_script(run(9, 2), "train.log", offset=6)))[1] == "world\n"
+    assert (await sh(read_file_script(run(9, 3), "train.log")))[0] == NO_FILE_EXIT
 
 
 async def test_kill_of_an_ended_attempt_signals_nobody(home: Path) -> None:
@@ -249,8 +262,8 @@ async def test_kill_of_an_ended_attempt_signals_nobody(home: Path) -> None:
     try:
         (d / "pid").write_text(f"{stranger.pid}\n")
         (d / "exit_code").write_text("0\n")
-        code, out, _ = await sh(remote.kill_script(run(10, 1), grace_s=0.3))
-        assert code == 0 and remote.parse_kill(out) == "gone"
+        code, out, _ = await sh(kill_script(run(10, 1), grace_s=0.3))
+        assert code == 0 and parse_kill(out) == "gone"
         assert stranger.poll() is None, "an unrelated process group was signalled"
     finally:
         stranger.kill()
@@ -267,8 +280,8 @@ def test_attempt_directory_names_installation_job_attempt_and_token() -> None:
     default to a per-installation, per-job directory."""
     assert run(7, 2).relative == f".rlfleet/{INSTALLATION}/jobs/7/2-{TOKEN}"
     assert run(7, 2).word() == f'"$HOME"/.rlfleet/{INSTALLATION}/jobs/7/2-{TOKEN}'
-    assert remote.default_output_dir(INSTALLATION, 7) == f"~/.rlfleet/{INSTALLATION}/outputs/7"
-    assert len(remote.new_token()) == 16 and remote.new_token() != remote.new_token()
+    assert default_output_dir(INSTALLATION, 7) == f"~/.rlfleet/{INSTALLATION}/outputs/7"
+    assert len(new_token()) == 16 and new_token() != new_token()
 
 
 @pytest.mark.parametrize(
@@ -326,9 +339,9 @@ async def test_leftovers_of_other_installations_and_old_layouts_are_never_adopte
         (d / "pid").write_text("1\n")
         (d / "exit_code").write_text("126\n")
         stale.append(d)
-    code, out, err = await sh(remote.launch_script(spec(extra_args=["--fake_exit", "0"])))
+    code, out, err = await sh(launch_script(spec(extra_args=["--fake_exit", "0"])))
     assert code == 0, err
-    result = remote.parse_launch(out, run(7, 1))
+    result = parse_launch(out, run(7, 1))
     # A fast machine may see the new run end before the launch script looks: then the
     # exit code it reports is the run's own 0, never the old 126.
     assert result is not None and result.pid != 1 and result.exit_code in (None, 0)
@@ -337,7 +350,7 @@ async def test_leftovers_of_other_installations_and_old_layouts_are_never_adopte
     assert "fake_train: args=" in (Path(result.path) / "train.log").read_text()
     for d in stale:
         assert (d / "exit_code").read_text() == "126\n" and not (d / "train.log").exists()
-    probe = remote.parse_status((await sh(remote.status_probe([run(7, 1, "aaaaaaaaaaaaaaaa")])))[1])
+    probe = parse_status((await sh(status_probe([run(7, 1, "aaaaaaaaaaaaaaaa")])))[1])
     assert probe[(7, 1)].state == "unknown", "another token's exit code was taken"
 
 
@@ -349,22 +362,22 @@ async def test_kill_uses_the_recorded_directory_whatever_home_the_caller_has(
     differs, with the directory the launch recorded, then its group is terminated; and an
     attempt whose launch was confirmed is never reported fenced (`missing` instead)."""
     launch = spec(extra_args=["--fake_seconds", "30"])
-    result = remote.parse_launch((await sh(remote.launch_script(launch)))[1], launch.run)
+    result = parse_launch((await sh(launch_script(launch)))[1], launch.run)
     assert result is not None and result.path is not None
     monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("other-home")))
     try:
-        missing = await sh(remote.kill_script(launch.run, grace_s=1, launched=True))
-        assert remote.parse_kill(missing[1]) == "missing"
-        assert "missing" not in remote.DEAD_KILL_OUTCOMES
+        missing = await sh(kill_script(launch.run, grace_s=1, launched=True))
+        assert parse_kill(missing[1]) == "missing"
+        assert "missing" not in DEAD_KILL_OUTCOMES
         here = launch.run.located(result.path)
-        code, out, _ = await sh(remote.kill_script(here, grace_s=5, launched=True))
-        assert (code, remote.parse_kill(out)) == (0, "terminated")
+        code, out, _ = await sh(kill_script(here, grace_s=5, launched=True))
+        assert (code, parse_kill(out)) == (0, "terminated")
         with pytest.raises(ProcessLookupError):
             os.killpg(result.pid, 0)
-        again = (await sh(remote.kill_script(here, launched=True)))[1]
-        assert remote.parse_kill(again) == "gone"
-        assert remote.parse_exit(again) == 143
-        assert remote.parse_dir(again, here) == result.path
+        again = (await sh(kill_script(here, launched=True)))[1]
+        assert parse_kill(again) == "gone"
+        assert parse_exit(again) == 143
+        assert parse_dir(again, here) == result.path
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(result.pid, signal.SIGKILL)
@@ -377,9 +390,9 @@ async def test_read_file_as_hex_gives_the_exact_bytes(home: Path) -> None:
     d.mkdir(parents=True)
     data = b"ok \xff\xfe caf\xc3"
     (d / "train.log").write_bytes(data)
-    out = (await sh(remote.read_file_script(run(9, 2), "train.log", offset=3, hex=True)))[1]
+    out = (await sh(read_file_script(run(9, 2), "train.log", offset=3, hex=True)))[1]
     assert bytes.fromhex(out) == data[3:]
-    out = (await sh(remote.read_file_script(run(9, 2), "train.log", hex=True, limit=4)))[1]
+    out = (await sh(read_file_script(run(9, 2), "train.log", hex=True, limit=4)))[1]
     assert bytes.fromhex(out) == data[:4]
 
 
@@ -392,9 +405,9 @@ async def test_tokens_of_an_attempt_are_listed_for_this_installation_only(home: 
         Attempt(OTHER_INSTALLATION, 7, 1, "c" * 16),
     ):
         (home / a.relative).mkdir(parents=True)
-    out = (await sh(remote.tokens_script(INSTALLATION, 7, 1)))[1]
-    assert remote.parse_tokens(out) == [TOKEN]
-    assert remote.parse_tokens((await sh(remote.tokens_script(INSTALLATION, 8, 1)))[1]) == []
+    out = (await sh(tokens_script(INSTALLATION, 7, 1)))[1]
+    assert parse_tokens(out) == [TOKEN]
+    assert parse_tokens((await sh(tokens_script(INSTALLATION, 8, 1)))[1]) == []
 
 
 @pytest.mark.parametrize(
@@ -410,13 +423,13 @@ async def test_an_attempt_whose_python_or_entrypoint_cannot_run_exits_127_saying
 ) -> None:
     """The wrapper checks the VM's python and entrypoint before training: when they
     cannot run, exit_code is 127 and the log's verdict line says why."""
-    await sh(remote.launch_script(spec(python=python, entrypoint=entrypoint)))
+    await sh(launch_script(spec(python=python, entrypoint=entrypoint)))
     d = home / run(7, 1).relative
     assert (await wait_file(d / "exit_code")).strip() == code
     verdict = [
         line
         for line in (d / "train.log").read_text().splitlines()
-        if line.startswith(remote.ENTRY_BROKEN_MARK)
+        if line.startswith(ENTRY_BROKEN_MARK)
     ]
     assert len(verdict) == 1 and says in verdict[0], verdict
 
@@ -426,6 +439,6 @@ async def test_an_attempt_runs_on_the_uuids_it_was_given_in_pci_bus_order(home: 
     PCI_BUS_ID for tools that read indices."""
     uuids = ["GPU-5d2ad6c4-d5a1-8a4b-1b1d-0c4e7c1b8e50", "GPU-9e1f0a3b-2c4d-4e5f-8a9b-0c1d"]
     launch = spec(gpu_indices=[3, 1], gpu_uuids=uuids, python=sys.executable)
-    script = remote.wrapper_script(launch)
+    script = wrapper_script(launch)
     assert f"export CUDA_VISIBLE_DEVICES={','.join(uuids)}\n" in script
     assert "export CUDA_DEVICE_ORDER=PCI_BUS_ID\n" in script

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.remote import Attempt, RemoteJobState
+from scheduler.remote.layout import Attempt
+from scheduler.remote.probe import RemoteJobState
 from scheduler.retry import counts_against_limit
 from scheduler.states import FailureReason, JobStatus
 from scheduler.verdicts import (

@@ -23,7 +23,7 @@ from scheduler.dispatcher import GlobalJobDispatcher
 from scheduler.gpu_poller import GpuPoller
 from scheduler.jobs import JobSpec, insert_job
 from scheduler.models import GPU, VM, Job, JobNode
-from scheduler.remote import Attempt, job_base, stored_attempt
+from scheduler.remote.layout import Attempt, job_base, stored_attempt
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.transport import Transport, make_transport
 from tests.fleet import FAKE_TRAIN, SimFleet

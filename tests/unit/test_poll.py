@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.nvidia_smi import (
-    APPS,
-    APPS_RC,
-    END,
-    GPUS,
-    GPUS_RC,
-    JOBS,
-    GpuInfo,
-    parse_poll,
-)
-from scheduler.remote import RemoteJobState
+from scheduler.nvidia_smi import GpuInfo
+from scheduler.poll import APPS, APPS_RC, END, GPUS, GPUS_RC, JOBS, parse_poll
+from scheduler.remote.probe import RemoteJobState
 from scheduler.states import FailureReason
 from scheduler.verdicts import classify_failure
 

@@ -1,0 +1,154 @@
+"""One poll of a VM: the command (the attempt status probe, then nvidia-smi twice, and a
+check of the VM's python when asked, in one round trip) and a pure parser of its output.
+
+The parser never raises on what a VM prints: anything it cannot read becomes
+`PollResult.error`, a one-line reason the poller stores in `vms.last_error` while it marks
+the VM's GPUs unhealthy. The job lines are parsed by `remote.probe.parse_status`, the GPU
+lines by `nvidia_smi`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from scheduler.nvidia_smi import (
+    APPS_COMMAND,
+    GPU_COMMAND,
+    ComputeApp,
+    GpuInfo,
+    parse_apps,
+    parse_gpus,
+)
+from scheduler.remote.layout import Attempt
+from scheduler.remote.output import as_int, output_lines
+from scheduler.remote.probe import RemoteJobState, parse_status, status_probe
+
+_MARK = "@@rlfleet"
+GPUS, GPUS_RC, APPS, APPS_RC, JOBS, END = (
+    f"{_MARK}-gpus",
+    f"{_MARK}-gpus-rc",
+    f"{_MARK}-apps",
+    f"{_MARK}-apps-rc",
+    f"{_MARK}-jobs",
+    f"{_MARK}-end",
+)
+CHECK, CHECK_RC = f"{_MARK}-check", f"{_MARK}-check-rc"
+
+
+@dataclass(frozen=True)
+class PollResult:
+    """Everything one poll learned about a VM."""
+
+    gpus: tuple[GpuInfo, ...] = ()
+    apps: tuple[ComputeApp, ...] = ()
+    error: str | None = None
+    """Why the GPUs cannot be trusted (driver gone, GPU lost, garbage…); None when fine."""
+    jobs: dict[tuple[int, int], RemoteJobState] = field(default_factory=dict)
+    check: tuple[int, str] | None = None
+    """The check of the VM's python and entrypoint, when the poll ran one: (exit status,
+    last line of its output). None: not asked for, or its answer was cut off."""
+
+    def busy_uuids(self) -> set[str]:
+        """UUIDs of the GPUs some process is using.
+
+        A process on a GPU uuid that matches no listed GPU (a MIG instance, a GPU that just
+        disappeared) could be on any of them, so then every GPU counts as busy: better to
+        offer none than to put two users on one GPU.
+        """
+        listed = {g.uuid for g in self.gpus}
+        busy: set[str] = set()
+        for app in self.apps:
+            if app.gpu_uuid not in listed:
+                return listed
+            busy.add(app.gpu_uuid)
+        return busy
+
+
+def check_command(check: str) -> list[str]:
+    """Poll lines that run the shell command `check` in $HOME (as an attempt runs) and
+    print its last lines of output and its exit status."""
+    return [
+        f"echo {CHECK}",
+        f'rlfleet_out=$(cd "$HOME" && {check} 2>&1)',
+        "rlfleet_rc=$?",
+        'printf "%s\\n" "$rlfleet_out" | tail -n 3',
+        f'echo "{CHECK_RC} $rlfleet_rc"',
+    ]
+
+
+def poll_command(jobs: Sequence[Attempt], check: str | None = None) -> str:
+    """The shell text of one poll: GPUs, compute apps and the status of `jobs`, and the
+    shell command `check` (a VM's python and entrypoint), when given.
+
+    nvidia-smi's stderr is folded into its section because its errors (driver, lost GPU)
+    are what the parser needs to see. The jobs are probed first: a process still on the
+    GPU of an attempt that had already ended is then surely not that attempt's (a child it
+    left behind, or someone else's), and the poller can keep that GPU out of use.
+    """
+    return "\n".join(
+        [
+            f"echo {JOBS}",
+            status_probe(jobs),
+            f"echo {GPUS}",
+            f"{GPU_COMMAND} 2>&1",
+            f'echo "{GPUS_RC} $?"',
+            f"echo {APPS}",
+            f"{APPS_COMMAND} 2>&1",
+            f'echo "{APPS_RC} $?"',
+            *(check_command(check) if check is not None else []),
+            f"echo {END}",
+        ]
+    )
+
+
+def _sections(stdout: str) -> tuple[dict[str, list[str]], dict[str, int | None]]:
+    sections: dict[str, list[str]] = {}
+    rcs: dict[str, int | None] = {}
+    current: str | None = None
+    for line in output_lines(stdout):
+        head = line.strip()
+        if head in (GPUS, APPS, JOBS, CHECK, END):
+            current = head
+            sections.setdefault(head, [])
+            continue
+        if head.startswith((GPUS_RC + " ", APPS_RC + " ", CHECK_RC + " ")):
+            name, _, value = head.partition(" ")
+            rcs[name] = as_int(value)
+            current = None
+            continue
+        if current is not None:
+            sections[current].append(line)
+    return sections, rcs
+
+
+def parse_poll(stdout: str) -> PollResult:
+    """Read the output of `poll_command`. Never raises: problems become `error`."""
+    sections, rcs = _sections(stdout)
+    # Job news is acted on only from a complete answer (the end marker came): the job
+    # lines of a cut-off one may be cut short. A broken nvidia-smi does not void it.
+    jobs = parse_status("\n".join(sections.get(JOBS, []))) if END in sections else {}
+    check = _check(sections, rcs) if END in sections else None
+    if GPUS not in sections:
+        return PollResult(
+            error="poll output has no GPU section (truncated?)", jobs=jobs, check=check
+        )
+    gpus, error = parse_gpus(sections[GPUS], rcs.get(GPUS_RC))
+    if error is None:
+        if APPS not in sections:
+            return PollResult(
+                error="poll output has no process section (truncated?)", jobs=jobs, check=check
+            )
+        apps, error = parse_apps(sections[APPS], rcs.get(APPS_RC))
+    else:
+        apps = []
+    return PollResult(gpus=tuple(gpus), apps=tuple(apps), error=error, jobs=jobs, check=check)
+
+
+def _check(sections: dict[str, list[str]], rcs: dict[str, int | None]) -> tuple[int, str] | None:
+    """The check's (exit status, last line), or None when the poll ran none."""
+    rc = rcs.get(CHECK_RC)
+    if CHECK not in sections or rc is None:
+        return None
+    lines = [line.strip() for line in sections[CHECK] if line.strip()]
+    return rc, (lines[-1][:300] if lines else "no output")

@@ -1,0 +1,162 @@
+"""The kill script: TERM, then KILL, an attempt's process group and what the job started
+outside it, fencing off a launch that has not started yet (`kill_script`, `parse_kill`).
+
+How an attempt's processes are found lives here too: the wrapper's pid checked against
+/proc (`wrapper_alive`), and the environment marker every process of the attempt inherits
+(`marker_pattern`, `marked_kill_lines`), which the watchdog's fence uses as well. Running
+the script over SSH is `scheduler.kill`.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from scheduler.remote.layout import DIR_MARK, Attempt
+from scheduler.remote.output import (
+    EXIT_CODE_BYTES,
+    EXITED_MARK,
+    output_lines,
+    read_pid_lines,
+)
+
+KILL_MARK = "rlfleet-kill"
+PID_WAIT_S = 10.0
+"""How long a launch may take to write its pid, for the launch and the kill scripts."""
+DEAD_KILL_OUTCOMES = frozenset({"fenced", "gone", "terminated", "killed"})
+"""Kill outcomes after which the attempt surely runs no process and never will."""
+
+
+def marker_pattern(run: Attempt) -> str:
+    """A `grep -z` pattern for the environment entry every process of the attempt `run`
+    inherits: `RLFLEET_PROGRESS_FILE` in its directory (the launch token makes it unique).
+    How a kill finds what the job started outside its process group (`setsid`)."""
+    rel = re.escape(run.relative).replace("\\/", "/").replace("\\-", "-")
+    return f"^RLFLEET_PROGRESS_FILE=.*/{rel}/"
+
+
+def marked_kill_lines(
+    run: Attempt, signal: str, indent: str = "", *, outside: str | None = None
+) -> list[str]:
+    """Send `signal` to every process of this VM account whose environment carries the
+    attempt's marker (`marker_pattern`): what the job started that left its process group
+    (`setsid`, a daemon). With `outside` (a shell word: a process group id), members of
+    that group are left alone (they get the group's own signal, once). One `grep` over
+    /proc/*/environ (only the account's own processes are readable); a process that
+    cleared its environment is not found, and no /proc (not Linux) finds nothing."""
+    pattern = shlex.quote(marker_pattern(run))
+    skip = []
+    if outside is not None:
+        # /proc/N/stat: "pid (comm) state ppid pgrp …"; comm may hold spaces and ")".
+        skip = [
+            f'{indent}  read -r rlfleet_st < "/proc/$rlfleet_m/stat" 2>/dev/null || continue',
+            f'{indent}  set -- ${{rlfleet_st##*) }}; [ "$3" = {outside} ] && continue',
+        ]
+    return [
+        f"{indent}for rlfleet_m in $(grep -lzs -e {pattern} /proc/[0-9]*/environ 2>/dev/null); do",
+        f"{indent}  rlfleet_m=${{rlfleet_m#/proc/}}; rlfleet_m=${{rlfleet_m%/environ}}",
+        *skip,
+        f'{indent}  kill -{signal} "$rlfleet_m" 2>/dev/null',
+        f"{indent}done",
+    ]
+
+
+def marked_alive(run: Attempt) -> str:
+    """A shell condition: some process carrying the attempt's marker still runs."""
+    return f"grep -qzs -e {shlex.quote(marker_pattern(run))} /proc/[0-9]*/environ 2>/dev/null"
+
+
+def kill_script(
+    run: Attempt,
+    grace_s: float = 10.0,
+    *,
+    pid_wait_s: float = PID_WAIT_S,
+    launched: bool = False,
+) -> str:
+    """TERM the attempt's process group, KILL it after `grace_s`; idempotent.
+
+    Prints `rlfleet-kill <outcome>`: `fenced` (never started, and now never will: the kill
+    took the launch lock first, so a launch still on its way finds it and starts nothing),
+    `gone` (nothing left to signal), `terminated` (ended within the grace period),
+    `killed`, or `nopid` (a launch holds the lock but wrote no pid within `pid_wait_s`:
+    its fate is unknown), or `missing` (`launched`: the scheduler recorded a pid for this
+    attempt, yet its directory has none; a launch that was confirmed is never fenced, and
+    its fate is unknown). After a KILL the wrapper cannot record an exit code, so the
+    script writes 137 (128 + SIGKILL) for it. `gone` after an exit is followed by
+    `rlfleet-exited <code>` and `rlfleet-dir <absolute directory>`.
+
+    What the job started outside its process group (`setsid`) is found by its environment
+    (`marked_kill_lines`) and signalled with the group. The pid file is the job's to write:
+    a pid that is not a plausible one (`pid_check_lines`: never `-1`, `0`, `1`) is not
+    signalled; an `exit_code` beside a live wrapper (written by someone else) does not stop
+    the kill.
+    """
+    polls = max(1, int(grace_s / 0.1))
+    pid_polls = max(1, int(pid_wait_s / 0.05))
+    missing = [f'  echo "{KILL_MARK} missing"; exit 0'] if launched else []
+    return "\n".join(
+        [
+            f"d={run.word()}",
+            'if [ ! -s "$d/pid" ]; then',
+            *missing,
+            f'  if [ -e "$d/fenced" ]; then echo "{KILL_MARK} fenced"; exit 0; fi',
+            '  mkdir -p "$d" 2>/dev/null',
+            '  if mkdir "$d/.launch.lock" 2>/dev/null; then',
+            f'    : > "$d/fenced"; echo "{KILL_MARK} fenced"; exit 0',
+            "  fi",
+            # A launch holds the lock: its wrapper writes the pid first thing.
+            "  n=0",
+            '  while [ ! -s "$d/pid" ]; do',
+            "    n=$((n + 1))",
+            f'    if [ "$n" -gt {pid_polls} ]; then echo "{KILL_MARK} nopid"; exit 0; fi',
+            "    sleep 0.05",
+            "  done",
+            "fi",
+            *read_pid_lines(),
+            # The attempt ended (its wrapper is gone): its pid may be someone else's by now.
+            # An exit code beside a live wrapper was written by someone else: kill on.
+            f'if [ -s "$d/exit_code" ] && ! {{ {wrapper_alive(run)}; }}; then',
+            *marked_kill_lines(run, "KILL", "  "),
+            f'  echo "{KILL_MARK} gone";'
+            f' echo "{EXITED_MARK} $(head -c {EXIT_CODE_BYTES} "$d/exit_code" | tr -d "\\n")";'
+            f' echo "{DIR_MARK} $(cd "$d" && pwd)"; exit 0',
+            "fi",
+            'if [ -n "$pid" ] && kill -TERM -"$pid" 2>/dev/null; then g=1; else g=; fi',
+            # What left the group gets its TERM too (the group's members only the group's).
+            *marked_kill_lines(run, "TERM", outside='"$pid"'),
+            f'if [ -z "$g" ] && ! {marked_alive(run)}; then echo "{KILL_MARK} gone"; exit 0; fi',
+            "n=0",
+            f'while {{ [ -n "$g" ] && kill -0 -"$pid" 2>/dev/null; }} || {marked_alive(run)}; do',
+            "  n=$((n + 1))",
+            f'  if [ "$n" -gt {polls} ]; then',
+            '    [ -z "$g" ] || kill -KILL -"$pid" 2>/dev/null',
+            *marked_kill_lines(run, "KILL", "    "),
+            '    [ -e "$d/exit_code" ] || echo 137 > "$d/exit_code"',
+            f'    echo "{KILL_MARK} killed"; exit 0',
+            "  fi",
+            "  sleep 0.1",
+            "done",
+            f'echo "{KILL_MARK} terminated"',
+            "",
+        ]
+    )
+
+
+def wrapper_alive(run: Attempt, pid: str = "$pid") -> str:
+    """A shell condition: `pid` is alive and /proc shows it is the attempt's wrapper
+    (without /proc this cannot be told, and the condition is false)."""
+    cmdline = f"/proc/{pid}/cmdline"
+    word = shlex.quote(f"{run.relative}/launch.sh")
+    return (
+        f'[ -n "{pid}" ] && kill -0 "{pid}" 2>/dev/null && [ -r {cmdline} ]'
+        f" && grep -qaF -e {word} {cmdline}"
+    )
+
+
+def parse_kill(stdout: str) -> str | None:
+    """The kill script's outcome word, or None if it printed none."""
+    for line in output_lines(stdout):
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == KILL_MARK:
+            return parts[1]
+    return None

@@ -1,0 +1,200 @@
+"""The attempt status probe (docs/invariants.md, contract 2), run by the poller in the
+same round trip as nvidia-smi (`scheduler.poll`): whether each attempt runs, its exit code,
+the end of its log and its progress.json, every file read with a byte bound and parsed
+without trusting it (docs/invariants.md, invariant 9).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler.remote.kill import wrapper_alive
+from scheduler.remote.launch import CANNOT_START_FILE, CANNOT_START_MARK
+from scheduler.remote.layout import Attempt
+from scheduler.remote.output import (
+    EXIT_CODE_BYTES,
+    as_int,
+    load_json,
+    output_lines,
+    printable,
+    read_pid_lines,
+)
+from scheduler.remote.watchdog import fenced_lines, lease_touch_lines, parse_fenced
+
+STATUS_MARK = "rlfleet-job"
+LOG_MARK = "rlfleet-log"
+PROGRESS_MARK = "rlfleet-progress"
+PROGRESS_BYTES = 2048
+"""At most this much of an attempt's progress.json is read by a poll (it is a few hundred
+bytes; a bigger one is cut and then ignored as unreadable)."""
+JOB_STATES = ("running", "exited", "vanished", "unknown")
+MAX_EXIT_CODE = 255
+"""The largest exit code a wrapper records (`$?`); anything else in `exit_code` is garbage."""
+LOG_TAIL_LINES = 20
+"""At most this many lines of an exited attempt's log are kept (from its last bytes)."""
+LOG_TAIL_BYTES = 4096
+"""At most this many bytes from the end of an exited attempt's log are read."""
+
+
+@dataclass(frozen=True)
+class RemoteJobState:
+    """What the status probe saw of one attempt on its VM.
+
+    `state`: `running` (the pid answers), `exited` (`exit_code` written), `vanished` (a pid
+    file but no process and no exit code: killed with the wrapper, or the VM rebooted) or
+    `unknown` (no pid file: not launched yet, or the directory is gone).
+    """
+
+    state: str
+    exit_code: int | None = None
+    log_tail: str = ""
+    fenced: str | None = None
+    """Why the attempt's watchdog fenced it off, if it did."""
+    progress: ProgressPoint | None = None
+    """The attempt's progress.json as this poll read it; None: none, or unreadable."""
+    cannot_start: bool = False
+    """The wrapper's own check of the VM's python and entrypoint failed
+    (`CANNOT_START_FILE`): the exit code is the VM's fault, not the job's."""
+
+
+@dataclass(frozen=True)
+class ProgressPoint:
+    """The training step an attempt has reached, with its reward and loss (for the curves)."""
+
+    step: int
+    reward: float | None = None
+    loss: float | None = None
+
+
+def parse_progress(text: str) -> ProgressPoint | None:
+    """A progress.json's step, reward and loss; None for anything that is not such a file
+    (half-written, cut, a step that is not a whole number, values that are not finite)."""
+    data = load_json(text)
+    if not isinstance(data, dict):
+        return None
+    step = data.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < 2**31:
+        return None
+
+    def number(key: str) -> float | None:
+        value = data.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return None
+        return float(value) if math.isfinite(value) else None
+
+    return ProgressPoint(step, number("reward"), number("loss"))
+
+
+def status_probe(jobs: Sequence[Attempt]) -> str:
+    """Shell text printing one `rlfleet-job <id> <attempt> <state> [code]` line per attempt.
+
+    An exited attempt is followed by the end of its train.log (its last `LOG_TAIL_BYTES`),
+    each line prefixed with `rlfleet-log <id> <attempt> `, and by a `rlfleet-cannot-start`
+    line when the wrapper's own check failed. Each probe renews the attempt's lease, and
+    reports a fenced attempt with a `rlfleet-fenced` line.
+
+    Every file here is the job's to write (docs/invariants.md, invariant 9), so each is
+    read with a byte bound (`head -c`, `tail -c`: a sparse 10 GB log without newlines costs
+    what 4 KB does), only when it is a regular file (a FIFO would block the read), and
+    nothing in them is trusted: the attempt runs while its wrapper (the pid in `pid`, a
+    live process whose command line is this attempt's `launch.sh`) runs, whatever
+    `exit_code` says, so an exit code written by someone else beside a live wrapper is
+    not taken. Only once the wrapper is gone is `exit_code` read; the wrapper writes it
+    just before it exits, so it is there by then.
+    """
+    lines = []
+    for run in jobs:
+        j, a = int(run.job_id), int(run.attempt)
+        lines += [f"d={run.word()}", *lease_touch_lines(), *fenced_lines(j, a)]
+        lines += [
+            "s=unknown; p=",
+            'if [ -f "$d/pid" ] && [ -s "$d/pid" ]; then',
+            *("  " + line for line in read_pid_lines("p")),
+            "fi",
+            'if [ -n "$p" ] && kill -0 "$p" 2>/dev/null'
+            # A zombie answers kill -0 but is dead (its reaper may be slow or absent).
+            " && ! { [ -r /proc/$p/stat ] && cut -d')' -f2- /proc/$p/stat | grep -q '^ Z'; };"
+            " then",
+            # Alive; with an exit code beside it, only the wrapper itself counts as running
+            # (its pid may have been reused since it ended).
+            f'  if [ -s "$d/exit_code" ] && ! {{ {wrapper_alive(run, "$p")}; }};'
+            " then s=exited; else s=running; fi",
+            'elif [ -f "$d/exit_code" ] && [ -s "$d/exit_code" ]; then s=exited',
+            'elif [ -e "$d/pid" ]; then s=vanished',
+            "fi",
+            'if [ "$s" = exited ]; then',
+            f'  echo "{STATUS_MARK} {j} {a} exited'
+            f' $(head -c {EXIT_CODE_BYTES} "$d/exit_code" 2>/dev/null | tr -d "\\n")"',
+            f'  if [ -e "$d/{CANNOT_START_FILE}" ]; then echo "{CANNOT_START_MARK} {j} {a}"; fi',
+            f'  if [ -f "$d/train.log" ]; then tail -c {LOG_TAIL_BYTES} "$d/train.log"'
+            f' | sed "s/^/{LOG_MARK} {j} {a} /"; fi',
+            "  echo",
+            f'else echo "{STATUS_MARK} {j} {a} $s"; fi',
+            # One line: the JSON's own newlines are only whitespace between its tokens.
+            f'if [ -f "$d/progress.json" ] && [ -s "$d/progress.json" ]; then'
+            f' printf "%s " "{PROGRESS_MARK} {j} {a}";'
+            f' head -c {PROGRESS_BYTES} "$d/progress.json" 2>/dev/null | tr -d "\\n\\r"; echo; fi',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
+    """Read `status_probe` output; an unreadable line for an attempt makes it `unknown`.
+    Never raises: what the attempts' files held is text here, parsed by `parse_progress`
+    and `as_int`, which return None for anything they do not read."""
+    states: dict[tuple[int, int], tuple[str, int | None]] = {}
+    logs: dict[tuple[int, int], list[str]] = {}
+    progress: dict[tuple[int, int], ProgressPoint] = {}
+    cannot_start: set[tuple[int, int]] = set()
+    for line in output_lines(stdout):
+        if line.startswith(CANNOT_START_MARK + " "):
+            ids = [as_int(p) for p in line.split()[1:]]
+            if len(ids) == 2 and ids[0] is not None and ids[1] is not None:
+                cannot_start.add((ids[0], ids[1]))
+            continue
+        if line.startswith(PROGRESS_MARK + " "):
+            parts = line.split(" ", 3)
+            key = tuple(as_int(p) for p in parts[1:3]) if len(parts) == 4 else (None, None)
+            point = parse_progress(parts[3]) if len(parts) == 4 else None
+            if key[0] is not None and key[1] is not None and point is not None:
+                progress[(key[0], key[1])] = point
+            continue
+        if line.startswith(LOG_MARK + " "):
+            parts = line.split(" ", 3)
+            job_id, attempt = (as_int(p) for p in parts[1:3]) if len(parts) >= 3 else (None, None)
+            if job_id is not None and attempt is not None:
+                logs.setdefault((job_id, attempt), []).append(parts[3] if len(parts) == 4 else "")
+            continue
+        parts = line.split()
+        if len(parts) < 4 or parts[0] != STATUS_MARK or parts[3] not in JOB_STATES:
+            continue
+        job_id, attempt = as_int(parts[1]), as_int(parts[2])
+        if job_id is None or attempt is None:
+            continue
+        if parts[3] == "exited":
+            code = as_int(parts[4]) if len(parts) == 5 else None
+            if code is not None and not 0 <= code <= MAX_EXIT_CODE:
+                code = None  # not what a wrapper or a kill writes: garbage
+            states[(job_id, attempt)] = ("exited", code) if code is not None else ("unknown", None)
+        else:
+            states[(job_id, attempt)] = (parts[3], None)
+    fenced = parse_fenced(stdout)
+    return {
+        key: RemoteJobState(
+            state,
+            code,
+            log_tail(logs.get(key, [])),
+            fenced.get(key),
+            progress.get(key),
+            key in cannot_start,
+        )
+        for key, (state, code) in states.items()
+    }
+
+
+def log_tail(lines: Sequence[str]) -> str:
+    """The last `LOG_TAIL_LINES` lines of what the probe read of a log, printable (no NUL or
+    other control character: it may end up in a reason or on a terminal)."""
+    return printable("\n".join(lines[-LOG_TAIL_LINES:]))
