@@ -259,14 +259,11 @@ async def cancel_job(
                 AttemptRecord(
                     job_id,
                     # The attempt read above: if the job went on to another one meanwhile,
-                    # this move loses and the loop looks again.
+                    # this move loses and the loop looks again. Its ranks (where each runs)
+                    # are read from `job_nodes` by `abandon_attempt`.
                     place.attempt,
-                    place.target.id if place.target is not None else None,
-                    place.gpu_indices,
-                    place.gpu_uuids,
-                    place.run.token if place.run is not None else None,
-                    place.run.path if place.run is not None else None,
-                    place.remote_pid,
+                    None,
+                    token=place.run.token if place.run is not None else None,
                 ),
                 expected=status,
                 to=JobStatus.CANCELLED,

@@ -62,8 +62,8 @@ FENCED_READ_TIMEOUT_S = 10.0
 class AttemptRecord:
     """A job's current attempt as its row records it: which attempt, and the token a kill
     finds its directories by. `abandon_attempt` reads the attempt's ranks (where each runs)
-    from `job_nodes`; the VM, GPU, directory and pid fields are the job row's copy of rank
-    0's, kept for the callers that build a record from what they hold."""
+    from `job_nodes`, not from here: the VM, GPU, directory and pid fields (the job row's
+    copy of rank 0's) are not read by it, and only kept while callers still pass them."""
 
     job_id: int
     attempt: int
