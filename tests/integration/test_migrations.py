@@ -46,9 +46,11 @@ def test_0013_backfills_rank_0_of_a_running_single_node_job(postgres: EmbeddedPo
             text(
                 "INSERT INTO jobs (id, model, dataset, reward_function, status, attempt, vm_id,"
                 " gpu_indices, gpu_uuids, remote_pid, attempt_dir, launch_token) VALUES"
-                " (1, 'm', 'd', 'f', 'running', 2, :vm, '{1}', '{GPU-b}', 42, '/h/a', '0123456789abcdef'),"
+                " (1, 'm', 'd', 'f', 'running', 2, :vm, '{1}', '{GPU-b}', 42, '/h/a',"
+                " '0123456789abcdef'),"
                 " (2, 'm', 'd', 'f', 'queued', 0, NULL, NULL, NULL, NULL, NULL, NULL),"
-                " (3, 'm', 'd', 'f', 'running', 1, :vm, '{0}', '{GPU-a}', 7, '/h/b', 'fedcba9876543210')"
+                " (3, 'm', 'd', 'f', 'running', 1, :vm, '{0}', '{GPU-a}', 7, '/h/b',"
+                " 'fedcba9876543210')"
             ),
             {"vm": vm},
         )
