@@ -131,6 +131,17 @@ WITH {LEFTOVER_GPUS}, cand AS (
     WHERE id = :job_id AND status = 'queued' AND EXISTS (SELECT 1 FROM chosen_vm)
         AND EXISTS (SELECT 1 FROM installation)
     RETURNING attempt, vm_id, gpu_indices, gpu_uuids, output_dir, launch_token
+), node AS (
+    -- The attempt's one node (rank 0) in `job_nodes`, as every claimed attempt has: the
+    -- row of an earlier attempt is replaced, those of its other ranks go.
+    INSERT INTO job_nodes (job_id, rank, attempt, vm_id, gpu_indices, gpu_uuids)
+    SELECT :job_id, 0, attempt, vm_id, gpu_indices, gpu_uuids FROM moved
+    ON CONFLICT (job_id, rank) DO UPDATE SET
+        attempt = excluded.attempt, vm_id = excluded.vm_id,
+        gpu_indices = excluded.gpu_indices, gpu_uuids = excluded.gpu_uuids,
+        remote_pid = NULL, attempt_dir = NULL, exit_code = NULL
+), other_nodes AS (
+    DELETE FROM job_nodes WHERE job_id = :job_id AND rank > 0 AND EXISTS (SELECT 1 FROM moved)
 ), event AS (
     {_CLAIM_EVENT}
 )
@@ -187,6 +198,12 @@ WITH launched AS (
       AND jobs.status = 'starting' AND jobs.attempt = l.attempt
     RETURNING jobs.id, jobs.attempt, jobs.queued_at, jobs.starting_at, jobs.submitted_at,
               jobs.running_at, l.reason
+), node AS (
+    -- Rank 0's pid and directory on its `job_nodes` row too (the job row mirrors them).
+    UPDATE job_nodes SET remote_pid = l.pid, attempt_dir = l.dir
+    FROM launched l
+    WHERE job_nodes.job_id = l.job_id AND job_nodes.rank = 0
+      AND job_nodes.attempt = l.attempt AND job_nodes.job_id IN (SELECT id FROM moved)
 ), event AS (
     {_RUNNING_EVENT}
 )

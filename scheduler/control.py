@@ -64,6 +64,8 @@ class JobPlace:
     """The pid recorded when the launch was confirmed; None: not confirmed."""
     installation: str = ""
     gpu_uuids: list[str] | None = None
+    rank: int = 0
+    """Which rank (VM) of the attempt this is."""
 
 
 async def load_place(db: Database, job_id: int) -> JobPlace:
@@ -74,43 +76,52 @@ async def load_place(db: Database, job_id: int) -> JobPlace:
 
 
 async def load_rank_place(db: Database, job_id: int, rank: int) -> JobPlace:
-    """Where rank `rank` of the job's current attempt is: its own VM, directory and pid
-    (`NotFound` if no such job, `BadInput` if the job has no such rank). Rank 0 is the job
-    row itself; the other ranks of a multi-node job come from `job_nodes`."""
+    """Where rank `rank` of the attempt the job row names is: its own VM, directory and pid
+    (`NotFound` if no such job, `BadInput` if the job has no such rank). `rank_place`."""
     async with db.transaction() as session:
-        job = await get_job(session, job_id, with_ranks=rank > 0)
-        installation = await installation_id(session)
-        place = place_of(job, installation)
-        if rank == 0:
-            return place
-        return _rank_place(job, place, installation, rank)
+        job = await get_job(session, job_id, with_ranks=True)
+        return rank_place(job, await installation_id(session), rank)
 
 
 async def load_all_places(db: Database, job_id: int) -> list[JobPlace]:
-    """Where every rank of the job's current attempt is, rank 0 first (one for a
-    single-node job); a rank whose row is of another attempt is left out."""
+    """Where every rank of the job's current attempt is (`job_nodes`, one per VM, rank 0
+    first; one for a single-node job). A job never claimed has no ranks: its one place is
+    its row's (no VM)."""
     async with db.transaction() as session:
         job = await get_job(session, job_id, with_ranks=True)
         installation = await installation_id(session)
         place = place_of(job, installation)
-        others = [
-            _rank_place(job, place, installation, node.rank)
-            for node in job.ranks
-            if node.rank > 0 and node.attempt == job.attempt
-        ]
-        return [place, *others]
+        ranks = [_node_place(job, place, installation, n) for n in _current_nodes(job)]
+        return ranks or [place]
 
 
-def _rank_place(job: Any, place: JobPlace, installation: str, rank: int) -> JobPlace:
-    """Rank `rank`'s place, from the job's loaded `ranks` and rank 0's `place`."""
+def _current_nodes(job: Any) -> list[Any]:
+    """The loaded `job_nodes` rows of the job's current attempt, rank 0 first."""
+    return [node for node in job.ranks if node.attempt == job.attempt]
+
+
+def rank_place(job: Any, installation: str, rank: int) -> JobPlace:
+    """Rank `rank`'s place (job loaded with its `ranks`): its `job_nodes` row, for every
+    rank alike, while that row is of the attempt the job row names. The job row, rank 0's
+    copy, alone still names an attempt whose rows a newer claim replaced (a job completed
+    by an earlier attempt's late success), and a job never claimed has no rows at all."""
     if not 0 <= rank < job.nodes:
         nodes = (
             "1 node (rank 0)" if job.nodes == 1 else f"{job.nodes} nodes (ranks 0-{job.nodes - 1})"
         )
         raise BadInput(f"job {job.id} has {nodes}; there is no rank {rank}")
-    node = next((n for n in job.ranks if n.rank == rank), None)
-    if node is None or node.attempt != job.attempt:
+    place = place_of(job, installation)
+    named = job.completed_attempt or job.attempt
+    node = next((n for n in job.ranks if n.rank == rank and n.attempt == named), None)
+    if node is not None:
+        return _node_place(job, place, installation, node)
+    if rank > 0:
         raise BadInput(f"job {job.id} has not been placed yet ({job.status}): no rank {rank}")
+    return place
+
+
+def _node_place(job: Any, place: JobPlace, installation: str, node: Any) -> JobPlace:
+    """The place of the job's `job_nodes` row `node`, with the job's state from `place`."""
     return replace(
         place,
         target=VMTarget.from_vm(node.vm) if node.vm is not None else None,
@@ -118,6 +129,7 @@ def _rank_place(job: Any, place: JobPlace, installation: str, rank: int) -> JobP
         gpu_uuids=node.gpu_uuids,
         run=stored_attempt(installation, job.id, node.attempt, job.launch_token, node.attempt_dir),
         remote_pid=node.remote_pid,
+        rank=node.rank,
     )
 
 
@@ -157,22 +169,21 @@ async def job_details(
         data = await show_job(
             session, job_id, events_limit=events_limit, events_before=events_before
         )
-        job = await get_job(session, job_id)
+        job = await get_job(session, job_id, with_ranks=True)
         installation = await installation_id(session)
         place = place_of(job, installation)
+        ranks = [_node_place(job, place, installation, n) for n in _current_nodes(job)]
     # Where the outputs are on the VM, also when the job named no --output-dir.
     data["output_dir"] = data["output_dir"] or default_output_dir(installation, job_id)
     data["progress"], data["progress_error"] = None, None
     if transport is not None and place.attempt > 0 and place.target is not None:
         data["progress"], data["progress_error"] = await read_progress(transport, place)
         if data.get("roles") and place.run is not None and place.run.attempt == job.attempt:
-            merge_role_states(data["roles"], await read_role_states(transport, place), 0)
-            for rank in range(1, len(data["ranks"]) if job.nodes > 1 else 1):
-                # A group over several VMs: each VM's supervisor knows its own roles.
-                other = await load_rank_place(db, job_id, rank)
-                if other.run is not None and other.target is not None:
-                    seen = await read_role_states(transport, other)
-                    merge_role_states(data["roles"], seen, rank)
+            for node in ranks:
+                # Each VM's supervisor knows the roles of its own layout node.
+                if node.run is not None and node.target is not None:
+                    seen = await read_role_states(transport, node)
+                    merge_role_states(data["roles"], seen, node.rank)
     return data
 
 
@@ -254,14 +265,11 @@ async def cancel_job(
                 AttemptRecord(
                     job_id,
                     # The attempt read above: if the job went on to another one meanwhile,
-                    # this move loses and the loop looks again.
+                    # this move loses and the loop looks again. Its ranks (where each runs)
+                    # are read from `job_nodes` by `abandon_attempt`.
                     place.attempt,
-                    place.target.id if place.target is not None else None,
-                    place.gpu_indices,
-                    place.gpu_uuids,
-                    place.run.token if place.run is not None else None,
-                    place.run.path if place.run is not None else None,
-                    place.remote_pid,
+                    None,
+                    token=place.run.token if place.run is not None else None,
                 ),
                 expected=status,
                 to=JobStatus.CANCELLED,

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, exists, func, select
+from sqlalchemy import ColumnElement, delete, exists, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
@@ -18,7 +18,7 @@ from scheduler.leftovers import (
     open_leftover_count,
     open_leftover_on_vm,
 )
-from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM, Job
+from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM, Job, JobNode
 from scheduler.states import LIVE_STATES, FailureReason, JobStatus
 from scheduler.validate import check_text
 
@@ -136,13 +136,17 @@ def gpu_state(gpu: GPU) -> str:
     return "foreign" if gpu.foreign_busy else "free"
 
 
-async def live_job_count(session: AsyncSession, vm_id: int) -> int:
-    """How many jobs are starting or running on the VM."""
-    count = await session.scalar(
-        select(func.count())
-        .select_from(Job)
-        .where(Job.vm_id == vm_id, Job.status.in_([s.value for s in LIVE_STATES]))
+def runs_on(vm_id: Any) -> ColumnElement[bool]:
+    """Whether the job is live with a rank of its current attempt on the VM (`job_nodes`:
+    any rank, rank 0 like the others)."""
+    return Job.status.in_([s.value for s in LIVE_STATES]) & Job.id.in_(
+        select(JobNode.job_id).where(JobNode.vm_id == vm_id, JobNode.attempt == Job.attempt)
     )
+
+
+async def live_job_count(session: AsyncSession, vm_id: int) -> int:
+    """How many jobs are starting or running on the VM (any of their ranks)."""
+    count = await session.scalar(select(func.count()).select_from(Job).where(runs_on(vm_id)))
     return int(count or 0)
 
 
@@ -163,14 +167,14 @@ VM_REMOVED = FailureReason.VM_REMOVED.value
 async def fail_jobs_of_removed_vm(
     session: AsyncSession, vm_id: int, vm_name: str, *, actor: str
 ) -> list[int]:
-    """Fail the live jobs of a VM being removed with `vm_removed` (caller's transaction):
-    GPUs freed, and each attempt recorded as a leftover, so that it is killed when the VM
-    answers and its job is not run again until then (docs/invariants.md, invariant 2).
-    Returns the ids of the jobs failed."""
+    """Fail the live jobs with a rank on a VM being removed (`runs_on`) with `vm_removed`
+    (caller's transaction): GPUs freed, and every rank of each attempt recorded as a
+    leftover, so that it is killed when its VM answers and its job is not run again until
+    then (docs/invariants.md, invariant 2). Returns the ids of the jobs failed."""
     rows = (
         await session.execute(
             select(*AttemptRecord.columns(), Job.status)
-            .where(Job.vm_id == vm_id, Job.status.in_([s.value for s in LIVE_STATES]))
+            .where(runs_on(vm_id))
             .order_by(Job.id)
             .with_for_update()
         )
@@ -241,7 +245,7 @@ async def delete_removed_vms(session: AsyncSession, *, actor: str) -> list[str]:
         await fail_jobs_of_removed_vm(session, vm_id, vm_name, actor=actor)
     if not removing:
         return []
-    live_job = exists().where(Job.vm_id == VM.id, Job.status.in_([s.value for s in LIVE_STATES]))
+    live_job = exists().where(runs_on(VM.id))
     deleted = await session.execute(
         delete(VM)
         .where(VM.removing, ~open_leftover_on_vm(VM.id), ~live_job)

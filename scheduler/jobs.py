@@ -326,19 +326,17 @@ def rank_state(job_status: str, exit_code: int | None, pid: int | None) -> str:
 
 
 def ranks_to_dicts(job: Job) -> list[dict[str, Any]]:
-    """Every node of the job's current (or completing) attempt, rank 0 first: its VM, GPUs,
-    pid, directory and state. A single-node job's one node is its row; a job that was
-    never claimed has none. `job.ranks` must be loaded (`get_job(with_ranks=True)`)."""
-    if job.nodes > 1:
-        rows: list[Any] = list(job.ranks)
-    elif job.attempt > 0 and job.vm_id is not None:
+    """Every node of the job's latest claimed attempt (`job_nodes`, one per VM, rank 0
+    first, a single-node job's one included): its VM, GPUs, pid, directory and state. A job
+    that was never claimed has none; one last claimed before every claim wrote `job_nodes`
+    (migration 0013) shows its row, rank 0's copy. `job.ranks` must be loaded
+    (`get_job(with_ranks=True)`)."""
+    rows: list[Any] = list(job.ranks)
+    if not rows and job.attempt > 0 and job.vm_id is not None:
         rows = [job]
-    else:
-        return []
-    single = job.nodes == 1
     return [
         {
-            "rank": 0 if single else row.rank,
+            "rank": getattr(row, "rank", 0),
             "vm": row.vm.name if row.vm is not None else None,
             "gpu_indices": row.gpu_indices,
             "gpu_uuids": row.gpu_uuids,
@@ -358,7 +356,8 @@ def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
     node's for a group over several VMs), GPUs (its slice of its VM's claim), ports this
     attempt got (on its rank 0's VM), the pid of the
     group's supervisor and a state from the job's (`control.job_details` puts in each
-    role's own pid, state and exit code, read from the VM). `job.ports` must be loaded."""
+    role's own pid, state and exit code, read from the VM). `job.ports` and `job.ranks`
+    must be loaded."""
     from scheduler.errors import BadInput
     from scheduler.jobspec import parse_data
 
@@ -372,11 +371,9 @@ def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
     ports = {(p.role, p.name): p.port for p in job.ports if p.attempt == job.attempt}
     # A group over several VMs: each rank of a role on its node's VM, sliced from that
     # node's GPUs.
-    nodes: list[Any] = [job]
+    nodes: list[Any] = [r for r in job.ranks if r.attempt == job.attempt] or [job]
     nodes_of = {r.name: (0,) * r.nodes for r in group.roles}
-    if job.nodes > 1:
-        nodes = [r for r in job.ranks if r.attempt == job.attempt] or [job]
-        nodes_of = group.nodes_of() if len(nodes) == len(group.layout()) else nodes_of
+    nodes_of = group.nodes_of() if len(nodes) == len(group.layout()) else nodes_of
     starts = [0] * len(nodes)
     out = []
     for role in group.roles:

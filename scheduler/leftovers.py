@@ -23,7 +23,7 @@ This module is the one home of the concept:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,8 +61,10 @@ FENCED_READ_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True)
 class AttemptRecord:
-    """A job's current attempt as its row records it: where it runs and how a kill finds
-    it. What `abandon_attempt` copies into the ledger."""
+    """A job's current attempt as its row records it: which attempt, and the token a kill
+    finds its directories by. `abandon_attempt` reads the attempt's ranks (where each runs)
+    from `job_nodes`, not from here: the VM, GPU, directory and pid fields (the job row's
+    copy of rank 0's) are not read by it, and only kept while callers still pass them."""
 
     job_id: int
     attempt: int
@@ -113,10 +115,13 @@ async def abandon_attempt(
     leftover: str | None,
     failure_reason: str | None = None,
     values: Mapping[str, Any] | None = None,
+    ended: Collection[int] = (),
 ) -> bool:
     """Move the job off its current attempt `record` (caller's transaction): transition
-    to `to` guarded by `expected` and by that attempt; then, when `leftover` names why, the
-    attempt is recorded as a leftover on its VM; then the job's GPUs are freed.
+    to `to` guarded by `expected` and by that attempt; then, when `leftover` names why,
+    every rank of the attempt (`job_nodes`) is recorded as a leftover on its VM, except the
+    ranks in `ended` (known to have ended: nothing of them is left to kill); then the job's
+    GPUs are freed.
 
     The lease is always cleared. A move to `failed` also sets `failure_reason`, clears the
     exit code and any retry decision, and shows `reason` as the status reason. `values`
@@ -145,17 +150,19 @@ async def abandon_attempt(
     if not moved:
         return False
     if leftover is not None:
-        await _record_ranks(session, record, leftover)
+        await _record_ranks(session, record, leftover, ended)
     await release_in_session(session, record.job_id)
     return True
 
 
-async def _record_ranks(session: AsyncSession, record: AttemptRecord, reason: str) -> None:
-    """The attempt on the record's VM is a leftover, and so is, by shared fate, every other
-    rank of a multi-node attempt (`job_nodes`, ranks on other VMs): each is killed by the
-    sweep when its VM answers, its GPUs blocked until then. Each row keeps its rank and the
-    exit code `job_nodes` knew (what late success reads, `_ranks_succeeded`). A single-node
-    job has no `job_nodes` rows."""
+async def _record_ranks(
+    session: AsyncSession, record: AttemptRecord, reason: str, ended: Collection[int] = ()
+) -> None:
+    """Every rank of the record's attempt (`job_nodes`, one row per VM, rank 0 and a
+    single-node job's one rank included) is a leftover, by shared fate, unless it is in
+    `ended`: each is killed by the sweep when its VM answers, its GPUs blocked until then.
+    Each row keeps its rank and the exit code `job_nodes` knew (what late success reads,
+    `_ranks_succeeded`). A rank whose VM row was removed has nothing to kill."""
     ranks = (
         await session.execute(
             select(
@@ -168,24 +175,8 @@ async def _record_ranks(session: AsyncSession, record: AttemptRecord, reason: st
             )
         )
     ).all()  # fmt: skip
-    own = next((rank for rank in ranks if rank.vm_id == record.vm_id), None)
-    if record.vm_id is not None:
-        await record_leftover(
-            session,
-            vm_id=record.vm_id,
-            job_id=record.job_id,
-            attempt=record.attempt,
-            gpu_indices=record.gpu_indices,
-            gpu_uuids=record.gpu_uuids,
-            reason=reason,
-            token=record.token,
-            attempt_dir=record.attempt_dir,
-            pid=record.pid,
-            rank=own.rank if own is not None else None,
-            exit_code=own.exit_code if own is not None else None,
-        )
     for rank in ranks:
-        if rank is own:
+        if rank.rank in ended:
             continue
         await record_leftover(
             session,
@@ -460,9 +451,9 @@ class LeftoverSweep:
         exited 0 completes its job, unless the job has ended meanwhile. A newer attempt
         still starting or running is superseded: it becomes a leftover itself (its GPUs stay
         blocked until the next sweep has killed it), and the row names the VM and directory
-        of the attempt whose output is the result. A rank of a multi-node attempt is only
-        one part of it: the job completes once the attempt has succeeded by the one outcome
-        rule (`_ranks_succeeded`). Caller's transaction."""
+        of the attempt whose output is the result. A leftover is one rank of its attempt (the
+        only one, for a single-node job): the job completes once the attempt has succeeded
+        by the one outcome rule (`_ranks_succeeded`). Caller's transaction."""
         assert item.run is not None
         job = (
             await session.execute(
@@ -475,7 +466,7 @@ class LeftoverSweep:
         if job is None or JobStatus(job.status) in FINAL_STATES or job.attempt < item.attempt:
             bound.info("late_success_ignored", status=job.status if job else None)
             return
-        if job.nodes > 1 and not await _ranks_succeeded(session, item):
+        if not await _ranks_succeeded(session, item):
             bound.info("late_success_of_one_rank", nodes=job.nodes)
             return
         status = JobStatus(job.status)

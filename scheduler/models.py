@@ -198,9 +198,10 @@ class Job(Base):
     gpus_requested: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     """GPUs per node: a multi-node job has this many on each of its `nodes` VMs."""
     nodes: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
-    """How many VMs the job spans (`job submit --nodes`); 1 is a single-node job, whose
-    whole attempt the job row describes. For more, `job_nodes` holds one row per rank, and
-    the job row's VM, GPU, pid and directory columns are rank 0's."""
+    """How many VMs the job spans (`job submit --nodes`); 1 is a single-node job. Every
+    claimed attempt has one `job_nodes` row per VM (rank), a single-node job's one rank 0
+    included; the job row's VM, GPU, pid and directory columns are rank 0's copy, which
+    listings (`job list`) read, and name the completing attempt once the job completed."""
     priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     """Higher runs first."""
     status: Mapped[str] = mapped_column(String(16), default="queued", server_default="queued")
@@ -294,12 +295,15 @@ class Job(Base):
 
 
 class JobNode(Base):
-    """One node (rank) of a multi-node job's current attempt: its VM, GPUs and process.
+    """One node (rank) of a job's current attempt: its VM, GPUs and process. Every claimed
+    attempt has one row per VM, rank 0 and single-node jobs included (a single-node job is
+    an attempt of one node); probing, finishing, abandoning and cancelling read the ranks
+    here, all alike.
 
-    Written with the gang claim (every rank in the claim's transaction), the pid and
-    directory when the launch is recorded, the exit code when the poller sees the rank end.
-    Rank 0 repeats the job row's columns. Rows of an earlier attempt are replaced by the
-    next claim; single-node jobs have none."""
+    Written with the claim (every rank in the claim's transaction), the pid and directory
+    when the launch is recorded, the exit code when the poller sees the rank end. The job
+    row keeps a copy of rank 0's columns for listings. Rows of an earlier attempt are
+    replaced by the next claim."""
 
     __tablename__ = "job_nodes"
 

@@ -36,10 +36,11 @@ from sqlalchemy import select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
-from scheduler.attempts.ranks import attempt_succeeded, job_shape
+from scheduler.attempts.outcome import succeeded
+from scheduler.attempts.ranks import exit_codes, job_shape
 from scheduler.daemon import run_loop
 from scheduler.db import Database, installation_id
-from scheduler.gpus import RECOUNT_SQL, release_in_session
+from scheduler.gpus import RECOUNT_SQL
 from scheduler.history import (
     PRUNE_EVERY_S,
     GpuReading,
@@ -48,7 +49,6 @@ from scheduler.history import (
     prune,
     record_samples,
 )
-from scheduler.jobs import transition
 from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
@@ -410,107 +410,11 @@ class GpuPoller:
     async def _load(self) -> list[VMState]:
         async with self.db.transaction() as session:
             # Plain columns, not ORM objects: this runs for every VM on every sweep.
-            vm_rows = await session.execute(
-                select(*VMTarget.columns(), VM.status, VM.consecutive_failures, VM.launch_error)
-            )
-            vms = {
-                row.id: VMState(
-                    VMTarget.from_row(row),
-                    row.status,
-                    row.consecutive_failures,
-                    row.launch_error,
-                )
-                for row in vm_rows
-            }
-            gpu_rows = await session.execute(
-                select(
-                    GPU.vm_id,
-                    GPU.uuid,
-                    GPU.job_id,
-                    GPU.index,
-                    GPU.name,
-                    GPU.memory_total_mb,
-                    GPU.memory_used_mb,
-                    GPU.utilization_pct,
-                    GPU.healthy,
-                    GPU.foreign_busy,
-                )
-            )
-            for vm_id, uuid, job_id, *values in gpu_rows:
-                if vm_id in vms:
-                    vms[vm_id].gpus[uuid] = GpuRow(uuid, job_id, tuple(values))
+            vms = await _load_vms(session)
             installation = await installation_id(session)
-            job_rows = await session.execute(
-                select(
-                    Job.id,
-                    Job.vm_id,
-                    Job.status,
-                    Job.attempt,
-                    Job.remote_pid,
-                    Job.launch_token,
-                    Job.attempt_dir,
-                    Job.nodes,
-                ).where(
-                    Job.status.in_([s.value for s in LIVE_STATES]),
-                    Job.vm_id.is_not(None),
-                    Job.attempt >= 1,
-                )
-            )
-            for row in job_rows:
-                if row.vm_id is not None and row.vm_id in vms:
-                    run = stored_attempt(
-                        installation, row.id, row.attempt, row.launch_token, row.attempt_dir
-                    )
-                    vms[row.vm_id].jobs.append(
-                        LiveJob(
-                            row.id,
-                            row.vm_id,
-                            row.status,
-                            row.attempt,
-                            row.remote_pid,
-                            run,
-                            nodes=row.nodes,
-                        )
-                    )
-            # The other ranks of multi-node jobs, probed (and their leases renewed) on
-            # their own VMs like any attempt.
-            rank_rows = await session.execute(
-                select(
-                    Job.id,
-                    Job.status,
-                    Job.attempt,
-                    Job.launch_token,
-                    Job.nodes,
-                    JobNode.rank,
-                    JobNode.vm_id,
-                    JobNode.remote_pid,
-                    JobNode.attempt_dir,
-                )
-                .join(JobNode, JobNode.job_id == Job.id)
-                .where(
-                    Job.status.in_([s.value for s in LIVE_STATES]),
-                    Job.nodes > 1,
-                    JobNode.attempt == Job.attempt,
-                    JobNode.rank > 0,
-                )
-            )
-            for rank in rank_rows:
-                if rank.vm_id is not None and rank.vm_id in vms:
-                    run = stored_attempt(
-                        installation, rank.id, rank.attempt, rank.launch_token, rank.attempt_dir
-                    )
-                    vms[rank.vm_id].jobs.append(
-                        LiveJob(
-                            rank.id,
-                            rank.vm_id,
-                            rank.status,
-                            rank.attempt,
-                            rank.remote_pid,
-                            run,
-                            rank=rank.rank,
-                            nodes=rank.nodes,
-                        )
-                    )
+            for job in await _load_ranks(session, installation):
+                if job.vm_id in vms:
+                    vms[job.vm_id].jobs.append(job)
         return list(vms.values())
 
     async def _probe(self, vm: VMState) -> Outcome:
@@ -550,10 +454,7 @@ class GpuPoller:
     async def _finish(self, vm: VMState, verdict: JobVerdict) -> bool:
         job = verdict.job
         async with self.db.transaction() as session:
-            if job.nodes > 1:
-                moved = await _finish_rank(session, verdict, vm.target.name)
-            else:
-                moved = await _finish_job(session, verdict)
+            moved = await finish_rank(session, verdict, vm.target.name)
             if moved and verdict.vm_error is not None:
                 await session.execute(
                     _VM_LAUNCH_BROKEN_SQL, {"vm_id": vm.target.id, "error": verdict.vm_error}
@@ -783,71 +684,136 @@ def _gpu_changes(
     return rows
 
 
-async def _finish_job(session: AsyncSession, verdict: JobVerdict) -> bool:
-    """Move the job to its end state and free its GPUs, if it is still that attempt
-    (someone else may have moved it, or it was requeued and relaunched since the probe)."""
-    job = verdict.job
-    moved = await transition(
-        session,
-        job.id,
-        expected=LIVE_STATES,
-        to=verdict.to,
-        reason=verdict.reason,
-        actor=ACTOR,
-        values={
-            "exit_code": verdict.exit_code,
-            "failure_reason": verdict.failure_reason.value if verdict.failure_reason else None,
-            "status_reason": verdict.reason,
-            "completed_attempt": job.attempt if verdict.to == JobStatus.COMPLETED else None,
-        },
-        attempt=job.attempt,
+async def _load_vms(session: AsyncSession) -> dict[int, VMState]:
+    """Every VM with its GPU rows, by id."""
+    vm_rows = await session.execute(
+        select(*VMTarget.columns(), VM.status, VM.consecutive_failures, VM.launch_error)
     )
-    if moved:
-        await release_in_session(session, job.id)
-    return moved
+    vms = {
+        row.id: VMState(
+            VMTarget.from_row(row), row.status, row.consecutive_failures, row.launch_error
+        )
+        for row in vm_rows
+    }
+    gpu_rows = await session.execute(
+        select(
+            GPU.vm_id,
+            GPU.uuid,
+            GPU.job_id,
+            GPU.index,
+            GPU.name,
+            GPU.memory_total_mb,
+            GPU.memory_used_mb,
+            GPU.utilization_pct,
+            GPU.healthy,
+            GPU.foreign_busy,
+        )
+    )
+    for vm_id, uuid, job_id, *values in gpu_rows:
+        if vm_id in vms:
+            vms[vm_id].gpus[uuid] = GpuRow(uuid, job_id, tuple(values))
+    return vms
 
 
-async def _finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str) -> bool:
-    """One rank of a multi-node job ended (caller's transaction). Shared fate: a rank
-    that failed fails the whole attempt, and every rank still running becomes a leftover
-    to kill (`leftovers.abandon_attempt`); a rank that exited 0 is noted, and the job
-    completes once the attempt has succeeded (`attempts.outcome`: every primary rank exited
-    0). Returns whether the job moved."""
+async def _load_ranks(session: AsyncSession, installation: str) -> list[LiveJob]:
+    """Every rank of every live attempt (`job_nodes`, one row per VM, rank 0 and
+    single-node jobs included), each to be probed (and its lease renewed) on its own VM
+    like any other."""
+    rows = await session.execute(
+        select(
+            Job.id,
+            Job.status,
+            Job.attempt,
+            Job.launch_token,
+            Job.nodes,
+            JobNode.rank,
+            JobNode.vm_id,
+            JobNode.remote_pid,
+            JobNode.attempt_dir,
+        )
+        .join(JobNode, JobNode.job_id == Job.id)
+        .where(
+            Job.status.in_([s.value for s in LIVE_STATES]),
+            Job.attempt >= 1,
+            JobNode.attempt == Job.attempt,
+            JobNode.vm_id.is_not(None),
+        )
+    )
+    return [
+        LiveJob(
+            row.id,
+            row.vm_id,
+            row.status,
+            row.attempt,
+            row.remote_pid,
+            stored_attempt(installation, row.id, row.attempt, row.launch_token, row.attempt_dir),
+            rank=row.rank,
+            nodes=row.nodes,
+        )
+        for row in rows
+    ]
+
+
+async def finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str) -> bool:
+    """One rank of a live attempt ended (caller's transaction): the one way the poller
+    finishes every kind of attempt (one VM, several VMs, a group), rank 0 like any other.
+
+    The rank's end is noted on its `job_nodes` row (`job show` says which rank ended it,
+    and how). A rank that exited 0 completes the job once the attempt has succeeded by the
+    one outcome rule (`attempts.outcome`: every primary rank exited 0); a rank that failed
+    fails the whole attempt (shared fate). Either way the attempt is abandoned
+    (`leftovers.abandon_attempt`): the ranks known to have ended are done, every other rank
+    that may still run (a group's service ranks, the other ranks of a failed attempt)
+    becomes a leftover to kill, and the job's GPUs are freed; a single-node attempt has no
+    other rank, so its GPUs are simply freed. Returns whether the job moved (False also
+    when it is no longer that attempt: moved by someone else, or requeued and relaunched
+    since the probe)."""
     job = verdict.job
-    if verdict.to == JobStatus.COMPLETED:
+    done = verdict.to == JobStatus.COMPLETED
+    code = 0 if done else verdict.exit_code
+    if code is not None:
         await session.execute(
             update(JobNode)
             .where(
                 JobNode.job_id == job.id, JobNode.rank == job.rank, JobNode.attempt == job.attempt
             )
-            .values(exit_code=0)
+            .values(exit_code=code)
         )
-        if not await attempt_succeeded(session, job.id, job.attempt):
-            return False
-        shape = await job_shape(session, job.id)
-        if shape is None or not shape.group:
-            return await _finish_job(session, verdict)
-        return await _finish_group(session, verdict)
     record = await _attempt_record(session, job)
     if record is None:
         return False
-    if verdict.exit_code is not None:  # `job show` says which rank ended it, and how
-        await session.execute(
-            update(JobNode)
-            .where(
-                JobNode.job_id == job.id, JobNode.rank == job.rank, JobNode.attempt == job.attempt
-            )
-            .values(exit_code=verdict.exit_code)
+    if done:
+        codes = await exit_codes(session, job.id, job.attempt)
+        shape = await job_shape(session, job.id)
+        if shape is None or not succeeded(shape, codes):
+            return False
+        ended = {rank for rank, c in codes.items() if c is not None}
+        return await abandon_attempt(
+            session,
+            record,
+            expected=LIVE_STATES,
+            to=JobStatus.COMPLETED,
+            reason=verdict.reason,
+            actor=ACTOR,
+            leftover="group_done",  # only a group's service ranks can be left running
+            ended=ended,
+            values={
+                "exit_code": 0,
+                "failure_reason": None,
+                "status_reason": verdict.reason,
+                "completed_attempt": job.attempt,
+            },
         )
-    reason = f"rank {job.rank} on {vm_name}: {verdict.reason}"[:500]
+    reason = verdict.reason if job.nodes == 1 else f"rank {job.rank} on {vm_name}: {verdict.reason}"
     return await abandon_attempt(
         session,
         record,
         expected=LIVE_STATES,
         to=JobStatus.FAILED,
-        reason=reason,
+        reason=reason[:500],
         actor=ACTOR,
         leftover="rank_failed",
+        ended={job.rank},
         failure_reason=verdict.failure_reason.value if verdict.failure_reason else None,
         values={"exit_code": verdict.exit_code},
     )
@@ -861,32 +827,6 @@ async def _attempt_record(session: AsyncSession, job: LiveJob) -> AttemptRecord 
         )
     ).first()
     return None if row is None else AttemptRecord.from_row(row)
-
-
-async def _finish_group(session: AsyncSession, verdict: JobVerdict) -> bool:
-    """Every VM of a job group that runs a primary role exited 0: the job is `completed`,
-    and its attempt on every VM becomes a leftover (`leftovers.abandon_attempt`), so the
-    requeue manager kills what still runs there (the VMs with services only) and their
-    GPUs stay blocked until then."""
-    job = verdict.job
-    record = await _attempt_record(session, job)
-    if record is None:
-        return False
-    return await abandon_attempt(
-        session,
-        record,
-        expected=LIVE_STATES,
-        to=JobStatus.COMPLETED,
-        reason=verdict.reason,
-        actor=ACTOR,
-        leftover="group_done",
-        values={
-            "exit_code": 0,
-            "failure_reason": None,
-            "status_reason": verdict.reason,
-            "completed_attempt": job.attempt,
-        },
-    )
 
 
 # --- the daemon -------------------------------------------------------------------------

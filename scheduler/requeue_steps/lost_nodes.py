@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
@@ -20,14 +20,11 @@ NODE_LOST = FailureReason.NODE_LOST.value
 
 
 async def fail_lost_nodes(session: AsyncSession, *, timeout_s: float, actor: str) -> list[int]:
-    """Fail live jobs of VMs unreachable for longer than `timeout_s`; their ids. A
-    multi-node job fails when the VM of any of its ranks is lost (shared fate: every rank
-    becomes a leftover, `leftovers.abandon_attempt`)."""
-    on_vm = or_(
-        VM.id == Job.vm_id,
-        VM.id.in_(
-            select(JobNode.vm_id).where(JobNode.job_id == Job.id, JobNode.attempt == Job.attempt)
-        ),
+    """Fail live jobs of VMs unreachable for longer than `timeout_s`; their ids. A job
+    fails when the VM of any rank of its attempt (`job_nodes`, rank 0 included) is lost
+    (shared fate: every rank becomes a leftover, `leftovers.abandon_attempt`)."""
+    on_vm = VM.id.in_(
+        select(JobNode.vm_id).where(JobNode.job_id == Job.id, JobNode.attempt == Job.attempt)
     )
     outage = func.extract("epoch", func.now() - VM.unreachable_since)
     rows = (

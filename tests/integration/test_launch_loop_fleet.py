@@ -20,7 +20,7 @@ from scheduler.db import Database
 from scheduler.dispatcher.launch import Launcher, NodeLaunch
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
-from scheduler.remote import LaunchResult
+from scheduler.remote.launch import LaunchResult
 from scheduler.requeue import RequeueConfig
 from scheduler.transport import Transport, VMTarget
 from tests.fleet import FAKE_TRAIN, SimFleet

@@ -23,7 +23,7 @@ from scheduler.remote.layout import default_output_dir, new_token
 from scheduler.states import JobStatus
 from scheduler.transport import Transport
 from tests.fleet import FAKE_TRAIN, SimFleet, SimVM
-from tests.workloads.support import current_attempt, job_attempt_dir, job_row
+from tests.workloads.support import current_attempt, job_attempt_dir, job_row, place_rank0
 
 
 async def gpus_of(db: Database, vm_id: int) -> list[GPU]:
@@ -61,6 +61,7 @@ async def launch_job(
         await session.execute(
             update(GPU).where(GPU.vm_id == vm_id, GPU.index == gpu).values(job_id=job.id)
         )
+        await place_rank0(session, job.id)
         job_id = job.id
     run = await current_attempt(db, job_id)
     spec = LaunchSpec(
@@ -87,6 +88,7 @@ async def launch_job(
             actor="test",
             values={"remote_pid": launched.pid, "attempt_dir": launched.path},
         )
+        await place_rank0(session, job_id)
     return job_id
 
 

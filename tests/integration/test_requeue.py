@@ -26,7 +26,7 @@ from scheduler.models import GPU, VM, Job, Leftover
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
 from scheduler.retry import RetryPolicy
 from scheduler.states import JobStatus
-from tests.workloads.support import add_vm_row, new_job
+from tests.workloads.support import add_vm_row, new_job, place_rank0
 
 FAST = RequeueConfig(
     interval_s=0.1,
@@ -109,6 +109,7 @@ async def run_on(db: Database, job_id: int, vm_id: int, gpu_indices: list[int]) 
             actor="test",
             values={"remote_pid": 4242},
         )
+        await place_rank0(session, job_id)
         await session.execute(
             update(GPU).where(GPU.vm_id == vm_id, GPU.index.in_(gpu_indices)).values(job_id=job_id)
         )

@@ -14,6 +14,7 @@ import nats as nats_client
 import pytest
 from sqlalchemy import select
 
+from scheduler.claims import Claim, claim_gpus
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.errors import BadInput
@@ -139,3 +140,27 @@ async def test_unkilled_leftovers_refuse_a_plain_remove_and_force_twice_deletes(
         done = await remove_vm(session, "leftover-vm", force=True)
     assert (done.outcome, done.leftovers) == ("removed", 1)
     assert "leftover-vm" not in await vm_names(db)
+
+
+async def test_a_vm_running_rank_1_of_a_job_is_refused_then_its_job_fails(db: Database) -> None:
+    """Given a two-node job claimed on VMs a (rank 0) and b (rank 1), removing b is refused
+    while the job is live, as removing a is: every rank's VM runs the job. With --force the
+    job fails `vm_removed` and both ranks are leftovers to kill."""
+    await add_vm_row(db, "a", 1)
+    await add_vm_row(db, "b", 1)
+    claim = await claim_gpus(db, await new_job(db, 1, nodes=2), actor="test")
+    assert isinstance(claim, Claim) and len(claim.nodes) == 2
+    async with db.transaction() as session:
+        names = dict((await session.execute(select(VM.id, VM.name))).all())
+    rank1 = names[claim.nodes[1].vm_id]
+    with pytest.raises(BadInput, match="1 live job"):
+        async with db.transaction() as session:
+            await remove_vm(session, rank1)
+    async with db.transaction() as session:
+        removal = await remove_vm(session, rank1, force=True)
+    assert (removal.outcome, removal.failed_jobs) == ("removing", [claim.job_id])
+    async with db.transaction() as session:
+        job = await session.get(Job, claim.job_id)
+        assert job is not None and (job.status, job.failure_reason) == ("failed", "vm_removed")
+        ranks = (await session.execute(select(Leftover.rank).order_by(Leftover.rank))).scalars()
+        assert list(ranks) == [0, 1]

@@ -15,7 +15,7 @@ from typing import Any
 
 import nats as nats_client
 from nats.aio.client import Client as NATS
-from sqlalchemy import select, update
+from sqlalchemy import select, text, update
 
 from scheduler import bus
 from scheduler.db import Database, installation_id
@@ -254,6 +254,28 @@ async def installation(db: Database) -> str:
     """The database's installation id."""
     async with db.transaction() as session:
         return await installation_id(session)
+
+
+RANK0_FROM_JOB_SQL = text(
+    """
+INSERT INTO job_nodes (job_id, rank, attempt, vm_id, gpu_indices, gpu_uuids, remote_pid,
+                       attempt_dir)
+SELECT id, 0, attempt, vm_id, coalesce(gpu_indices, '{}'), coalesce(gpu_uuids, '{}'),
+       remote_pid, attempt_dir
+FROM jobs WHERE id = :job_id
+ON CONFLICT (job_id, rank) DO UPDATE SET
+    attempt = excluded.attempt, vm_id = excluded.vm_id, gpu_indices = excluded.gpu_indices,
+    gpu_uuids = excluded.gpu_uuids, remote_pid = excluded.remote_pid,
+    attempt_dir = excluded.attempt_dir, exit_code = NULL
+"""
+)
+
+
+async def place_rank0(session: Any, job_id: int) -> None:
+    """Write the job's rank 0 `job_nodes` row from its job row, as the claim and the
+    launch record do, for a test that moves a job to starting or running by hand (every
+    claimed attempt has its rows in `job_nodes`)."""
+    await session.execute(RANK0_FROM_JOB_SQL, {"job_id": job_id})
 
 
 async def current_attempt(db: Database, job_id: int) -> Attempt:
