@@ -35,16 +35,33 @@ def marker_pattern(run: Attempt) -> str:
     return f"^RLFLEET_PROGRESS_FILE=.*/{rel}/"
 
 
+def _marked_lines(run: Attempt, indent: str) -> list[str]:
+    """Open a loop over the pids (`$rlfleet_m`) of this VM account's processes carrying the
+    attempt's marker in `$d`, this VM's directory of the attempt: a grep over
+    /proc/*/environ finds the candidates by the relative directory, and the marker's own
+    directory must then be `$d` itself (`-ef`: the same directory, symlinks resolved),
+    since two VMs that are one host and account (the ranks of one attempt in two homes)
+    share the relative directory. The caller closes the loop with `done`."""
+    pattern = shlex.quote(marker_pattern(run))
+    return [
+        f"{indent}for rlfleet_m in $(grep -lzs -e {pattern} /proc/[0-9]*/environ 2>/dev/null); do",
+        f"{indent}  rlfleet_m=${{rlfleet_m#/proc/}}; rlfleet_m=${{rlfleet_m%/environ}}",
+        f'{indent}  rlfleet_v=$(tr "\\000" "\\n" < "/proc/$rlfleet_m/environ" 2>/dev/null'
+        f" | grep -m 1 '^RLFLEET_PROGRESS_FILE=')",
+        f'{indent}  rlfleet_v=${{rlfleet_v#RLFLEET_PROGRESS_FILE=}}',
+        f'{indent}  [ "${{rlfleet_v%/*}}" -ef "$d" ] || continue',
+    ]
+
+
 def marked_kill_lines(
     run: Attempt, signal: str, indent: str = "", *, outside: str | None = None
 ) -> list[str]:
     """Send `signal` to every process of this VM account whose environment carries the
-    attempt's marker (`marker_pattern`): what the job started that left its process group
-    (`setsid`, a daemon). With `outside` (a shell word: a process group id), members of
-    that group are left alone (they get the group's own signal, once). One `grep` over
-    /proc/*/environ (only the account's own processes are readable); a process that
-    cleared its environment is not found, and no /proc (not Linux) finds nothing."""
-    pattern = shlex.quote(marker_pattern(run))
+    attempt's marker (`marker_pattern`) for this VM's directory `$d` (`_marked_lines`):
+    what the job started that left its process group (`setsid`, a daemon). With `outside`
+    (a shell word: a process group id), members of that group are left alone (they get the
+    group's own signal, once). Only the account's own processes are readable; a process
+    that cleared its environment is not found, and no /proc (not Linux) finds nothing."""
     skip = []
     if outside is not None:
         # /proc/N/stat: "pid (comm) state ppid pgrp …"; comm may hold spaces and ")".
@@ -53,8 +70,7 @@ def marked_kill_lines(
             f'{indent}  set -- ${{rlfleet_st##*) }}; [ "$3" = {outside} ] && continue',
         ]
     return [
-        f"{indent}for rlfleet_m in $(grep -lzs -e {pattern} /proc/[0-9]*/environ 2>/dev/null); do",
-        f"{indent}  rlfleet_m=${{rlfleet_m#/proc/}}; rlfleet_m=${{rlfleet_m%/environ}}",
+        *_marked_lines(run, indent),
         *skip,
         f'{indent}  kill -{signal} "$rlfleet_m" 2>/dev/null',
         f"{indent}done",
@@ -62,8 +78,10 @@ def marked_kill_lines(
 
 
 def marked_alive(run: Attempt) -> str:
-    """A shell condition: some process carrying the attempt's marker still runs."""
-    return f"grep -qzs -e {shlex.quote(marker_pattern(run))} /proc/[0-9]*/environ 2>/dev/null"
+    """A shell condition: some process carrying the attempt's marker for `$d` still runs."""
+    first, *body = _marked_lines(run, "")
+    loop = "; ".join([*(line.strip() for line in body), "rlfleet_a=1; break; done"])
+    return f'{{ rlfleet_a=; {first} {loop}; [ -n "$rlfleet_a" ]; }}'
 
 
 def kill_script(

@@ -460,3 +460,39 @@ async def test_a_fence_stops_a_setsid_child_of_the_job_too(home: Path) -> None:
         for pid in (child, result.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_kill_leaves_the_same_attempt_of_another_vm_on_the_same_host_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given two VMs that are one host and account (two homes: the test fleet, or two VM
+    entries for one machine), the ranks of one attempt have the same relative directory:
+    a kill of the rank in one home stops what carries that home's marker, never the rank
+    running from the other home."""
+    here, there = tmp_path / "vm-a", tmp_path / "vm-b"
+    attempt = run(7)
+    for home_dir in (here, there):  # an attempt that ended, leaving a process behind
+        (home_dir / attempt.relative).mkdir(parents=True)
+        (home_dir / attempt.relative / "pid").write_text("4194000\n")
+        (home_dir / attempt.relative / "exit_code").write_text("0\n")
+    procs = {
+        home_dir: subprocess.Popen(
+            ["sleep", "60"],
+            env={
+                **os.environ,
+                "RLFLEET_PROGRESS_FILE": str(home_dir / attempt.relative / "progress.json"),
+            },
+            start_new_session=True,
+        )
+        for home_dir in (here, there)
+    }
+    try:
+        monkeypatch.setenv("HOME", str(here))
+        code, out, _ = await sh(kill_script(attempt, grace_s=2))
+        assert code == 0 and parse_kill(out) == "gone", out
+        procs[here].wait(10)
+        assert procs[there].poll() is None, "the other VM's rank was killed"
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait(10)
