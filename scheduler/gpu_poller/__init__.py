@@ -32,7 +32,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select, text, update
+from sqlalchemy import case, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
@@ -718,7 +718,16 @@ async def _load_vms(session: AsyncSession) -> dict[int, VMState]:
 async def _load_ranks(session: AsyncSession, installation: str) -> list[LiveJob]:
     """Every rank of every live attempt (`job_nodes`, one row per VM, rank 0 and
     single-node jobs included), each to be probed (and its lease renewed) on its own VM
-    like any other."""
+    like any other. A live row that no claim placed (written by hand or by a bug: no
+    `job_nodes` rows for its attempt) is read as its rank 0 from the job row, so that the
+    probe resolves it like any other attempt (docs/security.md)."""
+    placed = (JobNode.job_id == Job.id) & (JobNode.attempt == Job.attempt)
+    unplaced = JobNode.job_id.is_(None)
+
+    def column(of_rank: Any, of_job: Any, name: str) -> Any:
+        return case((unplaced, of_job), else_=of_rank).label(name)
+
+    vm_id = column(JobNode.vm_id, Job.vm_id, "vm_id")
     rows = await session.execute(
         select(
             Job.id,
@@ -726,17 +735,16 @@ async def _load_ranks(session: AsyncSession, installation: str) -> list[LiveJob]
             Job.attempt,
             Job.launch_token,
             Job.nodes,
-            JobNode.rank,
-            JobNode.vm_id,
-            JobNode.remote_pid,
-            JobNode.attempt_dir,
+            column(JobNode.rank, 0, "rank"),
+            vm_id,
+            column(JobNode.remote_pid, Job.remote_pid, "remote_pid"),
+            column(JobNode.attempt_dir, Job.attempt_dir, "attempt_dir"),
         )
-        .join(JobNode, JobNode.job_id == Job.id)
+        .outerjoin(JobNode, placed)
         .where(
             Job.status.in_([s.value for s in LIVE_STATES]),
             Job.attempt >= 1,
-            JobNode.attempt == Job.attempt,
-            JobNode.vm_id.is_not(None),
+            case((unplaced, Job.vm_id), else_=JobNode.vm_id).is_not(None),
         )
     )
     return [
@@ -784,6 +792,7 @@ async def finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str) 
         return False
     if done:
         codes = await exit_codes(session, job.id, job.attempt)
+        codes.setdefault(job.rank, 0)  # seen exiting 0, whether or not a row records it
         shape = await job_shape(session, job.id)
         if shape is None or not succeeded(shape, codes):
             return False

@@ -45,6 +45,7 @@ from tests.workloads.support import (
     job_attempt_dir,
     job_row,
     new_job,
+    place_rank0,
     running_dispatcher,
     wait_file,
     wait_status,
@@ -329,6 +330,7 @@ async def launch_on(
             actor="test",
             values={"remote_pid": launched.pid, "attempt_dir": launched.path},
         )
+        await place_rank0(session, job_id)  # every placed attempt has its rank rows
     return job_id
 
 
