@@ -18,16 +18,15 @@ from scheduler.jobstore import colon_style
 LEFTOVER_GPUS = """
     leftover_gpus AS MATERIALIZED (
         SELECT s.vm_id, u AS uuid, NULL::int AS index
-        FROM stale_processes s, unnest(s.gpu_uuids) u WHERE s.killed_at IS NULL
+        FROM leftovers s, unnest(s.gpu_uuids) u WHERE s.killed_at IS NULL
         UNION ALL
-        SELECT s.vm_id, NULL, i FROM stale_processes s, unnest(s.gpu_indices) i
+        SELECT s.vm_id, NULL, i FROM leftovers s, unnest(s.gpu_indices) i
         WHERE s.killed_at IS NULL AND s.gpu_uuids IS NULL
     )
 """
 """CTE `leftover_gpus`: the GPUs open leftover rows keep out of use (usually none: computed
 once, then hash anti-joined). A leftover blocks its GPUs by UUID (a renumbering cannot
-move them); rows written before UUIDs were recorded block by index. The table keeps its
-first name, `stale_processes`."""
+move them); rows written before UUIDs were recorded block by index."""
 
 FREE_GPU = """
     g.job_id IS NULL AND g.healthy AND NOT g.foreign_busy

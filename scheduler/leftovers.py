@@ -14,8 +14,7 @@ This module is the one home of the concept:
   (`jobs.transition`), record the attempt as a leftover if a process of it may run, then
   give its GPUs back, in that order, so that the recount of the VM's free GPUs already
   leaves the leftover's out.
-- the ledger (the table `stale_processes`, ORM `models.Leftover`; the table keeps its
-  first name, renaming it would need a migration): `record_leftover`, `close_leftover`,
+- the ledger (the table `leftovers`, ORM `models.Leftover`): `record_leftover`, `close_leftover`,
   `leftover_may_run`, `open_leftover_count`, `open_leftover_on_vm`.
 - `LeftoverSweep`: the requeue manager's kill sweep over open rows on VMs that answer.
 """

@@ -379,9 +379,10 @@ class JobEvent(Base):
 class Leftover(Base):
     """An attempt that may still run on its VM after its job moved on (`scheduler.leftovers`):
     it must be killed when the VM answers, and the GPUs it held are not offered until then
-    (docs/invariants.md, invariant 2). The table keeps its first name, `stale_processes`."""
+    (docs/invariants.md, invariant 2). Table `leftovers` (named `stale_processes` before
+    migration 0014)."""
 
-    __tablename__ = "stale_processes"
+    __tablename__ = "leftovers"
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
     vm_id: Mapped[int] = mapped_column(ForeignKey("vms.id", ondelete="CASCADE"), index=True)
