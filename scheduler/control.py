@@ -1,4 +1,5 @@
-"""What a user does to one job after submitting it: cancel, retry, read its log and progress.
+"""What a user does to one job after submitting it: cancel, retry, read its progress
+(its log: `scheduler.job_logs`).
 
 Each operation follows load (short transaction) → SSH (no transaction) → apply (short
 guarded transaction), like the daemons. The CLI is a thin layer over these functions.
@@ -7,13 +8,9 @@ guarded transaction), like the daemons. The CLI is a thin layer over these funct
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
-
-from sqlalchemy import select
 
 from scheduler import bus
 from scheduler.db import Database, installation_id
@@ -22,15 +19,11 @@ from scheduler.jobs import get_job, show_job, transition
 from scheduler.kill import kill_attempt
 from scheduler.leftovers import AttemptRecord, abandon_attempt, close_leftover
 from scheduler.logging import get_logger
-from scheduler.models import Job
 from scheduler.remote.layout import Attempt, default_output_dir, stored_attempt
 from scheduler.remote.logs import (
     NO_FILE_EXIT,
     READ_CHUNK_BYTES,
-    parse_tokens,
     read_file_script,
-    role_log,
-    tokens_script,
 )
 from scheduler.remote.output import load_json, printable
 from scheduler.settings import Settings
@@ -55,11 +48,13 @@ class JobPlace:
 
     job_id: int
     status: str
-    attempt: int
+    newest_attempt: int
+    """The job row's `attempt`: its newest attempt's number (0 before the first claim)."""
     target: VMTarget | None
     gpu_indices: list[int] | None
-    run: Attempt | None = None
-    """The attempt the row names (its directory); None before the first claim."""
+    attempt: Attempt | None = None
+    """The attempt the row names (its directory): the newest, or the one that completed
+    the job; None before the first claim."""
     remote_pid: int | None = None
     """The pid recorded when the launch was confirmed; None: not confirmed."""
     installation: str = ""
@@ -127,7 +122,9 @@ def _node_place(job: Any, place: JobPlace, installation: str, node: Any) -> JobP
         target=VMTarget.from_vm(node.vm) if node.vm is not None else None,
         gpu_indices=node.gpu_indices,
         gpu_uuids=node.gpu_uuids,
-        run=stored_attempt(installation, job.id, node.attempt, job.launch_token, node.attempt_dir),
+        attempt=stored_attempt(
+            installation, job.id, node.attempt, job.launch_token, node.attempt_dir
+        ),
         remote_pid=node.remote_pid,
         rank=node.rank,
     )
@@ -138,14 +135,14 @@ def place_of(job: Any, installation: str) -> JobPlace:
     it (its VM and directory are the row's), which need not be the newest."""
     target = VMTarget.from_vm(job.vm) if job.vm is not None else None
     number = job.completed_attempt or job.attempt
-    run = stored_attempt(installation, job.id, number, job.launch_token, job.attempt_dir)
+    attempt = stored_attempt(installation, job.id, number, job.launch_token, job.attempt_dir)
     return JobPlace(
         job.id,
         job.status,
         job.attempt,
         target,
         job.gpu_indices,
-        run,
+        attempt,
         job.remote_pid,
         installation,
         job.gpu_uuids,
@@ -176,12 +173,12 @@ async def job_details(
     # Where the outputs are on the VM, also when the job named no --output-dir.
     data["output_dir"] = data["output_dir"] or default_output_dir(installation, job_id)
     data["progress"], data["progress_error"] = None, None
-    if transport is not None and place.attempt > 0 and place.target is not None:
+    if transport is not None and place.newest_attempt > 0 and place.target is not None:
         data["progress"], data["progress_error"] = await read_progress(transport, place)
-        if data.get("roles") and place.run is not None and place.run.attempt == job.attempt:
+        if data.get("roles") and place.attempt is not None and place.attempt.attempt == job.attempt:
             for node in ranks:
                 # Each VM's supervisor knows the roles of its own layout node.
-                if node.run is not None and node.target is not None:
+                if node.attempt is not None and node.target is not None:
                     seen = await read_role_states(transport, node)
                     merge_role_states(data["roles"], seen, node.rank)
     return data
@@ -192,10 +189,10 @@ ROLE_STATES = frozenset({"waiting", "running", "exited", "stopped"})
 
 async def read_role_states(transport: Transport, place: JobPlace) -> dict[str, Any]:
     """The group supervisor's `roles.json` of the current attempt ({} when unreadable)."""
-    assert place.run is not None
+    assert place.attempt is not None
     try:
-        text = await _read(
-            transport, place, place.run, "roles.json", 0, PROGRESS_TIMEOUT_S, STATE_FILE_BYTES
+        text = await read_attempt_file(
+            transport, place, place.attempt, "roles.json", 0, PROGRESS_TIMEOUT_S, STATE_FILE_BYTES
         )
     except ServiceUnavailable:
         return {}
@@ -267,9 +264,9 @@ async def cancel_job(
                     # The attempt read above: if the job went on to another one meanwhile,
                     # this move loses and the loop looks again. Its ranks (where each runs)
                     # are read from `job_nodes` by `abandon_attempt`.
-                    place.attempt,
+                    place.newest_attempt,
                     None,
-                    token=place.run.token if place.run is not None else None,
+                    token=place.attempt.token if place.attempt is not None else None,
                 ),
                 expected=status,
                 to=JobStatus.CANCELLED,
@@ -283,7 +280,7 @@ async def cancel_job(
         if not live:
             log.info("job_cancelled", job_id=job_id, previous=status.value)
             return CancelResult(job_id, status.value)
-        if place.run is None:  # a live job always has a token; a row without one has no dir
+        if place.attempt is None:  # a live job always has a token; a row without one has no dir
             return CancelResult(job_id, status.value, "no launch token recorded")
         return await _kill_ranks(db, transport, places, status, grace_s)
     raise ServiceUnavailable(f"job {job_id} kept changing state; try again")
@@ -299,19 +296,19 @@ async def _kill_ranks(
     """Kill every rank of a cancelled attempt at once, each on its own VM (no transaction
     open), then close in one short transaction the leftover of each rank proven dead. A
     rank whose VM row is gone has no leftover to close and is not waited for."""
-    ranks = [p for p in places if p.target is not None and p.run is not None]
+    ranks = [p for p in places if p.target is not None and p.attempt is not None]
     kills = await asyncio.gather(
         *(
             kill_attempt(
                 transport,
                 p.target,
-                p.run,
+                p.attempt,
                 grace_s=grace_s,
                 # A recorded pid: the rank started, so it is never "stopped before it started".
                 launched=p.remote_pid is not None,
             )
             for p in ranks
-            if p.target is not None and p.run is not None
+            if p.target is not None and p.attempt is not None
         )
     )
     dead = [(p, k) for p, k in zip(ranks, kills, strict=True) if k.dead]
@@ -319,7 +316,9 @@ async def _kill_ranks(
         async with db.transaction() as session:
             for p, _kill in dead:
                 assert p.target is not None
-                await close_leftover(session, vm_id=p.target.id, job_id=p.job_id, attempt=p.attempt)
+                await close_leftover(
+                    session, vm_id=p.target.id, job_id=p.job_id, attempt=p.newest_attempt
+                )
     words = [k.describe() for k in kills]
     first = places[0]
     described = (
@@ -333,7 +332,7 @@ async def _kill_ranks(
         "job_cancelled",
         job_id=first.job_id,
         vms=[p.target.name for p in ranks if p.target is not None],
-        attempt=first.attempt,
+        attempt=first.newest_attempt,
         previous=previous.value,
         kill=described,
         gpus_blocked=len(dead) < len(ranks),
@@ -361,48 +360,13 @@ async def retry_job(db: Database, settings: Settings, job_id: int, *, actor: str
         )
     if not moved:
         raise BadInput(f"job {job_id} is no longer failed; nothing was changed")
-    error = await announce(db, settings, job_id, bus.msg_id(job_id, place.attempt))
+    error = await announce(db, settings, job_id, bus.msg_id(job_id, place.newest_attempt))
     if error is not None:
         log.warning("retry_not_published", job_id=job_id, error=error)
     return error is None
 
 
-def _pick_attempt(place: JobPlace, attempt: int | None) -> int:
-    if place.attempt == 0:
-        raise BadInput(f"job {place.job_id} has not started yet ({place.status}): no log")
-    if attempt is None:
-        # The attempt the row names: the one that completed the job, else the newest.
-        return place.run.attempt if place.run is not None else place.attempt
-    if not 1 <= attempt <= place.attempt:
-        raise BadInput(
-            f"job {place.job_id} has attempts 1 to {place.attempt}; there is no attempt {attempt}"
-        )
-    return attempt
-
-
-async def _locate(transport: Transport, place: JobPlace, attempt: int) -> Attempt:
-    """The directory of attempt `attempt`: the row's for its own attempt; an earlier one's
-    is looked up on the VM among this installation's directories of that attempt."""
-    assert place.target is not None
-    if place.run is not None and place.run.attempt == attempt:
-        return place.run
-    try:
-        result = await transport.run(
-            place.target, tokens_script(place.installation, place.job_id, attempt), timeout=30
-        )
-    except TransportError as exc:
-        raise ServiceUnavailable(f"cannot list attempts of job {place.job_id}: {exc}") from exc
-    tokens = parse_tokens(result.stdout)
-    if len(tokens) != 1:
-        why = "no directory" if not tokens else f"{len(tokens)} directories"
-        raise BadInput(
-            f"job {place.job_id}: {why} of attempt {attempt} on {place.target.name}"
-            " (an attempt's log stays on the VM that ran it)"
-        )
-    return Attempt(place.installation, place.job_id, attempt, tokens[0])
-
-
-async def _read(
+async def read_attempt_file(
     transport: Transport,
     place: JobPlace,
     run: Attempt,
@@ -434,144 +398,15 @@ async def _read(
         raise ServiceUnavailable(f"reading {name} of job {place.job_id}: garbled answer") from exc
 
 
-async def _read_all(
-    transport: Transport,
-    place: JobPlace,
-    run: Attempt,
-    offset: int,
-    write: Callable[[bytes], Any],
-    name: str = "train.log",
-) -> tuple[int, bool]:
-    """Write the log `name` from `offset` to its current end; the new offset, and whether
-    the file exists."""
-    while True:
-        chunk = await _read(transport, place, run, name, offset, timeout=30)
-        if chunk is None:
-            return offset, False
-        if chunk:
-            write(chunk)
-            offset += len(chunk)
-        if len(chunk) < READ_CHUNK_BYTES:
-            return offset, True
-
-
-async def stream_log(
-    db: Database,
-    transport: Transport,
-    job_id: int,
-    write: Callable[[bytes], Any],
-    *,
-    attempt: int | None = None,
-    follow: bool = False,
-    poll_s: float = 1.0,
-    node: int = 0,
-    role: str | None = None,
-) -> None:
-    """Write the attempt's `train.log` (default: the current attempt) with `write`, byte
-    for byte as the job wrote it (offsets count bytes; invalid UTF-8 is passed on as is).
-    `node` picks the rank of a multi-node job: its log is read on its own VM.
-
-    With `follow`, keep writing what is appended until the job is no longer live, like
-    `tail -f` that knows when to stop.
-    """
-    name, role_node = await _log_name(db, job_id, role, node)
-    node = role_node if role_node is not None else node
-    place = await load_rank_place(db, job_id, node)
-    wanted = _pick_attempt(place, attempt)
-    if place.target is None:
-        raise BadInput(f"job {job_id} has no VM recorded; no log to read")
-    if node > 0 and wanted != place.attempt:
-        # Only the current attempt's ranks are recorded; an earlier one's VMs are not.
-        raise BadInput(
-            f"job {job_id}: only the current attempt ({place.attempt}) of rank {node} is "
-            "known; earlier attempts can be read for rank 0 only"
-        )
-    run = await _locate(transport, place, wanted)
-    offset = 0
-    while True:
-        offset, exists = await _read_all(transport, place, run, offset, write, name)
-        if not follow:
-            return
-        if not exists and offset == 0 and place.status not in LIVE_STATES:
-            return
-        now = await load_rank_place(db, job_id, node)
-        if now.status not in LIVE_STATES or now.attempt != wanted:
-            # One last read: what the process wrote just before it ended.
-            await _read_all(transport, place, run, offset, write, name)
-            return
-        if run.path is None and now.run is not None and now.run.token == run.token:
-            run = now.run  # the launch has recorded its directory meanwhile
-        await asyncio.sleep(poll_s)
-
-
-async def _log_name(
-    db: Database, job_id: int, role: str | None, rank: int = 0
-) -> tuple[str, int | None]:
-    """The attempt file `job logs` reads: train.log (the supervisor's, for a job group),
-    or `<role>.log` of one role of a job group (`BadInput` when the job has no such role,
-    or the role no such rank), with the node whose VM runs that rank of the role when the
-    group spans several VMs."""
-    if role is None:
-        return "train.log", None
-    from scheduler.jobspec import GroupSpec, parse_data
-
-    async with db.transaction() as session:
-        roles = await session.scalar(select(Job.roles).where(Job.id == job_id))
-    group: GroupSpec | None = None
-    with contextlib.suppress(BadInput):  # a row that does not read back has no roles
-        group = parse_data(roles) if roles is not None else None
-    names = [r.name for r in group.roles] if group is not None else []
-    if group is None or role not in names:
-        known = ", ".join(names) if names else "none: it is not a job group"
-        raise BadInput(f"job {job_id} has no role {role} (roles: {known})")
-    nodes = group.nodes_of()[role]
-    if not 0 <= rank < len(nodes):
-        raise BadInput(
-            f"job {job_id}: role {role} runs on {len(nodes)} node(s); --node 0..{len(nodes) - 1}"
-        )
-    return role_log(role), nodes[rank] if len(group.layout()) > 1 else None
-
-
-@dataclass(frozen=True)
-class LogChunk:
-    """A piece of an attempt's train.log, for a page that follows it."""
-
-    attempt: int
-    offset: int
-    """Where the next read starts (bytes)."""
-    data: bytes
-    exists: bool
-    """Whether train.log exists (yet)."""
-    live: bool
-    """Whether the job is still starting or running, so that more may come."""
-
-
-async def read_log_chunk(
-    db: Database, transport: Transport, job_id: int, *, offset: int = 0, attempt: int | None = None
-) -> LogChunk:
-    """The attempt's train.log from byte `offset`, at most `READ_CHUNK_BYTES` (default:
-    the attempt `job logs` shows). `BadInput` when the job has no log."""
-    place = await load_place(db, job_id)
-    wanted = _pick_attempt(place, attempt)
-    if place.target is None:
-        raise BadInput(f"job {job_id} has no VM recorded; no log to read")
-    run = await _locate(transport, place, wanted)
-    data = await _read(transport, place, run, "train.log", offset, timeout=30)
-    live = place.status in LIVE_STATES and place.attempt == wanted
-    if data is None:
-        return LogChunk(wanted, offset, b"", False, live)
-    return LogChunk(wanted, offset + len(data), data, True, live)
-
-
 async def read_progress(
     transport: Transport, place: JobPlace, *, timeout: float = PROGRESS_TIMEOUT_S
 ) -> tuple[dict[str, Any] | None, str | None]:
     """progress.json of the current attempt, or (None, why not) — never raises."""
-    if place.target is None or place.run is None:
+    if place.target is None or place.attempt is None:
         return None, "not started"
     try:
-        text = await _read(
-            transport, place, place.run, "progress.json", 0, timeout, STATE_FILE_BYTES
+        text = await read_attempt_file(
+            transport, place, place.attempt, "progress.json", 0, timeout, STATE_FILE_BYTES
         )
     except ServiceUnavailable as exc:
         return None, str(exc)

@@ -56,10 +56,12 @@ class LiveJob:
     id: int
     vm_id: int
     status: str
-    attempt: int
+    attempt_number: int
+    """The attempt the job row names (its `attempt`), probed on this VM."""
     remote_pid: int | None
-    run: Attempt | None = None
-    """Where the attempt's files are; None for a row with no launch token (not probed)."""
+    attempt: Attempt | None = None
+    """The attempt and where its files are; None for a row with no launch token (not
+    probed)."""
     rank: int = 0
     """Which node of a multi-node job this is (0 for a single-node job)."""
     nodes: int = 1
@@ -144,7 +146,7 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
             JobStatus.FAILED,
             state.exit_code,
             FailureReason.NODE_LOST,
-            fenced_reason(job.attempt, state.fenced),
+            fenced_reason(job.attempt_number, state.fenced),
         )
     if state.state == "exited":
         code = launcher_exit(state.exit_code, state.log_tail)
@@ -167,10 +169,10 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
 
 
 def untracked_verdict(job: LiveJob) -> JobVerdict | None:
-    """The move of a live job the poller cannot probe (`job.run` is None: no launch token,
+    """The move of a live job the poller cannot probe (`job.attempt` is None: no launch token,
     so no directory anyone may look at): a `running` one fails as `vanished`, once, saying
     why; a `starting` one is left to its lease (`claims.expire_leases`)."""
-    if job.run is not None or job.status != JobStatus.RUNNING.value:
+    if job.attempt is not None or job.status != JobStatus.RUNNING.value:
         return None
     why = "running without a launch token: its attempt cannot be found on the VM"
     return JobVerdict(job, JobStatus.FAILED, None, FailureReason.VANISHED, why)

@@ -450,7 +450,7 @@ def logs(
 ) -> None:
     """Print a job's train.log from its VM (every attempt's log is kept); for a multi-node
     job, rank 0's unless --node says another; for a job group, one role's with --role."""
-    from scheduler.control import stream_log
+    from scheduler.job_logs import stream_log
     from scheduler.transport import make_transport
 
     def write(data: bytes) -> None:

@@ -27,10 +27,11 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from scheduler.control import cancel_job, job_details, read_log_chunk, retry_job
+from scheduler.control import cancel_job, job_details, retry_job
 from scheduler.db import Database, is_unavailable
 from scheduler.errors import BadInput, NotFound, RlfleetError, error_line
 from scheduler.fleet import get_vm, list_vms, vm_to_dict
+from scheduler.job_logs import read_log_chunk
 from scheduler.jobs import list_jobs
 from scheduler.logging import get_logger
 from scheduler.redact import scrub_urls

@@ -1,8 +1,8 @@
 """Every kind of attempt on one path, on the SSH test fleet with every real piece (poller,
 dispatcher, NATS, Postgres, requeue manager): a single-node job, a multi-node job and a
 job group spread over two VMs each have one `job_nodes` row per VM, rank 0 included, and
-are probed and finished by the same functions (`gpu_poller._load_ranks`,
-`gpu_poller.finish_rank`), rank 0 like any other rank. Only the GPUs are simulated."""
+are probed and finished by the same functions (`gpu_poller.finish.load_ranks`,
+`gpu_poller.finish.finish_rank`), rank 0 like any other rank. Only the GPUs are simulated."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from scheduler import gpu_poller
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
+from scheduler.gpu_poller import finish, sweep
 from scheduler.jobspec import parse_data
 from scheduler.transport import Transport
 from scheduler.verdicts import JobVerdict, LiveJob
@@ -63,7 +64,7 @@ async def test_single_multi_node_and_group_attempts_take_one_probe_and_finish_pa
     await poller.sweep()
     probed: set[tuple[int, int]] = set()
     finished: list[tuple[int, int, bool]] = []
-    load_ranks, finish_rank = gpu_poller._load_ranks, gpu_poller.finish_rank
+    load_ranks, finish_rank = finish.load_ranks, finish.finish_rank
 
     async def recording_load(session: AsyncSession, installation: str) -> list[LiveJob]:
         ranks = await load_ranks(session, installation)
@@ -75,8 +76,9 @@ async def test_single_multi_node_and_group_attempts_take_one_probe_and_finish_pa
         finished.append((verdict.job.id, verdict.job.rank, moved))
         return moved
 
-    monkeypatch.setattr(gpu_poller, "_load_ranks", recording_load)
-    monkeypatch.setattr(gpu_poller, "finish_rank", recording_finish)
+    # (each where it is called: the sweep loads the ranks, `finish` finishes them)
+    monkeypatch.setattr(sweep, "load_ranks", recording_load)
+    monkeypatch.setattr(finish, "finish_rank", recording_finish)
     single = await new_job(db, 1, ("--fake_seconds", "1"))
     multi = await new_job(db, 1, ("--fake_seconds", "1"), nodes=2)
     group = await new_job(

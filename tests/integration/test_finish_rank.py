@@ -1,4 +1,4 @@
-"""`gpu_poller.finish_rank` against real Postgres: the one way the poller finishes a rank
+"""`gpu_poller.finish.finish_rank` against real Postgres: the one way the poller finishes a rank
 of any attempt, a single-node job's rank 0 like a multi-node job's rank 1."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from sqlalchemy import select
 
 from scheduler.claims import Claim, claim_gpus
 from scheduler.db import Database
-from scheduler.gpu_poller import finish_rank
+from scheduler.gpu_poller.finish import finish_rank
 from scheduler.models import GPU, Job, JobNode, Leftover
 from scheduler.states import FailureReason, JobStatus
 from scheduler.verdicts import JobVerdict, LiveJob

@@ -18,10 +18,11 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from scheduler.control import job_details, stream_log
+from scheduler.control import job_details
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpus import DOUBLE_BOOKED_SQL, PARTIAL_CLAIMS_SQL
+from scheduler.job_logs import stream_log
 from scheduler.jobspec import RENDEZVOUS_PORT, parse_data
 from scheduler.models import VM, JobEvent, JobPort
 from scheduler.transport import Transport

@@ -21,11 +21,12 @@ from typing import Any
 import pytest
 from sqlalchemy import select, text, update
 
-from scheduler.control import job_details, stream_log
+from scheduler.control import job_details
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
 from scheduler.gpus import DOUBLE_BOOKED_SQL, PARTIAL_CLAIMS_SQL
+from scheduler.job_logs import stream_log
 from scheduler.jobspec import parse_data
 from scheduler.models import GPU, VM, JobEvent, JobPort, Leftover
 from scheduler.requeue import RequeueConfig, RequeueManager

@@ -22,11 +22,12 @@ import pytest
 from psycopg import sql
 from sqlalchemy import func, select, update
 
-from scheduler.control import cancel_job, stream_log
+from scheduler.control import cancel_job
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats, EmbeddedPostgres
 from scheduler.fleet import VMSpec, add_vm
 from scheduler.gpu_poller import GpuPoller
+from scheduler.job_logs import stream_log
 from scheduler.migrate import upgrade
 from scheduler.models import GPU, VM, Job, JobEvent, Leftover
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from sqlalchemy import update
 
-from scheduler.control import stream_log
 from scheduler.db import Database
+from scheduler.job_logs import stream_log
 from scheduler.models import Job
 from scheduler.remote.layout import new_token
 from scheduler.transport import make_transport

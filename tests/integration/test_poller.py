@@ -15,7 +15,8 @@ import pytest
 from sqlalchemy import select, update
 
 from scheduler.db import Database
-from scheduler.gpu_poller import GpuPoller, SweepStats
+from scheduler.gpu_poller import GpuPoller
+from scheduler.gpu_poller.state import SweepStats
 from scheduler.jobs import JobSpec, insert_job, transition
 from scheduler.models import GPU, VM, JobEvent
 from scheduler.remote.launch import LaunchSpec, launch_script, parse_launch
@@ -417,7 +418,7 @@ async def test_a_poll_left_running_by_one_sweep_and_the_next_sweeps_poll_land_to
         await asyncio.sleep(0.05)
     # When the next sweep writes that late poll in one batch with its own poll of the VM
     # (a long flush window makes the two land in one batch on any machine)
-    monkeypatch.setattr("scheduler.gpu_poller.FLUSH_AFTER_S", 30.0)
+    monkeypatch.setattr("scheduler.gpu_poller.sweep.FLUSH_AFTER_S", 30.0)
     stats = await poller.sweep()
     # Then the batch is written (each GPU row once), not refused by Postgres
     assert stats.reachable == 1

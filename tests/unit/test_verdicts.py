@@ -72,8 +72,8 @@ def test_a_trainings_exit_127_is_a_failure_of_the_job_not_of_its_vm() -> None:
 
 
 INSTALLATION = "1b4e28ba-2fa1-41d2-883f-0016d3cca427"
-RUNNING = LiveJob(id=1, vm_id=1, status="running", attempt=1, remote_pid=4242)
-STARTING = LiveJob(id=1, vm_id=1, status="starting", attempt=1, remote_pid=None)
+RUNNING = LiveJob(id=1, vm_id=1, status="running", attempt_number=1, remote_pid=4242)
+STARTING = LiveJob(id=1, vm_id=1, status="starting", attempt_number=1, remote_pid=None)
 
 
 @pytest.mark.parametrize(
@@ -198,9 +198,9 @@ def test_a_running_row_without_a_launch_token_or_a_pid_fails_once_as_vanished() 
     assert no_token is not None and no_token.failure_reason == FailureReason.VANISHED
     assert "without a launch token" in no_token.reason
     assert untracked_verdict(STARTING) is None
-    no_pid = LiveJob(1, 1, "running", 1, None, run=Attempt(INSTALLATION, 1, 1, "0" * 16))
+    no_pid = LiveJob(1, 1, "running", 1, None, attempt=Attempt(INSTALLATION, 1, 1, "0" * 16))
     verdict = job_verdict(no_pid, RemoteJobState("unknown"))
     assert verdict is not None and "without a pid" in verdict.reason
-    launching = LiveJob(1, 1, "starting", 1, None, run=Attempt(INSTALLATION, 1, 1, "0" * 16))
+    launching = LiveJob(1, 1, "starting", 1, None, attempt=Attempt(INSTALLATION, 1, 1, "0" * 16))
     assert job_verdict(launching, RemoteJobState("unknown")) is None
     assert job_verdict(STARTING, None) is None

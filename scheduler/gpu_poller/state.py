@@ -1,0 +1,61 @@
+"""What one poller sweep holds: each VM as loaded (its GPU rows and the ranks of live
+attempts it runs), what probing it gave, and the sweep's counts. Plain data, no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.poll import PollResult
+from scheduler.transport import VMTarget
+from scheduler.verdicts import LiveJob
+
+
+@dataclass
+class GpuRow:
+    """A GPU row as loaded; rows are keyed by UUID (docs/invariants.md, invariant 8)."""
+
+    uuid: str
+    job_id: int | None
+    values: tuple[Any, ...]
+    """(index, name, memory_total_mb, memory_used_mb, utilization_pct, healthy, foreign_busy)"""
+
+
+@dataclass
+class VMState:
+    """One VM as loaded at the start of a sweep."""
+
+    target: VMTarget
+    status: str
+    consecutive_failures: int
+    launch_error: str | None = None
+    gpus: dict[str, GpuRow] = field(default_factory=dict)
+    """By UUID."""
+    jobs: list[LiveJob] = field(default_factory=list)
+
+
+@dataclass
+class Outcome:
+    """What probing one VM gave: a parsed poll, or the transport error."""
+
+    vm: VMState
+    result: PollResult | None = None
+    error: str | None = None
+    finished: set[int] = field(default_factory=set)
+    """Jobs on this VM that the sweep moved to an end state (their GPUs freed)."""
+    launch_error: str | None = None
+    """Why training cannot start on the VM, as an attempt that ended this sweep said."""
+
+
+@dataclass
+class SweepStats:
+    """Counts of one sweep, for logs and tests."""
+
+    vms: int = 0
+    reachable: int = 0
+    unhealthy: int = 0
+    failed: int = 0
+    jobs_finished: int = 0
+    silent: int = 0
+    """VMs whose poll was still out when the sweep ended."""
+    seconds: float = 0.0

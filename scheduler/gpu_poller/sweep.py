@@ -1,0 +1,290 @@
+"""The poller's sweep: every VM probed at once, one SSH round trip each, the results
+recorded in batches as they land.
+
+A sweep is load → probe → record (docs/invariants.md, invariant 4: no transaction is open
+during SSH): one short transaction loads every VM, its GPU rows and the ranks of the live
+attempts on it (`load_vms`, `finish.load_ranks`); every VM runs `poll.poll_command`
+concurrently; as results land, in batches, the ended attempts are finished
+(`finish.finish_jobs`) and then what the polls saw is written (`inventory.apply`). A poll
+still out when the sweep's time is up is left running and recorded when it lands; a VM
+silent for `--unreachable-timeout` seconds is marked unreachable meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from scheduler import metrics
+from scheduler.db import Database, installation_id
+from scheduler.gpu_poller.finish import finish_jobs, load_ranks
+from scheduler.gpu_poller.inventory import apply, mark_silent
+from scheduler.gpu_poller.state import GpuRow, Outcome, SweepStats, VMState
+from scheduler.history import PRUNE_EVERY_S, prune
+from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
+from scheduler.logging import get_logger
+from scheduler.models import GPU, VM
+from scheduler.poll import parse_poll, poll_command
+from scheduler.remote.launch import entry_check_words
+from scheduler.transport import Transport, TransportError, VMTarget
+
+log = get_logger("gpu_poller")
+
+DEFAULT_INTERVAL_S = Liveness.poll_interval_s
+DEFAULT_UNREACHABLE_AFTER = UNREACHABLE_AFTER_POLLS
+DEFAULT_COMMAND_TIMEOUT_S = Liveness.poll_timeout_s
+DEFAULT_UNREACHABLE_TIMEOUT_S = Liveness.unreachable_timeout_s
+FLUSH_AFTER_S = 0.2
+"""Results that came in are written at the latest this long after the first of them, so
+the VMs that answer are recorded at once, whatever a silent one does."""
+SILENT_CHECK_S = 1.0
+"""While polls are out, how often the sweep checks whether their VMs have been silent for
+the unreachable timeout (a poll on a frozen connection may not fail for a while)."""
+
+
+class GpuPoller:
+    """Sweeps the fleet: GPU rows, VM health, and the end of launched jobs.
+
+    A VM's poll that is still out when a sweep ends is not waited for: it goes on (bounded
+    by `command_timeout` and the transport's deadlines), the next sweeps leave that VM
+    alone until it lands, and its result is recorded by whichever sweep sees it land. So
+    one silent VM never slows the sweep of the others.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        transport: Transport,
+        *,
+        unreachable_after: int = DEFAULT_UNREACHABLE_AFTER,
+        command_timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
+        unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT_S,
+        batch_size: int = 250,
+        history_days: float | None = None,
+    ) -> None:
+        self.db = db
+        self.history_days = history_days
+        """Samples older than this many days are pruned; None: never."""
+        self._pruned_at: float | None = None
+        self.batch_size = batch_size
+        self.transport = transport
+        self.unreachable_after = max(1, unreachable_after)
+        self.command_timeout = command_timeout
+        self.unreachable_timeout = unreachable_timeout
+        self._inflight: dict[int, asyncio.Task[Outcome]] = {}
+        self._sent_at: dict[int, float] = {}
+        self._failing: set[int] = set()
+        """VMs whose latest poll failed."""
+        self._landed: asyncio.Queue[Outcome] = asyncio.Queue()
+
+    @property
+    def in_flight(self) -> list[int]:
+        """Ids of the VMs whose poll is still out."""
+        return list(self._inflight)
+
+    async def sweep(self, *, wait_s: float | None = None) -> SweepStats:
+        """Poll every VM once and record what was seen.
+
+        `wait_s`: wait at most this long for the polls (the daemon passes its interval);
+        polls still out then are left running. None waits until every poll has landed."""
+        started = time.monotonic()
+        vms = await self._load()
+        stats = SweepStats(vms=len(vms))
+        for vm in vms:
+            if vm.target.id not in self._inflight:
+                self._start_probe(vm)
+        deadline = None if wait_s is None else started + wait_s
+        names = {vm.target.id: vm.target.name for vm in vms}
+        # Results are written as they land, in batches (a flush at most FLUSH_AFTER_S after
+        # the first waiting one), while the other polls are still out. Meanwhile, every
+        # SILENT_CHECK_S, VMs whose poll is out or failed are marked unreachable once they
+        # have been silent for the unreachable timeout; with a deadline, the sweep keeps
+        # doing so until it ends while some VM is failing.
+        pending: list[Outcome] = []
+        first_at = 0.0
+        next_check = started
+        while True:
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + SILENT_CHECK_S
+                suspects = self._failing | {
+                    i for i in self._inflight if now - self._sent_at[i] >= SILENT_CHECK_S
+                }
+                if suspects:
+                    await self._mark_silent(sorted(suspects), names)
+                continue
+            if deadline is not None and now >= deadline:
+                break
+            quiet = not self._inflight and self._landed.empty() and not pending
+            if quiet and (deadline is None or not self._failing):
+                break
+            waits = [next_check - now]
+            if deadline is not None:
+                waits.append(deadline - now)
+            if pending:
+                waits.append(max(0.0, first_at + FLUSH_AFTER_S - now))
+            got = await _next(self._landed, min(waits))
+            if got is not None:
+                if not pending:
+                    first_at = time.monotonic()
+                pending.append(got)
+                while not self._landed.empty() and len(pending) < self.batch_size:
+                    pending.append(self._landed.get_nowait())
+            due = time.monotonic() >= first_at + FLUSH_AFTER_S or not self._inflight
+            if pending and (len(pending) >= self.batch_size or due or got is None):
+                await self._record(pending, stats)
+                pending = []
+        while not self._landed.empty():
+            pending.append(self._landed.get_nowait())
+        if pending:
+            await self._record(pending, stats)
+        if self._inflight:
+            stats.silent = len(self._inflight)
+            await self._mark_silent(list(self._inflight), names)
+        await self.prune_history()
+        stats.seconds = time.monotonic() - started
+        metrics.observe_poll_sweep(stats.seconds)
+        log.debug("poll_sweep_done", **stats.__dict__)
+        return stats
+
+    def _start_probe(self, vm: VMState) -> None:
+        task = asyncio.create_task(self._probe(vm))
+        vm_id = vm.target.id
+        self._inflight[vm_id] = task
+        self._sent_at[vm_id] = time.monotonic()
+
+        def landed(done: asyncio.Task[Outcome]) -> None:
+            if self._inflight.get(vm_id) is done:
+                del self._inflight[vm_id]
+                self._sent_at.pop(vm_id, None)
+            if not done.cancelled() and done.exception() is None:
+                self._landed.put_nowait(done.result())
+
+        task.add_done_callback(landed)
+
+    async def close(self) -> None:
+        """Cancel the polls still out (the daemon is stopping)."""
+        tasks = list(self._inflight.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._inflight.clear()
+
+    async def prune_history(self, *, force: bool = False) -> int:
+        """Delete the samples older than the retention, at most once per `PRUNE_EVERY_S`
+        (or now, with `force`), in a short transaction of its own; how many went."""
+        now = time.monotonic()
+        if self.history_days is None:
+            return 0
+        if not force and self._pruned_at is not None and now - self._pruned_at < PRUNE_EVERY_S:
+            return 0
+        self._pruned_at = now
+        async with self.db.transaction() as session:
+            deleted = await prune(session, self.history_days)
+        if deleted:
+            log.info("history_pruned", rows=deleted, days=self.history_days)
+        return deleted
+
+    async def _mark_silent(self, vm_ids: list[int], names: dict[int, str]) -> None:
+        """`inventory.mark_silent` with this poller's unreachable timeout."""
+        await mark_silent(self.db, vm_ids, names, self.unreachable_timeout)
+
+    async def _record(self, outcomes: Sequence[Outcome], stats: SweepStats) -> None:
+        outcomes = latest_per_vm(outcomes)
+        for outcome in outcomes:
+            if outcome.result is None:
+                self._failing.add(outcome.vm.target.id)
+            else:
+                self._failing.discard(outcome.vm.target.id)
+        stats.jobs_finished += await finish_jobs(self.db, outcomes)
+        await self._apply(outcomes, stats)
+
+    async def _load(self) -> list[VMState]:
+        async with self.db.transaction() as session:
+            # Plain columns, not ORM objects: this runs for every VM on every sweep.
+            vms = await load_vms(session)
+            installation = await installation_id(session)
+            for job in await load_ranks(session, installation):
+                if job.vm_id in vms:
+                    vms[job.vm_id].jobs.append(job)
+        return list(vms.values())
+
+    async def _probe(self, vm: VMState) -> Outcome:
+        check = None
+        if vm.launch_error is not None:
+            # Until its python and entrypoint work again, every poll checks them.
+            check = " ".join(entry_check_words(vm.target.python, vm.target.entrypoint))
+        command = poll_command([j.attempt for j in vm.jobs if j.attempt is not None], check)
+        try:
+            # persistent: a poll every few seconds is worth a shell kept open on the VM.
+            result = await self.transport.run(
+                vm.target, command, timeout=self.command_timeout, persistent=True
+            )
+            return Outcome(vm, result=parse_poll(result.stdout))
+        except TransportError as exc:
+            return Outcome(vm, error=str(exc))
+        except Exception as exc:  # a bug or an odd answer must not stop the sweep
+            log.exception("poll_probe_crashed", vm=vm.target.name)
+            return Outcome(vm, error=f"poll failed: {type(exc).__name__}: {exc}")
+
+    async def _apply(self, outcomes: Sequence[Outcome], stats: SweepStats) -> None:
+        """Write what these polls saw (`inventory.apply`), with this poller's thresholds."""
+        await apply(
+            self.db,
+            outcomes,
+            stats,
+            unreachable_after=self.unreachable_after,
+            unreachable_timeout=self.unreachable_timeout,
+        )
+
+
+def latest_per_vm(outcomes: Sequence[Outcome]) -> list[Outcome]:
+    """One outcome per VM, the last to land. A poll that one sweep left running lands in
+    the next sweep's batch beside that sweep's own poll of the same VM (a VM's next poll
+    starts only once the previous one landed, so the later is the newer), and the batch's
+    GPU upsert may touch each row once."""
+    return list({outcome.vm.target.id: outcome for outcome in outcomes}.values())
+
+
+async def _next(queue: asyncio.Queue[Outcome], timeout: float | None) -> Outcome | None:
+    """The next landed poll, or None when `timeout` passes first."""
+    if not queue.empty():
+        return queue.get_nowait()
+    try:
+        return await asyncio.wait_for(queue.get(), timeout)
+    except TimeoutError:
+        return None
+
+
+async def load_vms(session: AsyncSession) -> dict[int, VMState]:
+    """Every VM with its GPU rows, by id."""
+    vm_rows = await session.execute(
+        select(*VMTarget.columns(), VM.status, VM.consecutive_failures, VM.launch_error)
+    )
+    vms = {
+        row.id: VMState(
+            VMTarget.from_row(row), row.status, row.consecutive_failures, row.launch_error
+        )
+        for row in vm_rows
+    }
+    gpu_rows = await session.execute(
+        select(
+            GPU.vm_id,
+            GPU.uuid,
+            GPU.job_id,
+            GPU.index,
+            GPU.name,
+            GPU.memory_total_mb,
+            GPU.memory_used_mb,
+            GPU.utilization_pct,
+            GPU.healthy,
+            GPU.foreign_busy,
+        )
+    )
+    for vm_id, uuid, job_id, *values in gpu_rows:
+        if vm_id in vms:
+            vms[vm_id].gpus[uuid] = GpuRow(uuid, job_id, tuple(values))
+    return vms
