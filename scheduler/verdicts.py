@@ -171,7 +171,7 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
 def untracked_verdict(job: LiveJob) -> JobVerdict | None:
     """The move of a live job the poller cannot probe (`job.attempt` is None: no launch token,
     so no directory anyone may look at): a `running` one fails as `vanished`, once, saying
-    why; a `starting` one is left to its lease (`claims.expire_leases`)."""
+    why; a `starting` one is left to its lease (`claims.leases.expire_leases`)."""
     if job.attempt is not None or job.status != JobStatus.RUNNING.value:
         return None
     why = "running without a launch token: its attempt cannot be found on the VM"

@@ -32,7 +32,7 @@ from scheduler.settings import Settings
 # The engines' defaults, repeated here so that building the commands imports no engine
 # (tests/unit/test_import_graph.py checks they agree with the engines' own).
 CLAIM_LEASE_S = 60.0
-"""scheduler.claims.DEFAULT_LEASE_S"""
+"""scheduler.claims.batch.DEFAULT_LEASE_S"""
 LAUNCH_TIMEOUT_S = 30.0
 """GlobalJobDispatcher's launch_timeout_s"""
 MAX_IN_FLIGHT = 64

@@ -3,10 +3,10 @@
 Every dispatcher binds to the one durable pull consumer, so a message goes to one of them
 at a time; Postgres decides the rest. Messages are fetched in batches, and each batch is
 handled while the next one is fetched: claim all its jobs (one short transaction:
-`claims.claim_batch`; jobs that fit nowhere go `pending` in it) → launch the claimed ones
-concurrently (SSH, no transaction) → record all the pids (one guarded statement:
-`claims.mark_running_batch`) → ack. A process runs one claim transaction at a time (its
-batches would only contend for the same best-fit GPUs) and one running record at a time;
+`claims.batch.claim_batch`; jobs that fit nowhere go `pending` in it) → launch the claimed
+ones concurrently (SSH, no transaction) → record all the pids (one guarded statement:
+`claims.records.mark_running_batch`) → ack. A process runs one claim transaction at a time
+(its batches would only contend for the same best-fit GPUs) and one running record at a time;
 the batches that arrive meanwhile are claimed, or recorded, together in the next one
 (`records.WriteBatcher`), so transactions stay large even when messages trickle in one by
 one. Launches overlap freely.
@@ -14,7 +14,7 @@ one. Launches overlap freely.
 A message is acked only once the database says `running`, `pending` or `failed` (or the
 job needs nothing from us); transient trouble with the database is a nak with a delay, and
 a claim whose launch never got recorded is taken back by its lease
-(`claims.expire_leases`).
+(`claims.leases.expire_leases`).
 
 The package's modules: `consumer.py` (the NATS pull subscription, acks and naks, batches),
 `launch.py` (one launch loop over a claimed attempt's nodes, whatever the job's shape),
@@ -39,7 +39,8 @@ from nats.js import JetStreamContext
 
 from scheduler import bus
 from scheduler.aio import sleep_or_stop
-from scheduler.claims import DEFAULT_LEASE_S, Claim, NoClaim, claim_batch
+from scheduler.claims.batch import DEFAULT_LEASE_S, claim_batch
+from scheduler.claims.result import Claim, NoClaim
 from scheduler.db import Database, is_unavailable
 from scheduler.gpus import refresh_available
 from scheduler.liveness import Liveness

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from sqlalchemy import select
 
-from scheduler.claims import Claim, NodeClaim, PortCollision, record_group_ports, record_ranks
+from scheduler.claims.records import PortCollision, record_group_ports, record_ranks
+from scheduler.claims.result import Claim, NodeClaim
 from scheduler.db import Database, is_unavailable
 from scheduler.groups import (
     TOKEN_ENV,
@@ -286,7 +287,7 @@ class Launcher:
         start. `secret_env` (a group's token) goes with the job's own variables into
         job.env (mode 0600, through stdin), never on a command line."""
         spec = LaunchSpec(
-            run=claim.run,
+            run=claim.attempt_ref,
             python=node.target.python,
             entrypoint=node.target.entrypoint,
             gpu_indices=node.gpu_indices,
@@ -311,7 +312,7 @@ class Launcher:
             )
         except TransportError as exc:
             return str(exc) or type(exc).__name__
-        launched = parse_launch(result.stdout, claim.run)
+        launched = parse_launch(result.stdout, claim.attempt_ref)
         if launched is None:
             return last_line(result.stderr) or f"launch exited {result.exit_status}"
         return launched

@@ -18,7 +18,8 @@ from typing import Generic, TypeVar
 from nats.aio.msg import Msg
 
 from scheduler import metrics
-from scheduler.claims import Claim, Launched, Running, mark_running_batch
+from scheduler.claims.records import Launched, Running, mark_running_batch
+from scheduler.claims.result import Claim
 from scheduler.db import Database, is_unavailable
 from scheduler.kill import kill_attempt
 from scheduler.leftovers import AttemptRecord, abandon_attempt
@@ -223,7 +224,7 @@ class Records:
         kill = await kill_attempt(
             self.transport,
             target,
-            claim.run.located(path),
+            claim.attempt_ref.located(path),
             grace_s=self.kill_grace_s,
             launched=True,
         )

@@ -4,7 +4,7 @@ invariants 2 and 3).
 `rlfleet requeue` / `python -m scheduler.requeue`. Every `--interval` seconds one tick:
 
 1. **Expired claims** — `starting` jobs past their lease go back to `queued`, GPUs freed
-   (`scheduler.claims.expire_leases`, which records the attempt as a leftover).
+   (`scheduler.claims.leases.expire_leases`, which records the attempt as a leftover).
 2. **Lost nodes** — `running`/`starting` jobs on a VM the poller has found unreachable,
    and that has not answered for longer than `--node-lost-timeout` (counted from its last
    answer), fail with `node_lost`; their attempts are recorded as leftovers and their
@@ -49,7 +49,7 @@ transaction under a Postgres advisory transaction lock, so several copies can ru
 committed (docs/invariants.md, invariant 4).
 
 Each step is a function of its own, composed by `RequeueManager.tick`: step 1 is
-`scheduler.claims.expire_leases`, step 2 `requeue_steps.lost_nodes`, steps 3 and 4
+`scheduler.claims.leases.expire_leases`, step 2 `requeue_steps.lost_nodes`, steps 3 and 4
 `requeue_steps.retries`, step 5 `requeue_steps.wake_pending` (the choice itself is the pure
 `scheduler.pending.plan_pending`), step 6 `scheduler.leftovers.LeftoverSweep` and step 7
 `requeue_steps.announce`.
@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import func, select
 
 from scheduler import bus, metrics
-from scheduler.claims import expire_leases
+from scheduler.claims.leases import expire_leases
 from scheduler.daemon import DoublingBackoff, run_loop
 from scheduler.db import Database
 from scheduler.fleet import delete_removed_vms

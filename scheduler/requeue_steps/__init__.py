@@ -1,7 +1,7 @@
 """The steps of one requeue tick, one module each; `scheduler.requeue.RequeueManager.tick`
 composes them (the order, the lock and the transaction are its business).
 
-- `scheduler.claims.expire_leases`: expired claims back to `queued`;
+- `scheduler.claims.leases.expire_leases`: expired claims back to `queued`;
 - `lost_nodes`: live jobs of VMs lost for too long fail with `node_lost`;
 - `retries`: failed jobs get a retry decision, and those whose time has come are queued;
 - `wake_pending`: pending jobs that fit the free GPUs (or waited long enough) are queued;

@@ -9,15 +9,10 @@ from collections import Counter
 
 from sqlalchemy import func, select, text, update
 
-from scheduler.claims import (
-    Claim,
-    Launched,
-    NoClaim,
-    claim_batch,
-    claim_gpus,
-    expire_leases,
-    mark_running_batch,
-)
+from scheduler.claims.batch import claim_batch, claim_gpus
+from scheduler.claims.leases import expire_leases
+from scheduler.claims.records import Launched, mark_running_batch
+from scheduler.claims.result import Claim, NoClaim
 from scheduler.db import Database
 from scheduler.gpus import refresh_available, release_in_session
 from scheduler.jobs import get_job
@@ -58,7 +53,7 @@ async def test_best_fit_keeps_big_holes_for_big_jobs(db: Database) -> None:
     assert job.status == "starting" and job.attempt == 1 and job.vm_id == mid
     assert job.gpu_indices == [0, 1, 2, 3]
     assert job.output_dir == default_output_dir(c4.installation, four)
-    assert job.launch_token == c4.token and c4.run.attempt == 1 and job.attempt_dir is None
+    assert job.launch_token == c4.token and c4.attempt_ref.attempt == 1 and job.attempt_dir is None
     assert job.lease_expires_at is not None and job.lease_expires_at > job.starting_at
     assert [(e.from_status, e.to_status) for e in job.events][-1] == ("queued", "starting")
     assert available == {big: 8, small: 0, mid: 0}

@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import func, select, update
 
 from scheduler import bus
-from scheduler.claims import expire_leases
+from scheduler.claims.leases import expire_leases
 from scheduler.control import CancelResult, cancel_job
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats, free_port

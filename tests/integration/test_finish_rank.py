@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from scheduler.claims import Claim, claim_gpus
+from scheduler.claims.batch import claim_gpus
+from scheduler.claims.result import Claim
 from scheduler.db import Database
 from scheduler.gpu_poller.finish import finish_rank
 from scheduler.models import GPU, Job, JobNode, Leftover

@@ -9,7 +9,9 @@ import random
 
 from sqlalchemy import select, text
 
-from scheduler.claims import Claim, NoClaim, _claim_gang, claim_gpus
+from scheduler.claims.batch import claim_gpus
+from scheduler.claims.gang import claim_gang
+from scheduler.claims.result import Claim, NoClaim
 from scheduler.db import Database
 from scheduler.gpus import DOUBLE_BOOKED_SQL, PARTIAL_CLAIMS_SQL
 from scheduler.jobs import get_job
@@ -80,7 +82,7 @@ async def _claim_per_node(db: Database, job_id: int, demands: list[int]) -> Clai
                 ).where(Job.id == job_id).with_for_update()
             )
         ).one()  # fmt: skip
-        return await _claim_gang(conn, row, "test", 60.0, demands)
+        return await claim_gang(conn, row, "test", 60.0, demands)
 
 
 async def test_a_gang_of_unequal_nodes_takes_each_its_own_count_on_distinct_vms(

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from scheduler.claims import Claim
+from scheduler.claims.result import Claim
 from scheduler.db import Database
 from scheduler.dispatcher.launch import Launcher, NodeLaunch
 from scheduler.embedded import EmbeddedNats

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from sqlalchemy import func, select, text, update
 
-from scheduler.claims import Claim, claim_gpus, expire_leases
+from scheduler.claims.batch import claim_gpus
+from scheduler.claims.leases import expire_leases
+from scheduler.claims.result import Claim
 from scheduler.db import Database
 from scheduler.leftovers import AttemptRecord, abandon_attempt, open_leftover_count
 from scheduler.models import GPU, VM, Job, JobEvent, Leftover

@@ -15,7 +15,9 @@ from typing import Any
 from sqlalchemy import text, update
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from scheduler.claims import Claim, Launched, claim_batch_in_session, claim_gpus, mark_running_batch
+from scheduler.claims.batch import claim_batch_in_session, claim_gpus
+from scheduler.claims.records import Launched, mark_running_batch
+from scheduler.claims.result import Claim
 from scheduler.db import Database
 from scheduler.jobs import move_values, transition
 from scheduler.models import Job

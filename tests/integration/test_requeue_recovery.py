@@ -16,7 +16,8 @@ import nats as nats_client
 import pytest
 from sqlalchemy import select
 
-from scheduler.claims import Claim, NoClaim, claim_gpus
+from scheduler.claims.batch import claim_gpus
+from scheduler.claims.result import Claim, NoClaim
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
@@ -229,7 +230,7 @@ async def test_a_launch_that_outlives_its_lease_is_fenced_off(
     )
     assert stale.launch_token == claim.token
     late = LaunchSpec(
-        run=claim.run,
+        run=claim.attempt_ref,
         python=target.python,
         entrypoint=target.entrypoint,
         gpu_indices=claim.gpu_indices,
@@ -241,5 +242,5 @@ async def test_a_launch_that_outlives_its_lease_is_fenced_off(
     )
     result = await transport.run(target, launch_script(late), timeout=20)
     assert result.exit_status == FENCED_EXIT, result.stderr
-    attempt_dir = fleet[0].home / claim.run.relative
+    attempt_dir = fleet[0].home / claim.attempt_ref.relative
     assert not (attempt_dir / "pid").exists() and not (attempt_dir / "train.log").exists()

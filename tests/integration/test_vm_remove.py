@@ -14,7 +14,8 @@ import nats as nats_client
 import pytest
 from sqlalchemy import select
 
-from scheduler.claims import Claim, claim_gpus
+from scheduler.claims.batch import claim_gpus
+from scheduler.claims.result import Claim
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.errors import BadInput

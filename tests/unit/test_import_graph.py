@@ -61,11 +61,12 @@ def test_the_commands_defaults_are_the_engines_defaults() -> None:
     engines' own."""
     import inspect
 
-    from scheduler import claims, cli, control, dispatcher, gpu_poller, models
+    from scheduler import cli, control, dispatcher, gpu_poller, models
+    from scheduler.claims import batch
     from scheduler.cli import daemons, job
 
     knobs = inspect.signature(dispatcher.GlobalJobDispatcher.__init__).parameters
-    assert daemons.CLAIM_LEASE_S == claims.DEFAULT_LEASE_S
+    assert daemons.CLAIM_LEASE_S == batch.DEFAULT_LEASE_S
     assert knobs["launch_timeout_s"].default == daemons.LAUNCH_TIMEOUT_S
     assert knobs["max_in_flight"].default == daemons.MAX_IN_FLIGHT
     assert daemons.ENTRYPOINT == models.DEFAULT_ENTRYPOINT

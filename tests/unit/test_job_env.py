@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.claims import job_env_pairs
+from scheduler.claims.result import job_env_pairs
 from scheduler.cli.jobfile import parse_env_options
 from scheduler.errors import BadInput
 from scheduler.jobs import JobSpec
