@@ -470,6 +470,33 @@ async def spread_fleet(
     return fleet, addresses, poller
 
 
+async def spread_group_job(
+    sim_fleet: FleetFactory,
+    db: Database,
+    transport: Transport,
+    *,
+    max_retries: int,
+    first_s: float,
+    later_s: float,
+) -> tuple[SimFleet, GpuPoller, dict[str, Any], dict[int, str], int]:
+    """Three one-GPU VMs and a queued group over two of them (`spread_roles`): the fleet,
+    a poller that swept once, the VMs by name, the VM names by id, and the job's id."""
+    fleet, _addresses, poller = await spread_fleet(sim_fleet, db, transport, 3)
+    async with db.transaction() as session:
+        names = dict((await session.execute(select(VM.id, VM.name))).all())
+    job_id = await new_job(
+        db,
+        2,
+        nodes=2,
+        max_retries=max_retries,
+        roles=spread_roles(first_s=first_s, later_s=later_s),
+        model="-",
+        dataset="-",
+        reward_functions=("-",),
+    )
+    return fleet, poller, {vm.name: vm for vm in fleet}, names, job_id
+
+
 async def test_a_server_on_its_own_vm_serves_the_trainer_across_vms_and_stops_with_it(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
 ) -> None:
@@ -549,19 +576,8 @@ async def test_a_dead_server_vm_or_server_kills_the_trainer_and_retries_the_grou
     server process is killed on a VM that answers. The trainer on the other VM is killed,
     not left running alone, and the group runs again as a whole and completes; nothing is
     left running, no GPU or port held."""
-    fleet, _addresses, poller = await spread_fleet(sim_fleet, db, transport, 3)
-    by_name = {vm.name: vm for vm in fleet}
-    async with db.transaction() as session:
-        names = dict((await session.execute(select(VM.id, VM.name))).all())
-    job_id = await new_job(
-        db,
-        2,
-        nodes=2,
-        max_retries=1,
-        roles=spread_roles(first_s=300, later_s=1),
-        model="-",
-        dataset="-",
-        reward_functions=("-",),
+    fleet, poller, by_name, names, job_id = await spread_group_job(
+        sim_fleet, db, transport, max_retries=1, first_s=300, later_s=1
     )
     async with scheduling(db, nats.url, transport, CONFIG) as requeue:
         await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
@@ -609,19 +625,8 @@ async def test_the_late_success_of_a_group_over_two_vms_completes_it_once(
     VM running a primary role exited 0) holds for late success as for a live attempt, though
     the server's rank was killed, not exiting 0. The retry is stopped; nothing is left
     running, no GPU or port held."""
-    fleet, _addresses, poller = await spread_fleet(sim_fleet, db, transport, 3)
-    by_name = {vm.name: vm for vm in fleet}
-    async with db.transaction() as session:
-        names = dict((await session.execute(select(VM.id, VM.name))).all())
-    job_id = await new_job(
-        db,
-        2,
-        nodes=2,
-        max_retries=0,
-        roles=spread_roles(first_s=6, later_s=300),
-        model="-",
-        dataset="-",
-        reward_functions=("-",),
+    fleet, poller, by_name, names, job_id = await spread_group_job(
+        sim_fleet, db, transport, max_retries=0, first_s=6, later_s=300
     )
     async with scheduling(db, nats.url, transport, CONFIG) as requeue:
         await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
