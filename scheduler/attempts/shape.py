@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.errors import BadInput
+from scheduler.validate import MAX_NODES
 
 
 @dataclass(frozen=True)
@@ -26,16 +27,18 @@ class JobShape:
     def of(cls, nodes: int, roles: Any) -> JobShape:
         """The shape of a job row with `nodes` VMs and the stored `roles` (None: not a
         group). Roles that do not read back (checked at the claim, so only a row edited
-        since) count every rank, as a job that is not a group does."""
-        every = frozenset(range(max(nodes, 1)))
+        since) count every rank, as a job that is not a group does. A `nodes` out of range
+        (a row edited after its claim checked it) is bounded to what a claim allows."""
+        nodes = min(max(nodes, 1), MAX_NODES) if type(nodes) is int else 1
+        every = frozenset(range(nodes))
         if roles is None:
-            return cls(max(nodes, 1), every)
+            return cls(nodes, every)
         from scheduler.jobspec import parse_data
 
         try:
             group = parse_data(roles)
         except (BadInput, RecursionError):
-            return cls(max(nodes, 1), every, group=True)
+            return cls(nodes, every, group=True)
         layout = group.layout()
         primary = frozenset(
             rank

@@ -70,3 +70,13 @@ def test_one_rule_says_when_an_attempt_of_any_kind_succeeded(
 ) -> None:
     shape = JobShape.of(nodes, spread_group() if roles == "spread" else None)
     assert succeeded(shape, codes) is expected
+
+
+def test_a_nodes_count_out_of_range_is_bounded_as_a_claim_bounds_it() -> None:
+    """A row edited after its claim (nodes 2^31-1, 0, not an integer) costs the poll no
+    more than the largest job a claim allows."""
+    from scheduler.validate import MAX_NODES
+
+    assert JobShape.of(2**31 - 1, None).nodes == MAX_NODES
+    assert JobShape.of(0, None) == JobShape(1, frozenset({0}))
+    assert JobShape.of("3", None) == JobShape(1, frozenset({0}))  # type: ignore[arg-type]
