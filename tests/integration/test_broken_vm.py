@@ -12,26 +12,22 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import nats as nats_client
 import pytest
 from sqlalchemy import select, update
 
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
-from scheduler.gpu_poller import run_poller
 from scheduler.models import VM, JobEvent
-from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
-from scheduler.transport import make_transport
+from scheduler.requeue import RequeueConfig
 from tests.fleet import SimFleet
 from tests.workloads.support import (
     FAKE_TRAIN,
     RLFLEET,
+    daemons,
     new_job,
-    running_dispatcher,
     wait_status,
     write_fake_python,
 )
@@ -41,27 +37,6 @@ pytestmark = pytest.mark.slow
 
 FleetFactory = Callable[..., Awaitable[SimFleet]]
 CONFIG = RequeueConfig(interval_s=0.2, recheck_after_s=0.3)
-
-
-@asynccontextmanager
-async def daemons(db: Database, nats: EmbeddedNats) -> AsyncIterator[None]:
-    """The poller, a dispatcher and the requeue manager, running until the block ends."""
-    transport = make_transport(connect_timeout=5.0, login_timeout=5.0)
-    nc = await nats_client.connect(nats.url)
-    stop = asyncio.Event()
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
-    tasks = [
-        asyncio.create_task(run_poller(db, transport, stop, interval=0.2)),
-        asyncio.create_task(requeue.run(stop)),
-    ]
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
-            yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks), 30)
-        await nc.close()
-        await transport.close()
 
 
 async def vm_row(db: Database, name: str) -> VM:
@@ -131,7 +106,7 @@ async def test_a_vm_whose_python_cannot_run_is_marked_and_the_job_runs_elsewhere
         await session.execute(update(VM).where(VM.name == "vm0").values(python=str(broken)))
         await session.execute(update(VM).where(VM.name == "vm1").values(draining=True))
 
-    async with daemons(db, nats):
+    async with daemons(db, nats.url, CONFIG):
         await wait_vm(db, "vm0", "healthy")
         job_id = await new_job(db, 1, ("--fake_seconds", "0.5"), max_retries=0)
 

@@ -10,14 +10,11 @@ import asyncio
 import json
 import shutil
 import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import nats as nats_client
 import pytest
 from sqlalchemy import select, update
 
@@ -25,28 +22,26 @@ from scheduler.control import cancel_job, job_details
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.fleet import VMSpec, add_vm
-from scheduler.gpu_poller import GpuPoller, run_poller
-from scheduler.jobs import JobSpec, insert_job, transition
+from scheduler.gpu_poller import GpuPoller
+from scheduler.jobs import JobSpec, insert_job
 from scheduler.models import GPU, VM, Job, JobEvent
-from scheduler.remote.launch import LaunchSpec, launch_script, parse_launch
 from scheduler.remote.layout import default_output_dir, new_token
-from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
+from scheduler.requeue import RequeueConfig
 from scheduler.retry import RetryPolicy
 from scheduler.states import JobStatus
-from scheduler.transport import SSHTransport, Transport, VMTarget, make_transport
+from scheduler.transport import SSHTransport, VMTarget
 from tests.fleet import SimFleet
 from tests.integration.test_sshd import RealSshd, sshd  # noqa: F401 - the fixture
 from tests.workloads.fake_train import SPARSE_LOG_BYTES
 from tests.workloads.support import (
     FAKE_TRAIN,
     alive,
-    current_attempt,
+    daemons,
     installation,
     job_attempt_dir,
     job_row,
+    launch_on,
     new_job,
-    place_rank0,
-    running_dispatcher,
     wait_file,
     wait_status,
     write_fake_python,
@@ -59,27 +54,6 @@ FleetFactory = Callable[..., Awaitable[SimFleet]]
 CONFIG = RequeueConfig(
     interval_s=0.2, recheck_after_s=0.3, policy=RetryPolicy(base_delay_s=0.2, jitter=0.0)
 )
-
-
-@asynccontextmanager
-async def daemons(db: Database, nats: EmbeddedNats) -> AsyncIterator[Transport]:
-    """The poller, a dispatcher and the requeue manager, running until the block ends."""
-    transport = make_transport(connect_timeout=5.0, login_timeout=5.0)
-    nc = await nats_client.connect(nats.url)
-    stop = asyncio.Event()
-    requeue = RequeueManager(db, NatsPublisher(nc), transport, CONFIG)
-    tasks = [
-        asyncio.create_task(run_poller(db, transport, stop, interval=0.2)),
-        asyncio.create_task(requeue.run(stop)),
-    ]
-    try:
-        async with running_dispatcher(db, nats.url, transport=transport):
-            yield transport
-    finally:
-        stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks), 30)
-        await nc.close()
-        await transport.close()
 
 
 class VMWatch:
@@ -147,7 +121,7 @@ async def test_a_job_writing_hostile_files_costs_its_neighbour_and_its_vm_nothin
     fleet = await sim_fleet(1, gpus_per_vm=2)
     ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN))
     vm_id = ids["vm0"]
-    async with daemons(db, nats) as transport:
+    async with daemons(db, nats.url, CONFIG) as transport:
         await wait_vm_healthy(db, vm_id)
         with VMWatch(db, vm_id) as watch:
             hostile = await new_job(db, 1, ("--fake_hostile", "--fake_seconds", "5"), max_retries=0)
@@ -202,7 +176,7 @@ async def test_the_wrappers_variables_in_a_jobs_env_change_nothing_but_that_job(
     path = await new_job(db, 1, fine, env=(("PATH", "/nonexistent"),), max_retries=1)
     exit127 = await new_job(db, 1, ("--fake_exit", "127"), max_retries=1)
     try:
-        async with daemons(db, nats):
+        async with daemons(db, nats.url, CONFIG):
             await wait_vm_healthy(db, vm_id)
             with VMWatch(db, vm_id) as watch:
                 ok = [await wait_status(db, d, "completed", 60)]
@@ -243,7 +217,7 @@ async def test_an_exit_code_forged_by_a_neighbour_is_not_taken_while_the_job_run
     wrapper really ended, with its own exit code (3), and its GPU was held until then."""
     fleet = await sim_fleet(1, gpus_per_vm=1)
     ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN))
-    async with daemons(db, nats):
+    async with daemons(db, nats.url, CONFIG):
         await wait_vm_healthy(db, ids["vm0"])
         victim = await new_job(db, 1, ("--fake_seconds", "4", "--fake_exit", "3"), max_retries=0)
         running = await wait_status(db, victim, "running", 30)
@@ -262,7 +236,7 @@ async def test_a_setsid_child_of_a_job_dies_when_the_job_is_cancelled(
     attempt's process group), cancelling the job stops that process too."""
     fleet = await sim_fleet(1, gpus_per_vm=1)
     ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN))
-    async with daemons(db, nats) as transport:
+    async with daemons(db, nats.url, CONFIG) as transport:
         await wait_vm_healthy(db, ids["vm0"])
         job_id = await new_job(db, 1, ("--fake_seconds", "60", "--fake_setsid_child"))
         running = await wait_status(db, job_id, "running", 30)
@@ -279,59 +253,6 @@ async def test_a_setsid_child_of_a_job_dies_when_the_job_is_cancelled(
 
 
 # --- against OpenSSH's sshd -------------------------------------------------------------------
-
-
-async def launch_on(
-    db: Database, transport: Transport, target: VMTarget, gpu: int, *args: str
-) -> int:
-    """A running job on `target` holding GPU `gpu`, launched the way the dispatcher does."""
-    async with db.transaction() as session:
-        job = await insert_job(session, JobSpec("m", "d", ("format",)), actor="test")
-        await transition(
-            session,
-            job.id,
-            expected=JobStatus.QUEUED,
-            to=JobStatus.STARTING,
-            reason="claimed",
-            actor="test",
-            values={
-                "vm_id": target.id,
-                "attempt": 1,
-                "gpu_indices": [gpu],
-                "launch_token": new_token(),
-            },
-        )
-        await session.execute(
-            update(GPU).where(GPU.vm_id == target.id, GPU.index == gpu).values(job_id=job.id)
-        )
-        job_id = job.id
-    run = await current_attempt(db, job_id)
-    spec = LaunchSpec(
-        run=run,
-        python=sys.executable,
-        entrypoint=str(FAKE_TRAIN),
-        gpu_indices=[gpu],
-        model="m",
-        dataset="d",
-        reward_functions=["format"],
-        output_dir=default_output_dir(run.installation, job_id),
-        extra_args=list(args),
-    )
-    result = await transport.run(target, launch_script(spec), timeout=20)
-    launched = parse_launch(result.stdout, run)
-    assert launched is not None and launched.path is not None, result.stderr
-    async with db.transaction() as session:
-        await transition(
-            session,
-            job_id,
-            expected=JobStatus.STARTING,
-            to=JobStatus.RUNNING,
-            reason="launched",
-            actor="test",
-            values={"remote_pid": launched.pid, "attempt_dir": launched.path},
-        )
-        await place_rank0(session, job_id)  # every placed attempt has its rank rows
-    return job_id
 
 
 async def test_hostile_files_behind_real_sshd_cost_the_poll_nothing(
@@ -425,7 +346,7 @@ async def test_hand_written_live_rows_without_token_or_lease_are_resolved_once(
     fleet = await sim_fleet(1, gpus_per_vm=3)
     ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN))
     vm_id = ids["vm0"]
-    async with daemons(db, nats):
+    async with daemons(db, nats.url, CONFIG):
         await wait_vm_healthy(db, vm_id)
         no_token = await hand_written(db, vm_id, 0, JobStatus.RUNNING, remote_pid=4242)
         no_pid = await hand_written(db, vm_id, 1, JobStatus.RUNNING, launch_token=new_token())

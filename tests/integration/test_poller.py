@@ -17,14 +17,10 @@ from sqlalchemy import select, update
 from scheduler.db import Database
 from scheduler.gpu_poller import GpuPoller
 from scheduler.gpu_poller.state import SweepStats
-from scheduler.jobs import JobSpec, insert_job, transition
 from scheduler.models import GPU, VM, JobEvent
-from scheduler.remote.launch import LaunchSpec, launch_script, parse_launch
-from scheduler.remote.layout import default_output_dir, new_token
-from scheduler.states import JobStatus
 from scheduler.transport import Transport
 from tests.fleet import FAKE_TRAIN, SimFleet, SimVM
-from tests.workloads.support import current_attempt, job_attempt_dir, job_row, place_rank0
+from tests.workloads.support import job_attempt_dir, job_row, launch_on
 
 
 async def gpus_of(db: Database, vm_id: int) -> list[GPU]:
@@ -43,54 +39,7 @@ async def launch_job(
     db: Database, transport: Transport, vm: SimVM, vm_id: int, gpu: int, *fake_args: str
 ) -> int:
     """A running job on `vm` holding GPU `gpu`, launched the way the dispatcher does."""
-    async with db.transaction() as session:
-        job = await insert_job(session, JobSpec("m", "d", ("format",)), actor="test")
-        await transition(
-            session,
-            job.id,
-            expected=JobStatus.QUEUED,
-            to=JobStatus.STARTING,
-            reason="claimed",
-            actor="test",
-            values={
-                "vm_id": vm_id,
-                "attempt": 1,
-                "gpu_indices": [gpu],
-                "launch_token": new_token(),
-            },
-        )
-        await session.execute(
-            update(GPU).where(GPU.vm_id == vm_id, GPU.index == gpu).values(job_id=job.id)
-        )
-        await place_rank0(session, job.id)
-        job_id = job.id
-    run = await current_attempt(db, job_id)
-    spec = LaunchSpec(
-        run=run,
-        python=sys.executable,
-        entrypoint=str(FAKE_TRAIN),
-        gpu_indices=[gpu],
-        model="m",
-        dataset="d",
-        reward_functions=["format"],
-        output_dir=default_output_dir(run.installation, job_id),
-        extra_args=list(fake_args),
-    )
-    result = await transport.run(vm.target(vm_id), launch_script(spec), timeout=20)
-    launched = parse_launch(result.stdout, run)
-    assert launched is not None and launched.path is not None, result.stderr
-    async with db.transaction() as session:
-        await transition(
-            session,
-            job_id,
-            expected=JobStatus.STARTING,
-            to=JobStatus.RUNNING,
-            reason="launched",
-            actor="test",
-            values={"remote_pid": launched.pid, "attempt_dir": launched.path},
-        )
-        await place_rank0(session, job_id)
-    return job_id
+    return await launch_on(db, transport, vm.target(vm_id), gpu, *fake_args)
 
 
 async def wait_for_exit_code(db: Database, vm: SimVM, job_id: int, timeout: float = 20) -> None:

@@ -20,12 +20,14 @@ from sqlalchemy import select, text, update
 from scheduler import bus
 from scheduler.db import Database, installation_id
 from scheduler.dispatcher import GlobalJobDispatcher
-from scheduler.gpu_poller import GpuPoller
-from scheduler.jobs import JobSpec, insert_job
+from scheduler.gpu_poller import GpuPoller, run_poller
+from scheduler.jobs import JobSpec, insert_job, transition
 from scheduler.models import GPU, VM, Job, JobNode
-from scheduler.remote.layout import Attempt, job_base, stored_attempt
+from scheduler.remote.launch import LaunchSpec, launch_script, parse_launch
+from scheduler.remote.layout import Attempt, default_output_dir, job_base, new_token, stored_attempt
 from scheduler.requeue import NatsPublisher, RequeueConfig, RequeueManager
-from scheduler.transport import Transport, make_transport
+from scheduler.states import JobStatus
+from scheduler.transport import Transport, VMTarget, make_transport
 from tests.fleet import FAKE_TRAIN, SimFleet
 
 RLFLEET = Path(sys.executable).parent / "rlfleet"
@@ -316,3 +318,78 @@ async def sweep_until(poller: GpuPoller, db: Database, vm_id: int, status: str) 
                 return
         await asyncio.sleep(0.05)
     raise AssertionError(f"VM {vm_id} never became {status}")
+
+
+@asynccontextmanager
+async def daemons(db: Database, nats_url: str, config: RequeueConfig) -> AsyncIterator[Transport]:
+    """The poller (every 0.2 s), a dispatcher and the requeue manager with `config`, all
+    on one transport, running until the block ends; yields the transport."""
+    transport = make_transport(connect_timeout=5.0, login_timeout=5.0)
+    nc = await nats_client.connect(nats_url)
+    stop = asyncio.Event()
+    requeue = RequeueManager(db, NatsPublisher(nc), transport, config)
+    tasks = [
+        asyncio.create_task(run_poller(db, transport, stop, interval=0.2)),
+        asyncio.create_task(requeue.run(stop)),
+    ]
+    try:
+        async with running_dispatcher(db, nats_url, transport=transport):
+            yield transport
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        await nc.close()
+        await transport.close()
+
+
+async def launch_on(
+    db: Database, transport: Transport, target: VMTarget, gpu: int, *args: str
+) -> int:
+    """A running job on `target` holding GPU `gpu`, launched the way the dispatcher does."""
+    async with db.transaction() as session:
+        job = await insert_job(session, JobSpec("m", "d", ("format",)), actor="test")
+        await transition(
+            session,
+            job.id,
+            expected=JobStatus.QUEUED,
+            to=JobStatus.STARTING,
+            reason="claimed",
+            actor="test",
+            values={
+                "vm_id": target.id,
+                "attempt": 1,
+                "gpu_indices": [gpu],
+                "launch_token": new_token(),
+            },
+        )
+        await session.execute(
+            update(GPU).where(GPU.vm_id == target.id, GPU.index == gpu).values(job_id=job.id)
+        )
+        job_id = job.id
+    run = await current_attempt(db, job_id)
+    spec = LaunchSpec(
+        run=run,
+        python=sys.executable,
+        entrypoint=str(FAKE_TRAIN),
+        gpu_indices=[gpu],
+        model="m",
+        dataset="d",
+        reward_functions=["format"],
+        output_dir=default_output_dir(run.installation, job_id),
+        extra_args=list(args),
+    )
+    result = await transport.run(target, launch_script(spec), timeout=20)
+    launched = parse_launch(result.stdout, run)
+    assert launched is not None and launched.path is not None, result.stderr
+    async with db.transaction() as session:
+        await transition(
+            session,
+            job_id,
+            expected=JobStatus.STARTING,
+            to=JobStatus.RUNNING,
+            reason="launched",
+            actor="test",
+            values={"remote_pid": launched.pid, "attempt_dir": launched.path},
+        )
+        await place_rank0(session, job_id)  # every placed attempt has its rank rows
+    return job_id
