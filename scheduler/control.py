@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from sqlalchemy import select
+
 from scheduler import bus
 from scheduler.db import Database, installation_id
 from scheduler.errors import BadInput, ServiceUnavailable
@@ -19,6 +21,7 @@ from scheduler.jobs import get_job, show_job, transition
 from scheduler.kill import kill_attempt
 from scheduler.leftovers import AttemptRecord, abandon_attempt, close_leftover
 from scheduler.logging import get_logger
+from scheduler.models import Workdir
 from scheduler.remote.layout import Attempt, default_output_dir, stored_attempt
 from scheduler.remote.logs import (
     NO_FILE_EXIT,
@@ -170,6 +173,15 @@ async def job_details(
         installation = await installation_id(session)
         place = place_of(job, installation)
         ranks = [_node_place(job, place, installation, n) for n in _current_nodes(job)]
+        workdir = None
+        if job.workdir_digest is not None:
+            workdir = (
+                await session.execute(
+                    select(Workdir.size, Workdir.files).where(Workdir.digest == job.workdir_digest)
+                )
+            ).one_or_none()
+    data["workdir_size"] = workdir.size if workdir is not None else None
+    data["workdir_files"] = workdir.files if workdir is not None else None
     # Where the outputs are on the VM, also when the job named no --output-dir.
     data["output_dir"] = data["output_dir"] or default_output_dir(installation, job_id)
     data["progress"], data["progress_error"] = None, None

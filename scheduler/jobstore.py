@@ -15,11 +15,12 @@ import re
 from collections.abc import Collection, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from scheduler.errors import BadInput
 from scheduler.states import JobStatus
 from scheduler.validate import (
+    DIGEST_RE,
     INT4,
     JOB_NAME_MAX,
     MAX_ENV_VALUE,
@@ -27,12 +28,16 @@ from scheduler.validate import (
     MAX_NODES,
     MAX_RETRIES,
     TEXT_MAX,
+    WORKDIR_MAX_BYTES,
     UnreadableJson,
     check_int,
     check_text,
     env_key_problem,
     extra_args_problem,
 )
+
+if TYPE_CHECKING:
+    from scheduler.workdir import PackedWorkdir
 
 
 class SqlTx(Protocol):
@@ -83,6 +88,9 @@ class JobSpec:
     """`--env KEY=VALUE` pairs for the job's environment."""
     roles: dict[str, Any] | None = None
     """A job group's roles (`jobspec.GroupSpec.to_data`); None for one training role."""
+    workdir: PackedWorkdir | None = None
+    """The job's packed workdir (`job submit --workdir`, `scheduler.workdir.pack`); None
+    for a job without one."""
 
     def validate(self) -> None:
         """Raise `BadInput` for a job that could never run or that the schema cannot hold
@@ -112,6 +120,11 @@ class JobSpec:
         problem = extra_args_problem(self.extra_args)
         if problem:
             raise BadInput(problem)
+        if self.workdir is not None:
+            if not DIGEST_RE.fullmatch(self.workdir.digest):
+                raise BadInput("--workdir: not a packed workdir")
+            if self.workdir.size > WORKDIR_MAX_BYTES:
+                raise BadInput(f"--workdir: packs to more than {WORKDIR_MAX_BYTES} bytes")
 
 
 def validate_job_env(env: Iterable[tuple[str, str]]) -> None:
@@ -134,13 +147,21 @@ def validate_job_env(env: Iterable[tuple[str, str]]) -> None:
             raise BadInput(f"--env {key}: the value is longer than {MAX_ENV_VALUE} characters")
 
 
+INSERT_WORKDIR_SQL = """
+INSERT INTO workdirs (digest, size, files, data)
+VALUES (%(digest)s, %(size)s, %(files)s, %(data)s)
+ON CONFLICT (digest) DO NOTHING
+"""
+"""A packed workdir, stored once per content: the same digest is the same bytes."""
+
 INSERT_JOB_SQL = f"""
 WITH job AS (
     INSERT INTO jobs (status, name, model, dataset, reward_function, gpus_requested, nodes,
-                      max_retries, priority, extra_args, output_dir, env, roles, queued_at)
+                      max_retries, priority, extra_args, output_dir, env, roles,
+                      workdir_digest, queued_at)
     VALUES ('{JobStatus.QUEUED.value}', %(name)s, %(model)s, %(dataset)s, %(reward_function)s,
             %(gpus)s, %(nodes)s, %(max_retries)s, %(priority)s, %(extra_args)s::jsonb,
-            %(output_dir)s, %(env)s::jsonb, %(roles)s::jsonb, now())
+            %(output_dir)s, %(env)s::jsonb, %(roles)s::jsonb, %(workdir)s, now())
     RETURNING id, attempt
 ), event AS (
     INSERT INTO job_events ({", ".join(EVENT_COLUMNS)})
@@ -176,6 +197,7 @@ def insert_params(spec: JobSpec, actor: str) -> dict[str, Any]:
         "env": json.dumps(dict(spec.env)),
         # SQL NULL, not a JSON null, for a job of one training role.
         "roles": json.dumps(spec.roles) if spec.roles is not None else None,
+        "workdir": spec.workdir.digest if spec.workdir is not None else None,
         "actor": actor,
     }
 
@@ -183,6 +205,16 @@ def insert_params(spec: JobSpec, actor: str) -> dict[str, Any]:
 async def insert_job(tx: SqlTx, spec: JobSpec, *, actor: str) -> NewJob:
     """Validate and insert a `queued` job with its first event, inside `tx`."""
     spec.validate()
+    if spec.workdir is not None:
+        await tx.rows(
+            INSERT_WORKDIR_SQL,
+            {
+                "digest": spec.workdir.digest,
+                "size": spec.workdir.size,
+                "files": spec.workdir.files,
+                "data": spec.workdir.data,
+            },
+        )
     (row,) = await tx.rows(INSERT_JOB_SQL, insert_params(spec, actor))
     return NewJob(int(row["id"]), int(row["attempt"]))
 
@@ -245,6 +277,7 @@ JOB_FIELDS: tuple[tuple[str, str | None], ...] = (
     ("gpu_uuids", "gpu_uuids"),
     ("remote_pid", "remote_pid"),
     ("output_dir", "output_dir"),
+    ("workdir", "workdir_digest"),
     ("attempt_dir", "attempt_dir"),
     ("completed_attempt", "completed_attempt"),
     ("next_attempt_at", "next_attempt_at"),

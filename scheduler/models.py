@@ -18,6 +18,7 @@ from sqlalchemy import (
     Identity,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     SmallInteger,
     String,
@@ -175,6 +176,27 @@ class GPU(Base):
     __table_args__ = (UniqueConstraint("vm_id", "uuid"),)
 
 
+class Workdir(Base):
+    """A job's packed workdir (`scheduler.workdir`): a gzip'd tar stored once per content,
+    keyed by the sha256 of its bytes, which jobs reference (`jobs.workdir_digest`)."""
+
+    __tablename__ = "workdirs"
+
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    """sha256 of `data`, 64 lowercase hex digits."""
+    size: Mapped[int] = mapped_column(BigInteger)
+    """Packed bytes (the length of `data`)."""
+    files: Mapped[int] = mapped_column(Integer)
+    """Regular files in the workdir."""
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+
+    __table_args__ = (
+        CheckConstraint("digest ~ '^[0-9a-f]{64}$'", name="digest_hex"),
+        CheckConstraint("size = octet_length(data) AND files >= 0", name="size_sane"),
+    )
+
+
 class Job(Base):
     """A GRPO training job and everything the scheduler knows about its current attempt."""
 
@@ -232,6 +254,11 @@ class Job(Base):
     completed_attempt: Mapped[int | None] = mapped_column(Integer)
     """The attempt whose exit 0 completed the job (its VM is `vm_id`, its directory
     `attempt_dir`); NULL unless completed."""
+    workdir_digest: Mapped[str | None] = mapped_column(
+        String(64), ForeignKey("workdirs.digest", ondelete="RESTRICT")
+    )
+    """The job's workdir (`job submit --workdir`), a `workdirs` row; NULL for a job
+    without one."""
     output_dir: Mapped[str | None] = mapped_column(Text)
     """NULL until the first claim, which sets the default
     ~/.rlfleet/<installation>/outputs/<job_id> unless the user named one."""

@@ -11,6 +11,7 @@ from typing import Any
 from scheduler.errors import BadInput
 from scheduler.jobspec import parse_data
 from scheduler.validate import (
+    DIGEST_RE,
     INT4,
     MAX_GPUS,
     MAX_NODES,
@@ -61,6 +62,9 @@ def job_row_problem(row: Any) -> str | None:
     problem = env_problem(getattr(row, "env", {}))
     if problem:
         return problem
+    digest = getattr(row, "workdir_digest", None)
+    if digest is not None and not (isinstance(digest, str) and DIGEST_RE.fullmatch(digest)):
+        return f"workdir_digest is not a sha256 digest: {digest!r}"[:200]
     roles = getattr(row, "roles", None)
     if roles is not None:
         return roles_problem(roles, gpus, getattr(row, "nodes", 1))

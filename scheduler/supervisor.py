@@ -138,7 +138,8 @@ class Group:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     env=env,
-                    cwd=os.path.expanduser("~"),
+                    # The attempt's copy of the job's workdir, when it has one.
+                    cwd=os.environ.get("RLFLEET_WORKDIR") or os.path.expanduser("~"),
                     start_new_session=True,
                     preexec_fn=die_with_parent,
                 )

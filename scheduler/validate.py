@@ -42,6 +42,16 @@ length of the longest Linux path, far beyond any real one."""
 MAX_EXTRA_ARGS = 1000
 """Most arguments after `--` one job may pass to train_grpo.py."""
 
+WORKDIR_MAX_BYTES = 64 << 20
+"""Largest packed workdir (`job submit --workdir`, gzip'd tar) the scheduler stores and
+ships itself: it travels through Postgres and the dispatcher's SSH connection."""
+WORKDIR_MAX_UNPACKED = 1 << 30
+"""Most bytes a workdir may hold once unpacked (a VM refuses a tar that claims more)."""
+WORKDIR_MAX_FILES = 100_000
+"""Most entries (files and directories) one workdir may hold."""
+DIGEST_RE = re.compile(r"[0-9a-f]{64}")
+"""What a workdir's digest is: the sha256 of its packed bytes, lowercase hex."""
+
 RESERVED_TRAIN_FLAGS: dict[str, str] = {
     "--model": "use `job submit --model`",
     "--dataset": "use `job submit --dataset`",
@@ -391,6 +401,7 @@ SCHEDULER_ENV = (
     "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "RLFLEET_JOB_ID", "RLFLEET_ATTEMPT",
     "RLFLEET_PROGRESS_FILE", "RLFLEET_NODE_RANK", "RLFLEET_NUM_NODES",
     "RLFLEET_GPUS_PER_NODE", "RLFLEET_NODE_ADDRS", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE",
+    "RLFLEET_WORKDIR",
 )  # fmt: skip
 """Set by the scheduler for every job: no env file sets them (`--env` refuses every
 `RLFLEET_*` name: that namespace is the scheduler's)."""

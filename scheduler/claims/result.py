@@ -50,6 +50,9 @@ class Claim:
     roles: dict[str, Any] | None = None
     """A job group's roles (`jobs.roles`, checked by `job_row_problem`); None for a job of
     one training role."""
+    workdir: str | None = None
+    """The digest of the job's workdir (`jobs.workdir_digest`, checked by
+    `job_row_problem`); None for a job without one."""
 
 
 @dataclass(frozen=True)

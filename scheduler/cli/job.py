@@ -26,7 +26,15 @@ from scheduler.cli._common import (
 from scheduler.errors import BadInput, ServiceUnavailable
 from scheduler.jobstore import list_jobs
 from scheduler.states import JobStatus
-from scheduler.validate import INT4, INT8, JOB_NAME_MAX, MAX_GPUS, MAX_NODES, MAX_RETRIES
+from scheduler.validate import (
+    INT4,
+    INT8,
+    JOB_NAME_MAX,
+    MAX_GPUS,
+    MAX_NODES,
+    MAX_RETRIES,
+    WORKDIR_MAX_BYTES,
+)
 
 if TYPE_CHECKING:
     from scheduler.db import Database
@@ -143,6 +151,14 @@ def group() -> None:
     help="Set a variable in the job's environment (repeatable); KEY alone takes the value "
     "from this shell, keeping it off the command line. Listings show the names only.",
 )
+@click.option(
+    "--workdir",
+    metavar="DIR",
+    help="Send this directory with the job (reward modules, a local dataset, configs): "
+    "each attempt runs in its own copy of it, first on PYTHONPATH, on whichever VM it "
+    "lands. .rlfleetignore (gitignore-style) leaves files out; packed size at most "
+    f"{WORKDIR_MAX_BYTES >> 20} MiB.",
+)
 @json_flag("Print the new job as JSON.")
 @click.argument("extra_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TRAIN_GRPO_ARGS…]")
 @pass_cli
@@ -162,6 +178,7 @@ def submit(
     vllm_server_own_vm: bool,
     output_dir: str | None,
     env: tuple[str, ...],
+    workdir: str | None,
     as_json: bool,
     extra_args: tuple[str, ...],
 ) -> None:
@@ -173,7 +190,12 @@ def submit(
     HOME, USER, LANG…, its RLFLEET_* variables, CUDA_VISIBLE_DEVICES), plus the VM's
     ~/.rlfleet/env and its own --env values.
     """
-    from scheduler.cli.jobfile import parse_env_options, spec_from_file, spec_from_flags
+    from scheduler.cli.jobfile import (
+        parse_env_options,
+        spec_from_file,
+        spec_from_flags,
+        with_workdir,
+    )
 
     if spec_file is not None and recipe is not None:
         raise BadInput("--config: give the recipe's keys under train: in the job file, not both")
@@ -196,6 +218,9 @@ def submit(
             extra_args=extra_args,
             output_dir=output_dir,
         )
+        if workdir is not None:
+            spec.validate()  # a bad flag is named before the workdir is read
+            spec = with_workdir(spec, workdir, "--workdir")
     spec.validate()
     from scheduler.submit import submit_job
 

@@ -109,7 +109,7 @@ def from_recipe(
 
 FILE_CONFLICTS = (
     "model", "dataset", "reward_functions", "gpus", "nodes", "max_retries", "priority", "name",
-    "output_dir", "extra_args", "vllm_server_gpus", "vllm_server_own_vm",
+    "output_dir", "extra_args", "vllm_server_gpus", "vllm_server_own_vm", "workdir",
 )  # fmt: skip
 """`job submit` parameters a spec file gives: refused beside `-f`, never silently mixed."""
 
@@ -127,6 +127,31 @@ def spec_from_file(path: str, env: tuple[tuple[str, str], ...]) -> JobSpec:
             flag = "train arguments after --" if param == "extra_args" else param
             raise BadInput(f"-f {path}: give {flag.replace('_', '-')} in the file, not as well")
     group = load_file(path)
+    spec = _file_job_spec(group, env)
+    if group.workdir is None:
+        return spec
+    return with_workdir(spec, file_workdir(path, group.workdir), f"-f {path}: workdir")
+
+
+def file_workdir(path: str, workdir: str) -> str:
+    """A job file's `workdir:`, relative to the file's own directory (`~` expanded)."""
+    import os
+
+    workdir = os.path.expanduser(workdir)
+    return os.path.join(os.path.dirname(os.path.abspath(path)), workdir)
+
+
+def with_workdir(spec: JobSpec, directory: str, where: str) -> JobSpec:
+    """`spec` with the workdir at `directory` packed (`scheduler.workdir.pack`)."""
+    from dataclasses import replace
+
+    from scheduler.workdir import pack
+
+    return replace(spec, workdir=pack(directory, f"{where} {directory}"))
+
+
+def _file_job_spec(group: GroupSpec, env: tuple[tuple[str, str], ...]) -> JobSpec:
+    """The job row a loaded spec file describes, its workdir not packed yet."""
     if len(group.roles) != 1 or group.roles[0].train is None:
         return group_job_spec(group, env)
     role = group.roles[0]

@@ -15,6 +15,8 @@ kill.
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,6 +35,8 @@ from scheduler.groups import (
     node_port_needs,
 )
 from scheduler.jobspec import parse_data
+from scheduler.logging import get_logger
+from scheduler.models import Workdir
 from scheduler.remote.launch import (
     LaunchResult,
     LaunchSpec,
@@ -48,11 +52,16 @@ from scheduler.remote.rendezvous import (
     parse_free_port,
     parse_free_ports,
 )
+from scheduler.remote.workdir import has_script, parse_has, parse_ready, receive_script
 from scheduler.transport import Transport, TransportError, VMTarget
 
 from .consumer import TransientError, db_error
 
+log = get_logger("dispatcher")
+
 VM_CACHE_TTL_S = 15.0
+WORKDIR_SEND_RATE = 1 << 20
+"""Bytes per second a workdir's transfer may take at worst, on top of the launch timeout."""
 PORT_TRIES = 5
 """Port probes a group launch makes before it fails: each collision is another attempt's
 port chosen on the same VM between our probe and our record."""
@@ -285,7 +294,12 @@ class Launcher:
     ) -> LaunchResult | str:
         """Start one node of the claimed attempt: its pid and directory, or why it did not
         start. `secret_env` (a group's token) goes with the job's own variables into
-        job.env (mode 0600, through stdin), never on a command line."""
+        job.env (mode 0600, through stdin), never on a command line. A job's workdir is
+        put on the VM first (`ensure_workdir`)."""
+        if claim.workdir is not None:
+            problem = await self.ensure_workdir(claim, node.target)
+            if problem is not None:
+                return problem
         spec = LaunchSpec(
             run=claim.attempt_ref,
             python=node.target.python,
@@ -302,6 +316,7 @@ class Launcher:
             fence_grace_s=self.fence_grace_s,
             node=node.rendezvous,
             group=node.group,
+            workdir=claim.workdir,
         )
         try:
             result = await self.transport.run(
@@ -316,6 +331,62 @@ class Launcher:
         if launched is None:
             return last_line(result.stderr) or f"launch exited {result.exit_status}"
         return launched
+
+    async def ensure_workdir(self, claim: Claim, target: VMTarget) -> str | None:
+        """Make sure `target` holds the claimed job's workdir in its cache: asked first
+        (a VM that has it is sent nothing), else read from the database (a short
+        transaction of its own) and sent over SSH as base64 on the unpacking script's
+        stdin (no transaction open). None once it is there, else why not."""
+        digest = claim.workdir
+        assert digest is not None
+        try:
+            asked = await self.transport.run(
+                target,
+                has_script(claim.installation, digest),
+                timeout=self.launch_timeout_s,
+            )
+        except TransportError as exc:
+            return f"workdir: {exc or type(exc).__name__}"
+        except ValueError as exc:  # a digest or installation no check let through
+            return f"workdir: {exc}"
+        present = parse_has(asked.stdout)
+        if present:
+            return None
+        if present is None:
+            return f"workdir: {last_line(asked.stderr) or f'exit {asked.exit_status}'}"
+        data = await self._workdir_bytes(digest)
+        if isinstance(data, str):
+            return data
+        try:
+            sent = await self.transport.run(
+                target,
+                receive_script(target.python, claim.installation, digest),
+                timeout=self.launch_timeout_s + len(data) / WORKDIR_SEND_RATE,
+                input=base64.b64encode(data).decode("ascii"),
+            )
+        except TransportError as exc:
+            return f"sending the workdir: {exc or type(exc).__name__}"
+        if not parse_ready(sent.stdout):
+            return last_line(sent.stderr) or f"unpacking the workdir exited {sent.exit_status}"
+        log.info("workdir_sent", job_id=claim.job_id, vm=target.name, digest=digest,
+                 bytes=len(data))  # fmt: skip
+        return None
+
+    async def _workdir_bytes(self, digest: str) -> bytes | str:
+        """The packed workdir `digest`, checked against its digest; or why not."""
+        try:
+            async with self.db.engine.begin() as conn:
+                data = await conn.scalar(select(Workdir.data).where(Workdir.digest == digest))
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            return db_error(exc)
+        if data is None:
+            return f"workdir {digest[:12]} is not in the database"
+        data = bytes(data)
+        if hashlib.sha256(data).hexdigest() != digest:
+            return f"workdir {digest[:12]}: the stored bytes do not match their digest"
+        return data
 
     async def settle(
         self, claim: Claim, nodes: Sequence[NodeLaunch], outcomes: Sequence[LaunchResult | str]

@@ -74,6 +74,9 @@ class GroupSpec:
     priority: int = 0
     max_retries: int = 3
     output_dir: str | None = None
+    workdir: str | None = None
+    """The job's workdir as the file names it (relative to the file's directory), packed
+    by `job submit`; not part of `to_data`."""
     _order: tuple[str, ...] = field(default=(), repr=False)
 
     def role(self, name: str) -> Role:

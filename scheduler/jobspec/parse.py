@@ -23,7 +23,7 @@ from scheduler.validate import INT4, JOB_NAME_MAX, MAX_NODES, MAX_RETRIES, TEXT_
 
 TOP_KEYS = (
     "name", "priority", "max_retries", "output_dir", "vllm_server_gpus", "vllm_server_own_vm",
-    "roles",
+    "roles", "workdir",
 )  # fmt: skip
 
 
@@ -52,6 +52,7 @@ def parse_data(data: Any) -> GroupSpec:
         priority=_int(top.get("priority", 0), "priority", *INT4),
         max_retries=_int(top.get("max_retries", 3), "max_retries", 0, MAX_RETRIES),
         output_dir=_opt_text(top.get("output_dir"), "output_dir", TEXT_MAX),
+        workdir=_opt_text(top.get("workdir"), "workdir", TEXT_MAX),
         _order=order,
     )
     if len(group.layout()) > MAX_NODES:

@@ -38,6 +38,7 @@ from scheduler.remote.watchdog import (
     watchdog_lines,
     watchdog_stop_lines,
 )
+from scheduler.remote.workdir import WORK_DIR, copy_lines
 
 PID_MARK = "rlfleet-pid"
 FENCED_EXIT = 96
@@ -82,6 +83,10 @@ class LaunchSpec:
     group: GroupLaunch | None = None
     """The roles this VM runs for a job group (the supervisor replaces the training
     command); None for a job of one training role."""
+    workdir: str | None = None
+    """The digest of the job's workdir (`job submit --workdir`), cached on the VM under the
+    installation's directory: the launch copies it into the attempt's `work/`, which the
+    attempt runs in and has first on PYTHONPATH; None for a job without one."""
 
 
 def entry_words(
@@ -205,7 +210,7 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "trap 'rlfleet_sig=INT' INT",
             "trap 'rlfleet_sig=HUP' HUP",
             *watchdog_lines(spec.fence_after_s, spec.fence_grace_s, spec.run),
-            'cd "$HOME" || exit 1',
+            *_cd_lines(spec),
             f"mkdir -p {home_path(spec.output_dir)}",
             'echo "rlfleet: attempt started on $(hostname) at $(date -u +%FT%TZ)'
             f' CUDA_VISIBLE_DEVICES="{shlex.quote(visible_devices(spec))}',
@@ -235,7 +240,9 @@ def wrapper_script(spec: LaunchSpec) -> str:
             '  export RLFLEET_PROGRESS_FILE="$d/progress.json"',
             f"  export RLFLEET_JOB_ID={int(spec.job_id)} RLFLEET_ATTEMPT={int(spec.attempt)}",
             *("  " + line for line in rendezvous_lines(spec)),
+            *("  " + line for line in workdir_env_lines(spec, before_env=True)),
             *load_env_lines([home_path(VM_ENV_FILE), f'"$d/{JOB_ENV_FILE}"']),
+            *("  " + line for line in workdir_env_lines(spec, before_env=False)),
             '  exec "$@"',
             "  )",
             "  rc=$?",
@@ -248,6 +255,23 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "",
         ]
     )
+
+
+def _cd_lines(spec: LaunchSpec) -> list[str]:
+    """Where the attempt runs: its copy of the job's workdir, or the VM user's home."""
+    if spec.workdir is None:
+        return ['cd "$HOME" || exit 1']
+    return [f'cd "$d/{WORK_DIR}" || exit 1']
+
+
+def workdir_env_lines(spec: LaunchSpec, *, before_env: bool) -> list[str]:
+    """For a job with a workdir: `RLFLEET_WORKDIR` (before the env files, which cannot set
+    it), then, after them, the workdir put first on the PYTHONPATH they may have set."""
+    if spec.workdir is None:
+        return []
+    if before_env:
+        return [f'export RLFLEET_WORKDIR="$d/{WORK_DIR}"']
+    return ['export PYTHONPATH="$RLFLEET_WORKDIR${PYTHONPATH:+:$PYTHONPATH}"']
 
 
 SUPERVISOR_FILE = "supervisor.py"
@@ -318,6 +342,7 @@ def launch_script(spec: LaunchSpec, *, pid_wait_s: float = PID_WAIT_S) -> str:
             'if mkdir "$d/.launch.lock" 2>/dev/null; then',
             f'  printf "%s" {shlex.quote(wrapper_script(spec))} > "$d/launch.sh" || exit 97',
             *_group_files_lines(spec),
+            *(copy_lines(spec.run.installation, spec.workdir) if spec.workdir else []),
             *_job_env_from_stdin(spec),
             # A clean environment: nothing of the launching shell's but PASSED_ENV.
             f'  setsid {clean_env_words()} sh "$d/launch.sh" </dev/null >>"$d/train.log" 2>&1 &',
