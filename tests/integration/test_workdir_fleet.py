@@ -170,9 +170,10 @@ async def test_a_workdir_reaches_each_vm_once_and_every_attempt_runs_in_its_own_
         third = await submit(tmp_path / "out3", "--fail_first", retries=1)
         job = await schedule_until(db, nats.url, transport, poller, third,
                                    lambda j: j.status == "failed")  # fmt: skip
-        assert job.attempt == 1 and json.loads(
-            (tmp_path / "out3" / "result-1.json").read_text()
-        )["scores"] == expected
+        assert (
+            job.attempt == 1
+            and json.loads((tmp_path / "out3" / "result-1.json").read_text())["scores"] == expected
+        )
         await drain_only(db, fleet, 1)
         job = await schedule_until(db, nats.url, transport, poller, third,
                                    lambda j: j.status == "completed")  # fmt: skip
