@@ -7,6 +7,7 @@ on another VM gets it there. Only the GPU is simulated."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import sys
 import time
@@ -27,7 +28,7 @@ from scheduler.remote.workdir import RECEIVE_CODE
 from scheduler.requeue import RequeueConfig
 from scheduler.retry import RetryPolicy
 from scheduler.transport import CommandResult, Transport, VMTarget, make_transport
-from scheduler.workdir import pack
+from scheduler.workdir import PackedWorkdir, pack
 from tests.fleet import SimFleet
 from tests.workloads.support import installation, job_row, new_job, scheduling
 
@@ -182,5 +183,40 @@ async def test_a_workdir_reaches_each_vm_once_and_every_attempt_runs_in_its_own_
         assert result["scores"] == expected and result["on_path"] is True
         assert str(fleet[1].home) in result["cwd"]
         assert transport.sent == Counter({fleet[0].name: 1, fleet[1].name: 1})
+    finally:
+        await transport.close()
+
+
+async def test_a_stored_workdir_that_is_not_its_digest_fails_its_job_only(
+    sim_fleet: Callable[..., Awaitable[SimFleet]],
+    db: Database,
+    nats: EmbeddedNats,
+    tmp_path: Path,
+) -> None:
+    """A `workdirs` row whose bytes are not its digest (written by hand, or damaged) fails
+    its job at launch and is never sent; the dispatcher goes on, and the next job with a
+    sound workdir runs."""
+    fleet = await sim_fleet(1, gpus_per_vm=1)
+    await fleet.register(db, entrypoint=str(WORKDIR_TRAIN), python=sys.executable)
+    transport = Counting(make_transport(connect_timeout=2.0, login_timeout=2.0))
+    try:
+        poller = GpuPoller(db, transport, unreachable_after=1)  # type: ignore[arg-type]
+        await poller.sweep()
+        good = pack(make_workdir(tmp_path / "project"))
+        # Sound bytes under another digest: every column check passes.
+        damaged = PackedWorkdir(
+            hashlib.sha256(b"something else").hexdigest(), good.data, good.files, 1
+        )
+        spec = {"dataset": "data/train.jsonl", "reward_functions": ("my_rewards:length",)}
+        bad_job = await new_job(db, 1, workdir=damaged, max_retries=0, **spec)
+        job = await schedule_until(db, nats.url, transport, poller, bad_job,
+                                   lambda j: j.status == "failed")  # fmt: skip
+        assert "the stored bytes do not match their digest" in (job.status_reason or "")
+        assert transport.sent == Counter()
+        assert not (fleet[0].home / ".rlfleet" / await installation(db) / "workdirs").exists()
+        ok_job = await new_job(db, 1, workdir=good, output_dir=str(tmp_path / "out"), **spec)
+        job = await schedule_until(db, nats.url, transport, poller, ok_job,
+                                   lambda j: j.status in ("completed", "failed"))  # fmt: skip
+        assert job.status == "completed", job.status_reason
     finally:
         await transport.close()

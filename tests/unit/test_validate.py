@@ -195,6 +195,10 @@ def _row(**fields: object) -> SimpleNamespace:
         ({"extra_args": UnreadableJson("JSON nested deeper than 64 levels", "array")}, "deeper"),
         ({"roles": UnreadableJson("JSON nested deeper than 64 levels", "object")}, "roles: JSON"),
         ({"roles": {"roles": []}}, "roles: roles: must be a mapping"),
+        ({"workdir_digest": "0" * 64}, None),
+        ({"workdir_digest": "../" + "0" * 61}, "workdir_digest is not a sha256 digest"),
+        ({"workdir_digest": "0" * 64 + "\n"}, "workdir_digest is not a sha256 digest"),
+        ({"workdir_digest": 5}, "workdir_digest is not a sha256 digest"),
     ],
 )
 def test_job_rows_the_launch_cannot_use(fields: dict[str, object], problem: str | None) -> None:
