@@ -23,6 +23,7 @@ from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.fleet import set_draining
 from scheduler.gpu_poller import GpuPoller
+from scheduler.jobspec import parse_data
 from scheduler.models import Job, Workdir
 from scheduler.remote.workdir import RECEIVE_CODE
 from scheduler.requeue import RequeueConfig
@@ -220,3 +221,41 @@ async def test_a_stored_workdir_that_is_not_its_digest_fails_its_job_only(
         assert job.status == "completed", job.status_reason
     finally:
         await transport.close()
+
+
+async def test_a_group_role_runs_in_the_attempts_copy_of_the_workdir(
+    sim_fleet: Callable[..., Awaitable[SimFleet]],
+    db: Database,
+    nats: EmbeddedNats,
+    transport: Transport,
+    tmp_path: Path,
+) -> None:
+    """A job group's role started by a command relative to the workdir (`python role.py`)
+    runs there, in the attempt's copy, with the copy first on PYTHONPATH."""
+    fleet = await sim_fleet(1, gpus_per_vm=1)
+    await fleet.register(db)
+    poller = GpuPoller(db, transport, unreachable_after=1)
+    await poller.sweep()
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "helper.py").write_text("VALUE = 'from the workdir'\n")
+    (project / "role.py").write_text(
+        "import json, os, helper\n"
+        "print('role: ' + json.dumps({'cwd': os.getcwd(), 'value': helper.VALUE,\n"
+        "      'path': os.environ['PYTHONPATH'].split(':')[0]}), flush=True)\n"
+    )
+    roles = parse_data(
+        {"roles": {"main": {"command": [sys.executable, "role.py"], "gpus": 1}}}
+    ).to_data()
+    job_id = await new_job(
+        db, 1, roles=roles, model="-", dataset="-", reward_functions=("-",),
+        max_retries=0, workdir=pack(project),
+    )  # fmt: skip
+    job = await schedule_until(db, nats.url, transport, poller, job_id,
+                               lambda j: j.status in ("completed", "failed"))  # fmt: skip
+    folder = Path(job.attempt_dir or "")
+    assert job.status == "completed", (job.status_reason, (folder / "train.log").read_text())
+    log = (folder / "main.log").read_text()
+    seen = json.loads(next(x for x in log.splitlines() if x.startswith("role: "))[6:])
+    assert seen == {"cwd": str(folder / "work"), "value": "from the workdir",
+                    "path": str(folder / "work")}  # fmt: skip
