@@ -292,7 +292,7 @@ def pack_entries(
     buffer = _Bounded(limit)
     try:
         with (
-            gzip.GzipFile(filename="", mode="wb", fileobj=buffer, mtime=0) as gz,
+            gzip.GzipFile(filename="", mode="wb", fileobj=buffer, mtime=0, compresslevel=6) as gz,
             tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
         ):
             for entry in entries:
