@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import stat
 import sys
 import time
 from collections import Counter
@@ -89,6 +90,8 @@ def make_workdir(root: Path) -> Path:
     (root / "data" / "train.jsonl").write_text(
         "".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in ROWS)
     )
+    (root / "prepare.sh").write_text("#!/bin/sh\n")
+    (root / "prepare.sh").chmod(0o750)
     (root / "secret.txt").write_text("not for the VMs\n")
     (root / ".rlfleetignore").write_text("secret.txt\n")
     return root
@@ -157,8 +160,9 @@ async def test_a_workdir_reaches_each_vm_once_and_every_attempt_runs_in_its_own_
         assert result["pythonpath"].split(":")[0] == result["workdir"] == str(work)
         cache = fleet[0].home / ".rlfleet" / inst / "workdirs" / packed.digest
         assert sorted(p.name for p in cache.iterdir()) == sorted(
-            [".rlfleetignore", "data", "my_rewards.py"]
+            [".rlfleetignore", "data", "my_rewards.py", "prepare.sh"]
         )
+        assert stat.S_IMODE((work / "prepare.sh").stat().st_mode) == 0o750  # modes kept
         assert (work / "scratch.txt").is_file()  # the attempt's copy, not the cache
         assert not (work / "secret.txt").exists()
         assert transport.sent == Counter({fleet[0].name: 1})
