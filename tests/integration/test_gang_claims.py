@@ -78,7 +78,7 @@ async def _claim_per_node(db: Database, job_id: int, demands: list[int]) -> Clai
             await conn.execute(
                 select(
                     Job.id, Job.status, Job.gpus_requested, Job.nodes, Job.model, Job.dataset,
-                    Job.reward_function, Job.extra_args, Job.env, Job.roles,
+                    Job.reward_function, Job.extra_args, Job.env, Job.roles, Job.workdir_digest,
                 ).where(Job.id == job_id).with_for_update()
             )
         ).one()  # fmt: skip
