@@ -162,7 +162,11 @@ class Launcher:
         if isinstance(planned, str):
             return planned
         nodes, secret = planned
-        outcomes = await asyncio.gather(*(self.launch_node(claim, n, secret) for n in nodes))
+        # One read of the workdir for every node of the attempt that lacks it.
+        payload = WorkdirPayload(self, claim.workdir) if claim.workdir is not None else None
+        outcomes = await asyncio.gather(
+            *(self.launch_node(claim, n, secret, payload) for n in nodes)
+        )
         return await self.settle(claim, nodes, list(outcomes))
 
     async def plan(self, claim: Claim, target: VMTarget) -> tuple[list[NodeLaunch], Secret] | str:
@@ -290,14 +294,18 @@ class Launcher:
         return dict(zip(needs, found, strict=False))
 
     async def launch_node(
-        self, claim: Claim, node: NodeLaunch, secret_env: Secret = ()
+        self,
+        claim: Claim,
+        node: NodeLaunch,
+        secret_env: Secret = (),
+        payload: WorkdirPayload | None = None,
     ) -> LaunchResult | str:
         """Start one node of the claimed attempt: its pid and directory, or why it did not
         start. `secret_env` (a group's token) goes with the job's own variables into
         job.env (mode 0600, through stdin), never on a command line. A job's workdir is
         put on the VM first (`ensure_workdir`)."""
         if claim.workdir is not None:
-            problem = await self.ensure_workdir(claim, node.target)
+            problem = await self.ensure_workdir(claim, node.target, payload)
             if problem is not None:
                 return problem
         spec = LaunchSpec(
@@ -332,13 +340,17 @@ class Launcher:
             return last_line(result.stderr) or f"launch exited {result.exit_status}"
         return launched
 
-    async def ensure_workdir(self, claim: Claim, target: VMTarget) -> str | None:
+    async def ensure_workdir(
+        self, claim: Claim, target: VMTarget, payload: WorkdirPayload | None = None
+    ) -> str | None:
         """Make sure `target` holds the claimed job's workdir in its cache: asked first
         (a VM that has it is sent nothing), else read from the database (a short
-        transaction of its own) and sent over SSH as base64 on the unpacking script's
-        stdin (no transaction open). None once it is there, else why not."""
+        transaction of its own; through `payload`, once for all the nodes of an attempt)
+        and sent over SSH as base64 on the unpacking script's stdin (no transaction
+        open). None once it is there, else why not."""
         digest = claim.workdir
         assert digest is not None
+        payload = payload or WorkdirPayload(self, digest)
         try:
             asked = await self.transport.run(
                 target,
@@ -354,22 +366,23 @@ class Launcher:
             return None
         if present is None:
             return f"workdir: {last_line(asked.stderr) or f'exit {asked.exit_status}'}"
-        data = await self._workdir_bytes(digest)
-        if isinstance(data, str):
-            return data
+        loaded = await payload.get()
+        if isinstance(loaded, str):
+            return loaded
+        text, size = loaded
         try:
             sent = await self.transport.run(
                 target,
                 receive_script(target.python, claim.installation, digest),
-                timeout=self.launch_timeout_s + len(data) / WORKDIR_SEND_RATE,
-                input=base64.b64encode(data).decode("ascii"),
+                timeout=self.launch_timeout_s + size / WORKDIR_SEND_RATE,
+                input=text,
             )
         except TransportError as exc:
             return f"sending the workdir: {exc or type(exc).__name__}"
         if not parse_ready(sent.stdout):
             return last_line(sent.stderr) or f"unpacking the workdir exited {sent.exit_status}"
         log.info("workdir_sent", job_id=claim.job_id, vm=target.name, digest=digest,
-                 bytes=len(data))  # fmt: skip
+                 bytes=size)  # fmt: skip
         return None
 
     async def _workdir_bytes(self, digest: str) -> bytes | str:
@@ -417,6 +430,29 @@ class Launcher:
                 raise
             return db_error(exc)
         return launched[0]
+
+
+class WorkdirPayload:
+    """A claimed job's packed workdir as the receiver reads it (base64 text) and its
+    packed size, read from the database at most once however many nodes of the attempt
+    lack it (`Launcher._workdir_bytes`), and held only while the attempt is launched."""
+
+    def __init__(self, launcher: Launcher, digest: str) -> None:
+        self._launcher = launcher
+        self._digest = digest
+        self._task: asyncio.Future[tuple[str, int] | str] | None = None
+
+    async def get(self) -> tuple[str, int] | str:
+        """(base64 text, packed bytes), or why the workdir cannot be sent."""
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._load())
+        return await asyncio.shield(self._task)
+
+    async def _load(self) -> tuple[str, int] | str:
+        data = await self._launcher._workdir_bytes(self._digest)
+        if isinstance(data, str):
+            return data
+        return base64.b64encode(data).decode("ascii"), len(data)
 
 
 def _group_place(

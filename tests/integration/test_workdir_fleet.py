@@ -21,6 +21,7 @@ import pytest
 from sqlalchemy import func, select
 
 from scheduler.db import Database
+from scheduler.dispatcher.launch import Launcher
 from scheduler.embedded import EmbeddedNats
 from scheduler.fleet import set_draining
 from scheduler.gpu_poller import GpuPoller
@@ -279,8 +280,18 @@ async def test_every_rank_of_a_multi_node_job_gets_the_workdir(
     db: Database,
     nats: EmbeddedNats,
     tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A 2 × 1 job: each VM is sent the workdir once and each rank runs in its own copy."""
+    """A 2 × 1 job: each VM is sent the workdir once, read from the database once for
+    both, and each rank runs in its own copy."""
+    reads: list[str] = []
+    read = Launcher._workdir_bytes
+
+    async def counted(self: Launcher, digest: str) -> bytes | str:
+        reads.append(digest)
+        return await read(self, digest)
+
+    monkeypatch.setattr(Launcher, "_workdir_bytes", counted)
     fleet = await sim_fleet(2, gpus_per_vm=1)
     await fleet.register(db, entrypoint=str(WORKDIR_TRAIN), python=write_fake_python(tmp_path))
     transport = Counting(make_transport(connect_timeout=2.0, login_timeout=2.0))
@@ -302,5 +313,6 @@ async def test_every_rank_of_a_multi_node_job_gets_the_workdir(
         homes = [str(vm.home) for vm in fleet]
         assert sorted(h for r in results for h in homes if r["cwd"].startswith(h)) == sorted(homes)
         assert transport.sent == Counter({vm.name: 1 for vm in fleet})
+        assert len(reads) == 1
     finally:
         await transport.close()
