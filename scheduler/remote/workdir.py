@@ -14,7 +14,9 @@ installed) reads the packed bytes as base64 on stdin, checks their sha256 agains
 digest it was given, and unpacks only directories and regular files whose names are
 relative, without `..` or empty parts; a symlink, a hard link, a device, a FIFO, more than
 `WORKDIR_MAX_FILES` entries or more than `WORKDIR_MAX_UNPACKED` bytes refuses the whole
-workdir. Modes are kept (less setuid, setgid and sticky bits).
+workdir. Modes are kept (less setuid, setgid and sticky bits). A receiver stopped by a
+signal removes its half-unpacked directory; one that could not (SIGKILL, a crash of the
+VM) leaves it, and a later receiver on that VM removes it once it is a day old.
 """
 
 from __future__ import annotations
@@ -63,11 +65,15 @@ def parse_has(stdout: str) -> bool | None:
 
 
 RECEIVE_CODE = r"""
-import base64, hashlib, io, os, secrets, shutil, stat, sys, tarfile
+import base64, hashlib, io, os, secrets, shutil, signal, stat, sys, tarfile, time
 final, digest, max_bytes, max_files = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 def fail(why):
     sys.stderr.write("rlfleet: workdir refused: " + why + "\n")
     sys.exit(3)
+def stop(signum, frame):
+    sys.exit(128 + signum)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGHUP, stop)
 data = base64.b64decode(sys.stdin.buffer.read())
 if hashlib.sha256(data).hexdigest() != digest:
     fail("its sha256 is not " + digest)
@@ -76,6 +82,13 @@ if os.path.isdir(final):
     sys.exit(0)
 parent = os.path.dirname(final)
 os.makedirs(parent, exist_ok=True)
+for old in os.listdir(parent):
+    path = os.path.join(parent, old)
+    try:
+        if old.startswith(".tmp-") and os.lstat(path).st_mtime < time.time() - 86400:
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass
 tmp = os.path.join(parent, ".tmp-" + digest[:16] + "-" + secrets.token_hex(4))
 os.mkdir(tmp, 0o700)
 try:

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -272,6 +273,20 @@ def test_the_receiver_refuses_hostile_tars_and_leaves_nothing(
     assert not parse_ready(done.stdout)
     assert list(final.parent.iterdir()) == []
     assert not (tmp_path / "escape.txt").exists()
+
+
+def test_the_receiver_removes_what_an_earlier_one_left_half_done(tmp_path: Path) -> None:
+    """A half-unpacked directory a killed receiver left is removed by the next receiver
+    once it is a day old; a younger one (perhaps a receiver at work) is left alone."""
+    packed = wd.pack(tree(tmp_path / "w", {"a": "x"}))
+    cache = tmp_path / "cache"
+    old, young = cache / ".tmp-dead-0001", cache / ".tmp-busy-0002"
+    for folder in (old, young):
+        (folder / "sub").mkdir(parents=True)
+    os.utime(old, (0, time.time() - 2 * 86400))
+    done = receive(packed.data, cache / packed.digest)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in cache.iterdir()) == sorted([young.name, packed.digest])
 
 
 def test_the_receiver_refuses_bytes_that_are_not_the_digest(tmp_path: Path) -> None:
