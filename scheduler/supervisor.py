@@ -263,9 +263,7 @@ class Group:
         delay = min(self.backoff_s * 2 ** (count - 1), self.backoff_max_s)
         self.restarts[name] = count
         self.restart_due[name] = time.monotonic() + delay
-        self.note(
-            name, state="restarting", restarts=count, restart_cause=cause, restart_exit=code
-        )
+        self.note(name, state="restarting", restarts=count, restart_cause=cause, restart_exit=code)
         why = f"exit {code}" if cause == "exited" else "stopped answering its readiness check"
         limit = self.limit(name)
         say(f"role {name} {why}; restarting it in {delay:g}s (restart {count} of {limit})")

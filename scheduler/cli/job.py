@@ -309,7 +309,7 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
     if job.get("roles"):
         click.echo("\nroles:")
         echo_table(
-            ["ROLE", "RANK", "PRIMARY", "VM", "GPUS", "PORTS", "PID", "STATE", "EXIT"],
+            ["ROLE", "RANK", "PRIMARY", "VM", "GPUS", "PORTS", "PID", "STATE", "EXIT", "RESTARTS"],
             [
                 (
                     r["name"],
@@ -322,6 +322,7 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
                     r["pid"] or "-",
                     r["state"],
                     "-" if r["exit_code"] is None else r["exit_code"],
+                    r.get("restarts", 0),
                 )
                 for r in job["roles"]
             ],

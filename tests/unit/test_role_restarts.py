@@ -1,7 +1,8 @@
 """Roles that heal in place, with real processes on this machine (the supervisor is a
 plain program): a `restart` role that dies or stops answering is started again at the same
 port while the primary role runs on; past its `max` the group fails as it always did; a
-role without `restart` keeps shared fate, its liveness check included."""
+role without `restart` keeps shared fate, its liveness check included. And what the poll
+reads of the restarts (`roles.json`, a file the job can write): bounded and validated."""
 
 from __future__ import annotations
 
@@ -14,11 +15,19 @@ from typing import Any
 
 import pytest
 
+from scheduler.poll import END, JOBS, parse_poll
+from scheduler.remote.layout import Attempt
+from scheduler.remote.probe import status_probe
+from scheduler.remote.restarts import (
+    ROLES_BYTES,
+    ROLES_MARK,
+    RoleRestarts,
+    parse_restarts,
+    recorded_restarts,
+)
 from scheduler.supervisor import NOT_READY_EXIT
 from scheduler.verdicts import group_failure_line
 from tests.unit.test_groups import alive, supervise, wait_for, write_group
-
-pytestmark = pytest.mark.slow
 
 # A primary role that waits for the test's go-ahead (the file `go`), then asks the server
 # once at its address and port: exit 0 if it answered.
@@ -64,6 +73,7 @@ def states(folder: Path) -> dict[str, Any]:
     return dict(json.loads((folder / "roles.json").read_text()))
 
 
+@pytest.mark.slow
 def test_a_killed_server_is_restarted_in_place_while_the_client_runs_on(tmp_path: Path) -> None:
     proc = supervise(healing_group(tmp_path, restarts=2))
     client = int(wait_for(tmp_path / "client.pid"))
@@ -86,6 +96,7 @@ def test_a_killed_server_is_restarted_in_place_while_the_client_runs_on(tmp_path
     assert not alive(again)
 
 
+@pytest.mark.slow
 def test_a_server_failing_past_its_max_restarts_fails_the_group(tmp_path: Path) -> None:
     proc = supervise(healing_group(tmp_path, restarts=1))
     client = int(wait_for(tmp_path / "client.pid"))
@@ -99,6 +110,7 @@ def test_a_server_failing_past_its_max_restarts_fails_the_group(tmp_path: Path) 
     assert states(tmp_path)["srv"]["restarts"] == 1
 
 
+@pytest.mark.slow
 def test_a_server_that_stops_answering_is_restarted_in_place(tmp_path: Path) -> None:
     proc = supervise(healing_group(tmp_path, restarts=1, live_fail_s=1))
     wait_for(tmp_path / "client.pid")
@@ -119,6 +131,7 @@ def test_a_server_that_stops_answering_is_restarted_in_place(tmp_path: Path) -> 
     assert srv["restart_exit"] is None and srv["pid"] == again
 
 
+@pytest.mark.slow
 def test_without_restart_a_server_that_stops_answering_fails_the_group(tmp_path: Path) -> None:
     """Shared fate stays the default, and the readiness check goes on as a liveness check."""
     proc = supervise(healing_group(tmp_path, restarts=None, live_fail_s=1))
@@ -136,6 +149,7 @@ def test_without_restart_a_server_that_stops_answering_fails_the_group(tmp_path:
     assert states(tmp_path)["srv"]["restarts"] == 0
 
 
+@pytest.mark.slow
 def test_without_restart_a_killed_server_still_fails_the_group(tmp_path: Path) -> None:
     proc = supervise(healing_group(tmp_path, restarts=None))
     wait_for(tmp_path / "client.pid")
@@ -144,3 +158,86 @@ def test_without_restart_a_killed_server_still_fails_the_group(tmp_path: Path) -
     assert proc.returncode == 137, out
     assert group_failure_line(out) == "role srv failed (exit 137)"
 
+
+# -- what the poll reads of them ------------------------------------------------------------
+
+
+def test_the_poll_reads_each_roles_restarts_and_their_cause() -> None:
+    roles = {
+        "reward": {"pid": 9, "state": "running", "restarts": 2, "restart_cause": "exited",
+                   "restart_exit": 137},
+        "judge": {"state": "running", "restarts": 1, "restart_cause": "unresponsive",
+                  "restart_exit": None},
+        "trainer": {"pid": 8, "state": "running", "exit_code": None, "restarts": 0},
+    }  # fmt: skip
+    out = f"{JOBS}\n{ROLES_MARK} 7 2 {json.dumps(roles)}\n{END}\n"
+    assert parse_poll(out).restarts == {
+        (7, 2): {
+            "reward": RoleRestarts(2, "exited", 137),
+            "judge": RoleRestarts(1, "unresponsive", None),
+        }
+    }
+    assert RoleRestarts(2, "exited", 137).why() == "it exited with 137"
+    assert RoleRestarts(1, "unresponsive").why() == "it stopped answering its readiness check"
+    # A cut-off answer (no end marker) tells nothing.
+    assert parse_poll(f"{JOBS}\n{ROLES_MARK} 7 2 {json.dumps(roles)}\n").restarts == {}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "not json",
+        "[1, 2]",
+        '{"reward": {"restarts": true}}',
+        '{"reward": {"restarts": 101}}',
+        '{"reward": {"restarts": -1}}',
+        '{"reward": {"restarts": 1.5}}',
+        '{"reward": {"restarts": "2"}}',
+        '{"Reward; rm -rf": {"restarts": 1}}',
+        '{"reward": 3}',
+        '{"a": ' * 3000 + "1" + "}" * 3000,
+        json.dumps({f"r{i}": {"restarts": 1} for i in range(17)}),
+    ],
+)
+def test_a_roles_file_that_is_not_the_supervisors_counts_no_restart(text: str) -> None:
+    assert parse_restarts(f"{ROLES_MARK} 7 2 {text}") == {}
+
+
+def test_a_cause_that_is_not_the_supervisors_is_not_taken() -> None:
+    text = '{"reward": {"restarts": 1, "restart_cause": "ran rm -rf", "restart_exit": 999}}'
+    assert parse_restarts(f"{ROLES_MARK} 7 2 {text}") == {(7, 2): {"reward": RoleRestarts(1)}}
+    text = '{"reward": {"restarts": 1, "restart_cause": "exited", "restart_exit": 999}}'
+    assert parse_restarts(f"{ROLES_MARK} 7 2 {text}")[(7, 2)]["reward"].exit_code is None
+
+
+def test_what_the_poller_recorded_counts_only_for_its_own_attempt() -> None:
+    stored = {"attempt": 2, "roles": {"reward": 2, "bad": True, "worse": "x"}}
+    assert recorded_restarts(stored, 2) == {"reward": 2}
+    assert recorded_restarts(stored, 3) == {}
+    assert recorded_restarts({}, 1) == recorded_restarts(None, 1) == {}
+
+
+async def test_the_probe_reads_roles_json_bounded_and_on_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a real /bin/sh as on a VM: a roles.json over several lines arrives on one; a huge
+    one is cut at ROLES_BYTES (and so is unreadable), never read whole."""
+    from scheduler.transport import LocalTransport, VMTarget
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    runs = [
+        Attempt("1b4e28ba-2fa1-41d2-883f-0016d3cca427", n, 1, "fedcba9876543210") for n in (7, 8)
+    ]
+    for run, text in zip(
+        runs,
+        [json.dumps({"reward": {"restarts": 1}}, indent=2), " " * 10_000_000 + "{}"],
+        strict=True,
+    ):
+        folder = tmp_path / run.relative
+        folder.mkdir(parents=True)
+        (folder / "roles.json").write_text(text)
+    local = VMTarget(id=1, name="local", host="localhost", transport="local")
+    result = await LocalTransport().run(local, status_probe(runs), timeout=20)
+    lines = [x for x in result.stdout.split("\n") if x.startswith(ROLES_MARK)]
+    assert len(lines) == 2 and len(lines[1]) <= len(f"{ROLES_MARK} 8 1 ") + ROLES_BYTES
+    assert parse_restarts(result.stdout) == {(7, 1): {"reward": RoleRestarts(1)}}
