@@ -401,6 +401,8 @@ def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
                     "supervisor_pid": row.remote_pid,
                     "pid": None,
                     "exit_code": None,
+                    "restart": role.restart,
+                    "max_restarts": role.max_restarts,
                     # Restarts in place the poller recorded (the VM's own count, read by
                     # `control.job_details`, may be newer).
                     "restarts": recorded_restarts(
