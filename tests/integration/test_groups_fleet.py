@@ -413,6 +413,44 @@ async def test_a_role_failing_past_its_max_restarts_fails_the_group(
     await no_gpu_or_port_held(db)
 
 
+async def test_restarts_a_job_writes_into_roles_json_itself_are_not_recorded(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
+) -> None:
+    """roles.json is in a directory the job can write: restarts it claims for a role that
+    may not restart, for one past its max_restarts, for no role of the job, or a file too
+    big to be read, become no event and cost the job nothing (invariant 9); a count the
+    role's limits allow is recorded, in the poller's words, not the file's."""
+    fleet, poller = await polled_vm(sim_fleet, db, transport, gpus=1)
+    job_id = await new_group(db, healing(group_roles(first_s=300), 2), max_retries=0)
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+        folder = Path((await job_row(db, job_id)).attempt_dir or "")
+        await wait_file(folder / "trainer.log", needle="{")
+        hostile = [
+            {"trainer": {"state": "running", "restarts": 5}},  # may not restart
+            {"reward": {"state": "running", "restarts": 3}},  # past its max_restarts (2)
+            {"ghost": {"state": "running", "restarts": 1}},  # no such role
+            {"reward": {"state": "running", "restarts": 1, "pad": "x" * 8000}},  # too big
+        ]
+        for data in hostile:
+            (folder / "roles.json").write_text(json.dumps(data))
+            for _ in range(2):
+                await poller.sweep()
+        assert await restart_events(db, job_id) == []
+        cause = "it exited with 9; DROP TABLE jobs"
+        claimed = {"state": "running", "restarts": 1, "restart_cause": cause}
+        (folder / "roles.json").write_text(json.dumps({"reward": claimed}))
+        await poller.sweep()
+        assert await restart_events(db, job_id) == [
+            ("running", "role reward restarted in place (1 of 2): it failed", 1)
+        ]
+        assert (await job_row(db, job_id)).status == "running"
+        from scheduler.control import cancel_job
+
+        await cancel_job(db, transport, job_id, grace_s=2)
+    await nothing_left(fleet)
+
+
 async def _attempt_done(db: Database, job_id: int) -> bool:
     job = await job_row(db, job_id)
     return job.status == "completed" and job.attempt == 2

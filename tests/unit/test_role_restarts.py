@@ -241,3 +241,54 @@ async def test_the_probe_reads_roles_json_bounded_and_on_one_line(
     lines = [x for x in result.stdout.split("\n") if x.startswith(ROLES_MARK)]
     assert len(lines) == 2 and len(lines[1]) <= len(f"{ROLES_MARK} 8 1 ") + ROLES_BYTES
     assert parse_restarts(result.stdout) == {(7, 1): {"reward": RoleRestarts(1)}}
+
+
+# -- what the launch and `job show` say of them ----------------------------------------------
+
+
+def test_the_supervisor_is_told_which_roles_restart_and_which_it_checks_while_they_run() -> None:
+    from scheduler.groups import LIVENESS_FAIL_S, RESTART_BACKOFF_S, GroupPlace, group_launch
+    from scheduler.jobspec import parse_data
+
+    group = parse_data(
+        {
+            "roles": {
+                "reward": {
+                    "command": ["srv"],
+                    "ports": ["http"],
+                    "ready": {"http": "/health"},
+                    "restart": "on-failure",
+                    "max_restarts": 5,
+                },
+                "judge": {"command": ["j"], "ports": ["http"], "ready": {"tcp": "http"}},
+                "trainer": {"command": ["t"], "gpus": 1, "primary": True, "nodes": 2},
+            }
+        }
+    )
+    place = GroupPlace("python3", "train.py", "10.0.0.5", ["GPU-a"], "~/out", 1)
+    ports = {("reward", "http"): 41000, ("judge", "http"): 41001, ("trainer", "@rendezvous"): 1}
+    here = group_launch(group, place, ports, node=0, node_addresses=["10.0.0.5", "10.0.0.6"])
+    roles = {r["name"]: r for r in here.config["roles"]}
+    assert roles["reward"]["restart"] == {"max": 5} and roles["reward"]["live"]
+    assert "restart" not in roles["judge"] and roles["judge"]["live"]
+    assert "restart" not in roles["trainer"] and not roles["trainer"]["live"]
+    assert here.config["restart_backoff_s"] == RESTART_BACKOFF_S
+    assert here.config["live_fail_s"] == LIVENESS_FAIL_S
+    # Rank 1 of the trainer's VM runs no role with a check of its own.
+    there = group_launch(group, place, ports, node=1, node_addresses=["10.0.0.5", "10.0.0.6"])
+    assert [(r["name"], r["live"]) for r in there.config["roles"]] == [("trainer", False)]
+
+
+def test_job_show_takes_the_vms_restart_count_only_when_it_is_the_supervisors() -> None:
+    from scheduler.control import merge_role_states
+
+    def shown(entry: object, recorded: int = 1) -> int:
+        roles = [{"name": "reward", "node": 0, "restarts": recorded}]
+        merge_role_states(roles, {"reward": entry})
+        return int(roles[0]["restarts"])
+
+    assert shown({"state": "restarting", "restarts": 2}) == 2
+    assert shown({"state": "running", "restarts": 0}) == 1  # the poller had seen more
+    for bad in (True, 101, -3, "9", 2.0):
+        assert shown({"state": "running", "restarts": bad}) == 1
+    assert shown({"state": "asleep", "restarts": 2}) == 1  # not a state the supervisor writes
