@@ -1,5 +1,6 @@
 """One role of a job file (`roles.<name>:`) and the checks across roles: its GPUs, nodes,
-command or `train:`, env, ports and readiness check (`_role`); a primary role
+command or `train:`, env, ports, readiness check and restart policy (`_role`, `_restart`);
+a primary role
 (`_with_primary`); references to other roles and variable names that do not collide
 (`_check_references`); the order the roles start in (`_start_order`).
 """
