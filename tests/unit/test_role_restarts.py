@@ -283,7 +283,7 @@ def test_job_show_takes_the_vms_restart_count_only_when_it_is_the_supervisors() 
     from scheduler.control import merge_role_states
 
     def shown(entry: object, recorded: int = 1) -> int:
-        roles = [{"name": "reward", "node": 0, "restarts": recorded}]
+        roles: list[dict[str, Any]] = [{"name": "reward", "node": 0, "restarts": recorded}]
         merge_role_states(roles, {"reward": entry})
         return int(roles[0]["restarts"])
 
