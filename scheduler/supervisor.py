@@ -264,7 +264,7 @@ class Group:
         self.restarts[name] = count
         self.restart_due[name] = time.monotonic() + delay
         self.note(name, state="restarting", restarts=count, restart_cause=cause, restart_exit=code)
-        why = f"exit {code}" if cause == "exited" else "stopped answering its readiness check"
+        why = f"failed (exit {code})" if cause == "exited" else "stopped answering its check"
         limit = self.limit(name)
         say(f"role {name} {why}; restarting it in {delay:g}s (restart {count} of {limit})")
         return True
