@@ -413,6 +413,61 @@ async def test_a_role_failing_past_its_max_restarts_fails_the_group(
     await no_gpu_or_port_held(db)
 
 
+async def test_a_hung_server_that_restarts_on_failure_is_restarted_by_its_liveness_check(
+    sim_fleet: FleetFactory,
+    db: Database,
+    nats: EmbeddedNats,
+    transport: Transport,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reward server that is alive but answers nothing (SIGSTOP) fails its readiness
+    check, which goes on while the group runs: after the liveness window (shortened here
+    from 30 s to 2 s) it is stopped and started again in place, the trainer running on;
+    the event says why."""
+    from scheduler import groups
+
+    monkeypatch.setattr(groups, "LIVENESS_FAIL_S", 2.0)
+    monkeypatch.setattr(groups, "LIVENESS_EVERY_S", 0.5)
+    fleet, poller = await polled_vm(sim_fleet, db, transport, gpus=1)
+    go = tmp_path / "go"
+    roles = healing(group_roles(first_s=120), 1)
+    job_id = await new_group(db, roles, max_retries=0, env=(("GROUP_CLIENT_UNTIL", str(go)),))
+    server = 0
+    try:
+        async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+            await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+            folder = Path((await job_row(db, job_id)).attempt_dir or "")
+            await wait_file(folder / "trainer.log", needle="{")
+            server = role_pid((folder / "train.log").read_text(), "reward")
+            assert server > 1
+            os.kill(server, signal.SIGSTOP)
+
+            async def recorded() -> bool:
+                return len(await restart_events(db, job_id)) == 1
+
+            await until(db, poller, requeue, recorded, "the restart recorded")
+            await wait_file(folder / "train.log", needle="role reward restarted, pid ")
+            go.write_text("")
+            await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
+    finally:
+        if server > 1 and alive(server):
+            os.kill(server, signal.SIGKILL)
+    train_log = (folder / "train.log").read_text()
+    assert "role reward stopped answering its readiness check for 2s; stopping it" in train_log
+    assert 'group_client: again {"scores": [1.0]}' in (folder / "trainer.log").read_text()
+    assert await restart_events(db, job_id) == [
+        (
+            "running",
+            "role reward restarted in place (1 of 1): it stopped answering its readiness check",
+            1,
+        )
+    ]
+    assert (await job_row(db, job_id)).retry_count == 0
+    await nothing_left(fleet)
+    await no_gpu_or_port_held(db)
+
+
 async def test_restarts_a_job_writes_into_roles_json_itself_are_not_recorded(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
 ) -> None:
