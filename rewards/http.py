@@ -24,10 +24,19 @@ from rewards._text import Completion, completion_text
 
 ROLE_ENV = "REWARD_SERVER_ROLE"
 TIMEOUT_ENV = "REWARD_SERVER_TIMEOUT"
+RETRY_ENV = "REWARD_SERVER_RETRY"
+"""Seconds a request is tried again while the server cannot be reached, answers 5xx or
+does not answer in time: long enough for a role with `restart: on-failure` to come back."""
 TOKEN_ENV = "RLFLEET_GROUP_TOKEN"
 """The job group's per-attempt token: sent with every request (never printed)."""
 DEFAULT_ROLE = "reward"
 DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_RETRY_S = 120.0
+"""The scheduler restarts a role that stopped answering after 30 s of failed checks, made
+every 5 s, then waits its backoff (1 s, 2 s… at most 30 s) and its start: 120 s covers the
+first restarts of a server that starts in a few seconds."""
+RETRY_DELAY_S = (0.5, 5.0)
+"""The first pause between tries, doubled after each, and the longest."""
 SCORE_PATH = "/score"
 
 # \Z, not $: `$` also matches before a final newline.
@@ -83,6 +92,19 @@ def _timeout(env: Mapping[str, str]) -> float:
     return timeout
 
 
+def _retry(env: Mapping[str, str]) -> float:
+    raw = env.get(RETRY_ENV)
+    if not raw:
+        return DEFAULT_RETRY_S
+    try:
+        retry = float(raw)
+    except ValueError:
+        retry = -1.0
+    if not 0 <= retry < float("inf"):
+        raise RewardServerError(f"{RETRY_ENV}={raw!r} is not a number of seconds")
+    return retry
+
+
 def _headers(env: Mapping[str, str]) -> dict[str, str]:
     """The request's headers: JSON, and the job group's token when it has one."""
     headers = {"Content-Type": "application/json"}
@@ -103,15 +125,36 @@ def remote_score(
     """POST {prompts, completions} to the reward server and return its `scores`.
 
     A server that does not answer within `$REWARD_SERVER_TIMEOUT` seconds (default 30), refuses
-    the connection or answers 5xx raises TimeoutError or ConnectionError, which train_grpo.py
-    turns into exit 75 (retried); a bad answer raises RewardServerError (exit 64).
+    the connection or answers 5xx is asked again (the request is the same: scoring has no
+    side effect), after 0.5 s, 1 s, 2 s… (at most 5 s), for `$REWARD_SERVER_RETRY` seconds
+    (default 120; 0: never), the time a server role restarted in place needs to come back;
+    then it raises TimeoutError or ConnectionError, which train_grpo.py turns into exit 75
+    (retried). A bad answer raises RewardServerError at once (exit 64).
     """
+    import time
+
     url = server_url()
     timeout = _timeout(os.environ)
+    give_up = time.monotonic() + _retry(os.environ)
     body = json.dumps(
         {"prompts": list(prompts), "completions": [completion_text(c) for c in completions]}
     ).encode()
     request = urllib.request.Request(url, data=body, method="POST", headers=_headers(os.environ))
+    pause, longest = RETRY_DELAY_S
+    while True:
+        try:
+            return _post(request, url, timeout, len(completions))
+        except (TimeoutError, ConnectionError):
+            if time.monotonic() + pause > give_up:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, longest)
+
+
+def _post(
+    request: urllib.request.Request, url: str, timeout: float, expected: int
+) -> list[float | None]:
+    """One try of `remote_score`'s request."""
     try:
         with _DIRECT.open(request, timeout=timeout) as response:
             answer = response.read()
@@ -123,7 +166,9 @@ def remote_score(
         if isinstance(exc, TimeoutError) or isinstance(exc.reason, TimeoutError):
             raise TimeoutError(f"reward server at {url} did not answer in {timeout:g} s") from exc
         raise ConnectionError(f"reward server at {url} unreachable: {exc.reason}") from exc
-    return _scores(answer, url, len(completions))
+    except ConnectionError as exc:  # reset or closed mid-answer: not a URLError
+        raise ConnectionError(f"reward server at {url} unreachable: {exc}") from exc
+    return _scores(answer, url, expected)
 
 
 def _scores(answer: bytes, url: str, expected: int) -> list[float | None]:

@@ -29,6 +29,7 @@ from scheduler.remote.logs import (
     read_file_script,
 )
 from scheduler.remote.output import load_json, printable
+from scheduler.remote.restarts import MAX_ROLE_RESTARTS
 from scheduler.settings import Settings
 from scheduler.states import FINAL_STATES, LIVE_STATES, JobStatus
 from scheduler.submit import announce
@@ -196,7 +197,7 @@ async def job_details(
     return data
 
 
-ROLE_STATES = frozenset({"waiting", "running", "exited", "stopped"})
+ROLE_STATES = frozenset({"waiting", "running", "restarting", "exited", "stopped"})
 
 
 async def read_role_states(transport: Transport, place: JobPlace) -> dict[str, Any]:
@@ -213,9 +214,10 @@ async def read_role_states(transport: Transport, place: JobPlace) -> dict[str, A
 
 
 def merge_role_states(roles: list[dict[str, Any]], seen: dict[str, Any], node: int = 0) -> None:
-    """Put each role's pid, state and exit code, as the supervisor of layout node `node`
-    wrote them, into `job show`'s entries of the roles that node runs; values that are not
-    what the supervisor writes are ignored."""
+    """Put each role's pid, state, exit code and restarts in place, as the supervisor of
+    layout node `node` wrote them, into `job show`'s entries of the roles that node runs
+    (restarts only when more than the poller recorded); values that are not what the
+    supervisor writes are ignored."""
     for role in roles:
         if role.get("node", 0) != node:
             continue
@@ -227,6 +229,13 @@ def merge_role_states(roles: list[dict[str, Any]], seen: dict[str, Any], node: i
             value = entry.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and -1 < value < 2**31:
                 role[key] = value
+        restarts = entry.get("restarts")
+        if (
+            isinstance(restarts, int)
+            and not isinstance(restarts, bool)
+            and (role.get("restarts", 0) < restarts <= MAX_ROLE_RESTARTS)
+        ):
+            role["restarts"] = restarts
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from typing import Any
 
 from scheduler.jobspec import (
     RENDEZVOUS_PORT,
+    RESTART_ON_FAILURE,
     VLLM_COMMAND,
     GroupSpec,
     Role,
@@ -41,6 +42,16 @@ VLLM_MODULE = ("-m", "trl.cli.main", "vllm-serve")
 """`trl vllm-serve`, run by the VM's python (no PATH lookup)."""
 LOOPBACK = "127.0.0.1"
 """Every role's address in a group on one VM: its services are never on the network."""
+RESTART_BACKOFF_S = 1.0
+"""A role restarted in place starts again after this long, doubled for each restart of the
+same attempt (1 s, 2 s, 4 s…), at most `RESTART_BACKOFF_MAX_S`."""
+RESTART_BACKOFF_MAX_S = 30.0
+LIVENESS_EVERY_S = 5.0
+"""Once a role with a readiness check has passed it, its supervisor keeps asking it this
+often while the group runs (a liveness check)."""
+LIVENESS_FAIL_S = 30.0
+"""A role that passed its readiness check and then fails it for this long has stopped
+answering: it is restarted in place (`restart: on-failure`) or the group stops."""
 TOKEN_ENV = "RLFLEET_GROUP_TOKEN"
 """The attempt's token (`group_token`): in the environment of every role of the attempt,
 through the launch's job.env (mode 0600), never in `group.json`, the database or a log."""
@@ -207,15 +218,19 @@ def group_launch(
                 int(ports[(name, RENDEZVOUS_PORT)]),
             )
             env.update(rendezvous_env(rank, role.gpus))
-        roles.append(
-            {
-                "name": name,
-                "argv": role_argv(group, role, place, rank),
-                "env": env,
-                "primary": role.primary,
-                "depends_on": list(role.depends_on),
-            }
-        )
+        entry: dict[str, Any] = {
+            "name": name,
+            "argv": role_argv(group, role, place, rank),
+            "env": env,
+            "primary": role.primary,
+            "depends_on": list(role.depends_on),
+            # The supervisor that runs a role's rank 0 (where its check is made) keeps
+            # checking it while the group runs.
+            "live": role.ready is not None and members[name] == 0,
+        }
+        if role.restart == RESTART_ON_FAILURE:
+            entry["restart"] = {"max": role.max_restarts}
+        roles.append(entry)
     checks = {
         role.name: {
             "host": addr[role.name],
@@ -232,5 +247,9 @@ def group_launch(
         "env": shared_env(group, addr, ports),
         "grace_s": grace_s,
         "stop_grace_s": stop_grace_s,
+        "restart_backoff_s": RESTART_BACKOFF_S,
+        "restart_backoff_max_s": RESTART_BACKOFF_MAX_S,
+        "live_every_s": LIVENESS_EVERY_S,
+        "live_fail_s": LIVENESS_FAIL_S,
     }
     return GroupLaunch(config, needs_entrypoint=local_train is not None)

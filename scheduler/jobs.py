@@ -355,11 +355,13 @@ def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
     each (`rank`; `node` is the layout node running it): its VM (the group's, or its
     node's for a group over several VMs), GPUs (its slice of its VM's claim), ports this
     attempt got (on its rank 0's VM), the pid of the
-    group's supervisor and a state from the job's (`control.job_details` puts in each
-    role's own pid, state and exit code, read from the VM). `job.ports` and `job.ranks`
+    group's supervisor, its restarts in place recorded so far and a state from the job's
+    (`control.job_details` puts in each role's own pid, state, exit code and restarts,
+    read from the VM). `job.ports` and `job.ranks`
     must be loaded."""
     from scheduler.errors import BadInput
     from scheduler.jobspec import parse_data
+    from scheduler.remote.restarts import recorded_restarts
 
     if job.roles is None:
         return []
@@ -399,6 +401,13 @@ def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
                     "supervisor_pid": row.remote_pid,
                     "pid": None,
                     "exit_code": None,
+                    "restart": role.restart,
+                    "max_restarts": role.max_restarts,
+                    # Restarts in place the poller recorded (the VM's own count, read by
+                    # `control.job_details`, may be newer).
+                    "restarts": recorded_restarts(
+                        getattr(row, "role_restarts", None), job.attempt
+                    ).get(role.name, 0),
                     "state": rank_state(job.status, row.exit_code, row.remote_pid)
                     if claimed
                     else job.status,

@@ -348,6 +348,14 @@ class JobNode(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer)
     """Set when the poller saw this rank exit (0, or the failure that ended the attempt);
     NULL while it runs, or when it was killed for another rank's sake."""
+    role_restarts: Mapped[dict[str, object]] = mapped_column(
+        JSONB, default=dict, server_default="{}"
+    )
+    """The restarts in place of the job group roles this rank runs (`restart: on-failure`)
+    that the poller has recorded as events: `{"attempt": N, "roles": {role: restarts}}`,
+    what the supervisor of attempt N counted in its `roles.json` when last read (a map of
+    another attempt than the row's counts as none; `scheduler.gpu_poller.restarts`). {}:
+    none recorded."""
 
     vm: Mapped[VM | None] = relationship()
 

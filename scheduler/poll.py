@@ -23,6 +23,7 @@ from scheduler.nvidia_smi import (
 from scheduler.remote.layout import Attempt
 from scheduler.remote.output import as_int, output_lines
 from scheduler.remote.probe import RemoteJobState, parse_status, status_probe
+from scheduler.remote.restarts import RoleRestarts, parse_restarts
 
 _MARK = "@@rlfleet"
 GPUS, GPUS_RC, APPS, APPS_RC, JOBS, END = (
@@ -48,6 +49,9 @@ class PollResult:
     check: tuple[int, str] | None = None
     """The check of the VM's python and entrypoint, when the poll ran one: (exit status,
     last line of its output). None: not asked for, or its answer was cut off."""
+    restarts: dict[tuple[int, int], dict[str, RoleRestarts]] = field(default_factory=dict)
+    """The restarts in place of each job group attempt's roles, as its supervisor counts
+    them (`remote.restarts`), by (job id, attempt) and role; only from a complete answer."""
 
     def busy_uuids(self) -> set[str]:
         """UUIDs of the GPUs some process is using.
@@ -129,20 +133,29 @@ def parse_poll(stdout: str) -> PollResult:
     # lines of a cut-off one may be cut short. A broken nvidia-smi does not void it.
     jobs = parse_status("\n".join(sections.get(JOBS, []))) if END in sections else {}
     check = _check(sections, rcs) if END in sections else None
+    restarts = parse_restarts("\n".join(sections.get(JOBS, []))) if END in sections else {}
     if GPUS not in sections:
         return PollResult(
-            error="poll output has no GPU section (truncated?)", jobs=jobs, check=check
+            error="poll output has no GPU section (truncated?)",
+            jobs=jobs,
+            check=check,
+            restarts=restarts,
         )
     gpus, error = parse_gpus(sections[GPUS], rcs.get(GPUS_RC))
     if error is None:
         if APPS not in sections:
             return PollResult(
-                error="poll output has no process section (truncated?)", jobs=jobs, check=check
+                error="poll output has no process section (truncated?)",
+                jobs=jobs,
+                check=check,
+                restarts=restarts,
             )
         apps, error = parse_apps(sections[APPS], rcs.get(APPS_RC))
     else:
         apps = []
-    return PollResult(gpus=tuple(gpus), apps=tuple(apps), error=error, jobs=jobs, check=check)
+    return PollResult(
+        gpus=tuple(gpus), apps=tuple(apps), error=error, jobs=jobs, check=check, restarts=restarts
+    )
 
 
 def _check(sections: dict[str, list[str]], rcs: dict[str, int | None]) -> tuple[int, str] | None:

@@ -22,9 +22,19 @@ scheduler kills it once the VMs with primaries have completed.
 Lifecycle: before a role starts, every role it depends on must pass its readiness check
 (HTTP GET → 2xx, or a TCP connect) within that check's timeout, else the supervisor stops
 everything and exits `NOT_READY_EXIT` after the line `rlfleet-group: role R not ready
-after Ns`. A role that exits non-zero, or a non-primary role that exits while a primary
-runs, stops every role and the supervisor exits with that role's code (1 for a service
-that exited 0 too early). When every primary role has exited 0 the others are stopped
+after Ns`. The check goes on while the group runs (a liveness check, every `live_every_s`,
+by the supervisor running the role, its entry's `live`): a role that passed it and then
+fails it for `live_fail_s` has stopped answering. A role that exits non-zero, a
+non-primary role that exits while a primary runs, or a role that stopped answering, fails:
+a role with `restart` (`restart: on-failure` in the job file) is restarted in place, with
+the same argv, variables, address and port, after a backoff (`restart_backoff_s`, doubled
+at each restart, at most `restart_backoff_max_s`) while the other roles run on, at most
+its `max` times (after a restart it must pass its check again within the check's
+timeout); any other failure, or one past `max`, stops every role and the supervisor exits
+with that role's code (1 for a service that exited 0 too early, `NOT_READY_EXIT` for one
+that stopped answering). Each restart is counted in `roles.json` (`restarts`, and the cause
+of the latest: `restart_cause` `exited` with `restart_exit`, or `unresponsive`), which the
+poller reads with every probe. When every primary role has exited 0 the others are stopped
 (TERM, KILL after the grace period) and the supervisor exits 0. TERM/INT/HUP stop every
 role and exit 128 + the signal.
 
@@ -59,7 +69,10 @@ ROLE_EXIT_MAP = {126: 1, 127: 1}
 mean the VM's python cannot run at all (the VM is marked), not a role's own failure."""
 MARK = "rlfleet-group:"
 ROLES_FILE = "roles.json"
-"""Each role's pid, state (`waiting`, `running`, `exited`, `stopped`) and exit code."""
+"""Each role's pid, state (`waiting`, `running`, `restarting`, `exited`, `stopped`), exit
+code, and restarts in place (`restarts`, `restart_cause`, `restart_exit`)."""
+RESTART_CAUSES = ("exited", "unresponsive")
+"""Why a role was restarted: it exited, or it stopped answering its readiness check."""
 POLL_S = 0.2
 TOKEN_ENV = "RLFLEET_GROUP_TOKEN"
 """The attempt's token, which a group's services may ask of every request."""
@@ -93,8 +106,19 @@ class Group:
         self.codes: dict[str, int] = {}
         self.started_at: dict[str, float] = {}
         self.signalled: int | None = None
+        self.backoff_s = float(config.get("restart_backoff_s", 1))
+        self.backoff_max_s = float(config.get("restart_backoff_max_s", 30))
+        self.live_every_s = float(config.get("live_every_s", 5))
+        self.live_fail_s = float(config.get("live_fail_s", 30))
+        self.restarts: dict[str, int] = {r["name"]: 0 for r in self.roles}
+        self.restart_due: dict[str, float] = {}
+        """Roles waiting out their backoff: when each starts again."""
+        self.answered_at: dict[str, float] = {}
+        """When each running role last passed its check (absent: not since it started)."""
+        self.next_check: dict[str, float] = {}
         self.states: dict[str, dict[str, Any]] = {
-            r["name"]: {"pid": None, "state": "waiting", "exit_code": None} for r in self.roles
+            r["name"]: {"pid": None, "state": "waiting", "exit_code": None, "restarts": 0}
+            for r in self.roles
         }
         self.write_states()
 
@@ -113,8 +137,9 @@ class Group:
 
     # -- starting -------------------------------------------------------------------------
 
-    def start(self, role: dict[str, Any]) -> None:
-        """Start one role in a process group of its own, its output in `<role>.log`."""
+    def start(self, role: dict[str, Any], *, restart: int = 0) -> None:
+        """Start one role in a process group of its own, its output in `<role>.log`
+        (`restart`: the how-manieth restart in place this is)."""
         import subprocess
 
         name = role["name"]
@@ -148,8 +173,13 @@ class Group:
                 raise Stop(CANNOT_START_EXIT) from None
         self.procs[name] = proc
         self.started_at[name] = time.monotonic()
-        self.note(name, pid=proc.pid, state="running")
-        say(f"role {name} started, pid {proc.pid}")
+        self.answered_at.pop(name, None)
+        self.next_check.pop(name, None)
+        self.note(name, pid=proc.pid, state="running", exit_code=None)
+        if restart:
+            say(f"role {name} restarted, pid {proc.pid} (restart {restart} of {self.limit(name)})")
+        else:
+            say(f"role {name} started, pid {proc.pid}")
 
     def addresses(self) -> list[str]:
         """Where the group's roles are: every role's address and readiness-check host."""
@@ -167,6 +197,8 @@ class Group:
             self.watch()
             if probe(check):
                 say(f"role {name} ready")
+                if name in self.procs and name not in self.codes:
+                    self.answered_at[name] = time.monotonic()
                 return
             waited = time.monotonic() - began
             if waited >= timeout:
@@ -177,11 +209,11 @@ class Group:
     # -- watching -------------------------------------------------------------------------
 
     def watch(self) -> bool:
-        """Collect exits; `Stop` when the group must end; True once every primary role
-        exited 0."""
+        """Collect exits, restart the roles that heal in place, check the live ones;
+        `Stop` when the group must end; True once every primary role exited 0."""
         if self.signalled is not None:
             raise Stop(128 + self.signalled)
-        for name, proc in self.procs.items():
+        for name, proc in list(self.procs.items()):
             if name in self.codes:
                 continue
             code = proc.poll()
@@ -192,13 +224,108 @@ class Group:
             self.note(name, state="exited", exit_code=code)
             say(f"role {name} exited with {code}")
             role = self.role(name)
+            early = code == 0 and not role.get("primary") and not self.primaries_done()
+            if code == 0 and not early:
+                continue
+            if self.restart_later(name, "exited", code):
+                continue
+            after = self.after(name)
             if code != 0:
-                say(f"role {name} failed (exit {code}); stopping the group")
+                say(f"role {name} failed (exit {code}){after}; stopping the group")
                 raise Stop(ROLE_EXIT_MAP.get(code, code))
-            if not role.get("primary") and not self.primaries_done():
-                say(f"role {name} exited while a primary role runs; stopping the group")
-                raise Stop(EARLY_SERVICE_EXIT)
-        return self.primaries_done()
+            say(f"role {name} exited while a primary role runs{after}; stopping the group")
+            raise Stop(EARLY_SERVICE_EXIT)
+        if self.primaries_done():
+            return True
+        self.start_due()
+        self.check_live()
+        return False
+
+    # -- healing in place -----------------------------------------------------------------
+
+    def limit(self, name: str) -> int:
+        """How many restarts in place role `name` may have (0: none, shared fate)."""
+        restart = self.role(name).get("restart")
+        return int(restart.get("max", 0)) if isinstance(restart, dict) else 0
+
+    def after(self, name: str) -> str:
+        """` after N restarts` for a role restarted before, for the line that ends a group."""
+        count = self.restarts[name]
+        return f" after {count} restart{'s' if count != 1 else ''}" if count else ""
+
+    def restart_later(self, name: str, cause: str, code: int | None) -> bool:
+        """Schedule the restart in place of role `name`, which failed (`cause` in
+        `RESTART_CAUSES`, `code` its exit code), after its backoff; False when it may not
+        be restarted (none asked for, or `max` reached)."""
+        count = self.restarts[name]
+        if count >= self.limit(name):
+            return False
+        count += 1
+        delay = min(self.backoff_s * 2 ** (count - 1), self.backoff_max_s)
+        self.restarts[name] = count
+        self.restart_due[name] = time.monotonic() + delay
+        self.note(name, state="restarting", restarts=count, restart_cause=cause, restart_exit=code)
+        why = f"failed (exit {code})" if cause == "exited" else "stopped answering its check"
+        limit = self.limit(name)
+        say(f"role {name} {why}; restarting it in {delay:g}s (restart {count} of {limit})")
+        return True
+
+    def start_due(self) -> None:
+        """Start again the roles whose backoff is over, with what they started with."""
+        now = time.monotonic()
+        for name, due in list(self.restart_due.items()):
+            if now < due:
+                continue
+            del self.restart_due[name]
+            old = self.procs.pop(name)
+            signal_group(old.pid, signal.SIGKILL)  # what the old one forked goes with it
+            del self.codes[name]
+            self.start(self.role(name), restart=self.restarts[name])
+
+    def check_live(self) -> None:
+        """Ask each running role this supervisor checks (`live`) its readiness check, every
+        `live_every_s`: one that answered once and then fails for `live_fail_s` has stopped
+        answering; one restarted in place must answer within its check's timeout again."""
+        now = time.monotonic()
+        for name in list(self.procs):
+            check = self.checks.get(name)
+            if check is None or not self.role(name).get("live") or name in self.codes:
+                continue
+            if now < self.next_check.get(name, 0.0):
+                continue
+            self.next_check[name] = now + self.live_every_s
+            if probe(check):
+                if name not in self.answered_at and self.restarts[name]:
+                    say(f"role {name} ready again")
+                self.answered_at[name] = time.monotonic()
+                continue
+            answered = self.answered_at.get(name)
+            if answered is None:
+                timeout = float(check["timeout_s"])
+                if self.restarts[name] and now - self.started_at[name] >= timeout:
+                    self.unresponsive(name, f"not ready after {int(timeout)}s")
+                continue
+            if now - answered >= self.live_fail_s:
+                self.unresponsive(
+                    name, f"stopped answering its readiness check for {int(self.live_fail_s)}s"
+                )
+
+    def unresponsive(self, name: str, why: str) -> None:
+        """Role `name` does not answer: stopped and restarted in place when it may be,
+        else `Stop` (the group ends)."""
+        if self.restarts[name] >= self.limit(name):
+            say(f"role {name} {why}{self.after(name)}; stopping the group")
+            raise Stop(NOT_READY_EXIT)
+        say(f"role {name} {why}; stopping it")
+        proc = self.procs[name]
+        signal_group(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_grace_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        signal_group(proc.pid, signal.SIGKILL)
+        code = proc.wait()
+        self.codes[name] = 128 - code if code < 0 else code
+        self.restart_later(name, "unresponsive", None)
 
     def primaries_done(self) -> bool:
         """Whether every primary role of this VM started and exited 0."""
@@ -226,6 +353,8 @@ class Group:
             code = proc.returncode
             self.note(name, state="stopped", exit_code=128 - code if code < 0 else code)
             say(f"role {name} stopped")
+        for name in self.restart_due:
+            self.note(name, state="stopped")  # was waiting to start again: it will not
         for proc in self.procs.values():
             # A group may outlive its leader (workers it forked): nothing of a role stays.
             signal_group(proc.pid, signal.SIGKILL)

@@ -179,9 +179,12 @@ def untracked_verdict(job: LiveJob) -> JobVerdict | None:
 
 
 _GROUP_WHY = re.compile(
-    r"^rlfleet-group: (role \S+ (?:not ready after \d+s|failed \(exit -?\d+\)|cannot start: .*"
-    r"|exited while a primary role runs))"
+    r"^rlfleet-group: (role \S+ (?:(?:not ready after \d+s|failed \(exit -?\d+\)"
+    r"|exited while a primary role runs|stopped answering its readiness check for \d+s)"
+    r"(?: after \d+ restarts?)?(?=$|; stopping the group$)|cannot start: .*))"
 )
+"""A line that ended the group; not one about a role restarted in place (`…; stopping
+it`, `…; restarting it in Ns`)."""
 
 
 def group_failure_line(log_tail: str) -> str | None:

@@ -334,7 +334,7 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
     if job.get("roles"):
         click.echo("\nroles:")
         echo_table(
-            ["ROLE", "RANK", "PRIMARY", "VM", "GPUS", "PORTS", "PID", "STATE", "EXIT"],
+            ["ROLE", "RANK", "PRIMARY", "VM", "GPUS", "PORTS", "PID", "STATE", "EXIT", "RESTARTS"],
             [
                 (
                     r["name"],
@@ -347,6 +347,7 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
                     r["pid"] or "-",
                     r["state"],
                     "-" if r["exit_code"] is None else r["exit_code"],
+                    _restarts(r),
                 )
                 for r in job["roles"]
             ],
@@ -359,6 +360,13 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
             for e in job["events"]
         ],
     )
+
+
+def _restarts(role: dict[str, Any]) -> str:
+    """A role's restarts in place, `N of MAX` (`-`: it never restarts in place)."""
+    if role.get("restart") != "on-failure":
+        return "-"
+    return f"{role.get('restarts', 0)} of {role.get('max_restarts', 0)}"
 
 
 def _reason(event: dict[str, Any]) -> str:

@@ -23,8 +23,9 @@ decided without I/O in `scheduler.verdicts`.
 
 The package's modules: `sweep.py` (the sweep: scheduling the probes, loading the VMs,
 recording results as they land), `inventory.py` (writing VM status, GPU rows and history
-samples), `finish.py` (the live ranks to probe and finishing them), `state.py` (what a
-sweep holds). This module runs the daemon.
+samples), `finish.py` (the live ranks to probe and finishing them), `restarts.py` (a job
+group's restarts in place, read by the probe, as events), `state.py` (what a sweep holds).
+This module runs the daemon.
 
 Run it as `rlfleet poller` or `python -m scheduler.gpu_poller`.
 """

@@ -22,6 +22,7 @@ from scheduler import metrics
 from scheduler.db import Database, installation_id
 from scheduler.gpu_poller.finish import finish_jobs, load_ranks
 from scheduler.gpu_poller.inventory import apply, mark_silent
+from scheduler.gpu_poller.restarts import record_restarts
 from scheduler.gpu_poller.state import GpuRow, Outcome, SweepStats, VMState
 from scheduler.history import PRUNE_EVERY_S, prune
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
@@ -79,6 +80,8 @@ class GpuPoller:
         self._failing: set[int] = set()
         """VMs whose latest poll failed."""
         self._landed: asyncio.Queue[Outcome] = asyncio.Queue()
+        self._restarts: dict[tuple[int, int, int], dict[str, int]] = {}
+        """The restarts in place recorded per (job, attempt, rank) (`restarts`)."""
 
     @property
     def in_flight(self) -> list[int]:
@@ -199,6 +202,8 @@ class GpuPoller:
                 self._failing.add(outcome.vm.target.id)
             else:
                 self._failing.discard(outcome.vm.target.id)
+        # Before the attempts that ended are finished: their last restarts go first.
+        await record_restarts(self.db, outcomes, self._restarts)
         stats.jobs_finished += await finish_jobs(self.db, outcomes)
         await self._apply(outcomes, stats)
 

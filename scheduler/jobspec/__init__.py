@@ -23,6 +23,8 @@ The package's modules, each importing only those before it:
 from scheduler.jobspec.fields import NAME_RE
 from scheduler.jobspec.model import (
     RENDEZVOUS_PORT,
+    RESTART_NEVER,
+    RESTART_ON_FAILURE,
     GroupNode,
     GroupSpec,
     Ready,
@@ -41,6 +43,8 @@ __all__ = [
     "NAME_RE",
     "RECIPE_OWNED",
     "RENDEZVOUS_PORT",
+    "RESTART_NEVER",
+    "RESTART_ON_FAILURE",
     "VLLM_COMMAND",
     "VLLM_ROLE",
     "GroupNode",

@@ -18,6 +18,12 @@ RENDEZVOUS_PORT = "@rendezvous"
 on its rank 0's VM: never a name a user can give (`NAME_RE`)."""
 
 
+RESTART_NEVER = "never"
+"""A role's default: its failure ends the whole group (shared fate)."""
+RESTART_ON_FAILURE = "on-failure"
+"""A role restarted in place by its supervisor when it fails (docs/reward-server.md)."""
+
+
 @dataclass(frozen=True)
 class Ready:
     """A readiness check: an HTTP GET of `path` on `port` (2xx passes), or a TCP connect to
@@ -55,6 +61,12 @@ class Role:
     same_vm_as: str | None = None
     own_vm: bool = False
     """The role runs on a VM of its own, apart from the group's other roles."""
+    restart: str = RESTART_NEVER
+    """`on-failure`: the supervisor restarts the role in place when it exits or stops
+    answering its readiness check (`RESTART_ON_FAILURE`); `never` (the default): its
+    failure fails the whole group (shared fate)."""
+    max_restarts: int = 0
+    """How many times per attempt the role may be restarted in place (with `on-failure`)."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +189,9 @@ def _role_data(role: Role) -> dict[str, Any]:
         data["same_vm_as"] = role.same_vm_as
     if role.own_vm:
         data["own_vm"] = True
+    if role.restart != RESTART_NEVER:
+        data["restart"] = role.restart
+        data["max_restarts"] = role.max_restarts
     return data
 
 

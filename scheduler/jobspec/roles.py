@@ -1,5 +1,6 @@
 """One role of a job file (`roles.<name>:`) and the checks across roles: its GPUs, nodes,
-command or `train:`, env, ports and readiness check (`_role`); a primary role
+command or `train:`, env, ports, readiness check and restart policy (`_role`, `_restart`);
+a primary role
 (`_with_primary`); references to other roles and variable names that do not collide
 (`_check_references`); the order the roles start in (`_start_order`).
 """
@@ -10,7 +11,14 @@ from typing import Any
 
 from scheduler.errors import BadInput
 from scheduler.jobspec.fields import _command, _flag, _int, _mapping, _name, _shown, _text
-from scheduler.jobspec.model import Ready, Role, addr_variable, port_variable
+from scheduler.jobspec.model import (
+    RESTART_NEVER,
+    RESTART_ON_FAILURE,
+    Ready,
+    Role,
+    addr_variable,
+    port_variable,
+)
 from scheduler.jobspec.recipe import _train
 from scheduler.validate import MAX_NODES, SCHEDULER_ENV, env_key_problem, env_value_problem
 
@@ -20,10 +28,15 @@ MAX_ROLE_GPUS = 64
 MAX_ROLE_NODES = MAX_NODES
 MAX_READY_TIMEOUT_S = 3600
 DEFAULT_READY_TIMEOUT_S = 120
+MAX_ROLE_RESTARTS = 100
+"""Most restarts in place a role may ask for (`max_restarts`), per attempt."""
+DEFAULT_MAX_RESTARTS = 3
+"""`max_restarts` of a `restart: on-failure` role that gives none."""
+RESTART_POLICIES = (RESTART_NEVER, RESTART_ON_FAILURE)
 
 ROLE_KEYS = (
     "gpus", "nodes", "command", "train", "env", "ports", "ready", "depends_on", "primary",
-    "same_vm_as", "own_vm",
+    "same_vm_as", "own_vm", "restart", "max_restarts",
 )  # fmt: skip
 READY_KEYS = ("http", "tcp", "port", "timeout")
 
@@ -106,6 +119,7 @@ def _role(name: Any, value: Any) -> Role:
     depends_on = tuple(_name(d, f"{where}.depends_on[{i}]") for i, d in enumerate(depends))
     primary = _flag(data.get("primary", train is not None), f"{where}.primary")
     same_vm = data.get("same_vm_as")
+    restart, max_restarts = _restart(data, where, primary=primary, nodes=nodes)
     return Role(
         name=role_name,
         gpus=gpus,
@@ -119,13 +133,49 @@ def _role(name: Any, value: Any) -> Role:
         primary=primary,
         same_vm_as=None if same_vm is None else _name(same_vm, f"{where}.same_vm_as"),
         own_vm=_flag(data.get("own_vm", False), f"{where}.own_vm"),
+        restart=restart,
+        max_restarts=max_restarts,
     )
+
+
+def _restart(data: dict[str, Any], where: str, *, primary: bool, nodes: int) -> tuple[str, int]:
+    """`restart` (`never` or `on-failure`) and `max_restarts` (0..MAX_ROLE_RESTARTS, default
+    DEFAULT_MAX_RESTARTS): only a one-node role that is not primary heals in place (a
+    primary's end is the job's end, retried from its checkpoint as the job; a role on
+    several nodes has peers that cannot go on without one of its ranks)."""
+    restart = data.get("restart", RESTART_NEVER)
+    if restart not in RESTART_POLICIES:
+        raise BadInput(f"{where}.restart: must be one of {', '.join(RESTART_POLICIES)}")
+    if restart == RESTART_NEVER:
+        if "max_restarts" in data:
+            raise BadInput(f"{where}.max_restarts: only with restart: {RESTART_ON_FAILURE}")
+        return restart, 0
+    if primary:
+        raise BadInput(
+            f"{where}.restart: a primary role is not restarted in place (its failure is "
+            "retried as the job's, from its checkpoint)"
+        )
+    if nodes != 1:
+        raise BadInput(f"{where}.restart: only for a one-node role")
+    limit = _int(
+        data.get("max_restarts", DEFAULT_MAX_RESTARTS),
+        f"{where}.max_restarts",
+        0,
+        MAX_ROLE_RESTARTS,
+    )
+    return restart, limit
 
 
 def _with_primary(roles: list[Role]) -> list[Role]:
     """A job needs a primary role (its end is the job's end); a lone role always is one."""
     if len(roles) == 1 and not roles[0].primary:
         from dataclasses import replace
+
+        if roles[0].restart != RESTART_NEVER:
+            raise BadInput(
+                f"roles.{roles[0].name}.restart: a lone role is the primary role, which is "
+                "not restarted in place"
+            )
 
         return [replace(roles[0], primary=True)]
     if not any(r.primary for r in roles):

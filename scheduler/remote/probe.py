@@ -21,6 +21,7 @@ from scheduler.remote.output import (
     printable,
     read_pid_lines,
 )
+from scheduler.remote.restarts import restart_lines
 from scheduler.remote.watchdog import fenced_lines, lease_touch_lines, parse_fenced
 
 STATUS_MARK = "rlfleet-job"
@@ -102,7 +103,8 @@ def status_probe(jobs: Sequence[Attempt]) -> str:
     live process whose command line is this attempt's `launch.sh`) runs, whatever
     `exit_code` says, so an exit code written by someone else beside a live wrapper is
     not taken. Only once the wrapper is gone is `exit_code` read; the wrapper writes it
-    just before it exits, so it is there by then.
+    just before it exits, so it is there by then. A job group's `roles.json` (its restarts
+    in place) is printed on one line too (`remote.restarts`).
     """
     lines = []
     for run in jobs:
@@ -136,6 +138,7 @@ def status_probe(jobs: Sequence[Attempt]) -> str:
             f'if [ -f "$d/progress.json" ] && [ -s "$d/progress.json" ]; then'
             f' printf "%s " "{PROGRESS_MARK} {j} {a}";'
             f' head -c {PROGRESS_BYTES} "$d/progress.json" 2>/dev/null | tr -d "\\n\\r"; echo; fi',
+            *restart_lines(j, a),
         ]
     return "\n".join(lines) + "\n"
 

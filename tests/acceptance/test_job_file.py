@@ -60,6 +60,7 @@ roles:
     ports: [http]
     ready: {http: /health}
     env: {SCORER_TOKEN: s3cret}
+    restart: on-failure
   trainer:
     gpus: 2
     depends_on: [reward]
@@ -86,8 +87,13 @@ def test_a_group_file_is_stored_with_its_roles_and_without_env_values(
     assert roles["reward"]["ports"] == {"http": None} and not roles["reward"]["primary"]
     assert roles["trainer"]["primary"] and roles["trainer"]["depends_on"] == ["reward"]
     assert roles["trainer"]["state"] == "queued"
+    assert (roles["reward"]["restart"], roles["reward"]["max_restarts"]) == ("on-failure", 3)
+    assert roles["reward"]["restarts"] == 0 and roles["trainer"]["restart"] == "never"
     table = rlfleet(env, "job", "show", job_id, "--no-progress").stdout
     assert "roles:" in table and "http=-" in table
+    header = next(line for line in table.splitlines() if line.startswith("ROLE"))
+    reward = next(line for line in table.splitlines() if line.startswith("reward "))
+    assert header.split()[-1] == "RESTARTS" and reward.endswith("0 of 3"), table
     missing = rlfleet(env, "job", "logs", job_id, "--role", "judge")
     assert_one_line(missing, 2, f"job {job_id} has no role judge (roles: reward, trainer)")
 

@@ -276,8 +276,234 @@ async def test_killing_the_server_kills_the_trainer_and_retries_the_group(
     failed = [reason for to, reason in events if to == "failed"]
     assert len(failed) == 1 and "role reward failed (exit 137)" in (failed[0] or ""), events
     assert (await job_row(db, job_id)).attempt == 2
+    # Without `restart: on-failure` a role is never restarted in place (shared fate).
+    assert not any("restarted in place" in (reason or "") for _to, reason in events)
     await nothing_left(fleet)
     await no_gpu_or_port_held(db)
+
+
+def healing(roles: dict[str, Any], max_restarts: int) -> dict[str, Any]:
+    """`roles` with the reward role restarting in place at most `max_restarts` times."""
+    reward = {**roles["roles"]["reward"], "restart": "on-failure", "max_restarts": max_restarts}
+    return parse_data({"roles": {**roles["roles"], "reward": reward}}).to_data()
+
+
+async def restart_events(db: Database, job_id: int) -> list[tuple[str, str, int]]:
+    """(to, reason, attempt) of the job's events that record a restart in place."""
+    async with db.transaction() as session:
+        rows = await session.execute(
+            select(JobEvent.to_status, JobEvent.reason, JobEvent.attempt)
+            .where(JobEvent.job_id == job_id, JobEvent.reason.like("role % restarted in place%"))
+            .order_by(JobEvent.id)
+        )
+        return [(to, reason or "", attempt) for to, reason, attempt in rows]
+
+
+def health(port: int, token: str) -> dict[str, Any]:
+    """The reward server's /health at `port`, asked with the attempt's token."""
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/health", headers={"Authorization": f"Bearer {token}"}
+    )
+    with opener.open(request, timeout=5) as answer:
+        return dict(json.loads(answer.read()))
+
+
+def group_token(folder: Path) -> str:
+    """The attempt's token, from its job.env (mode 0600)."""
+    return next(
+        line.split("=", 1)[1].strip('"')
+        for line in (folder / "job.env").read_text().splitlines()
+        if line.startswith("RLFLEET_GROUP_TOKEN=")
+    )
+
+
+async def test_a_killed_server_that_restarts_on_failure_heals_in_place_and_the_trainer_runs_on(
+    sim_fleet: FleetFactory,
+    db: Database,
+    nats: EmbeddedNats,
+    transport: Transport,
+    tmp_path: Path,
+) -> None:
+    """`restart: on-failure`: the reward server killed mid-run is started again by the
+    supervisor at the same address and port while the trainer runs on (same process, same
+    attempt, no retry used); the poller records the restart as an event once, `job show`
+    lists it for the role, and the trainer's next score is answered by the new server."""
+    fleet, poller = await polled_vm(sim_fleet, db, transport, gpus=1)
+    go = tmp_path / "go"
+    roles = healing(group_roles(first_s=120), 2)
+    job_id = await new_group(db, roles, max_retries=0, env=(("GROUP_CLIENT_UNTIL", str(go)),))
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+        folder = Path((await job_row(db, job_id)).attempt_dir or "")
+        report = client_report(await wait_file(folder / "trainer.log", needle="{"))
+        server = role_pid((folder / "train.log").read_text(), "reward")
+        assert server > 1
+        os.kill(server, signal.SIGKILL)
+
+        async def recorded() -> bool:
+            return len(await restart_events(db, job_id)) == 1
+
+        await until(db, poller, requeue, recorded, "the restart recorded")
+        # The poller sees the same restart again on later sweeps: it is recorded once.
+        for _ in range(3):
+            await poller.sweep()
+        line = "rlfleet-group: role reward restarted, pid "
+        again = re.search(
+            r"role reward restarted, pid (\d+) \(restart 1 of 2\)",
+            await wait_file(folder / "train.log", needle=line),
+        )
+        assert again is not None and alive(int(again.group(1)))
+        shown = await job_details(db, job_id, transport)
+        # The same port, a new server (it has served nothing yet).
+        assert health(report["port"], group_token(folder))["requests"] == 0
+        go.write_text("")
+        await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
+    job = await job_row(db, job_id)
+    assert (job.attempt, job.retry_count) == (1, 0)
+    trainer_log = (folder / "trainer.log").read_text()
+    assert 'group_client: again {"scores": [1.0]}' in trainer_log, trainer_log
+    assert trainer_log.count("group_client: {") == 1  # the trainer itself never restarted
+    assert await restart_events(db, job_id) == [
+        ("running", "role reward restarted in place (1 of 2): it exited with 137", 1)
+    ]
+    roles_shown = {r["name"]: r for r in shown["roles"]}
+    assert roles_shown["reward"]["restarts"] == 1 and roles_shown["trainer"]["restarts"] == 0
+    assert roles_shown["trainer"]["pid"] == report["pid"]
+    assert roles_shown["reward"]["pid"] == int(again.group(1))
+    # Once the VM's answer is gone, the recorded count is what `job show` lists.
+    listed = {r["name"]: r for r in (await job_details(db, job_id))["roles"]}
+    assert listed["reward"]["restarts"] == 1
+    assert not alive(int(again.group(1)))
+    await nothing_left(fleet)
+    await no_gpu_or_port_held(db)
+
+
+async def test_a_role_failing_past_its_max_restarts_fails_the_group(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
+) -> None:
+    """A service that keeps dying is restarted `max_restarts` times, then the group fails
+    as it does without restarts (shared fate), the reason saying so; each restart is an
+    event of the attempt."""
+    fleet, poller = await polled_vm(sim_fleet, db, transport, gpus=1)
+    dying = [sys.executable, "-c", "import time; time.sleep(0.3); raise SystemExit(3)"]
+    waiting = [sys.executable, "-c", "import time; time.sleep(300)"]
+    roles = parse_data(
+        {
+            "roles": {
+                "reward": {"command": dying, "restart": "on-failure", "max_restarts": 2},
+                "trainer": {"command": waiting, "gpus": 1, "primary": True},
+            }
+        }
+    ).to_data()
+    job_id = await new_group(db, roles, max_retries=0)
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await until(db, poller, requeue, status_is(db, job_id, "failed"), "failed")
+    job = await job_row(db, job_id)
+    assert job.exit_code == 3 and job.failure_reason == "exit_nonzero"
+    assert "role reward failed (exit 3) after 2 restarts" in (job.status_reason or ""), (
+        job.status_reason
+    )
+    reasons = [reason for _to, reason, _attempt in await restart_events(db, job_id)]
+    assert reasons[-1] == "role reward restarted in place (2 of 2): it exited with 3", reasons
+    assert reasons[0].startswith("role reward restarted in place (1 of 2)") and len(reasons) == 2
+    await nothing_left(fleet)
+    await no_gpu_or_port_held(db)
+
+
+async def test_a_hung_server_that_restarts_on_failure_is_restarted_by_its_liveness_check(
+    sim_fleet: FleetFactory,
+    db: Database,
+    nats: EmbeddedNats,
+    transport: Transport,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reward server that is alive but answers nothing (SIGSTOP) fails its readiness
+    check, which goes on while the group runs: after the liveness window (shortened here
+    from 30 s to 2 s) it is stopped and started again in place, the trainer running on;
+    the event says why."""
+    from scheduler import groups
+
+    monkeypatch.setattr(groups, "LIVENESS_FAIL_S", 2.0)
+    monkeypatch.setattr(groups, "LIVENESS_EVERY_S", 0.5)
+    fleet, poller = await polled_vm(sim_fleet, db, transport, gpus=1)
+    go = tmp_path / "go"
+    roles = healing(group_roles(first_s=120), 1)
+    job_id = await new_group(db, roles, max_retries=0, env=(("GROUP_CLIENT_UNTIL", str(go)),))
+    server = 0
+    try:
+        async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+            await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+            folder = Path((await job_row(db, job_id)).attempt_dir or "")
+            await wait_file(folder / "trainer.log", needle="{")
+            server = role_pid((folder / "train.log").read_text(), "reward")
+            assert server > 1
+            os.kill(server, signal.SIGSTOP)
+
+            async def recorded() -> bool:
+                return len(await restart_events(db, job_id)) == 1
+
+            await until(db, poller, requeue, recorded, "the restart recorded")
+            await wait_file(folder / "train.log", needle="role reward restarted, pid ")
+            go.write_text("")
+            await until(db, poller, requeue, status_is(db, job_id, "completed"), "completed")
+    finally:
+        if server > 1 and alive(server):
+            os.kill(server, signal.SIGKILL)
+    train_log = (folder / "train.log").read_text()
+    assert "role reward stopped answering its readiness check for 2s; stopping it" in train_log
+    assert 'group_client: again {"scores": [1.0]}' in (folder / "trainer.log").read_text()
+    assert await restart_events(db, job_id) == [
+        (
+            "running",
+            "role reward restarted in place (1 of 1): it stopped answering its readiness check",
+            1,
+        )
+    ]
+    assert (await job_row(db, job_id)).retry_count == 0
+    await nothing_left(fleet)
+    await no_gpu_or_port_held(db)
+
+
+async def test_restarts_a_job_writes_into_roles_json_itself_are_not_recorded(
+    sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats, transport: Transport
+) -> None:
+    """roles.json is in a directory the job can write: restarts it claims for a role that
+    may not restart, for one past its max_restarts, for no role of the job, or a file too
+    big to be read, become no event and cost the job nothing (invariant 9); a count the
+    role's limits allow is recorded, in the poller's words, not the file's."""
+    fleet, poller = await polled_vm(sim_fleet, db, transport, gpus=1)
+    job_id = await new_group(db, healing(group_roles(first_s=300), 2), max_retries=0)
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await until(db, poller, requeue, status_is(db, job_id, "running"), "running")
+        folder = Path((await job_row(db, job_id)).attempt_dir or "")
+        await wait_file(folder / "trainer.log", needle="{")
+        hostile = [
+            {"trainer": {"state": "running", "restarts": 5}},  # may not restart
+            {"reward": {"state": "running", "restarts": 3}},  # past its max_restarts (2)
+            {"ghost": {"state": "running", "restarts": 1}},  # no such role
+            {"reward": {"state": "running", "restarts": 1, "pad": "x" * 8000}},  # too big
+        ]
+        for data in hostile:
+            (folder / "roles.json").write_text(json.dumps(data))
+            for _ in range(2):
+                await poller.sweep()
+        assert await restart_events(db, job_id) == []
+        cause = "it exited with 9; DROP TABLE jobs"
+        claimed = {"state": "running", "restarts": 1, "restart_cause": cause}
+        (folder / "roles.json").write_text(json.dumps({"reward": claimed}))
+        await poller.sweep()
+        assert await restart_events(db, job_id) == [
+            ("running", "role reward restarted in place (1 of 2): it failed", 1)
+        ]
+        assert (await job_row(db, job_id)).status == "running"
+        from scheduler.control import cancel_job
+
+        await cancel_job(db, transport, job_id, grace_s=2)
+    await nothing_left(fleet)
 
 
 async def _attempt_done(db: Database, job_id: int) -> bool:
@@ -650,12 +876,16 @@ async def test_the_late_success_of_a_group_over_two_vms_completes_it_once(
     assert (job.attempt, job.vm_id) == (2, lost)
     async with db.transaction() as session:
         completed = (
-            await session.execute(
-                select(JobEvent.reason).where(
-                    JobEvent.job_id == job_id, JobEvent.to_status == "completed"
+            (
+                await session.execute(
+                    select(JobEvent.reason).where(
+                        JobEvent.job_id == job_id, JobEvent.to_status == "completed"
+                    )
                 )
             )
-        ).scalars().all()
+            .scalars()
+            .all()
+        )
     assert len(completed) == 1, completed
     assert f"attempt 1 on {names[lost]}" in (completed[0] or "")
     assert "attempt 2 stopped" in (completed[0] or "")

@@ -1,6 +1,7 @@
 """The reward-server example end to end: examples/reward_server.py scores over HTTP what
 train_grpo.py generates, through `rewards.http:remote_score` at the address the scheduler
-injects; a server that stops answering ends training with exit 75."""
+injects; a server that stops answering ends training with exit 75 once it has been asked
+again for REWARD_SERVER_RETRY seconds; one that comes back within them is asked again."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -121,7 +123,9 @@ def test_a_server_that_stops_answering_ends_training_with_exit_75(tiny_model: Pa
         port = silent.getsockname()[1]
         args = tiny_run_args(tiny_model, tmp_path / "out", "--max_steps", "3")
         args[args.index("keyword_match")] = REWARD
-        result = train_grpo(*args, cwd=tmp_path, env=_env(port, REWARD_SERVER_TIMEOUT="1"))
+        # Asked again for 2 s (REWARD_SERVER_RETRY), then given up on.
+        env = _env(port, REWARD_SERVER_TIMEOUT="1", REWARD_SERVER_RETRY="2")
+        result = train_grpo(*args, cwd=tmp_path, env=env)
     assert result.returncode == 75, result.stderr[-3000:]
     assert result.stderr.rstrip("\n").splitlines()[-1] == (
         f"train-grpo: error: reward function {REWARD} raised TimeoutError: reward server at "
@@ -222,3 +226,74 @@ def _base_env() -> dict[str, str]:
     import os
 
     return {k: v for k, v in os.environ.items() if not k.startswith("RLFLEET_")}
+
+
+def _serve_later(port: int, delay: float, code: int = 200) -> threading.Thread:
+    """A thread that, after `delay` seconds, serves /score once at `port` (scores 1.0 per
+    completion; `code` other than 200: that status, no scores)."""
+    import http.server
+
+    class Score(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            asked = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            body = json.dumps({"scores": [1.0] * len(asked["completions"])}).encode()
+            self.send_response(code)
+            self.end_headers()
+            self.wfile.write(body if code == 200 else b"{}")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    def serve() -> None:
+        time.sleep(delay)
+        with http.server.HTTPServer(("127.0.0.1", port), Score) as server:
+            server.timeout = 30
+            server.handle_request()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+def test_a_server_coming_back_after_a_restart_is_asked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reward server restarted in place refuses connections for a moment at its address
+    and port: the score request is made again until it answers (within
+    REWARD_SERVER_RETRY), and no score is lost."""
+    from rewards.http import remote_score
+
+    port = _free_port()
+    for name, value in _env(port, REWARD_SERVER_RETRY="30").items():
+        monkeypatch.setenv(name, value)
+    thread = _serve_later(port, 1.0)
+    began = time.monotonic()
+    assert remote_score(["p", "q"], ["a", "b"]) == [1.0, 1.0]
+    assert time.monotonic() - began >= 1.0
+    thread.join(timeout=30)
+
+
+def test_asking_again_ends_after_reward_server_retry_and_never_for_a_bad_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rewards.http import remote_score
+
+    port = _free_port()
+    for name, value in _env(port, REWARD_SERVER_RETRY="0").items():
+        monkeypatch.setenv(name, value)
+    began = time.monotonic()
+    with pytest.raises(ConnectionError, match="unreachable"):
+        remote_score(["p"], ["a"])
+    assert time.monotonic() - began < 5
+    # A 4xx is a disagreement between trainer and server: never asked again.
+    monkeypatch.setenv("REWARD_SERVER_RETRY", "30")
+    thread = _serve_later(port, 0.0, code=400)
+    time.sleep(0.5)
+    with pytest.raises(RewardServerError, match="answered 400"):
+        remote_score(["p"], ["a"])
+    thread.join(timeout=30)
+    for bad in ("-1", "soon", "inf", "nan"):
+        monkeypatch.setenv("REWARD_SERVER_RETRY", bad)
+        with pytest.raises(RewardServerError, match="REWARD_SERVER_RETRY"):
+            remote_score(["p"], ["a"])

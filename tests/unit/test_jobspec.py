@@ -398,3 +398,58 @@ def test_a_boolean_is_no_integer_in_a_job_file_nor_on_the_command_line(field: st
         parse_data({field: True, "roles": {"a": {"command": ["x"]}}})
     with pytest.raises(BadInput, match="must be an integer$"):
         check_int(True, field)
+
+
+def _with_reward(**reward: Any) -> dict[str, Any]:
+    """A trainer and a reward server role, the server's keys given."""
+    server = {"command": ["srv"], "ports": ["http"], "ready": {"http": "/health"}, **reward}
+    return {"roles": {"reward": server, "trainer": {"command": ["t"], "primary": True}}}
+
+
+def test_a_role_heals_in_place_only_when_it_says_so_and_keeps_it_when_stored() -> None:
+    plain = parse_data(_with_reward()).role("reward")
+    assert (plain.restart, plain.max_restarts) == ("never", 0)  # shared fate by default
+    healing = parse_data(_with_reward(restart="on-failure")).role("reward")
+    assert (healing.restart, healing.max_restarts) == ("on-failure", 3)
+    spec = parse_data(_with_reward(restart="on-failure", max_restarts=0))
+    assert spec.role("reward").max_restarts == 0
+    stored = spec.to_data()
+    assert stored["roles"]["reward"]["restart"] == "on-failure"
+    assert parse_data(stored).role("reward") == spec.role("reward")
+    assert "restart" not in parse_data(_with_reward()).to_data()["roles"]["reward"]
+
+
+@pytest.mark.parametrize(
+    ("reward", "message"),
+    [
+        ({"restart": "always"}, "roles.reward.restart: must be one of never, on-failure"),
+        ({"restart": ["on-failure"]}, "roles.reward.restart: must be one of never, on-failure"),
+        ({"max_restarts": 2}, "roles.reward.max_restarts: only with restart: on-failure"),
+        (
+            {"restart": "on-failure", "max_restarts": 101},
+            "roles.reward.max_restarts: must be an integer 0..100",
+        ),
+        (
+            {"restart": "on-failure", "max_restarts": -1},
+            "roles.reward.max_restarts: must be an integer 0..100",
+        ),
+        (
+            {"restart": "on-failure", "max_restarts": True},
+            "roles.reward.max_restarts: must be an integer 0..100",
+        ),
+        ({"restart": "on-failure", "nodes": 2}, "roles.reward.restart: only for a one-node role"),
+        (
+            {"restart": "on-failure", "primary": True},
+            "roles.reward.restart: a primary role is not restarted in place",
+        ),
+    ],
+)
+def test_a_bad_restart_policy_names_the_field(reward: dict[str, Any], message: str) -> None:
+    with pytest.raises(BadInput) as caught:
+        parse_data(_with_reward(**reward))
+    assert str(caught.value).startswith(message), str(caught.value)
+
+
+def test_a_lone_role_is_primary_and_so_never_restarts_in_place() -> None:
+    with pytest.raises(BadInput, match=r"^roles.a.restart: a lone role is the primary role"):
+        parse_data({"roles": {"a": {"command": ["x"], "restart": "on-failure"}}})

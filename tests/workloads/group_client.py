@@ -5,7 +5,9 @@ any client library does: the supervisor's `no_proxy` must let it through) and on
 injected, and what the server answers a request without the token; prints what it got as
 one JSON line, then sleeps `argv[1]` seconds on the first attempt (`argv[2]` on later ones)
 and exits 0. A server that is not up yet fails it at once (exit 1), so a passing run proves
-the supervisor started it only after the server's readiness check passed.
+the supervisor started it only after the server's readiness check passed. With
+GROUP_CLIENT_UNTIL (a path) it instead waits for that file (at most `argv[1]` seconds), asks
+for a score again, prints `group_client: again {"scores": …}` and exits 0.
 
 As a rank of a role on several nodes (RLFLEET_NUM_NODES set) it first meets the other
 ranks where the scheduler said the rendezvous is: rank 0 listens on MASTER_ADDR:MASTER_PORT
@@ -67,7 +69,25 @@ def main(argv: list[str]) -> int:
             print(f"group_client: the ranks did not meet: {exc}", flush=True)
             return 1
     print("group_client: " + json.dumps(report), flush=True)
+    until = os.environ.get("GROUP_CLIENT_UNTIL")
+    if until:
+        return score_again(Path(until), float(argv[1]))
     time.sleep(float(argv[1] if attempt == "1" else argv[2]))
+    return 0
+
+
+def score_again(until: Path, most_s: float) -> int:
+    """Wait (at most `most_s` seconds) for the file `until`, then ask for a score again:
+    print it and exit 0, else exit 1."""
+    deadline = time.monotonic() + most_s
+    while not until.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        scores = remote_score(["p"], ["hello again"])
+    except (OSError, RewardServerError) as exc:
+        print(f"group_client: the reward server did not answer again: {exc}", flush=True)
+        return 1
+    print("group_client: again " + json.dumps({"scores": scores}), flush=True)
     return 0
 
 
