@@ -496,3 +496,25 @@ class GpuSample(Base):
         Index("ix_gpu_samples_gpu_id_recorded_at", "gpu_id", "recorded_at"),
         Index("ix_gpu_samples_recorded_at", "recorded_at"),
     )
+
+
+class JobDiagnostics(Base):
+    """What the poller captured of an attempt before stopping it as hung or stuck starting
+    (`scheduler.hang`): each process's Python stacks (`py-spy dump`), the VM's nvidia-smi
+    view and the end of train.log. The full text stays in the attempt directory on the VM
+    (`diagnostics.txt`); this copy, bounded like it, is what `job logs --diagnostics` and
+    the job page show, whether or not the VM still answers."""
+
+    __tablename__ = "job_diagnostics"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    vm_name: Mapped[str | None] = mapped_column(Text)
+    """The VM the attempt ran on, by name (the row outlives a removed VM)."""
+    reason: Mapped[str] = mapped_column(Text)
+    """Why the attempt was stopped (the job's status reason then)."""
+    content: Mapped[str] = mapped_column(Text)
+    captured_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+
+    __table_args__ = (UniqueConstraint("job_id", "attempt"),)

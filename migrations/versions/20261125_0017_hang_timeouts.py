@@ -7,7 +7,8 @@ Create Date: 2026-11-25 18:00:00
 `jobs.hang_timeout_s` and `jobs.startup_timeout_s` (`job submit --hang-timeout`,
 `--startup-timeout`; 0 turns a check off) and the poller's last reading of the current
 attempt's progress: the step, the attempt it was read from, and when it was first read
-(the database's clock), from which a running attempt that stopped advancing is found hung.
+(the database's clock), from which a running attempt that stopped advancing is found hung;
+and `job_diagnostics`, what was captured of such an attempt before it was stopped.
 """
 
 from __future__ import annotations
@@ -44,9 +45,28 @@ def upgrade() -> None:
         f"hang_timeout_s BETWEEN 0 AND {MAX_TIMEOUT_S}"
         f" AND startup_timeout_s BETWEEN 0 AND {MAX_TIMEOUT_S}",
     )
+    op.create_table(
+        "job_diagnostics",
+        sa.Column("id", sa.BigInteger(), sa.Identity(always=False), nullable=False),
+        sa.Column("job_id", sa.BigInteger(), nullable=False),
+        sa.Column("attempt", sa.Integer(), nullable=False),
+        sa.Column("vm_name", sa.Text(), nullable=True),
+        sa.Column("reason", sa.Text(), nullable=False),
+        sa.Column("content", sa.Text(), nullable=False),
+        sa.Column(
+            "captured_at",
+            sa.DateTime(timezone=True),
+            server_default=sa.text("now()"),
+            nullable=False,
+        ),
+        sa.ForeignKeyConstraint(["job_id"], ["jobs.id"], ondelete="CASCADE"),
+        sa.PrimaryKeyConstraint("id"),
+        sa.UniqueConstraint("job_id", "attempt"),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("job_diagnostics")
     op.drop_constraint("liveness_timeouts", "jobs", type_="check")
     for column in (
         "progress_changed_at",

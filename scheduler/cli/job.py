@@ -26,7 +26,18 @@ from scheduler.cli._common import (
 from scheduler.errors import BadInput, ServiceUnavailable
 from scheduler.jobstore import list_jobs
 from scheduler.states import JobStatus
-from scheduler.validate import INT4, INT8, JOB_NAME_MAX, MAX_GPUS, MAX_NODES, MAX_RETRIES
+from scheduler.validate import (
+    DEFAULT_HANG_TIMEOUT_S,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    INT4,
+    INT8,
+    JOB_NAME_MAX,
+    MAX_GPUS,
+    MAX_NODES,
+    MAX_RETRIES,
+    MAX_TIMEOUT_S,
+    MIN_TIMEOUT_S,
+)
 
 if TYPE_CHECKING:
     from scheduler.db import Database
@@ -109,6 +120,28 @@ def group() -> None:
     help=f"Retries after a retryable failure (0-{MAX_RETRIES}).",
 )
 @click.option(
+    "--hang-timeout",
+    "hang_timeout",
+    default=DEFAULT_HANG_TIMEOUT_S,
+    show_default=True,
+    type=ColumnInt(lo=0, hi=MAX_TIMEOUT_S),
+    metavar="S",
+    help="Seconds a running attempt's training step may stay unchanged (while its GPUs idle "
+    "or run at low power; twice as long otherwise) before it is hung: its stacks, GPU view "
+    "and log tail are kept (job logs --diagnostics), it is stopped and retried from its "
+    f"newest checkpoint, counting as a retry. 0: never; else {MIN_TIMEOUT_S}-{MAX_TIMEOUT_S}.",
+)
+@click.option(
+    "--startup-timeout",
+    "startup_timeout",
+    default=DEFAULT_STARTUP_TIMEOUT_S,
+    show_default=True,
+    type=ColumnInt(lo=0, hi=MAX_TIMEOUT_S),
+    metavar="S",
+    help="Seconds a running attempt may take to report its first progress (model download "
+    "and load) before it is stopped like a hung one. 0: never.",
+)
+@click.option(
     "--priority",
     default=0,
     show_default=True,
@@ -156,6 +189,8 @@ def submit(
     gpus: int,
     nodes: int,
     max_retries: int,
+    hang_timeout: int,
+    startup_timeout: int,
     priority: int,
     name: str | None,
     vllm_server_gpus: int | None,
@@ -191,6 +226,8 @@ def submit(
             gpus=gpus,
             nodes=nodes,
             max_retries=max_retries,
+            hang_timeout_s=hang_timeout,
+            startup_timeout_s=startup_timeout,
             priority=priority,
             name=name,
             extra_args=extra_args,

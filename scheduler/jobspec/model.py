@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.errors import BadInput
+from scheduler.validate import DEFAULT_HANG_TIMEOUT_S, DEFAULT_STARTUP_TIMEOUT_S
 
 RENDEZVOUS_PORT = "@rendezvous"
 """The port name (in `job_ports`) of the rendezvous port of a role on several nodes, chosen
@@ -74,6 +75,10 @@ class GroupSpec:
     priority: int = 0
     max_retries: int = 3
     output_dir: str | None = None
+    hang_timeout_s: int = DEFAULT_HANG_TIMEOUT_S
+    """`hang_timeout:` seconds; 0 turns the check off."""
+    startup_timeout_s: int = DEFAULT_STARTUP_TIMEOUT_S
+    """`startup_timeout:` seconds; 0 turns the check off."""
     _order: tuple[str, ...] = field(default=(), repr=False)
 
     def role(self, name: str) -> Role:
