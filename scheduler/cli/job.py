@@ -481,14 +481,42 @@ def retry(ctx: CliContext, job_id: int) -> None:
     help="Which role of a job group: its own <role>.log (default: the group's train.log, "
     "where its supervisor says what each role did).",
 )
+@click.option(
+    "--diagnostics",
+    is_flag=True,
+    help="Print what was captured of an attempt stopped as hung or stuck starting (each "
+    "process's Python stacks, nvidia-smi, the end of its log): the newest such attempt's, "
+    "or --attempt N's.",
+)
 @pass_cli
 def logs(
-    ctx: CliContext, job_id: int, follow: bool, attempt: int | None, node: int, role: str | None
+    ctx: CliContext,
+    job_id: int,
+    follow: bool,
+    attempt: int | None,
+    node: int,
+    role: str | None,
+    diagnostics: bool,
 ) -> None:
     """Print a job's train.log from its VM (every attempt's log is kept); for a multi-node
-    job, rank 0's unless --node says another; for a job group, one role's with --role."""
+    job, rank 0's unless --node says another; for a job group, one role's with --role;
+    with --diagnostics, what was captured of an attempt stopped as hung."""
     from scheduler.job_logs import stream_log
     from scheduler.transport import make_transport
+
+    if diagnostics:
+        if follow or role is not None or node:
+            raise BadInput("--diagnostics: only with --attempt (not --follow, --role, --node)")
+
+        async def show(db: Database) -> None:
+            from scheduler.job_logs import read_diagnostics
+
+            found = await read_diagnostics(db, job_id, attempt)
+            click.echo(printable(found.header()))
+            click.echo(found.content.rstrip("\n"))
+
+        ctx.run(show)
+        return
 
     def write(data: bytes) -> None:
         # The bytes as the job wrote them: a log is not always valid UTF-8.

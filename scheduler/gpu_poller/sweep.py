@@ -229,9 +229,7 @@ class GpuPoller:
             if self._stopping.get(job.id) is finished:
                 del self._stopping[job.id]
             if not finished.cancelled() and finished.exception() is not None:
-                log.error(
-                    "stop_stalled_failed", job_id=job.id, error=repr(finished.exception())
-                )
+                log.error("stop_stalled_failed", job_id=job.id, error=repr(finished.exception()))
 
         task.add_done_callback(done)
 

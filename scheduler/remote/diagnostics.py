@@ -91,7 +91,7 @@ def diagnostics_script(run: Attempt, python: str, why: str) -> str:
             ' $(tr "\\000" " " < "/proc/$q/cmdline" 2>/dev/null | head -c 300)"',
             '    x=$(readlink "/proc/$q/exe" 2>/dev/null)',
             '    case "${x##*/}" in',
-            '      *python*) ;;',
+            "      *python*) ;;",
             '      *) echo "(not a Python process: ${x:-unknown})"; continue;;',
             "    esac",
             '    if [ -z "$spy" ]; then echo "py-spy not found on the VM (pip install py-spy)";'

@@ -7,6 +7,8 @@ progress is stopped at its startup timeout; one that hangs every time ends `fail
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -23,6 +25,7 @@ from tests.backdate import age_progress
 from tests.fleet import SimFleet
 from tests.workloads.support import (
     FAKE_TRAIN,
+    RLFLEET,
     attempt_dirs,
     daemons,
     installation,
@@ -42,6 +45,14 @@ CONFIG = RequeueConfig(
 )
 POLL_S = 0.2
 """The poll interval of `daemons()`."""
+
+
+def rlfleet(db: Database, *args: str) -> subprocess.CompletedProcess[str]:
+    """The real CLI, as a user runs it."""
+    env = dict(os.environ, RLFLEET_DATABASE_URL=db.url)
+    return subprocess.run(
+        [str(RLFLEET), *args], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 async def set_draining(db: Database, name: str, draining: bool) -> None:
@@ -144,6 +155,15 @@ async def test_a_hung_trainer_is_stopped_diagnosed_and_resumes_elsewhere(
     assert left.killed_at is not None and left.reason == "hung"
     assert not Path(f"/proc/{hung['pid']}").exists(), "the hung trainer still runs"
 
+    # `job logs --diagnostics` shows them (the newest attempt that has some by default).
+    shown = rlfleet(db, "job", "logs", str(job_id), "--diagnostics")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(f"attempt 1 on vm0, captured {diag.captured_at}: hung: ")
+    assert "fake_train.py:" in shown.stdout and "== nvidia-smi" in shown.stdout
+    none = rlfleet(db, "job", "logs", str(job_id), "--diagnostics", "--attempt", "2")
+    assert none.returncode == 2 and "attempt 2 of job" in none.stderr, none
+    assert len(none.stderr.strip().splitlines()) == 1
+
 
 async def test_a_slow_trainer_is_never_stopped(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
@@ -170,9 +190,7 @@ async def test_a_trainer_that_never_reports_progress_fails_its_startup_timeout(
     fleet = await sim_fleet(1, gpus_per_vm=1)
     await fleet.register(db, entrypoint=str(FAKE_TRAIN))
     async with daemons(db, nats.url, CONFIG):
-        job_id = await new_job(
-            db, 1, ("--fake_hang_at", "0"), startup_timeout_s=30, max_retries=0
-        )
+        job_id = await new_job(db, 1, ("--fake_hang_at", "0"), startup_timeout_s=30, max_retries=0)
         await wait_status(db, job_id, "running")
         await asyncio.sleep(1.0)  # polls see it running, with no progress
         assert (await job_row(db, job_id)).status == "running"
