@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from sqlalchemy import ColumnElement, extract, func, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -75,7 +76,8 @@ async def record_progress(session: AsyncSession, progress: Sequence[ProgressRow]
     )
 
 
-def _age(column: ColumnElement[object]) -> ColumnElement[float]:
+def _age(column: Any) -> ColumnElement[Any]:
+    """Seconds from `column` to the database's `now()`."""
     return extract("epoch", func.now() - column)
 
 

@@ -111,7 +111,7 @@ async def test_a_hung_trainer_is_stopped_diagnosed_and_resumes_elsewhere(
     fleet.by_name("vm0").set_busy_power(0, 80.0)  # 100 % busy at 80/400 W
     shared = tmp_path / "shared-outputs"  # the output directory both VMs see
     await set_draining(db, "vm1", True)
-    args = ("--fake_hang_at", "3", "--fake_hang_once", "--fake_checkpoints")
+    args: tuple[str, ...] = ("--fake_hang_at", "3", "--fake_hang_once", "--fake_checkpoints")
     args += ("--fake_step_seconds", "0.2")
     async with daemons(db, nats.url, CONFIG):
         job_id = await new_job(
@@ -128,8 +128,9 @@ async def test_a_hung_trainer_is_stopped_diagnosed_and_resumes_elsewhere(
 
     events = await failed_events(db, job_id)
     assert len(events) == 1 and events[0].attempt == 1, [e.reason for e in events]
-    assert events[0].reason.startswith("hung: step 3 unchanged for 1"), events[0].reason
-    assert "80/400 W" in events[0].reason
+    reason = events[0].reason or ""
+    assert reason.startswith("hung: step 3 unchanged for 1"), reason
+    assert "80/400 W" in reason
     detected_s = (events[0].created_at - seen_at).total_seconds()
     print(f"hang detected {detected_s:.2f}s after step 3 was first read (timeout 10s)")
     assert 10 <= detected_s <= 10 + POLL_S + 2.0, detected_s
@@ -197,9 +198,7 @@ async def test_a_trainer_that_never_reports_progress_fails_its_startup_timeout(
         await age_progress(db, job_id, 31)
         job = await wait_status(db, job_id, "failed", timeout=30)
     assert job.failure_reason == "startup_timeout"
-    assert job.status_reason is not None and "no progress reported" in (
-        (await failed_events(db, job_id))[0].reason
-    )
+    assert "no progress reported" in ((await failed_events(db, job_id))[0].reason or "")
     (diag,) = await diagnostics(db, job_id)
     assert "waiting for a peer" in diag.content
 
