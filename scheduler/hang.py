@@ -66,6 +66,8 @@ class Stall:
 
     reason: FailureReason
     why: str
+    gpus: tuple[str, ...] = ()
+    """The UUIDs of the attempt's GPUs on the polled VM."""
 
 
 def gpus_quiet(loads: Mapping[str, GpuLoad], uuids: Iterable[str]) -> bool:
@@ -118,6 +120,7 @@ def stall(
             FailureReason.STARTUP_TIMEOUT,
             f"{FailureReason.STARTUP_TIMEOUT.value}: no progress reported"
             f" {watch.running_s:.0f}s after the launch (--startup-timeout {limit}s)",
+            tuple(uuids),
         )
     limit = watch.hang_timeout_s
     if limit <= 0 or watch.unchanged_s is None or watch.unchanged_s < limit:
@@ -131,4 +134,5 @@ def stall(
         FailureReason.HUNG,
         f"{FailureReason.HUNG.value}: step {watch.step} unchanged for"
         f" {watch.unchanged_s:.0f}s (--hang-timeout {limit}s{busy}; {signal})",
+        tuple(uuids),
     )

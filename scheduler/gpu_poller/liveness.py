@@ -122,7 +122,8 @@ async def load_watches(session: AsyncSession) -> dict[tuple[int, int], Watch]:
 def stalls(
     outcomes: Sequence[Outcome], watches: dict[tuple[int, int], Watch]
 ) -> list[tuple[Outcome, LiveJob, Stall]]:
-    """The rank-0 attempts these polls saw running that are hung or stuck starting."""
+    """The rank-0 attempts these polls saw running that are hung or stuck starting (each
+    `Stall` names the attempt's GPUs on the polled VM)."""
     found = []
     for outcome in outcomes:
         result = outcome.result
@@ -138,7 +139,7 @@ def stalls(
                 continue
             seen = state.progress.step if state.progress is not None else None
             uuids = [g.uuid for g in outcome.vm.gpus.values() if g.job_id == job.id]
-            verdict = stall(watch, seen, result.loads, uuids)
+            verdict = stall(watch, seen, result.loads, sorted(uuids))
             if verdict is not None:
                 found.append((outcome, job, verdict))
     return found
@@ -153,7 +154,7 @@ async def stop_stalled(
     try:
         result = await transport.run(
             target,
-            diagnostics_script(run, target.python, verdict.why),
+            diagnostics_script(run, target.python, verdict.why, verdict.gpus),
             timeout=DIAGNOSTICS_TIMEOUT_S,
         )
         content = parse_diagnostics(result.stdout)

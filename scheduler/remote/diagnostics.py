@@ -14,6 +14,7 @@ it (`kernel.yama.ptrace_scope` 0), else its error line is kept in the stacks' pl
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 
 from scheduler.remote.kill import _marked_lines
 from scheduler.remote.layout import Attempt
@@ -35,12 +36,16 @@ STEP_TIMEOUT_S = 15
 BEGIN, END, NODIR = "rlfleet-diag-begin", "rlfleet-diag-end", "rlfleet-diag-nodir"
 
 
-def diagnostics_script(run: Attempt, python: str, why: str) -> str:
+def diagnostics_script(run: Attempt, python: str, why: str, gpus: Sequence[str] = ()) -> str:
     """Shell text writing the attempt's `diagnostics.txt` and printing it between `BEGIN`
     and `END` lines (`NODIR`: the attempt has no directory on this VM). `python`: the VM's
-    interpreter (py-spy is looked for beside it); `why` goes in the header. Everything a
-    user or a job could have chosen is quoted; what the job's files hold is read bounded."""
+    interpreter (py-spy is looked for beside it); `why` goes in the header; `gpus`: the
+    UUIDs of the attempt's GPUs on this VM, whose nvidia-smi view is shown (all of the VM's
+    without). Everything a user, a job or a VM could have chosen is quoted; what the job's
+    files hold is read bounded."""
     header = f"reason: {printable(why)[:500]}"
+    select = f"-i {shlex.quote(','.join(gpus))} " if gpus else ""
+    held = f"GPUs of the attempt: {', '.join(gpus) or 'unknown'}"
     limit = f"timeout {STEP_TIMEOUT_S}"
     marked = _marked_lines(run, "  ")
     return "\n".join(
@@ -72,9 +77,10 @@ def diagnostics_script(run: Attempt, python: str, why: str) -> str:
             '  echo "rlfleet diagnostics: $(hostname 2>/dev/null),'
             " $(date -u '+%Y-%m-%dT%H:%M:%SZ' 2>/dev/null) by the VM's clock\"",
             f"  echo {shlex.quote(header)}",
+            f"  echo {shlex.quote(held)}",
             '  echo "processes:${pids:- none found}"',
-            "  echo; echo '== nvidia-smi'",
-            f"  $t nvidia-smi 2>&1 | head -c {SMI_BYTES}",
+            f"  echo; echo {shlex.quote(('== nvidia-smi ' + select).strip())}",
+            f"  $t nvidia-smi {select}2>&1 | head -c {SMI_BYTES}",
             "  echo; echo '== nvidia-smi --query-compute-apps'",
             "  $t nvidia-smi --query-compute-apps=gpu_uuid,pid,used_memory --format=csv 2>&1"
             f" | head -c {SMI_BYTES}",

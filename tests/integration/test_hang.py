@@ -138,7 +138,10 @@ async def test_a_hung_trainer_is_stopped_diagnosed_and_resumes_elsewhere(
     (diag,) = await diagnostics(db, job_id)
     assert (diag.attempt, diag.vm_name) == (1, "vm0")
     assert diag.reason == events[0].reason
-    for needle in ("== nvidia-smi", "fake_train: step 3", "waiting for a peer", "== process"):
+    gpu = fleet.by_name("vm0").gpu_uuids[0]
+    assert f"GPUs of the attempt: {gpu}\n" in diag.content
+    assert f"== nvidia-smi -i {gpu}\n" in diag.content
+    for needle in ("fake_train: step 3", "waiting for a peer", "== process"):
         assert needle in diag.content, (needle, diag.content[:3000])
     # py-spy's dump of the trainer: its Python stack, down to the sleep it hangs in.
     assert "hang (" in diag.content and "fake_train.py:" in diag.content, diag.content[-3000:]

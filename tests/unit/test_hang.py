@@ -123,9 +123,12 @@ def test_the_diagnostics_answer_is_read_between_its_marks_and_made_printable() -
 
 def test_the_diagnostics_command_quotes_what_a_user_chose() -> None:
     run = Attempt(INSTALLATION, 1, 1, "0123456789abcdef")
-    script = diagnostics_script(run, "/opt/my venv/bin/python; rm -rf ~", "hung: $(reboot)")
+    script = diagnostics_script(
+        run, "/opt/my venv/bin/python; rm -rf ~", "hung: $(reboot)", ["GPU-1;reboot", "GPU-2"]
+    )
     assert "'/opt/my venv/bin/python; rm -rf ~'" in script
     assert "'reason: hung: $(reboot)'" in script
+    assert "nvidia-smi -i 'GPU-1;reboot,GPU-2' 2>&1" in script
 
 
 @pytest.mark.parametrize("key", ["hang_timeout", "startup_timeout"])
