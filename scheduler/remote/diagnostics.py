@@ -2,13 +2,14 @@
 (`scheduler.hang`): one command over SSH that writes `diagnostics.txt` into the attempt
 directory and prints it back, both bounded (`DIAGNOSTICS_BYTES`).
 
-It holds, in this order: a header (VM, the VM's clock, why), the VM's `nvidia-smi` view and
-its compute processes, the end of train.log, and the Python stacks of each process of the
-attempt (`py-spy dump --pid P`; its process group, led by the wrapper's pid, and what the
-job started outside it, found by its environment marker) where py-spy is installed: on the
-VM's PATH or beside the VM's python (`pip install 'rlfleet[train]'` puts it there). py-spy
-needs the right to trace the process: the same account suffices where the kernel allows
-it (`kernel.yama.ptrace_scope` 0), else its error line is kept in the stacks' place.
+It holds, in this order: a header (VM, the VM's clock, why, the attempt's GPUs),
+`nvidia-smi` of the attempt's GPUs and the VM's compute processes, the end of train.log,
+and the Python stacks of each process of the attempt (`py-spy dump --pid P`; its process
+group, led by the wrapper's pid, and what the job started outside it, found by its
+environment marker) where py-spy is installed: on the VM's PATH or beside the VM's python
+(`pip install 'rlfleet[train]'` puts it there). py-spy needs the right to trace the
+process: the same account suffices where the kernel allows it (`kernel.yama.ptrace_scope`
+0), else its error line is kept in the stacks' place.
 """
 
 from __future__ import annotations
