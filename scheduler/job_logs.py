@@ -186,3 +186,43 @@ async def read_log_chunk(
     if data is None:
         return LogChunk(wanted, offset, b"", False, live)
     return LogChunk(wanted, offset + len(data), data, True, live)
+
+
+@dataclass(frozen=True)
+class Diagnostics:
+    """What was captured of one attempt before it was stopped as hung or stuck starting
+    (`models.JobDiagnostics`; the same text is `diagnostics.txt` in its directory)."""
+
+    attempt: int
+    vm_name: str | None
+    reason: str
+    captured_at: Any
+    content: str
+
+    def header(self) -> str:
+        """`attempt 1 on vm0, 2026-11-25 17:50:34+00:00: hung: step 3 …`"""
+        where = f" on {self.vm_name}" if self.vm_name else ""
+        return f"attempt {self.attempt}{where}, captured {self.captured_at}: {self.reason}"
+
+
+async def read_diagnostics(db: Database, job_id: int, attempt: int | None = None) -> Diagnostics:
+    """The diagnostics of attempt `attempt` (default: the newest attempt that has some),
+    read from the database (no SSH: they are there whether or not the VM answers).
+    `BadInput` when there are none."""
+    from scheduler.models import JobDiagnostics
+
+    query = select(JobDiagnostics).where(JobDiagnostics.job_id == job_id)
+    if attempt is not None:
+        query = query.where(JobDiagnostics.attempt == attempt)
+    async with db.transaction() as session:
+        exists = await session.scalar(select(Job.id).where(Job.id == job_id))
+        row = await session.scalar(query.order_by(JobDiagnostics.attempt.desc()).limit(1))
+        if exists is None:
+            raise BadInput(f"no job {job_id}")
+        if row is None:
+            which = f"attempt {attempt} of job {job_id} has" if attempt else f"job {job_id} has"
+            raise BadInput(
+                f"{which} no diagnostics: they are captured when an attempt is stopped as "
+                "hung or stuck starting (--hang-timeout, --startup-timeout)"
+            )
+        return Diagnostics(row.attempt, row.vm_name, row.reason, row.captured_at, row.content)

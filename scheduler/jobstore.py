@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from scheduler.errors import BadInput
 from scheduler.states import JobStatus
 from scheduler.validate import (
+    DEFAULT_HANG_TIMEOUT_S,
+    DEFAULT_STARTUP_TIMEOUT_S,
     DIGEST_RE,
     INT4,
     JOB_NAME_MAX,
@@ -32,6 +34,7 @@ from scheduler.validate import (
     UnreadableJson,
     check_int,
     check_text,
+    check_timeout,
     env_key_problem,
     extra_args_problem,
 )
@@ -91,6 +94,11 @@ class JobSpec:
     workdir: PackedWorkdir | None = None
     """The job's packed workdir (`job submit --workdir`, `scheduler.workdir.pack`); None
     for a job without one."""
+    hang_timeout_s: int = DEFAULT_HANG_TIMEOUT_S
+    """`--hang-timeout`: a running attempt whose step has not advanced this long is hung;
+    0: never."""
+    startup_timeout_s: int = DEFAULT_STARTUP_TIMEOUT_S
+    """`--startup-timeout`: a running attempt with no first step this long is stuck; 0: never."""
 
     def validate(self) -> None:
         """Raise `BadInput` for a job that could never run or that the schema cannot hold
@@ -125,6 +133,8 @@ class JobSpec:
                 raise BadInput("--workdir: not a packed workdir")
             if self.workdir.size > WORKDIR_MAX_BYTES:
                 raise BadInput(f"--workdir: packs to more than {WORKDIR_MAX_BYTES} bytes")
+        check_timeout(self.hang_timeout_s, "--hang-timeout")
+        check_timeout(self.startup_timeout_s, "--startup-timeout")
 
 
 def validate_job_env(env: Iterable[tuple[str, str]]) -> None:
@@ -158,10 +168,11 @@ INSERT_JOB_SQL = f"""
 WITH job AS (
     INSERT INTO jobs (status, name, model, dataset, reward_function, gpus_requested, nodes,
                       max_retries, priority, extra_args, output_dir, env, roles,
-                      workdir_digest, queued_at)
+                      workdir_digest, hang_timeout_s, startup_timeout_s, queued_at)
     VALUES ('{JobStatus.QUEUED.value}', %(name)s, %(model)s, %(dataset)s, %(reward_function)s,
             %(gpus)s, %(nodes)s, %(max_retries)s, %(priority)s, %(extra_args)s::jsonb,
-            %(output_dir)s, %(env)s::jsonb, %(roles)s::jsonb, %(workdir)s, now())
+            %(output_dir)s, %(env)s::jsonb, %(roles)s::jsonb, %(workdir)s, %(hang_timeout_s)s,
+            %(startup_timeout_s)s, now())
     RETURNING id, attempt
 ), event AS (
     INSERT INTO job_events ({", ".join(EVENT_COLUMNS)})
@@ -198,6 +209,8 @@ def insert_params(spec: JobSpec, actor: str) -> dict[str, Any]:
         # SQL NULL, not a JSON null, for a job of one training role.
         "roles": json.dumps(spec.roles) if spec.roles is not None else None,
         "workdir": spec.workdir.digest if spec.workdir is not None else None,
+        "hang_timeout_s": spec.hang_timeout_s,
+        "startup_timeout_s": spec.startup_timeout_s,
         "actor": actor,
     }
 
@@ -270,6 +283,8 @@ JOB_FIELDS: tuple[tuple[str, str | None], ...] = (
     ("attempt", "attempt"),
     ("retry_count", "retry_count"),
     ("max_retries", "max_retries"),
+    ("hang_timeout", "hang_timeout_s"),
+    ("startup_timeout", "startup_timeout_s"),
     ("failure_reason", "failure_reason"),
     ("exit_code", "exit_code"),
     ("vm", None),

@@ -32,7 +32,15 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from scheduler.states import JobStatus, RetryDecision
-from scheduler.validate import JOB_NAME_MAX, MAX_GPUS, MAX_NODES, MAX_RETRIES
+from scheduler.validate import (
+    DEFAULT_HANG_TIMEOUT_S,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    JOB_NAME_MAX,
+    MAX_GPUS,
+    MAX_NODES,
+    MAX_RETRIES,
+    MAX_TIMEOUT_S,
+)
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -235,6 +243,23 @@ class Job(Base):
     max_retries: Mapped[int] = mapped_column(Integer, default=3, server_default="3")
     failure_reason: Mapped[str | None] = mapped_column(String(32))
     """See `FailureReason`; NULL unless the last attempt failed."""
+    hang_timeout_s: Mapped[int] = mapped_column(
+        Integer, default=DEFAULT_HANG_TIMEOUT_S, server_default=str(DEFAULT_HANG_TIMEOUT_S)
+    )
+    """`job submit --hang-timeout`: a running attempt whose step has not advanced for this
+    many seconds is hung (`scheduler.hang`); 0: never."""
+    startup_timeout_s: Mapped[int] = mapped_column(
+        Integer, default=DEFAULT_STARTUP_TIMEOUT_S, server_default=str(DEFAULT_STARTUP_TIMEOUT_S)
+    )
+    """`job submit --startup-timeout`: a running attempt with no first step this many
+    seconds after `running_at` is stuck starting; 0: never."""
+    progress_attempt: Mapped[int | None] = mapped_column(Integer)
+    """The attempt `progress_step` was read from (the poller's latest reading)."""
+    progress_step: Mapped[int | None] = mapped_column(Integer)
+    """The training step the poller last read from the attempt's progress.json."""
+    progress_changed_at: Mapped[datetime | None] = mapped_column(_now())
+    """When the poller first read `progress_step` (the database's clock, never the VM's):
+    the step has not changed since."""
     exit_code: Mapped[int | None] = mapped_column(Integer)
     vm_id: Mapped[int | None] = mapped_column(ForeignKey("vms.id", ondelete="SET NULL"))
     """VM of the current or last attempt; NULL before the first claim."""
@@ -316,6 +341,11 @@ class Job(Base):
         ),
         CheckConstraint(
             "model <> '' AND dataset <> '' AND reward_function <> ''", name="spec_nonempty"
+        ),
+        CheckConstraint(
+            f"hang_timeout_s BETWEEN 0 AND {MAX_TIMEOUT_S}"
+            f" AND startup_timeout_s BETWEEN 0 AND {MAX_TIMEOUT_S}",
+            name="liveness_timeouts",
         ),
         Index("ix_jobs_status_priority", "status", text("priority DESC"), "id"),
     )
@@ -501,3 +531,25 @@ class GpuSample(Base):
         Index("ix_gpu_samples_gpu_id_recorded_at", "gpu_id", "recorded_at"),
         Index("ix_gpu_samples_recorded_at", "recorded_at"),
     )
+
+
+class JobDiagnostics(Base):
+    """What the poller captured of an attempt before stopping it as hung or stuck starting
+    (`scheduler.hang`): each process's Python stacks (`py-spy dump`), the VM's nvidia-smi
+    view and the end of train.log. The full text stays in the attempt directory on the VM
+    (`diagnostics.txt`); this copy, bounded like it, is what `job logs --diagnostics` and
+    the job page show, whether or not the VM still answers."""
+
+    __tablename__ = "job_diagnostics"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    vm_name: Mapped[str | None] = mapped_column(Text)
+    """The VM the attempt ran on, by name (the row outlives a removed VM)."""
+    reason: Mapped[str] = mapped_column(Text)
+    """Why the attempt was stopped (the job's status reason then)."""
+    content: Mapped[str] = mapped_column(Text)
+    captured_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+
+    __table_args__ = (UniqueConstraint("job_id", "attempt"),)

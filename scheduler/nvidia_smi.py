@@ -161,3 +161,43 @@ def parse_apps(lines: Sequence[str], rc: int | None) -> tuple[list[ComputeApp], 
         except ValueError as exc:
             return [], f"unreadable nvidia-smi process line {n} ({exc}): {line[:120]!r}"
     return apps, None
+
+
+LOAD_QUERY = "uuid,utilization.gpu,power.draw,power.limit"
+LOAD_COMMAND = f"nvidia-smi --query-gpu={LOAD_QUERY} {_FORMAT}"
+"""How hard each GPU works (`parse_loads`): asked only of a VM with live attempts, for the
+hang check's GPU signal (`scheduler.hang`)."""
+
+
+@dataclass(frozen=True)
+class GpuLoad:
+    """How hard one GPU works: utilization (%) and power drawn against its limit (W);
+    None where nvidia-smi gave no value."""
+
+    utilization_pct: int | None
+    power_draw_w: float | None
+    power_limit_w: float | None
+
+
+def _watts(text: str) -> float | None:
+    value = text.strip().removesuffix("W").strip()
+    if value in _NOT_AVAILABLE or not _INT.match(value):
+        return None
+    number = float(value)
+    return number if 0 <= number < 1e6 else None
+
+
+def parse_loads(lines: Sequence[str]) -> dict[str, GpuLoad]:
+    """GPU UUID → its load, from `LOAD_COMMAND`'s lines; a line it cannot read is left
+    out (the GPU's load is then unknown). Never raises."""
+    loads: dict[str, GpuLoad] = {}
+    for line in _clean(list(lines)):
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 4 or not fields[0].startswith(("GPU-", "MIG-")):
+            continue
+        try:
+            utilization = _number(fields[1].removesuffix("%").strip())
+        except ValueError:
+            utilization = None
+        loads[fields[0][:96]] = GpuLoad(utilization, _watts(fields[2]), _watts(fields[3]))
+    return loads

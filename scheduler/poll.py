@@ -15,10 +15,13 @@ from dataclasses import dataclass, field
 from scheduler.nvidia_smi import (
     APPS_COMMAND,
     GPU_COMMAND,
+    LOAD_COMMAND,
     ComputeApp,
     GpuInfo,
+    GpuLoad,
     parse_apps,
     parse_gpus,
+    parse_loads,
 )
 from scheduler.remote.layout import Attempt
 from scheduler.remote.output import as_int, output_lines
@@ -35,6 +38,7 @@ GPUS, GPUS_RC, APPS, APPS_RC, JOBS, END = (
     f"{_MARK}-end",
 )
 CHECK, CHECK_RC = f"{_MARK}-check", f"{_MARK}-check-rc"
+LOADS = f"{_MARK}-loads"
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,9 @@ class PollResult:
     restarts: dict[tuple[int, int], dict[str, RoleRestarts]] = field(default_factory=dict)
     """The restarts in place of each job group attempt's roles, as its supervisor counts
     them (`remote.restarts`), by (job id, attempt) and role; only from a complete answer."""
+    loads: dict[str, GpuLoad] = field(default_factory=dict)
+    """GPU UUID → how hard it works (utilization, power), asked only of a VM that runs
+    attempts: the hang check's GPU signal (`scheduler.hang`)."""
 
     def busy_uuids(self) -> set[str]:
         """UUIDs of the GPUs some process is using.
@@ -101,6 +108,8 @@ def poll_command(jobs: Sequence[Attempt], check: str | None = None) -> str:
             f"{APPS_COMMAND} 2>&1",
             f'echo "{APPS_RC} $?"',
             *(check_command(check) if check is not None else []),
+            # Only a VM running attempts is asked how hard its GPUs work (the hang check).
+            *([f"echo {LOADS}", f"{LOAD_COMMAND} 2>/dev/null"] if jobs else []),
             f"echo {END}",
         ]
     )
@@ -112,7 +121,7 @@ def _sections(stdout: str) -> tuple[dict[str, list[str]], dict[str, int | None]]
     current: str | None = None
     for line in output_lines(stdout):
         head = line.strip()
-        if head in (GPUS, APPS, JOBS, CHECK, END):
+        if head in (GPUS, APPS, JOBS, CHECK, LOADS, END):
             current = head
             sections.setdefault(head, [])
             continue
@@ -134,6 +143,7 @@ def parse_poll(stdout: str) -> PollResult:
     jobs = parse_status("\n".join(sections.get(JOBS, []))) if END in sections else {}
     check = _check(sections, rcs) if END in sections else None
     restarts = parse_restarts("\n".join(sections.get(JOBS, []))) if END in sections else {}
+    loads = parse_loads(sections.get(LOADS, [])) if END in sections else {}
     if GPUS not in sections:
         return PollResult(
             error="poll output has no GPU section (truncated?)",
@@ -154,7 +164,13 @@ def parse_poll(stdout: str) -> PollResult:
     else:
         apps = []
     return PollResult(
-        gpus=tuple(gpus), apps=tuple(apps), error=error, jobs=jobs, check=check, restarts=restarts
+        gpus=tuple(gpus),
+        apps=tuple(apps),
+        error=error,
+        jobs=jobs,
+        check=check,
+        restarts=restarts,
+        loads=loads,
     )
 
 

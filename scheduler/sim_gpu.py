@@ -8,7 +8,8 @@ nothing outside the standard library, because it runs on every poll of every VM.
 The config: `name` and optional `fleet` (a GPU shows as used while a live process whose
 environment has `RLFLEET_SIM_VM=<name>`, and `RLFLEET_SIM_FLEET=<fleet>` when set, names
 it in `CUDA_VISIBLE_DEVICES`), `fail` (None or one of FAIL_MODES: fail as a broken real
-one does), `process_mb`, and `gpus`: a list of `{index, uuid, name, memory, speed}`.
+one does), `process_mb`, and `gpus`: a list of `{index, uuid, name, memory, speed}`, each
+with an optional `busy_power` (watts drawn while in use) and `power_limit`.
 
 Which GPUs a process uses is read from its `CUDA_VISIBLE_DEVICES` the way CUDA reads it
 (`devices_of`): a UUID names that GPU; a number is a position in CUDA's order, which is
@@ -154,8 +155,24 @@ def _gpu_field(field: str, gpu: dict[str, Any], pids: list[int], mb: int, units:
         "memory.used": f"{used}" + (" MiB" if units else ""),
         "memory.free": f"{gpu['memory'] - used}" + (" MiB" if units else ""),
         "utilization.gpu": ("100" if pids else "0") + (" %" if units else ""),
+        # A GPU in use draws `busy_power` (a hung collective: 100 % busy at low power).
+        "power.draw": f"{_power(gpu, pids):.2f}" + (" W" if units else ""),
+        "power.limit": f"{float(gpu.get('power_limit', POWER_LIMIT_W)):.2f}"
+        + (" W" if units else ""),
     }
     return values.get(field, "[N/A]")
+
+
+POWER_LIMIT_W = 400.0
+"""A simulated GPU's power limit, unless its config gives `power_limit`."""
+BUSY_POWER_W = 300.0
+"""What a simulated GPU in use draws, unless its config gives `busy_power`."""
+IDLE_POWER_W = 60.0
+"""What a simulated GPU no process uses draws."""
+
+
+def _power(gpu: dict[str, Any], pids: list[int]) -> float:
+    return float(gpu.get("busy_power", BUSY_POWER_W)) if pids else IDLE_POWER_W
 
 
 def main(argv: list[str]) -> int:

@@ -132,6 +132,8 @@ class FailureReason(StrEnum):
     NODE_LOST = "node_lost"
     VM_REMOVED = "vm_removed"  # `vm remove --force` while it ran
     VANISHED = "vanished"  # process gone without an exit code
+    HUNG = "hung"  # running, its step unchanged for the job's hang timeout: stopped
+    STARTUP_TIMEOUT = "startup_timeout"  # running, no first step within its startup timeout
 
 
 class RetryClass(StrEnum):
@@ -153,5 +155,7 @@ FAILURE_RETRY: dict[FailureReason, RetryClass] = {
     FailureReason.NODE_LOST: RetryClass.MACHINE_FAULT,
     FailureReason.VM_REMOVED: RetryClass.MACHINE_FAULT,
     FailureReason.VANISHED: RetryClass.COUNTED,
+    FailureReason.HUNG: RetryClass.COUNTED,
+    FailureReason.STARTUP_TIMEOUT: RetryClass.COUNTED,
 }
 """Every failure reason's retry class (`tests/unit/test_retry.py` checks none is missing)."""

@@ -27,6 +27,16 @@ MAX_NODES = 64
 """Most nodes (VMs) one job may span (`ck_jobs_nodes_range`)."""
 MAX_RETRIES = 1000
 """Most retries one job may ask for (`ck_jobs_counts_sane`)."""
+MAX_TIMEOUT_S = 7 * 86400
+"""Longest `--hang-timeout` / `--startup-timeout` (a week); 0 turns the check off
+(`ck_jobs_liveness_timeouts`)."""
+MIN_TIMEOUT_S = 10
+"""Shortest non-zero liveness timeout: below a few polls it would stop a healthy run."""
+DEFAULT_HANG_TIMEOUT_S = 1800
+"""A running attempt whose training step has not advanced for this long is hung (30 min)."""
+DEFAULT_STARTUP_TIMEOUT_S = 3600
+"""A running attempt that has not reported its first step this long after its launch was
+confirmed is stuck starting (60 min: model download and load)."""
 JOB_NAME_MAX = 255
 """Longest job name: the length of `jobs.name` (`String(JOB_NAME_MAX)` in the models)."""
 INT2 = (-(2**15), 2**15 - 1)
@@ -158,6 +168,15 @@ def check_int(
     if not low <= value <= high:
         raise BadInput(f"{what} must be between {low} and {high}, not {value}")
     return value
+
+
+def check_timeout(value: Any, what: str) -> int:
+    """A liveness timeout in seconds: 0 (off) or `MIN_TIMEOUT_S`..`MAX_TIMEOUT_S`; else
+    `BadInput`."""
+    check_int(value, what, lo=0, hi=MAX_TIMEOUT_S)
+    if 0 < value < MIN_TIMEOUT_S:
+        raise BadInput(f"{what} must be 0 (off) or at least {MIN_TIMEOUT_S}, not {value}")
+    return int(value)
 
 
 JOB_ID_RE = re.compile(r"[0-9]{1,19}")

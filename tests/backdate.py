@@ -30,3 +30,17 @@ async def age_lease(db: Database, job_id: int, seconds: float) -> None:
             .where(Job.id == job_id, Job.lease_expires_at.is_not(None))
             .values(lease_expires_at=Job.lease_expires_at - timedelta(seconds=seconds))
         )
+
+
+async def age_progress(db: Database, job_id: int, seconds: float) -> None:
+    """Make the job's current attempt `seconds` older: its launch (`running_at`) and the
+    moment the poller first read its current step (`progress_changed_at`)."""
+    async with db.transaction() as session:
+        await session.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(
+                running_at=Job.running_at - timedelta(seconds=seconds),
+                progress_changed_at=Job.progress_changed_at - timedelta(seconds=seconds),
+            )
+        )

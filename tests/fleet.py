@@ -329,6 +329,17 @@ class SimVM:
         self._config["fail"] = mode
         sim_gpu.write_config(self.root / "sim.json", self._config)
 
+    def set_busy_power(self, gpu_index: int, watts: float | None) -> None:
+        """What GPU `gpu_index` draws while in use (a hung collective keeps a GPU 100 %
+        busy at low power); None: the default."""
+        for gpu in self._config["gpus"]:
+            if gpu["index"] == gpu_index:
+                if watts is None:
+                    gpu.pop("busy_power", None)
+                else:
+                    gpu["busy_power"] = watts
+        sim_gpu.write_config(self.root / "sim.json", self._config)
+
     def add_foreign_process(self, gpu_index: int) -> ForeignProcess:
         """Start a process rlfleet did not launch that holds GPU `gpu_index`."""
         env = {

@@ -27,12 +27,16 @@ from scheduler.errors import BadInput, ServiceUnavailable
 from scheduler.jobstore import list_jobs
 from scheduler.states import JobStatus
 from scheduler.validate import (
+    DEFAULT_HANG_TIMEOUT_S,
+    DEFAULT_STARTUP_TIMEOUT_S,
     INT4,
     INT8,
     JOB_NAME_MAX,
     MAX_GPUS,
     MAX_NODES,
     MAX_RETRIES,
+    MAX_TIMEOUT_S,
+    MIN_TIMEOUT_S,
     WORKDIR_MAX_BYTES,
 )
 
@@ -117,6 +121,28 @@ def group() -> None:
     help=f"Retries after a retryable failure (0-{MAX_RETRIES}).",
 )
 @click.option(
+    "--hang-timeout",
+    "hang_timeout",
+    default=DEFAULT_HANG_TIMEOUT_S,
+    show_default=True,
+    type=ColumnInt(lo=0, hi=MAX_TIMEOUT_S),
+    metavar="S",
+    help="Seconds a running attempt's training step may stay unchanged (while its GPUs idle "
+    "or run at low power; twice as long otherwise) before it is hung: its stacks, GPU view "
+    "and log tail are kept (job logs --diagnostics), it is stopped and retried from its "
+    f"newest checkpoint, counting as a retry. 0: never; else {MIN_TIMEOUT_S}-{MAX_TIMEOUT_S}.",
+)
+@click.option(
+    "--startup-timeout",
+    "startup_timeout",
+    default=DEFAULT_STARTUP_TIMEOUT_S,
+    show_default=True,
+    type=ColumnInt(lo=0, hi=MAX_TIMEOUT_S),
+    metavar="S",
+    help="Seconds a running attempt may take to report its first progress (model download "
+    "and load) before it is stopped like a hung one. 0: never.",
+)
+@click.option(
     "--priority",
     default=0,
     show_default=True,
@@ -172,6 +198,8 @@ def submit(
     gpus: int,
     nodes: int,
     max_retries: int,
+    hang_timeout: int,
+    startup_timeout: int,
     priority: int,
     name: str | None,
     vllm_server_gpus: int | None,
@@ -213,6 +241,8 @@ def submit(
             gpus=gpus,
             nodes=nodes,
             max_retries=max_retries,
+            hang_timeout_s=hang_timeout,
+            startup_timeout_s=startup_timeout,
             priority=priority,
             name=name,
             extra_args=extra_args,
@@ -477,14 +507,42 @@ def retry(ctx: CliContext, job_id: int) -> None:
     help="Which role of a job group: its own <role>.log (default: the group's train.log, "
     "where its supervisor says what each role did).",
 )
+@click.option(
+    "--diagnostics",
+    is_flag=True,
+    help="Print what was captured of an attempt stopped as hung or stuck starting (each "
+    "process's Python stacks, nvidia-smi, the end of its log): the newest such attempt's, "
+    "or --attempt N's.",
+)
 @pass_cli
 def logs(
-    ctx: CliContext, job_id: int, follow: bool, attempt: int | None, node: int, role: str | None
+    ctx: CliContext,
+    job_id: int,
+    follow: bool,
+    attempt: int | None,
+    node: int,
+    role: str | None,
+    diagnostics: bool,
 ) -> None:
     """Print a job's train.log from its VM (every attempt's log is kept); for a multi-node
-    job, rank 0's unless --node says another; for a job group, one role's with --role."""
+    job, rank 0's unless --node says another; for a job group, one role's with --role;
+    with --diagnostics, what was captured of an attempt stopped as hung."""
     from scheduler.job_logs import stream_log
     from scheduler.transport import make_transport
+
+    if diagnostics:
+        if follow or role is not None or node:
+            raise BadInput("--diagnostics: only with --attempt (not --follow, --role, --node)")
+
+        async def show(db: Database) -> None:
+            from scheduler.job_logs import read_diagnostics
+
+            found = await read_diagnostics(db, job_id, attempt)
+            click.echo(printable(found.header()))
+            click.echo(found.content.rstrip("\n"))
+
+        ctx.run(show)
+        return
 
     def write(data: bytes) -> None:
         # The bytes as the job wrote them: a log is not always valid UTF-8.

@@ -110,6 +110,7 @@ def from_recipe(
 FILE_CONFLICTS = (
     "model", "dataset", "reward_functions", "gpus", "nodes", "max_retries", "priority", "name",
     "output_dir", "extra_args", "vllm_server_gpus", "vllm_server_own_vm", "workdir",
+    "hang_timeout", "startup_timeout",
 )  # fmt: skip
 """`job submit` parameters a spec file gives: refused beside `-f`, never silently mixed."""
 
@@ -169,6 +170,8 @@ def _file_job_spec(group: GroupSpec, env: tuple[tuple[str, str], ...]) -> JobSpe
         extra_args=train.args,
         output_dir=group.output_dir,
         env=role.env + env,
+        hang_timeout_s=group.hang_timeout_s,
+        startup_timeout_s=group.startup_timeout_s,
     )
 
 
@@ -193,6 +196,8 @@ def group_job_spec(group: GroupSpec, env: tuple[tuple[str, str], ...]) -> JobSpe
         output_dir=group.output_dir,
         env=group.env() + env,
         roles=group.to_data(),
+        hang_timeout_s=group.hang_timeout_s,
+        startup_timeout_s=group.startup_timeout_s,
     )
 
 
@@ -242,6 +247,8 @@ def replace_top(group: GroupSpec, spec: JobSpec) -> GroupSpec:
         priority=spec.priority,
         max_retries=spec.max_retries,
         output_dir=spec.output_dir,
+        hang_timeout_s=spec.hang_timeout_s,
+        startup_timeout_s=spec.startup_timeout_s,
     )
 
 

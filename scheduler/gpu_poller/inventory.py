@@ -14,6 +14,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler.db import Database
+from scheduler.gpu_poller.liveness import record_progress
 from scheduler.gpu_poller.state import Outcome, SweepStats, VMState
 from scheduler.gpus import RECOUNT_SQL
 from scheduler.history import GpuReading, ProgressRow, record_samples
@@ -274,6 +275,7 @@ async def _write(
         await session.execute(RECOUNT_SQL, {"ids": ids})
     # After the upserts: a GPU seen for the first time has its row by now.
     await record_samples(session, writes.progress, writes.samples)
+    await record_progress(session, writes.progress)
 
 
 async def mark_silent(

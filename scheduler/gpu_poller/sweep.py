@@ -22,8 +22,10 @@ from scheduler import metrics
 from scheduler.db import Database, installation_id
 from scheduler.gpu_poller.finish import finish_jobs, load_ranks
 from scheduler.gpu_poller.inventory import apply, mark_silent
+from scheduler.gpu_poller.liveness import load_watches, stalls, stop_stalled
 from scheduler.gpu_poller.restarts import record_restarts
 from scheduler.gpu_poller.state import GpuRow, Outcome, SweepStats, VMState
+from scheduler.hang import Stall, Watch
 from scheduler.history import PRUNE_EVERY_S, prune
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
@@ -31,6 +33,7 @@ from scheduler.models import GPU, VM
 from scheduler.poll import parse_poll, poll_command
 from scheduler.remote.launch import entry_check_words
 from scheduler.transport import Transport, TransportError, VMTarget
+from scheduler.verdicts import LiveJob
 
 log = get_logger("gpu_poller")
 
@@ -82,6 +85,10 @@ class GpuPoller:
         self._landed: asyncio.Queue[Outcome] = asyncio.Queue()
         self._restarts: dict[tuple[int, int, int], dict[str, int]] = {}
         """The restarts in place recorded per (job, attempt, rank) (`restarts`)."""
+        self._watches: dict[tuple[int, int], Watch] = {}
+        """Running attempts' liveness (`gpu_poller.liveness`), as the last load read it."""
+        self._stopping: dict[int, asyncio.Task[bool]] = {}
+        """Stalled attempts being captured and stopped, by job id."""
 
     @property
     def in_flight(self) -> list[int]:
@@ -147,6 +154,9 @@ class GpuPoller:
         if self._inflight:
             stats.silent = len(self._inflight)
             await self._mark_silent(list(self._inflight), names)
+        if deadline is None and self._stopping:
+            # Not the daemon's timed sweep: wait for the stalled attempts to be stopped.
+            await asyncio.gather(*self._stopping.values(), return_exceptions=True)
         await self.prune_history()
         stats.seconds = time.monotonic() - started
         metrics.observe_poll_sweep(stats.seconds)
@@ -169,8 +179,9 @@ class GpuPoller:
         task.add_done_callback(landed)
 
     async def close(self) -> None:
-        """Cancel the polls still out (the daemon is stopping)."""
-        tasks = list(self._inflight.values())
+        """Cancel the polls still out (the daemon is stopping) and the stops of stalled
+        attempts (a job already failed is killed by the requeue manager's leftover sweep)."""
+        tasks = [*self._inflight.values(), *self._stopping.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -205,13 +216,34 @@ class GpuPoller:
         # Before the attempts that ended are finished: their last restarts go first.
         await record_restarts(self.db, outcomes, self._restarts)
         stats.jobs_finished += await finish_jobs(self.db, outcomes)
+        for outcome, job, verdict in stalls(outcomes, self._watches):
+            self._stop(outcome, job, verdict)
         await self._apply(outcomes, stats)
+
+    def _stop(self, outcome: Outcome, job: LiveJob, verdict: Stall) -> None:
+        """Capture and stop a stalled attempt in a task of its own (SSH, then a short
+        transaction, then the kill): the sweep goes on meanwhile. Once per job at a time."""
+        if job.id in self._stopping:
+            return
+        task = asyncio.create_task(
+            stop_stalled(self.db, self.transport, outcome.vm.target, job, verdict)
+        )
+        self._stopping[job.id] = task
+
+        def done(finished: asyncio.Task[bool]) -> None:
+            if self._stopping.get(job.id) is finished:
+                del self._stopping[job.id]
+            if not finished.cancelled() and finished.exception() is not None:
+                log.error("stop_stalled_failed", job_id=job.id, error=repr(finished.exception()))
+
+        task.add_done_callback(done)
 
     async def _load(self) -> list[VMState]:
         async with self.db.transaction() as session:
             # Plain columns, not ORM objects: this runs for every VM on every sweep.
             vms = await load_vms(session)
             installation = await installation_id(session)
+            self._watches = await load_watches(session)
             for job in await load_ranks(session, installation):
                 if job.vm_id in vms:
                     vms[job.vm_id].jobs.append(job)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.errors import BadInput
+from scheduler.validate import DEFAULT_HANG_TIMEOUT_S, DEFAULT_STARTUP_TIMEOUT_S
 
 RENDEZVOUS_PORT = "@rendezvous"
 """The port name (in `job_ports`) of the rendezvous port of a role on several nodes, chosen
@@ -89,6 +90,10 @@ class GroupSpec:
     workdir: str | None = None
     """The job's workdir as the file names it (relative to the file's directory), packed
     by `job submit`; not part of `to_data`."""
+    hang_timeout_s: int = DEFAULT_HANG_TIMEOUT_S
+    """`hang_timeout:` seconds; 0 turns the check off."""
+    startup_timeout_s: int = DEFAULT_STARTUP_TIMEOUT_S
+    """`startup_timeout:` seconds; 0 turns the check off."""
     _order: tuple[str, ...] = field(default=(), repr=False)
 
     def role(self, name: str) -> Role:

@@ -19,11 +19,21 @@ from scheduler.jobspec.roles import (
     _with_primary,
 )
 from scheduler.jobspec.vllm import with_vllm_server
-from scheduler.validate import INT4, JOB_NAME_MAX, MAX_NODES, MAX_RETRIES, TEXT_MAX
+from scheduler.validate import (
+    DEFAULT_HANG_TIMEOUT_S,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    INT4,
+    JOB_NAME_MAX,
+    MAX_NODES,
+    MAX_RETRIES,
+    TEXT_MAX,
+    check_timeout,
+    is_int,
+)
 
 TOP_KEYS = (
     "name", "priority", "max_retries", "output_dir", "vllm_server_gpus", "vllm_server_own_vm",
-    "roles", "workdir",
+    "roles", "workdir", "hang_timeout", "startup_timeout",
 )  # fmt: skip
 
 
@@ -53,6 +63,8 @@ def parse_data(data: Any) -> GroupSpec:
         max_retries=_int(top.get("max_retries", 3), "max_retries", 0, MAX_RETRIES),
         output_dir=_opt_text(top.get("output_dir"), "output_dir", TEXT_MAX),
         workdir=_opt_text(top.get("workdir"), "workdir", TEXT_MAX),
+        hang_timeout_s=_timeout(top, "hang_timeout", DEFAULT_HANG_TIMEOUT_S),
+        startup_timeout_s=_timeout(top, "startup_timeout", DEFAULT_STARTUP_TIMEOUT_S),
         _order=order,
     )
     if len(group.layout()) > MAX_NODES:
@@ -60,3 +72,14 @@ def parse_data(data: Any) -> GroupSpec:
             f"roles: the group would span {len(group.layout())} VMs, at most {MAX_NODES}"
         )
     return group
+
+
+def _timeout(top: dict[str, Any], key: str, default: int) -> int:
+    """A liveness timeout key (seconds; 0: off), `default` when absent."""
+    value = top.get(key, default)
+    if not is_int(value):
+        raise BadInput(f"{key}: must be an integer number of seconds")
+    try:
+        return check_timeout(value, key)
+    except BadInput as exc:
+        raise BadInput(str(exc).replace(f"{key} must", f"{key}: must", 1)) from None

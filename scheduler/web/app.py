@@ -275,11 +275,13 @@ async def job_page(dash: Dashboard, request: Request) -> Response:
     details = await job_details(dash.db, job_id, events_limit=EVENTS_SHOWN)
     async with dash.db.transaction() as session:
         curve = await data.job_curve(session, job_id)
+    diagnostics = await data.job_diagnostics(dash.db, job_id)
     return dash.render(
         "job.html",
         page="job",
         title=f"Job {job_id}",
         job=details,
+        diagnostics=diagnostics,
         initial=jsonable({"job": details, "curve": curve}),
     )
 

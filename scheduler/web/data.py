@@ -4,7 +4,7 @@ plus the history the poller keeps (`scheduler.history`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -13,6 +13,10 @@ from scheduler import fleet, history
 from scheduler.jobs import list_jobs
 from scheduler.models import GPU, VM, Job
 from scheduler.states import JobStatus
+
+if TYPE_CHECKING:
+    from scheduler.db import Database
+    from scheduler.job_logs import Diagnostics
 
 QUEUE_GROUPS: tuple[tuple[str, tuple[JobStatus, ...]], ...] = (
     ("running", (JobStatus.RUNNING,)),
@@ -118,3 +122,15 @@ def fleet_gpu_state_sql() -> Any:
         (GPU.foreign_busy.is_(True), "foreign"),
         else_="free",
     )
+
+
+async def job_diagnostics(db: Database, job_id: int) -> Diagnostics | None:
+    """The newest diagnostics of the job (an attempt stopped as hung or stuck starting),
+    as `job logs --diagnostics` prints them; None when it has none."""
+    from scheduler.errors import BadInput
+    from scheduler.job_logs import read_diagnostics
+
+    try:
+        return await read_diagnostics(db, job_id)
+    except BadInput:
+        return None

@@ -423,3 +423,32 @@ async def test_a_request_a_proxy_forwarded_needs_the_token_to_read(
         assert (await web.get("/api/jobs", headers=with_token)).status_code == 200, header
     # And a request of this machine, not forwarded, still reads without it
     assert (await web.get("/api/jobs")).status_code == 200
+
+
+async def test_a_jobs_diagnostics_are_shown_as_text_on_its_page(
+    db: Database, client: Client
+) -> None:
+    """Given a job whose attempt was stopped as hung, with a log tail holding markup, when
+    its page is rendered, then the diagnostics (reason and content) are on it, escaped."""
+    from scheduler.models import JobDiagnostics
+
+    job_id = await new_job(db)
+    async with db.transaction() as session:
+        session.add(
+            JobDiagnostics(
+                job_id=job_id,
+                attempt=1,
+                vm_name="vm0",
+                reason="hung: step 3 unchanged for 40s",
+                content=f"== end of train.log\n{XSS}\n== process 7\nThread 7 (idle)\n",
+            )
+        )
+    page = await client().get(f"/jobs/{job_id}")
+    assert page.status_code == 200, page.text
+    section = page.text.split('id="diagnostics-section"', 1)[1].split("</section>", 1)[0]
+    assert "attempt 1 on vm0" in section and "hung: step 3 unchanged for 40s" in section
+    assert "Thread 7 (idle)" in section
+    assert XSS not in page.text and "&lt;script&gt;alert(1)&lt;/script&gt;" in section
+    # A job without diagnostics has no such section.
+    other = await client().get(f"/jobs/{await new_job(db)}")
+    assert 'id="diagnostics-section"' not in other.text

@@ -3,7 +3,12 @@ the tests use must not hide a device-numbering bug)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from scheduler import sim_gpu
+from scheduler.nvidia_smi import LOAD_COMMAND, GpuLoad, parse_loads
 
 MODELS = [("T4", 15360, 1), ("H100", 81559, 3), ("A100", 40960, 2)]
 
@@ -29,3 +34,23 @@ def test_reorder_renumbers_and_drops_a_card() -> None:
     pci = {"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     assert sim_gpu.devices_of(cfg["gpus"], pci) == [t4]
     assert h100 not in {g["uuid"] for g in cfg["gpus"]}
+
+
+def test_a_gpu_in_use_draws_its_busy_power_and_an_idle_one_little(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The hang check's GPU signal: the load query (`nvidia_smi.LOAD_COMMAND`) as the
+    simulated nvidia-smi answers it, parsed by the poller's parser."""
+    cfg = sim_gpu.make_config("vm-power", 2, gpu_name="H100", memory_mb=81559)
+    cfg["gpus"][1]["busy_power"] = 80.0  # a hung collective: busy at low power
+    path = tmp_path / "sim.json"
+    sim_gpu.write_config(path, cfg)
+    args = LOAD_COMMAND.split()[1:]
+    assert sim_gpu.main([str(path), *args]) == 0
+    loads = parse_loads(capsys.readouterr().out.splitlines())
+    idle = sim_gpu.IDLE_POWER_W
+    assert loads == {g["uuid"]: GpuLoad(0, idle, sim_gpu.POWER_LIMIT_W) for g in cfg["gpus"]}
+    gpu = cfg["gpus"][1]
+    assert sim_gpu._gpu_field("power.draw", gpu, [123], 1024, False) == "80.00"
+    assert sim_gpu._gpu_field("power.draw", cfg["gpus"][0], [123], 1024, True) == "300.00 W"
+    assert sim_gpu._gpu_field("utilization.gpu", gpu, [123], 1024, False) == "100"

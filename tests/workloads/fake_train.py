@@ -10,7 +10,11 @@ a multi-node job only, at once (no sleep), the other ranks running normally;
 `--fake_hostile` writes hostile files into its attempt directory instead of its progress
 (`hostile`: what a job may write there must cost only that job); `--fake_setsid_child`
 starts a `sleep` in a session of its own (outside the attempt's process group) and writes
-its pid to `setsid_child.pid` in `--output_dir`. It writes
+its pid to `setsid_child.pid` in `--output_dir`; `--fake_hang_at N` stops advancing after
+step N (0: before the first) and waits for ever (`--fake_hang_once`: on the first attempt
+only); `--fake_step_seconds S` takes S seconds per step; `--fake_checkpoints` writes a
+`checkpoint-<step>` directory in `--output_dir` at each step, and with `--resume auto`
+starts after the newest one. It writes
 progress.json to $RLFLEET_PROGRESS_FILE and, when `RLFLEET_FAKE_RECORD` names a
 directory, one JSON line per run there saying where, as which rank and on which GPUs it
 ran, so tests can prove that no GPU was shared.
@@ -38,6 +42,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max_steps", type=int, default=10)
     parser.add_argument("--fake_hostile", action="store_true")
     parser.add_argument("--fake_setsid_child", action="store_true")
+    parser.add_argument("--fake_hang_at", type=int, default=None)
+    parser.add_argument("--fake_hang_once", action="store_true")
+    parser.add_argument("--fake_step_seconds", type=float, default=None)
+    parser.add_argument("--fake_checkpoints", action="store_true")
+    parser.add_argument("--resume", default=None)
     args, _unknown = parser.parse_known_args(argv)
     rank = os.environ.get("RLFLEET_NODE_RANK")
     if args.fake_fail_rank is None:
@@ -104,6 +113,13 @@ def setsid_child(output_dir: Path) -> None:
     (output_dir / "setsid_child.pid").write_text(f"{child.pid}\n")
 
 
+def hang() -> None:
+    """Stop advancing, alive, as a trainer stuck in a collective does."""
+    print("fake_train: waiting for a peer that never comes", flush=True)
+    record("hang")
+    time.sleep(3600)
+
+
 def record(event: str, **fields: object) -> None:
     """Append one line to the run record, when the test asked for one."""
     folder = os.environ.get("RLFLEET_FAKE_RECORD")
@@ -153,10 +169,29 @@ def main(argv: list[str] | None = None) -> int:
         record("end", exit_code=args.fake_exit)
         return args.fake_exit
     steps = max(1, min(args.max_steps, 5))
-    for step in range(1, steps + 1):
-        time.sleep(seconds / steps)
+    first = 1
+    if args.fake_checkpoints and args.resume == "auto":
+        done = [int(p.name.split("-")[1]) for p in out.glob("checkpoint-[0-9]*")]
+        first = max(done, default=0) + 1
+        record("resumed", from_step=first - 1)
+        print(f"fake_train: resumed from checkpoint-{first - 1}", flush=True)
+    hang_at = args.fake_hang_at
+    if hang_at is not None and args.fake_hang_once:
+        if (out / ".fake_hang_done").exists():
+            hang_at = None
+        else:
+            (out / ".fake_hang_done").write_text("1")
+    if hang_at == 0:
+        hang()
+    pace = args.fake_step_seconds if args.fake_step_seconds is not None else seconds / steps
+    for step in range(first, steps + 1):
+        time.sleep(pace)
         write_progress(step, steps, "running")
+        if args.fake_checkpoints:
+            (out / f"checkpoint-{step}").mkdir(exist_ok=True)
         print(f"fake_train: step {step}/{steps} loss=0.{step}", flush=True)
+        if step == hang_at:
+            hang()
     write_progress(steps, steps, "finished")
     record("end", exit_code=args.fake_exit)
     return args.fake_exit
