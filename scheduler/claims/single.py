@@ -49,7 +49,7 @@ WITH {LEFTOVER_GPUS}, cand AS (
     -- Best fit: the fullest VM that still fits. Ties are broken per job, so that
     -- concurrent claimers spread over equally full VMs instead of queueing on one.
     SELECT vm_id, free FROM cand WHERE free >= :need
-    ORDER BY free, {tie_break_sql('vm_id', ':job_id')} LIMIT :candidates
+    ORDER BY free, {tie_break_sql("vm_id", ":job_id")} LIMIT :candidates
 ), locked AS MATERIALIZED (
     -- Lock at most `need` free rows per candidate VM; rows another claimer holds are
     -- skipped, never waited for.
@@ -62,7 +62,7 @@ WITH {LEFTOVER_GPUS}, cand AS (
 ), chosen_vm AS (
     SELECT l.vm_id FROM locked l JOIN fit f ON f.vm_id = l.vm_id
     GROUP BY l.vm_id, f.free HAVING count(*) >= :need
-    ORDER BY f.free, {tie_break_sql('l.vm_id', ':job_id')} LIMIT 1
+    ORDER BY f.free, {tie_break_sql("l.vm_id", ":job_id")} LIMIT 1
 ), chosen AS (
     SELECT l.id, l.index, l.uuid FROM locked l WHERE l.vm_id = (SELECT vm_id FROM chosen_vm)
     ORDER BY l.index LIMIT :need

@@ -48,7 +48,7 @@ def _marked_lines(run: Attempt, indent: str) -> list[str]:
         f"{indent}  rlfleet_m=${{rlfleet_m#/proc/}}; rlfleet_m=${{rlfleet_m%/environ}}",
         f'{indent}  rlfleet_v=$(tr "\\000" "\\n" < "/proc/$rlfleet_m/environ" 2>/dev/null'
         f" | grep -m 1 '^RLFLEET_PROGRESS_FILE=')",
-        f'{indent}  rlfleet_v=${{rlfleet_v#RLFLEET_PROGRESS_FILE=}}',
+        f"{indent}  rlfleet_v=${{rlfleet_v#RLFLEET_PROGRESS_FILE=}}",
         f'{indent}  [ "${{rlfleet_v%/*}}" -ef "$d" ] || continue',
     ]
 
