@@ -83,6 +83,8 @@ class JobSpec:
     """`--env KEY=VALUE` pairs for the job's environment."""
     roles: dict[str, Any] | None = None
     """A job group's roles (`jobspec.GroupSpec.to_data`); None for one training role."""
+    store: str | None = None
+    """The job's store URL (`scheduler.store.parse_store_url`); None: no store."""
 
     def validate(self) -> None:
         """Raise `BadInput` for a job that could never run or that the schema cannot hold
@@ -112,6 +114,15 @@ class JobSpec:
         problem = extra_args_problem(self.extra_args)
         if problem:
             raise BadInput(problem)
+        if self.store is not None:
+            from scheduler.store import parse_store_url
+
+            try:
+                parse_store_url(self.store)
+            except ValueError as exc:
+                raise BadInput(str(exc)) from None
+            if self.roles is not None:
+                raise BadInput("--store: a job group has no store yet (one training job only)")
 
 
 def validate_job_env(env: Iterable[tuple[str, str]]) -> None:
@@ -137,10 +148,11 @@ def validate_job_env(env: Iterable[tuple[str, str]]) -> None:
 INSERT_JOB_SQL = f"""
 WITH job AS (
     INSERT INTO jobs (status, name, model, dataset, reward_function, gpus_requested, nodes,
-                      max_retries, priority, extra_args, output_dir, env, roles, queued_at)
+                      max_retries, priority, extra_args, output_dir, env, roles, store,
+                      queued_at)
     VALUES ('{JobStatus.QUEUED.value}', %(name)s, %(model)s, %(dataset)s, %(reward_function)s,
             %(gpus)s, %(nodes)s, %(max_retries)s, %(priority)s, %(extra_args)s::jsonb,
-            %(output_dir)s, %(env)s::jsonb, %(roles)s::jsonb, now())
+            %(output_dir)s, %(env)s::jsonb, %(roles)s::jsonb, %(store)s, now())
     RETURNING id, attempt
 ), event AS (
     INSERT INTO job_events ({", ".join(EVENT_COLUMNS)})
@@ -176,6 +188,7 @@ def insert_params(spec: JobSpec, actor: str) -> dict[str, Any]:
         "env": json.dumps(dict(spec.env)),
         # SQL NULL, not a JSON null, for a job of one training role.
         "roles": json.dumps(spec.roles) if spec.roles is not None else None,
+        "store": spec.store,
         "actor": actor,
     }
 
@@ -245,6 +258,7 @@ JOB_FIELDS: tuple[tuple[str, str | None], ...] = (
     ("gpu_uuids", "gpu_uuids"),
     ("remote_pid", "remote_pid"),
     ("output_dir", "output_dir"),
+    ("store", "store"),
     ("attempt_dir", "attempt_dir"),
     ("completed_attempt", "completed_attempt"),
     ("next_attempt_at", "next_attempt_at"),

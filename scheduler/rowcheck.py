@@ -61,6 +61,14 @@ def job_row_problem(row: Any) -> str | None:
     problem = env_problem(getattr(row, "env", {}))
     if problem:
         return problem
+    store = getattr(row, "store", None)
+    if store is not None:
+        from scheduler.store import parse_store_url
+
+        try:
+            parse_store_url(store)
+        except ValueError as exc:
+            return f"store: {exc}"
     roles = getattr(row, "roles", None)
     if roles is not None:
         return roles_problem(roles, gpus, getattr(row, "nodes", 1))

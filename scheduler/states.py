@@ -132,6 +132,7 @@ class FailureReason(StrEnum):
     NODE_LOST = "node_lost"
     VM_REMOVED = "vm_removed"  # `vm remove --force` while it ran
     VANISHED = "vanished"  # process gone without an exit code
+    STORE_ERROR = "store_error"  # the job's store unreachable or refused at the attempt's start
 
 
 class RetryClass(StrEnum):
@@ -142,6 +143,9 @@ class RetryClass(StrEnum):
     MACHINE_FAULT = "machine_fault"  # the VM's fault: retried at once, not counted
     MACHINE_FAULT_ON_VM_EXIT = "machine_fault_on_vm_exit"
     """The VM's fault with exit 126/127 (its python or entrypoint cannot run), else counted."""
+    OUTAGE = "outage"
+    """A service the job needs is down (its store): retried with backoff, not counted
+    against its retries, up to `RetryPolicy.outage_limit` uncounted retries."""
 
 
 FAILURE_RETRY: dict[FailureReason, RetryClass] = {
@@ -153,5 +157,6 @@ FAILURE_RETRY: dict[FailureReason, RetryClass] = {
     FailureReason.NODE_LOST: RetryClass.MACHINE_FAULT,
     FailureReason.VM_REMOVED: RetryClass.MACHINE_FAULT,
     FailureReason.VANISHED: RetryClass.COUNTED,
+    FailureReason.STORE_ERROR: RetryClass.OUTAGE,
 }
 """Every failure reason's retry class (`tests/unit/test_retry.py` checks none is missing)."""

@@ -99,6 +99,7 @@ async def _lock_jobs(conn: AsyncConnection, ids: list[int]) -> tuple[dict[int, A
             Job.extra_args,
             Job.env,
             Job.roles,
+            Job.store,
             Job.attempt,
             Job.retry_count,
             Job.max_retries,

@@ -153,6 +153,7 @@ async def claim_gang(
         installation=installation,
         token=token,
         env=job_env_pairs(row.env),
+        store=row.store,
         nodes=ranks,
         roles=row.roles,
     )

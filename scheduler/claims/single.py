@@ -177,6 +177,7 @@ async def claim_one(
             installation=result.installation,
             token=result.launch_token,
             env=job_env_pairs(row.env),
+            store=row.store,
             roles=row.roles,
         )
     if result.largest_free >= need:

@@ -143,6 +143,15 @@ def group() -> None:
     help="Set a variable in the job's environment (repeatable); KEY alone takes the value "
     "from this shell, keeping it off the command line. Listings show the names only.",
 )
+@click.option(
+    "--store",
+    metavar="URL",
+    help="Where the job's checkpoints and final model go, so that a retry on any VM "
+    "resumes from the newest complete checkpoint and `job pull` brings the model back: "
+    "s3://bucket/prefix (S3-compatible; each VM uses its own AWS configuration) or "
+    "file:///path (a directory every VM mounts). Default: $RLFLEET_STORE; a job file's "
+    "store: key wins over both.",
+)
 @json_flag("Print the new job as JSON.")
 @click.argument("extra_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TRAIN_GRPO_ARGS…]")
 @pass_cli
@@ -162,6 +171,7 @@ def submit(
     vllm_server_own_vm: bool,
     output_dir: str | None,
     env: tuple[str, ...],
+    store: str | None,
     as_json: bool,
     extra_args: tuple[str, ...],
 ) -> None:
@@ -196,6 +206,7 @@ def submit(
             extra_args=extra_args,
             output_dir=output_dir,
         )
+    spec = _with_store(spec, store)
     spec.validate()
     from scheduler.submit import submit_job
 
@@ -211,6 +222,27 @@ def submit(
             f"job {result.job_id} is queued but not announced ({result.publish_error}); "
             "the requeue manager will publish it"
         )
+
+
+def _with_store(spec: Any, flag: str | None) -> Any:
+    """The job with its store: the job file's `store:`, else `--store`, else
+    $RLFLEET_STORE (an empty one is none), each checked (exit 2, one line)."""
+    import dataclasses
+    import os
+
+    from scheduler.store import STORE_ENV, parse_store_url
+
+    chosen = spec.store or flag
+    if chosen is None and spec.roles is None:  # a job group has no store: no default
+        chosen = os.environ.get(STORE_ENV) or None
+    if chosen is None:
+        return spec
+    try:
+        url = str(parse_store_url(chosen))
+    except ValueError as exc:
+        where = "" if (spec.store or flag) else f" (from ${STORE_ENV})"
+        raise BadInput(f"{exc}{where}") from None
+    return dataclasses.replace(spec, store=url)
 
 
 @group.command("list")

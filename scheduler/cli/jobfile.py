@@ -144,6 +144,7 @@ def spec_from_file(path: str, env: tuple[tuple[str, str], ...]) -> JobSpec:
         extra_args=train.args,
         output_dir=group.output_dir,
         env=role.env + env,
+        store=group.store,
     )
 
 
@@ -168,6 +169,7 @@ def group_job_spec(group: GroupSpec, env: tuple[tuple[str, str], ...]) -> JobSpe
         output_dir=group.output_dir,
         env=group.env() + env,
         roles=group.to_data(),
+        store=group.store,
     )
 
 

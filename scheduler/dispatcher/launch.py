@@ -302,6 +302,7 @@ class Launcher:
             fence_grace_s=self.fence_grace_s,
             node=node.rendezvous,
             group=node.group,
+            store=claim.store if node.group is None else None,
         )
         try:
             result = await self.transport.run(

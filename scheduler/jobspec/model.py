@@ -74,6 +74,8 @@ class GroupSpec:
     priority: int = 0
     max_retries: int = 3
     output_dir: str | None = None
+    store: str | None = None
+    """The job's store URL (`store:`), checked; None: none."""
     _order: tuple[str, ...] = field(default=(), repr=False)
 
     def role(self, name: str) -> Role:

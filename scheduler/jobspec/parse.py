@@ -23,8 +23,20 @@ from scheduler.validate import INT4, JOB_NAME_MAX, MAX_NODES, MAX_RETRIES, TEXT_
 
 TOP_KEYS = (
     "name", "priority", "max_retries", "output_dir", "vllm_server_gpus", "vllm_server_own_vm",
-    "roles",
+    "roles", "store",
 )  # fmt: skip
+
+
+def _store(value: Any) -> str | None:
+    """The job file's `store:` (`scheduler.store.parse_store_url`), or None."""
+    if value is None:
+        return None
+    from scheduler.store import parse_store_url
+
+    try:
+        return str(parse_store_url(_opt_text(value, "store", TEXT_MAX) or ""))
+    except ValueError as exc:
+        raise BadInput(str(exc).replace("--store", "store:", 1)) from None
 
 
 def parse_data(data: Any) -> GroupSpec:
@@ -52,6 +64,7 @@ def parse_data(data: Any) -> GroupSpec:
         priority=_int(top.get("priority", 0), "priority", *INT4),
         max_retries=_int(top.get("max_retries", 3), "max_retries", 0, MAX_RETRIES),
         output_dir=_opt_text(top.get("output_dir"), "output_dir", TEXT_MAX),
+        store=_store(top.get("store")),
         _order=order,
     )
     if len(group.layout()) > MAX_NODES:
