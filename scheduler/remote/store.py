@@ -64,7 +64,8 @@ def restore_lines(python: str, store: str, run: Attempt, output_dir: str) -> lis
 
 def watch_start_lines(python: str, store: str, run: Attempt, output_dir: str) -> list[str]:
     """Start the uploader in the background (its pid in `rlfleet_up`)."""
-    return [*_agent(python, "watch", store, run, output_dir), "&", "rlfleet_up=$!"]
+    lines = _agent(python, "watch", store, run, output_dir)
+    return [*lines[:-1], ") &", "rlfleet_up=$!"]
 
 
 def finish_lines(python: str, store: str, run: Attempt, output_dir: str) -> list[str]:
