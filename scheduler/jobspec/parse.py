@@ -36,7 +36,7 @@ def _store(value: Any) -> str | None:
     try:
         return str(parse_store_url(_opt_text(value, "store", TEXT_MAX) or ""))
     except ValueError as exc:
-        raise BadInput(str(exc).replace("--store", "store:", 1)) from None
+        raise BadInput(str(exc).replace("--store", "store", 1)) from None
 
 
 def parse_data(data: Any) -> GroupSpec:
