@@ -101,7 +101,7 @@ class FileBackend:
                     continue
         return found
 
-    def _write(self, key: str, write: Callable[[Path], None]) -> None:
+    def _write(self, key: str, write: Callable[[Path], object]) -> None:
         target = self._path(key)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
