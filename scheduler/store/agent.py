@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             watcher.scan()
             time.sleep(args.interval)
     watcher.start()
+    watcher.retry_at = 0.0  # one last try now, whatever start() met
     watcher.scan(settled=True)
     if not args.final:
         return 0

@@ -52,7 +52,7 @@ CONFIG = RequeueConfig(
     kill_grace_s=2.0,
     policy=RetryPolicy(base_delay_s=0.2, jitter=0.0),
 )
-MAX_STEPS = 24
+MAX_STEPS = 40
 TRAIN_ARGS = (
     "--keywords", "hello", "--num_generations", "4", "--per_device_train_batch_size", "4",
     "--max_completion_length", "8", "--learning_rate", "3e-3",
