@@ -30,8 +30,10 @@ STORE_STATUS_BYTES = 4096
 
 
 def _agent(python: str, command: str, store: str, run: Attempt, output_dir: str) -> list[str]:
-    """A subshell running one agent command with the VM's env file loaded."""
-    words = [
+    """A subshell running one agent command with the VM's env file loaded (the uploader
+    beside training at a lower CPU priority: it must not slow the training)."""
+    words = ["nice", "-n", "10"] if command == "watch" else []
+    words += [
         shlex.quote(python), "-m", "scheduler.store.agent", command,
         "--store", shlex.quote(store),
         "--installation", shlex.quote(run.installation),

