@@ -5,19 +5,31 @@ without training."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import nats as nats_client
 import pytest
 
+from scheduler.control import cancel_job
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
 from scheduler.transport import Transport
 from tests.fleet import SimFleet
 from tests.integration.test_groups_fleet import CONFIG
-from tests.workloads.support import installation, new_job, polled_fleet, run_to_the_end
+from tests.workloads.support import (
+    installation,
+    new_job,
+    polled_fleet,
+    publish,
+    run_to_the_end,
+    running_dispatcher,
+    wait_status,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -59,3 +71,44 @@ async def test_the_final_outputs_reach_a_directory_store_and_a_marker_skips_trai
     assert job.status == "completed", (job.status_reason, log[-2000:])
     assert "already in the store: nothing to train" in log
     assert "fake_train: args=" not in log
+
+
+def _agents(fleet: SimFleet) -> list[str]:
+    """The command lines of the store agents running on the fleet's VMs."""
+    found = []
+    for vm in fleet:
+        for pid in vm.processes():
+            try:
+                line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "scheduler.store.agent" in line:
+                found.append(line)
+    return found
+
+
+async def test_a_cancelled_store_job_leaves_no_uploader_behind(
+    sim_fleet: Callable[..., Awaitable[SimFleet]],
+    db: Database,
+    nats: EmbeddedNats,
+    transport: Transport,
+    tmp_path: Path,
+) -> None:
+    fleet, _ids = await polled_fleet(sim_fleet, db, 1, 1)
+    job_id = await new_job(db, 1, ("--fake_seconds", "120"), store=f"file://{tmp_path}/store")
+    nc = await nats_client.connect(nats.url)
+    try:
+        async with running_dispatcher(db, nats.url, transport=transport):
+            await publish(nc, job_id)
+            await wait_status(db, job_id, "running")
+            deadline = time.monotonic() + 30
+            while not any(" watch " in line for line in _agents(fleet)):
+                assert time.monotonic() < deadline, "the uploader never started"
+                await asyncio.sleep(0.1)
+            await cancel_job(db, transport, job_id, grace_s=2.0)
+    finally:
+        await nc.close()
+    deadline = time.monotonic() + 30
+    while left := _agents(fleet):
+        assert time.monotonic() < deadline, f"left running: {left}"
+        await asyncio.sleep(0.1)
