@@ -177,3 +177,32 @@ def test_the_wrapper_runs_the_agent_only_with_a_store_and_parses_as_sh():
     for script in (plain, with_store):
         checked = subprocess.run(["sh", "-n"], input=script, text=True, capture_output=True)
         assert checked.returncode == 0, checked.stderr
+
+
+def test_every_rank_restores_and_rank_0_alone_uploads():
+    from scheduler.remote.rendezvous import RankRendezvous
+
+    addrs = ("10.0.0.1", "10.0.0.2")
+    rank0 = wrapper_script(_spec(store="s3://bucket/runs", node=RankRendezvous(0, addrs, 29500)))
+    rank1 = wrapper_script(_spec(store="s3://bucket/runs", node=RankRendezvous(1, addrs, 29500)))
+    assert "agent restore" in rank0 and "agent watch" in rank0 and "agent finish" in rank0
+    assert "agent restore" in rank1
+    assert "agent watch" not in rank1 and "agent finish" not in rank1
+    checked = subprocess.run(["sh", "-n"], input=rank1, text=True, capture_output=True)
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_job_pulls_progress_bar_shows_bytes_of_the_total(capsys: pytest.CaptureFixture[str]):
+    from scheduler.cli.job import _ProgressBar, _size
+    from scheduler.pull import PullProgress
+
+    bar = _ProgressBar("job 7")
+    progress = PullProgress(on_change=bar.show)
+    progress.size(2_000_000)
+    bar.last = 0.0
+    progress.add(1_000_000)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "job 7: " + "#" * 15 + "." * 15 + " 1.0 MB / 2.0 MB" in err
+    assert err.endswith("\r\x1b[K")
+    assert (_size(999), _size(1500), _size(3_200_000_000)) == ("999 B", "1.5 KB", "3.2 GB")
