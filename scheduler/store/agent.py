@@ -26,6 +26,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -149,14 +150,17 @@ class Watcher:
         except StoreError as exc:
             self._failed(str(exc))
 
-    def scan(self, *, settled: bool = False) -> None:
-        """Upload what is ready now; `settled`: the training has ended, nothing changes."""
+    def scan(self, *, settled: bool = False, stop: threading.Event | None = None) -> None:
+        """Upload what is ready now; `settled`: the training has ended, nothing changes;
+        `stop` set: no further upload starts."""
         if time.monotonic() < self.retry_at:
             return
         now = time.monotonic()
         for step in local_steps(self.output_dir):
             if step in self.uploaded:
                 continue
+            if stop is not None and stop.is_set():
+                return
             path = self.output_dir / f"checkpoint-{step}"
             snap = snapshot(path)
             previous = self.seen.get(step)
@@ -220,11 +224,15 @@ def main(argv: list[str] | None = None) -> int:
             return STORE_ERROR_EXIT
     watcher = Watcher(backend, output_dir, status, args.settle)
     if args.command == "watch":
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        # TERM (training ended, or the attempt is being killed) stops it between uploads:
+        # an upload under way completes, so `finish` need not send it again.
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
         watcher.start()
-        while True:
-            watcher.scan()
-            time.sleep(args.interval)
+        while not stop.is_set():
+            watcher.scan(stop=stop)
+            stop.wait(args.interval)
+        return 0
     watcher.start()
     watcher.retry_at = 0.0  # one last try now, whatever start() met
     watcher.scan(settled=True)
