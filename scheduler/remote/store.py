@@ -88,8 +88,10 @@ def finish_lines(python: str, store: str, run: Attempt, output_dir: str) -> list
 
 
 def store_error_lines() -> list[str]:
-    """At the end: mark a store error as the wrapper's own (the probe reports it); only
-    the wrapper's variables decide, never a file or variable of the job."""
+    """At the end: mark a store error as the wrapper's own (the probe reports it), and
+    remove any such mark the job wrote itself: only the wrapper's variables decide,
+    never a file or variable of the job."""
     return [
-        f'if [ -n "${{rlfleet_store_failed:-}}" ]; then echo "$rc" > "$d/{STORE_ERROR_FILE}"; fi',
+        'if [ -n "${rlfleet_store_failed:-}" ]; then'
+        f' echo "$rc" > "$d/{STORE_ERROR_FILE}"; else rm -f "$d/{STORE_ERROR_FILE}"; fi',
     ]

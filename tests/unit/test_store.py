@@ -206,3 +206,17 @@ def test_job_pulls_progress_bar_shows_bytes_of_the_total(capsys: pytest.CaptureF
     assert "job 7: " + "#" * 15 + "." * 15 + " 1.0 MB / 2.0 MB" in err
     assert err.endswith("\r\x1b[K")
     assert (_size(999), _size(1500), _size(3_200_000_000)) == ("999 B", "1.5 KB", "3.2 GB")
+
+
+def test_a_store_error_mark_the_job_wrote_itself_is_removed(tmp_path):
+    """The end of the wrapper, run by sh: a `store_error` file the job wrote is removed;
+    the wrapper's own failure writes it."""
+    for failed, expected in (("", False), ("1", True)):
+        d = tmp_path / f"d{failed}"
+        d.mkdir()
+        (d / "store_error").write_text("74\n")  # forged by the job
+        script = "\n".join(
+            [f"d={d}", "rc=74", f"rlfleet_store_failed={failed}", *remote_store.store_error_lines()]
+        )
+        subprocess.run(["sh", "-c", script], check=True)
+        assert (d / "store_error").exists() is expected
