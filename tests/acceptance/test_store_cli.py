@@ -37,6 +37,17 @@ def test_a_store_is_checked_recorded_and_shown(env: dict[str, str], tmp_path: Pa
     job_id = str(json.loads(submitted.stdout)["id"])
     shown = rlfleet(env, "job", "show", job_id, "--no-progress")
     assert "s3://bucket/runs\n" in shown.stdout and "stored steps:     none yet" in shown.stdout
+    status = {
+        "checkpoints": [{"step": s, "bytes": 1500, "at": f"T{s}"} for s in (2, 4)],
+        "restored": 2, "final": True, "last_error": "checkpoint-6: refused", "error_at": "T6",
+    }  # fmt: skip
+    sql(env["RLFLEET_DATABASE_URL"],
+        f"UPDATE jobs SET store_status = '{json.dumps(status)}' WHERE id = {job_id}")  # fmt: skip
+    shown = rlfleet(env, "job", "show", job_id, "--no-progress").stdout
+    assert f"outputs:          in the store (rlfleet job pull {job_id})" in shown
+    assert "stored steps:     4 (1.5 KB, T4), 2 (1.5 KB, T2)" in shown
+    assert "restored from:    checkpoint-2" in shown
+    assert "upload error:     checkpoint-6: refused (at T6)" in shown
     # RLFLEET_STORE is the default; a job file's store: key wins.
     defaulted = rlfleet({**env, "RLFLEET_STORE": "file:///shared/runs"}, *SUBMIT, "--json")
     job2 = str(json.loads(defaulted.stdout)["id"])
