@@ -185,6 +185,7 @@ async def job_details(
     data["workdir_files"] = workdir.files if workdir is not None else None
     # Where the outputs are on the VM, also when the job named no --output-dir.
     data["output_dir"] = data["output_dir"] or default_output_dir(installation, job_id)
+    data["store_status"] = _store_status(job.store_status) if data.get("store") else None
     data["progress"], data["progress_error"] = None, None
     if transport is not None and place.newest_attempt > 0 and place.target is not None:
         data["progress"], data["progress_error"] = await read_progress(transport, place)
@@ -195,6 +196,18 @@ async def job_details(
                     seen = await read_role_states(transport, node)
                     merge_role_states(data["roles"], seen, node.rank)
     return data
+
+
+def _store_status(value: Any) -> dict[str, Any] | None:
+    """The row's `store_status`, checked again as the poller checked it (a row may have
+    been written by hand)."""
+    import json
+
+    from scheduler.remote.probe import parse_store_status
+
+    if not isinstance(value, dict):
+        return None
+    return parse_store_status(json.dumps(value))
 
 
 ROLE_STATES = frozenset({"waiting", "running", "restarting", "exited", "stopped"})

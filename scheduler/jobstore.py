@@ -99,6 +99,8 @@ class JobSpec:
     0: never."""
     startup_timeout_s: int = DEFAULT_STARTUP_TIMEOUT_S
     """`--startup-timeout`: a running attempt with no first step this long is stuck; 0: never."""
+    store: str | None = None
+    """The job's store URL (`scheduler.store.parse_store_url`); None: no store."""
 
     def validate(self) -> None:
         """Raise `BadInput` for a job that could never run or that the schema cannot hold
@@ -135,6 +137,15 @@ class JobSpec:
                 raise BadInput(f"--workdir: packs to more than {WORKDIR_MAX_BYTES} bytes")
         check_timeout(self.hang_timeout_s, "--hang-timeout")
         check_timeout(self.startup_timeout_s, "--startup-timeout")
+        if self.store is not None:
+            from scheduler.store import parse_store_url
+
+            try:
+                parse_store_url(self.store)
+            except ValueError as exc:
+                raise BadInput(str(exc)) from None
+            if self.roles is not None:
+                raise BadInput("--store: a job group has no store yet (one training job only)")
 
 
 def validate_job_env(env: Iterable[tuple[str, str]]) -> None:
@@ -167,12 +178,12 @@ ON CONFLICT (digest) DO NOTHING
 INSERT_JOB_SQL = f"""
 WITH job AS (
     INSERT INTO jobs (status, name, model, dataset, reward_function, gpus_requested, nodes,
-                      max_retries, priority, extra_args, output_dir, env, roles,
+                      max_retries, priority, extra_args, output_dir, env, roles, store,
                       workdir_digest, hang_timeout_s, startup_timeout_s, queued_at)
     VALUES ('{JobStatus.QUEUED.value}', %(name)s, %(model)s, %(dataset)s, %(reward_function)s,
             %(gpus)s, %(nodes)s, %(max_retries)s, %(priority)s, %(extra_args)s::jsonb,
-            %(output_dir)s, %(env)s::jsonb, %(roles)s::jsonb, %(workdir)s, %(hang_timeout_s)s,
-            %(startup_timeout_s)s, now())
+            %(output_dir)s, %(env)s::jsonb, %(roles)s::jsonb, %(store)s, %(workdir)s,
+            %(hang_timeout_s)s, %(startup_timeout_s)s, now())
     RETURNING id, attempt
 ), event AS (
     INSERT INTO job_events ({", ".join(EVENT_COLUMNS)})
@@ -211,6 +222,7 @@ def insert_params(spec: JobSpec, actor: str) -> dict[str, Any]:
         "workdir": spec.workdir.digest if spec.workdir is not None else None,
         "hang_timeout_s": spec.hang_timeout_s,
         "startup_timeout_s": spec.startup_timeout_s,
+        "store": spec.store,
         "actor": actor,
     }
 
@@ -293,6 +305,7 @@ JOB_FIELDS: tuple[tuple[str, str | None], ...] = (
     ("remote_pid", "remote_pid"),
     ("output_dir", "output_dir"),
     ("workdir", "workdir_digest"),
+    ("store", "store"),
     ("attempt_dir", "attempt_dir"),
     ("completed_attempt", "completed_attempt"),
     ("next_attempt_at", "next_attempt_at"),

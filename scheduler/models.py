@@ -287,6 +287,12 @@ class Job(Base):
     output_dir: Mapped[str | None] = mapped_column(Text)
     """NULL until the first claim, which sets the default
     ~/.rlfleet/<installation>/outputs/<job_id> unless the user named one."""
+    store: Mapped[str | None] = mapped_column(Text)
+    """The job's store URL (`job submit --store`, `scheduler.store`): where its checkpoints
+    and final outputs go; NULL: none (they stay on the VM)."""
+    store_status: Mapped[dict[str, object] | None] = mapped_column(JSONB)
+    """What the store agent of the latest attempt reported (checkpoints in the store, last
+    upload error), as the poller read it (`remote.probe.parse_store_status`)."""
     lease_expires_at: Mapped[datetime | None] = mapped_column(_now())
     """While `starting`: when the claim may be taken back if the launch never confirmed."""
     next_attempt_at: Mapped[datetime | None] = mapped_column(_now())

@@ -16,6 +16,11 @@ Rules, as users of Slurm and SkyPilot would expect them:
   cap: `vm_removed` (the operator removed the VM with `--force` while the job ran) and
   `launch_failed` with exit 126/127 (the VM's python or entrypoint cannot run; the poller
   keeps that VM out of use until they work).
+- `store_error` (the job's store could not be reached or refused when an attempt
+  started) is an outage, most often the store's for every job: it does not count against
+  `max_retries` and is retried with the same exponential backoff, its exponent the
+  number of uncounted retries so far (`attempt - 1 - retry_count`), until
+  `outage_limit` of them (about two days at the 600 s cap).
 
 `decide` is what the requeue manager calls when it first sees a failed job; the answer is
 stored on the job (`retry_decision`: `retry` at `next_attempt_at`, or `give_up` with a
@@ -55,6 +60,7 @@ class RetryableJob(Protocol):
 
     retry_count: int
     max_retries: int
+    attempt: int
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,7 @@ class RetryPolicy:
     """Relative: 0.25 means the delay is scaled by a random factor in [0.75, 1.25]."""
     node_lost_delay_s: float = 0.0
     node_lost_limit: int = 10
+    outage_limit: int = 300
 
     def backoff(self, retry_count: int, rng: random.Random) -> float:
         """Seconds to wait before retry number `retry_count + 1`, jitter included."""
@@ -131,6 +138,14 @@ def decide(
                 f"{failure.describe()} (limit {policy.node_lost_limit})"
             )
         return Retry(at=now + timedelta(seconds=policy.node_lost_delay_s), counts=False)
+    if is_outage(reason):
+        uncounted = max(0, job.attempt - 1 - job.retry_count)
+        if uncounted >= policy.outage_limit:
+            return GiveUp(
+                f"{GIVE_UP_PREFIX} after {uncounted} uncounted retries: {failure.describe()}"
+                f" (limit {policy.outage_limit})"
+            )
+        return Retry(at=now + timedelta(seconds=policy.backoff(uncounted, rng)), counts=False)
     # Counted reasons, and anything unknown: a new reason must not make jobs immortal.
     if job.retry_count >= job.max_retries:
         plural = "retry" if job.retry_count == 1 else "retries"
@@ -150,6 +165,14 @@ def is_machine_fault(reason: str | None, exit_code: int | None = None) -> bool:
     return kind == RetryClass.MACHINE_FAULT_ON_VM_EXIT and exit_code in VM_FAULT_EXITS
 
 
+def is_outage(reason: str | None) -> bool:
+    """Whether a failure is an outage of a service the job needs (`store_error`)."""
+    try:
+        return reason is not None and FAILURE_RETRY[FailureReason(reason)] == RetryClass.OUTAGE
+    except ValueError:
+        return False
+
+
 def counts_against_limit(reason: str | None, exit_code: int | None = None) -> bool:
     """Whether a retry after a failure for `reason` uses up one of the job's `max_retries`."""
-    return not is_machine_fault(reason, exit_code)
+    return not is_machine_fault(reason, exit_code) and not is_outage(reason)

@@ -65,6 +65,14 @@ def job_row_problem(row: Any) -> str | None:
     digest = getattr(row, "workdir_digest", None)
     if digest is not None and not (isinstance(digest, str) and DIGEST_RE.fullmatch(digest)):
         return f"workdir_digest is not a sha256 digest: {digest!r}"[:200]
+    store = getattr(row, "store", None)
+    if store is not None:
+        from scheduler.store import parse_store_url
+
+        try:
+            parse_store_url(store)
+        except ValueError as exc:
+            return f"store: {exc}"
     roles = getattr(row, "roles", None)
     if roles is not None:
         return roles_problem(roles, gpus, getattr(row, "nodes", 1))

@@ -134,6 +134,7 @@ class FailureReason(StrEnum):
     VANISHED = "vanished"  # process gone without an exit code
     HUNG = "hung"  # running, its step unchanged for the job's hang timeout: stopped
     STARTUP_TIMEOUT = "startup_timeout"  # running, no first step within its startup timeout
+    STORE_ERROR = "store_error"  # the job's store unreachable or refused at the attempt's start
 
 
 class RetryClass(StrEnum):
@@ -144,6 +145,9 @@ class RetryClass(StrEnum):
     MACHINE_FAULT = "machine_fault"  # the VM's fault: retried at once, not counted
     MACHINE_FAULT_ON_VM_EXIT = "machine_fault_on_vm_exit"
     """The VM's fault with exit 126/127 (its python or entrypoint cannot run), else counted."""
+    OUTAGE = "outage"
+    """A service the job needs is down (its store): retried with backoff, not counted
+    against its retries, up to `RetryPolicy.outage_limit` uncounted retries."""
 
 
 FAILURE_RETRY: dict[FailureReason, RetryClass] = {
@@ -157,5 +161,6 @@ FAILURE_RETRY: dict[FailureReason, RetryClass] = {
     FailureReason.VANISHED: RetryClass.COUNTED,
     FailureReason.HUNG: RetryClass.COUNTED,
     FailureReason.STARTUP_TIMEOUT: RetryClass.COUNTED,
+    FailureReason.STORE_ERROR: RetryClass.OUTAGE,
 }
 """Every failure reason's retry class (`tests/unit/test_retry.py` checks none is missing)."""

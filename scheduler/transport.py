@@ -164,6 +164,36 @@ class LocalTransport:
             128 - rc if rc < 0 else rc, out.decode(errors="replace"), err.decode(errors="replace")
         )
 
+    async def stream(
+        self, target: VMTarget, command: str, sink: Callable[[bytes], None], *, timeout: float
+    ) -> tuple[int, str]:
+        """Run `command` locally, its stdout's bytes handed to `sink` as they come; its
+        exit status and the end of its stderr."""
+        proc = await asyncio.create_subprocess_exec(
+            "/bin/sh", "-c", command, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+        )  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+
+        async def pump() -> bytes:
+            assert proc.stdout is not None and proc.stderr is not None
+            while chunk := await proc.stdout.read(1 << 20):
+                sink(chunk)
+            return await proc.stderr.read(1 << 16)
+
+        try:
+            err = await asyncio.wait_for(pump(), timeout)
+            rc = await proc.wait()
+        except BaseException as exc:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            if isinstance(exc, TimeoutError):
+                raise TransportError(f"{target.name}: timed out after {timeout:.0f}s") from exc
+            raise
+        return (128 - rc if rc < 0 else rc), err.decode(errors="replace")[-2000:]
+
     async def close(self) -> None:
         """Nothing to release."""
 
@@ -392,6 +422,35 @@ class SSHTransport:
                 return CommandResult(exit_status(result), text(result.stdout), text(result.stderr))
         raise AssertionError("unreachable")  # pragma: no cover
 
+    async def stream(
+        self, target: VMTarget, command: str, sink: Callable[[bytes], None], *, timeout: float
+    ) -> tuple[int, str]:
+        """Run `command` on `target` on an exec channel of its own, its stdout's bytes (not
+        text) handed to `sink` as they come (`job pull`); its exit status and the end of
+        its stderr. `TransportError` on failure."""
+        async with self._sem:
+            conn = await self._connection(target)
+            try:
+                process = await conn.create_process(command, encoding=None)
+            except (OSError, asyncssh.Error) as exc:
+                raise TransportError(f"{target.name}: {describe(exc)}") from exc
+            try:
+
+                async def pump() -> bytes:
+                    while chunk := await process.stdout.read(1 << 20):
+                        sink(chunk)
+                    return await process.stderr.read(1 << 16)
+
+                err = await asyncio.wait_for(pump(), timeout)
+                result = await asyncio.wait_for(process.wait(check=False), timeout)
+            except TimeoutError as exc:
+                raise TransportError(f"{target.name}: timed out after {timeout:g}s") from exc
+            except (OSError, asyncssh.Error) as exc:
+                raise TransportError(f"{target.name}: {describe(exc)}") from exc
+            finally:
+                process.close()
+            return exit_status(result), bytes(err).decode(errors="replace")[-2000:]
+
     def _abandon(self, target: VMTarget, conn: asyncssh.SSHClientConnection, why: str) -> None:
         """Drop `conn` (and its shell) from the pool and abort it, without waiting on the VM:
         a deadline passed on it, and a connection that stopped answering must not hold
@@ -544,6 +603,14 @@ class RoutingTransport:
         return await self._pick(target).run(
             target, command, timeout=timeout, input=input, persistent=persistent
         )
+
+    async def stream(
+        self, target: VMTarget, command: str, sink: Callable[[bytes], None], *, timeout: float
+    ) -> tuple[int, str]:
+        """`stream` with the transport the VM row names."""
+        picked = self._pick(target)
+        assert isinstance(picked, LocalTransport | SSHTransport)
+        return await picked.stream(target, command, sink, timeout=timeout)
 
     async def close(self) -> None:
         """Close both transports."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from scheduler.remote.launch import ENTRY_BROKEN_MARK
 from scheduler.remote.layout import Attempt
 from scheduler.remote.probe import RemoteJobState
+from scheduler.remote.store import STORE_ERROR_EXIT
 from scheduler.retry import VM_FAULT_EXITS
 from scheduler.states import FailureReason, JobStatus
 from training.errors import EXIT_TRANSIENT, EXIT_USAGE
@@ -22,7 +23,11 @@ _SIGNAL = re.compile(r"\b(SIG(KILL|TERM|INT|HUP|SEGV|ABRT|BUS)|Killed|Terminated
 
 
 def classify_failure(
-    exit_code: int | None, log_tail: str = "", *, cannot_start: bool = False
+    exit_code: int | None,
+    log_tail: str = "",
+    *,
+    cannot_start: bool = False,
+    store_error: bool = False,
 ) -> FailureReason | None:
     """Why an attempt failed, from its exit code and the end of its log; None for success.
 
@@ -32,7 +37,8 @@ def classify_failure(
     of the log is `killed`; no exit code at all is `vanished`; anything else non-zero,
     126 and 127 of the training itself included (a reward calling a tool the VM lacks, a
     job that broke its own PATH), is `exit_nonzero`: the job's, counted against its
-    retries (docs/invariants.md, invariant 9).
+    retries (docs/invariants.md, invariant 9). `STORE_ERROR_EXIT` with `store_error` (the
+    wrapper could not use the job's store) is `store_error`.
     """
     if exit_code is None:
         return FailureReason.VANISHED
@@ -40,6 +46,8 @@ def classify_failure(
         return None
     if exit_code in VM_FAULT_EXITS and cannot_start:
         return FailureReason.LAUNCH_FAILED
+    if exit_code == STORE_ERROR_EXIT and store_error:
+        return FailureReason.STORE_ERROR
     if exit_code == EXIT_USAGE:
         return FailureReason.CONFIG_ERROR
     if exit_code == EXIT_TRANSIENT or _OOM.search(log_tail):
@@ -150,13 +158,20 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
         )
     if state.state == "exited":
         code = launcher_exit(state.exit_code, state.log_tail)
-        failure = classify_failure(code, state.log_tail, cannot_start=state.cannot_start)
+        failure = classify_failure(
+            code, state.log_tail, cannot_start=state.cannot_start, store_error=state.store_error
+        )
         if failure is None:
             return JobVerdict(job, JobStatus.COMPLETED, 0, None, "exited 0")
         if failure == FailureReason.LAUNCH_FAILED:
             line = launch_error_line(state.log_tail)
             why = f"{failure.value}: exit {code}: {line}"
             return JobVerdict(job, JobStatus.FAILED, code, failure, why, line)
+        if failure == FailureReason.STORE_ERROR:
+            said = [ln.strip() for ln in state.log_tail.splitlines() if "rlfleet-store:" in ln]
+            line = said[-1].split("rlfleet-store:", 1)[1].strip()[:300] if said else ""
+            why = f"store_error: {line or 'the store could not be used'}"
+            return JobVerdict(job, JobStatus.FAILED, code, failure, why)
         why = f"exited {code}"
         if code != state.exit_code:
             why = f"exited {state.exit_code}: its first failed process exited {code}"

@@ -100,6 +100,7 @@ async def _lock_jobs(conn: AsyncConnection, ids: list[int]) -> tuple[dict[int, A
             Job.env,
             Job.roles,
             Job.workdir_digest,
+            Job.store,
             Job.attempt,
             Job.retry_count,
             Job.max_retries,

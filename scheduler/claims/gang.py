@@ -154,6 +154,7 @@ async def claim_gang(
         token=token,
         env=job_env_pairs(row.env),
         workdir=row.workdir_digest,
+        store=row.store,
         nodes=ranks,
         roles=row.roles,
     )

@@ -47,6 +47,8 @@ class Claim:
     nodes: tuple[NodeClaim, ...] = ()
     """Every rank of a multi-node job, rank 0 first (its VM and GPUs are `vm_id`,
     `gpu_indices`, `gpu_uuids`); empty for a single-node job."""
+    store: str | None = None
+    """The job's store URL (checked by `job_row_problem`); None: no store."""
     roles: dict[str, Any] | None = None
     """A job group's roles (`jobs.roles`, checked by `job_row_problem`); None for a job of
     one training role."""

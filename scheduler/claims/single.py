@@ -178,6 +178,7 @@ async def claim_one(
             token=result.launch_token,
             env=job_env_pairs(row.env),
             workdir=row.workdir_digest,
+            store=row.store,
             roles=row.roles,
         )
     if result.largest_free >= need:

@@ -185,6 +185,15 @@ def group() -> None:
     "lands. .rlfleetignore (gitignore-style) leaves files out; packed size at most "
     f"{WORKDIR_MAX_BYTES >> 20} MiB.",
 )
+@click.option(
+    "--store",
+    metavar="URL",
+    help="Where the job's checkpoints and final model go, so that a retry on any VM "
+    "resumes from the newest complete checkpoint and `job pull` brings the model back: "
+    "s3://bucket/prefix (S3-compatible; each VM uses its own AWS configuration) or "
+    "file:///path (a directory every VM mounts). Default: $RLFLEET_STORE; a job file's "
+    "store: key wins over both.",
+)
 @json_flag("Print the new job as JSON.")
 @click.argument("extra_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- TRAIN_GRPO_ARGS…]")
 @pass_cli
@@ -207,6 +216,7 @@ def submit(
     output_dir: str | None,
     env: tuple[str, ...],
     workdir: str | None,
+    store: str | None,
     as_json: bool,
     extra_args: tuple[str, ...],
 ) -> None:
@@ -251,6 +261,7 @@ def submit(
         if workdir is not None:
             spec.validate()  # a bad flag is named before the workdir is read
             spec = with_workdir(spec, workdir, "--workdir")
+    spec = _with_store(spec, store)
     spec.validate()
     from scheduler.submit import submit_job
 
@@ -266,6 +277,27 @@ def submit(
             f"job {result.job_id} is queued but not announced ({result.publish_error}); "
             "the requeue manager will publish it"
         )
+
+
+def _with_store(spec: Any, flag: str | None) -> Any:
+    """The job with its store: the job file's `store:`, else `--store`, else
+    $RLFLEET_STORE (an empty one is none), each checked (exit 2, one line)."""
+    import dataclasses
+    import os
+
+    from scheduler.store import STORE_ENV, parse_store_url
+
+    chosen = spec.store or flag
+    if chosen is None and spec.roles is None:  # a job group has no store: no default
+        chosen = os.environ.get(STORE_ENV) or None
+    if chosen is None:
+        return spec
+    try:
+        url = str(parse_store_url(chosen))
+    except ValueError as exc:
+        where = "" if (spec.store or flag) else f" (from ${STORE_ENV})"
+        raise BadInput(f"{exc}{where}") from None
+    return dataclasses.replace(spec, store=url)
 
 
 @group.command("list")
@@ -337,8 +369,11 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
         echo_json(job)
         return
     for key, value in job.items():
-        if key not in ("events", "events_older", "progress", "progress_error", "ranks", "roles"):
+        if key not in ("events", "events_older", "progress", "progress_error", "ranks", "roles",
+                       "store_status"):  # fmt: skip
             click.echo(f"{key + ':':18}{'-' if value in (None, []) else printable(value)}")
+    for key, line in _store_lines(job):
+        click.echo(f"{key + ':':18}{printable(line)}")
     progress = job["progress"]
     if isinstance(progress, dict):
         click.echo(f"{'progress:':18}{printable(_progress_line(progress))}")
@@ -399,6 +434,28 @@ def _restarts(role: dict[str, Any]) -> str:
     return f"{role.get('restarts', 0)} of {role.get('max_restarts', 0)}"
 
 
+def _store_lines(job: dict[str, Any]) -> list[tuple[str, str]]:
+    """`job show`'s lines about the store: where the outputs are, the checkpoints in the
+    store (step, size, time) and the last upload error, as the VM's agent reported them."""
+    if not job.get("store"):
+        return []
+    status = job.get("store_status") or {}
+    lines = []
+    if status.get("final"):
+        lines.append(("outputs", "in the store (rlfleet job pull " + str(job["id"]) + ")"))
+    checkpoints = status.get("checkpoints") or []
+    shown = [
+        f"{c['step']} ({_size(c['bytes'] or 0)}, {c.get('at') or '-'})"
+        for c in reversed(checkpoints)
+    ]
+    lines.append(("stored steps", ", ".join(shown) if shown else "none yet"))
+    if status.get("restored") is not None:
+        lines.append(("restored from", f"checkpoint-{status['restored']}"))
+    if status.get("last_error"):
+        lines.append(("upload error", f"{status['last_error']} (at {status.get('error_at')})"))
+    return lines
+
+
 def _reason(event: dict[str, Any]) -> str:
     """An event's reason, with how often a waiting move repeated: `… (×40, last at T)`."""
     reason = event["reason"] or ""
@@ -423,6 +480,92 @@ def _progress_line(progress: dict[str, Any]) -> str:
     if progress.get("status"):
         parts.append(str(progress["status"]))
     return ", ".join(parts) or "-"
+
+
+@group.command("pull")
+@job_id_argument
+@click.argument("dest", required=False, type=click.Path(file_okay=False))
+@click.option(
+    "--checkpoint",
+    type=ColumnInt(lo=0, bounds=INT4),
+    help="Pull checkpoint-N instead of the final model.",
+)
+@json_flag("Print what was pulled as JSON.")
+@pass_cli
+def pull(ctx: CliContext, job_id: int, dest: str | None, checkpoint: int | None, as_json: bool):
+    """Download a job's final model and tokenizer (or --checkpoint N) into DEST (default
+    ./job-ID, or ./job-ID-checkpoint-N; it must not exist or be empty): from the job's
+    store with this machine's AWS configuration, or without a store over SSH from the VM
+    that ran its last attempt. A progress bar goes to stderr on a terminal."""
+    from pathlib import Path
+
+    from scheduler.pull import PullProgress, check_dest, pull_job
+    from scheduler.transport import make_transport
+
+    default = f"job-{job_id}" + (f"-checkpoint-{checkpoint}" if checkpoint is not None else "")
+    target = Path(dest or default)
+    check_dest(target)
+    bar = _ProgressBar(f"job {job_id}") if sys.stderr.isatty() and not as_json else None
+    progress = PullProgress(on_change=bar.show if bar else None)
+
+    async def go(db: Database) -> dict[str, Any]:
+        transport = make_transport()
+        try:
+            return await pull_job(
+                db, transport, job_id, target, checkpoint=checkpoint, progress=progress
+            )
+        finally:
+            await transport.close()
+
+    try:
+        result = ctx.run(go)
+    finally:
+        if bar is not None:
+            bar.close()
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(f"{result['what']} of job {job_id} from {result['from']} in {result['dest']}"
+                   f" ({_size(result['bytes'])})")  # fmt: skip
+
+
+def _size(count: int) -> str:
+    """`12.3 MB`."""
+    value = float(count)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} TB"  # pragma: no cover
+
+
+class _ProgressBar:
+    """One line on stderr, redrawn at most ten times a second."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.last = 0.0
+
+    def show(self, progress: Any) -> None:
+        import time
+
+        now = time.monotonic()
+        if now - self.last < 0.1:
+            return
+        self.last = now
+        done, total = progress.done, progress.total
+        if total:
+            width = 30
+            filled = min(width, int(width * done / total))
+            text = f"{'#' * filled}{'.' * (width - filled)} {_size(done)} / {_size(total)}"
+        else:
+            text = _size(done)
+        sys.stderr.write(f"\r{self.label}: {text}\x1b[K")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\r\x1b[K")
+        sys.stderr.flush()
 
 
 @group.command("cancel")

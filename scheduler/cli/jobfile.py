@@ -172,6 +172,7 @@ def _file_job_spec(group: GroupSpec, env: tuple[tuple[str, str], ...]) -> JobSpe
         env=role.env + env,
         hang_timeout_s=group.hang_timeout_s,
         startup_timeout_s=group.startup_timeout_s,
+        store=group.store,
     )
 
 
@@ -198,6 +199,7 @@ def group_job_spec(group: GroupSpec, env: tuple[tuple[str, str], ...]) -> JobSpe
         roles=group.to_data(),
         hang_timeout_s=group.hang_timeout_s,
         startup_timeout_s=group.startup_timeout_s,
+        store=group.store,
     )
 
 

@@ -325,6 +325,7 @@ class Launcher:
             node=node.rendezvous,
             group=node.group,
             workdir=claim.workdir,
+            store=claim.store if node.group is None else None,
         )
         try:
             result = await self.transport.run(

@@ -6,6 +6,7 @@ No transaction is open during SSH (invariant 4): this runs after the polls lande
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,18 @@ FROM unnest(CAST(:ids AS int[]), CAST(:statuses AS text[]), CAST(:errors AS text
             CAST(:launch_errors AS text[]), CAST(:decides AS boolean[]))
     AS t(id, status, error, launch_error, decides)
 WHERE vms.id = t.id
+"""
+)
+
+# What the store agent of a job's current attempt reported (`remote.probe.parse_store_status`,
+# already checked), written only when it changed.
+_STORE_STATUS_SQL = text(
+    """
+UPDATE jobs SET store_status = CAST(t.status AS jsonb)
+FROM unnest(CAST(:ids AS bigint[]), CAST(:attempts AS int[]), CAST(:statuses AS text[]))
+    AS t(id, attempt, status)
+WHERE jobs.id = t.id AND jobs.attempt = t.attempt
+  AND jobs.store_status IS DISTINCT FROM CAST(t.status AS jsonb)
 """
 )
 
@@ -138,6 +151,8 @@ class _Writes:
     """GPUs that cannot be trusted or are no longer listed."""
     samples: list[GpuReading] = field(default_factory=list)
     progress: list[ProgressRow] = field(default_factory=list)
+    store: list[dict[str, Any]] = field(default_factory=list)
+    """Store status files read of the attempts this VM runs."""
 
 
 async def apply(
@@ -175,6 +190,7 @@ def _collect(outcome: Outcome, result: PollResult, writes: _Writes, stats: Sweep
     """Add what the poll of one VM that answered says to `writes`."""
     vm = outcome.vm
     writes.progress += _progress_rows(outcome.vm, result)
+    writes.store += _store_rows(outcome.vm, result)
     launch_error, launch_line = _launch_error(outcome)
     decides = _decides_launch_error(outcome)
     if result.error is not None:
@@ -273,6 +289,11 @@ async def _write(
         )
     if ids:
         await session.execute(RECOUNT_SQL, {"ids": ids})
+    if writes.store:
+        await session.execute(
+            _STORE_STATUS_SQL,
+            _columns(writes.store, ids="id", attempts="attempt", statuses="status"),
+        )
     # After the upserts: a GPU seen for the first time has its row by now.
     await record_samples(session, writes.progress, writes.samples)
     await record_progress(session, writes.progress)
@@ -340,6 +361,16 @@ def _progress_rows(vm: VMState, result: PollResult) -> list[ProgressRow]:
         ProgressRow(key[0], key[1], state.progress.step, state.progress.reward, state.progress.loss)
         for key, state in result.jobs.items()
         if key in wanted and state.progress is not None
+    ]
+
+
+def _store_rows(vm: VMState, result: PollResult) -> list[dict[str, Any]]:
+    """The store status the poll read of the attempts this VM runs."""
+    wanted = {(j.id, j.attempt_number) for j in vm.jobs}
+    return [
+        {"id": key[0], "attempt": key[1], "status": json.dumps(state.store, sort_keys=True)}
+        for key, state in result.jobs.items()
+        if key in wanted and state.store is not None
     ]
 
 

@@ -94,6 +94,8 @@ class GroupSpec:
     """`hang_timeout:` seconds; 0 turns the check off."""
     startup_timeout_s: int = DEFAULT_STARTUP_TIMEOUT_S
     """`startup_timeout:` seconds; 0 turns the check off."""
+    store: str | None = None
+    """The job's store URL (`store:`), checked; None: none."""
     _order: tuple[str, ...] = field(default=(), repr=False)
 
     def role(self, name: str) -> Role:

@@ -33,8 +33,20 @@ from scheduler.validate import (
 
 TOP_KEYS = (
     "name", "priority", "max_retries", "output_dir", "vllm_server_gpus", "vllm_server_own_vm",
-    "roles", "workdir", "hang_timeout", "startup_timeout",
+    "roles", "workdir", "hang_timeout", "startup_timeout", "store",
 )  # fmt: skip
+
+
+def _store(value: Any) -> str | None:
+    """The job file's `store:` (`scheduler.store.parse_store_url`), or None."""
+    if value is None:
+        return None
+    from scheduler.store import parse_store_url
+
+    try:
+        return str(parse_store_url(_opt_text(value, "store", TEXT_MAX) or ""))
+    except ValueError as exc:
+        raise BadInput(str(exc).replace("--store", "store", 1)) from None
 
 
 def parse_data(data: Any) -> GroupSpec:
@@ -65,6 +77,7 @@ def parse_data(data: Any) -> GroupSpec:
         workdir=_opt_text(top.get("workdir"), "workdir", TEXT_MAX),
         hang_timeout_s=_timeout(top, "hang_timeout", DEFAULT_HANG_TIMEOUT_S),
         startup_timeout_s=_timeout(top, "startup_timeout", DEFAULT_STARTUP_TIMEOUT_S),
+        store=_store(top.get("store")),
         _order=order,
     )
     if len(group.layout()) > MAX_NODES:

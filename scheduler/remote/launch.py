@@ -32,6 +32,12 @@ from scheduler.remote.output import (
     parse_exit,
 )
 from scheduler.remote.rendezvous import GroupLaunch, RankRendezvous, rendezvous_env
+from scheduler.remote.store import (
+    finish_lines,
+    restore_lines,
+    store_error_lines,
+    watch_start_lines,
+)
 from scheduler.remote.watchdog import (
     DEFAULT_FENCE_AFTER_S,
     DEFAULT_FENCE_GRACE_S,
@@ -87,6 +93,14 @@ class LaunchSpec:
     """The digest of the job's workdir (`job submit --workdir`), cached on the VM under the
     installation's directory: the launch copies it into the attempt's `work/`, which the
     attempt runs in and has first on PYTHONPATH; None for a job without one."""
+    store: str | None = None
+    """The job's store URL (`scheduler.store`): checkpoints are restored before training
+    and uploaded beside it (`scheduler.remote.store`); None: no store."""
+
+    @property
+    def uploads(self) -> bool:
+        """Whether this node uploads to the store (rank 0 of a job with one)."""
+        return self.store is not None and (self.node is None or self.node.rank == 0)
 
 
 def entry_words(
@@ -231,6 +245,7 @@ def wrapper_script(spec: LaunchSpec) -> str:
             ' $(printf "%s\\n" "$rlfleet_check" | tail -n 1)"',
             f'  echo "$rc" > "$d/{CANNOT_START_FILE}"',
             'elif [ "$rc" -eq 0 ]; then',
+            *("  " + line for line in _store_before(spec)),
             # The training in a subshell: the command and the scheduler's variables first
             # (the loader skips their names), then the job's environment, then exec.
             "  (",
@@ -246,10 +261,12 @@ def wrapper_script(spec: LaunchSpec) -> str:
             '  exec "$@"',
             "  )",
             "  rc=$?",
+            *("  " + line for line in _store_after(spec)),
             # Only the check above may say the VM cannot start training, not the job.
             f'  rm -f "$d/{CANNOT_START_FILE}"',
             "fi",
             *watchdog_stop_lines(),
+            *(store_error_lines() if spec.store is not None else []),
             'echo "$rc" > "$d/exit_code.tmp" && mv -f "$d/exit_code.tmp" "$d/exit_code"',
             'echo "rlfleet: attempt ended with exit code $rc"',
             "",
@@ -272,6 +289,31 @@ def workdir_env_lines(spec: LaunchSpec, *, before_env: bool) -> list[str]:
     if before_env:
         return [f'export RLFLEET_WORKDIR="$d/{WORK_DIR}"']
     return ['export PYTHONPATH="$RLFLEET_WORKDIR${PYTHONPATH:+:$PYTHONPATH}"']
+
+
+def _store_before(spec: LaunchSpec) -> list[str]:
+    """With a store: restore, then (rank 0) start the uploader; the training below runs
+    only when `rlfleet_skip` is unset (it is wrapped in an `if` here)."""
+    if spec.store is None:
+        return []
+    lines = restore_lines(spec.python, spec.store, spec.run, spec.output_dir)
+    if spec.uploads:
+        lines += [
+            'if [ -z "${rlfleet_skip:-}" ]; then',
+            *watch_start_lines(spec.python, spec.store, spec.run, spec.output_dir),
+            "fi",
+        ]
+    return [*lines, 'if [ -z "${rlfleet_skip:-}" ]; then']
+
+
+def _store_after(spec: LaunchSpec) -> list[str]:
+    """With a store: (rank 0) stop the uploader and upload the rest, the final outputs
+    after an exit 0; closes the `if` of `_store_before`."""
+    if spec.store is None:
+        return []
+    if not spec.uploads:
+        return ["fi"]
+    return [*finish_lines(spec.python, spec.store, spec.run, spec.output_dir), "fi"]
 
 
 SUPERVISOR_FILE = "supervisor.py"

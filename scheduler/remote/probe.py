@@ -22,6 +22,13 @@ from scheduler.remote.output import (
     read_pid_lines,
 )
 from scheduler.remote.restarts import restart_lines
+from scheduler.remote.store import (
+    STORE_ERROR_FILE,
+    STORE_ERROR_MARK,
+    STORE_MARK,
+    STORE_STATUS_BYTES,
+    STORE_STATUS_FILE,
+)
 from scheduler.remote.watchdog import fenced_lines, lease_touch_lines, parse_fenced
 
 STATUS_MARK = "rlfleet-job"
@@ -58,6 +65,10 @@ class RemoteJobState:
     cannot_start: bool = False
     """The wrapper's own check of the VM's python and entrypoint failed
     (`CANNOT_START_FILE`): the exit code is the VM's fault, not the job's."""
+    store_error: bool = False
+    """The wrapper could not use the job's store (`STORE_ERROR_FILE`)."""
+    store: dict[str, object] | None = None
+    """The attempt's store status (`parse_store_status`); None: none, or unreadable."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,42 @@ def parse_progress(text: str) -> ProgressPoint | None:
         return float(value) if math.isfinite(value) else None
 
     return ProgressPoint(step, number("reward"), number("loss"))
+
+
+def parse_store_status(text: str) -> dict[str, object] | None:
+    """An attempt's store.json, as the agent writes it, checked field by field (the file
+    is in a directory the job can write): the store URL, the checkpoints in the store
+    (step, bytes, time; at most 6), the restored step, whether the final outputs are
+    in, the last error. None for anything else."""
+    data = load_json(text)
+    if not isinstance(data, dict):
+        return None
+
+    def short(value: object, size: int) -> str | None:
+        return printable(value)[:size] if isinstance(value, str) and value else None
+
+    def count(value: object) -> int | None:
+        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53
+        return value if ok else None  # type: ignore[return-value]
+
+    checkpoints = []
+    raw = data.get("checkpoints")
+    for item in raw[-6:] if isinstance(raw, list) else []:
+        if isinstance(item, dict) and count(item.get("step")) is not None:
+            checkpoints.append(
+                {
+                    "step": count(item.get("step")),
+                    "bytes": count(item.get("bytes")),
+                    "at": short(item.get("at"), 40),
+                }
+            )
+    return {
+        "checkpoints": checkpoints,
+        "restored": count(data.get("restored")),
+        "final": data.get("final") is True,
+        "last_error": short(data.get("last_error"), 300),
+        "error_at": short(data.get("error_at"), 40),
+    }
 
 
 def status_probe(jobs: Sequence[Attempt]) -> str:
@@ -130,6 +177,7 @@ def status_probe(jobs: Sequence[Attempt]) -> str:
             f'  echo "{STATUS_MARK} {j} {a} exited'
             f' $(head -c {EXIT_CODE_BYTES} "$d/exit_code" 2>/dev/null | tr -d "\\n")"',
             f'  if [ -e "$d/{CANNOT_START_FILE}" ]; then echo "{CANNOT_START_MARK} {j} {a}"; fi',
+            f'  if [ -e "$d/{STORE_ERROR_FILE}" ]; then echo "{STORE_ERROR_MARK} {j} {a}"; fi',
             f'  if [ -f "$d/train.log" ]; then tail -c {LOG_TAIL_BYTES} "$d/train.log"'
             f' | sed "s/^/{LOG_MARK} {j} {a} /"; fi',
             "  echo",
@@ -139,6 +187,10 @@ def status_probe(jobs: Sequence[Attempt]) -> str:
             f' printf "%s " "{PROGRESS_MARK} {j} {a}";'
             f' head -c {PROGRESS_BYTES} "$d/progress.json" 2>/dev/null | tr -d "\\n\\r"; echo; fi',
             *restart_lines(j, a),
+            f'if [ -f "$d/{STORE_STATUS_FILE}" ] && [ -s "$d/{STORE_STATUS_FILE}" ]; then'
+            f' printf "%s " "{STORE_MARK} {j} {a}";'
+            f' head -c {STORE_STATUS_BYTES} "$d/{STORE_STATUS_FILE}" 2>/dev/null'
+            ' | tr -d "\\n\\r"; echo; fi',
         ]
     return "\n".join(lines) + "\n"
 
@@ -151,11 +203,22 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
     logs: dict[tuple[int, int], list[str]] = {}
     progress: dict[tuple[int, int], ProgressPoint] = {}
     cannot_start: set[tuple[int, int]] = set()
+    store_error: set[tuple[int, int]] = set()
+    store: dict[tuple[int, int], dict[str, object]] = {}
+    marked = {CANNOT_START_MARK: cannot_start, STORE_ERROR_MARK: store_error}
     for line in output_lines(stdout):
-        if line.startswith(CANNOT_START_MARK + " "):
+        mark = line.split(" ", 1)[0]
+        if mark in marked:
             ids = [as_int(p) for p in line.split()[1:]]
             if len(ids) == 2 and ids[0] is not None and ids[1] is not None:
-                cannot_start.add((ids[0], ids[1]))
+                marked[mark].add((ids[0], ids[1]))
+            continue
+        if mark == STORE_MARK:
+            parts = line.split(" ", 3)
+            key = tuple(as_int(p) for p in parts[1:3]) if len(parts) == 4 else (None, None)
+            status = parse_store_status(parts[3]) if len(parts) == 4 else None
+            if key[0] is not None and key[1] is not None and status is not None:
+                store[(key[0], key[1])] = status
             continue
         if line.startswith(PROGRESS_MARK + " "):
             parts = line.split(" ", 3)
@@ -192,6 +255,8 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
             fenced.get(key),
             progress.get(key),
             key in cannot_start,
+            key in store_error,
+            store.get(key),
         )
         for key, (state, code) in states.items()
     }

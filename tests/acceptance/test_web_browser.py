@@ -567,3 +567,54 @@ async def test_a_jobs_page_shows_its_newest_events_counts_repeats_and_shows_more
     finally:
         stop.set()
         await asyncio.wait_for(serving, 30)
+
+
+async def test_a_jobs_page_shows_its_store_checkpoints_and_last_upload_error(
+    db: Database, database_url: str, browser: Browser
+) -> None:
+    from sqlalchemy import update
+
+    from scheduler.models import Job
+    from scheduler.web.server import serve_web
+    from tests.workloads.support import new_job
+
+    # Given a job whose store agent reported two checkpoints and a failed upload
+    job_id = await new_job(db, store="s3://bucket/runs")
+    status = {
+        "checkpoints": [
+            {"step": 2, "bytes": 1_500_000, "at": "2026-11-25T18:00:00Z"},
+            {"step": 4, "bytes": 1_500_000, "at": "2026-11-25T18:00:09Z"},
+        ],
+        "restored": 2,
+        "final": False,
+        "last_error": "checkpoint-6: <b>refused</b> by the store (AccessDenied)",
+        "error_at": "2026-11-25T18:00:19Z",
+    }
+    async with db.transaction() as session:
+        await session.execute(update(Job).where(Job.id == job_id).values(store_status=status))
+    settings = Settings.load(database_url, "nats://127.0.0.1:4222")
+    stop, ready, port = asyncio.Event(), asyncio.Event(), free_port()
+    serving = asyncio.create_task(
+        serve_web(settings, host="127.0.0.1", port=port, token=TOKEN, stop=stop, ready=ready)
+    )
+    rows = (
+        "return [...document.querySelectorAll('#store-checkpoints tr')].map((r) => r.textContent)"
+    )
+    try:
+        await asyncio.wait_for(ready.wait(), 30)
+        # When its page is opened, then the store section lists the newest step first
+        await browser.get(f"http://127.0.0.1:{port}/jobs/{job_id}")
+        await browser.until(lambda: len(browser.js(rows)) == 2, 20)
+        listed = browser.js(rows)
+        assert listed[0].startswith("41.5 MB") and listed[1].startswith("21.5 MB"), listed
+        assert browser.js("return document.getElementById('store-section').hidden") is False
+        assert browser.js("return document.getElementById('store-url').textContent") == (
+            "s3://bucket/runs"
+        )
+        # And the last upload error is shown as text, never as markup
+        error = browser.js("return document.getElementById('store-error').textContent")
+        assert "<b>refused</b> by the store (AccessDenied)" in error
+        assert browser.js("return document.querySelectorAll('#store-error b').length") == 0
+    finally:
+        stop.set()
+        await asyncio.wait_for(serving, 30)

@@ -452,3 +452,40 @@ async def test_a_jobs_diagnostics_are_shown_as_text_on_its_page(
     # A job without diagnostics has no such section.
     other = await client().get(f"/jobs/{await new_job(db)}")
     assert 'id="diagnostics-section"' not in other.text
+
+
+async def test_the_job_page_shows_the_store_its_checkpoints_and_the_last_upload_error(
+    db: Database, client: Client
+) -> None:
+    from sqlalchemy import update
+
+    from scheduler.models import Job
+
+    # Given a job with a store whose agent reported two checkpoints and an error
+    job_id = await new_job(db, store="s3://bucket/runs")
+    plain = await new_job(db)
+    status = {
+        "checkpoints": [
+            {"step": 2, "bytes": 1500, "at": "2026-11-25T18:00:00Z"},
+            {"step": 4, "bytes": 1500, "at": "2026-11-25T18:00:09Z"},
+        ],
+        "restored": None,
+        "final": False,
+        "last_error": f"checkpoint-6: {XSS}",
+        "error_at": "2026-11-25T18:00:19Z",
+    }
+    async with db.transaction() as session:
+        await session.execute(update(Job).where(Job.id == job_id).values(store_status=status))
+    web = client()
+    # Then the API hands the page the URL and the status as the CLI's JSON has them
+    shown = (await web.get(f"/api/jobs/{job_id}")).json()
+    assert shown["store"] == "s3://bucket/runs"
+    assert [c["step"] for c in shown["store_status"]["checkpoints"]] == [2, 4]
+    assert shown["store_status"]["last_error"] == f"checkpoint-6: {XSS}"
+    # And the page has its store section, the error never as markup
+    page = await web.get(f"/jobs/{job_id}")
+    assert '<section id="store-section" >' in page.text and "s3://bucket/runs" in page.text
+    assert XSS not in page.text
+    other = await web.get(f"/jobs/{plain}")
+    assert '<section id="store-section" hidden>' in other.text
+    assert (await web.get(f"/api/jobs/{plain}")).json()["store_status"] is None

@@ -158,7 +158,7 @@ function queuePage() {
 
 // --- job -----------------------------------------------------------------------------
 
-const SHOWN_ELSEWHERE = new Set(["events", "events_older", "ranks", "id", "name", "status", "status_reason", "failure_reason"]);
+const SHOWN_ELSEWHERE = new Set(["events", "events_older", "ranks", "id", "name", "status", "status_reason", "failure_reason", "store_status"]);
 
 // Older events the user asked for (the API sends the newest 100; "more" fetches the 100
 // before the oldest one shown), and how many are still older than those.
@@ -210,6 +210,31 @@ function renderNodes(ranks) {
   )));
 }
 
+function fmtBytes(n) {
+  if (n === null || n === undefined) return "-";
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0;
+  while (n >= 1000 && i < units.length - 1) { n /= 1000; i += 1; }
+  return i === 0 ? `${n} B` : `${n.toFixed(1)} ${units[i]}`;
+}
+
+// The job's store: its URL, the checkpoints in it (step, size, time), the last upload error.
+function renderStore(job) {
+  document.getElementById("store-section").hidden = !job.store;
+  if (!job.store) return;
+  const status = job.store_status || {};
+  document.getElementById("store-url").textContent = job.store;
+  document.getElementById("store-final").textContent = status.final ? "final outputs in the store" : "";
+  const error = document.getElementById("store-error");
+  error.hidden = !status.last_error;
+  error.textContent = status.last_error ? `last upload error: ${status.last_error} (${fmtTime(status.error_at)})` : "";
+  const rows = (status.checkpoints || []).slice().reverse();
+  document.getElementById("store-checkpoints").replaceChildren(...rows.map((c) => el(
+    "tr", { "data-step": String(c.step) },
+    el("td", {}, String(c.step)), el("td", {}, fmtBytes(c.bytes)), el("td", {}, c.at ? fmtTime(c.at) : "-"),
+  )));
+}
+
 function renderJob(job) {
   document.getElementById("job-status").textContent = job.status;
   document.getElementById("job-status").dataset.status = job.status;
@@ -223,6 +248,7 @@ function renderJob(job) {
   }
   document.getElementById("placement").replaceChildren(...rows);
   renderNodes(job.ranks);
+  renderStore(job);
   renderEvents(job);
   document.getElementById("cancel").disabled = ["completed", "failed", "cancelled"].includes(job.status);
   document.getElementById("retry").disabled = job.status !== "failed";

@@ -1,0 +1,259 @@
+"""Copying a job's checkpoints and final outputs to and from its store (the layout is in
+`scheduler.store`'s docstring).
+
+A checkpoint is uploaded only once it is complete (`trainer_state.json` parses, the file
+Hugging Face's trainer writes last) and its files have stopped changing; its manifest is
+written after every file, and only a checkpoint with a manifest is ever restored, each file
+checked against the manifest's size. The final outputs (every file of the output
+directory outside `checkpoint-N/`) are followed by the final marker the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scheduler.store.backend import Backend, Progress, StoreError, check_key, remove_tree
+
+CHECKPOINT = re.compile(r"^checkpoint-(\d{1,9})$")
+_MANIFEST = re.compile(r"^checkpoints/checkpoint-(\d{1,9})\.json$")
+FINAL_MARKER = "final.json"
+KEEP_CHECKPOINTS = 3
+"""The store keeps the newest this many complete checkpoints of a job; older ones are
+deleted after each upload (a store-side keep-last-K, whatever `save_total_limit` says)."""
+MANIFEST_MAX = 4 << 20
+"""A manifest bigger than this is not one rlfleet wrote."""
+RESTORE_TMP = ".rlfleet-restore"
+_SKIPPED_TOP = re.compile(r"^(checkpoint-\d+|\.rlfleet-restore.*)$")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A directory's files: relative path -> (size, mtime_ns)."""
+
+    files: dict[str, tuple[int, int]]
+
+    @property
+    def size(self) -> int:
+        return sum(size for size, _ in self.files.values())
+
+
+def snapshot(root: Path, skip_top: re.Pattern[str] | None = None) -> Snapshot:
+    """Every regular file under `root` (symlinks are not followed nor kept)."""
+    files: dict[str, tuple[int, int]] = {}
+    for dirpath, dirs, names in os.walk(root):
+        here = Path(dirpath)
+        if skip_top is not None and here == root:
+            dirs[:] = [d for d in dirs if not skip_top.match(d)]
+            names = [n for n in names if not skip_top.match(n)]
+        for name in names:
+            path = here / name
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if path.is_symlink() or not path.is_file():
+                continue
+            rel = path.relative_to(root).as_posix()
+            try:
+                check_key(rel)
+            except StoreError:
+                continue  # a name no key may hold: not ours to carry
+            files[rel] = (st.st_size, st.st_mtime_ns)
+    return Snapshot(files)
+
+
+def is_complete(checkpoint: Path) -> bool:
+    """A checkpoint directory counts once its `trainer_state.json` parses."""
+    try:
+        with open(checkpoint / "trainer_state.json", "rb") as f:
+            json.loads(f.read(64 << 20))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def local_steps(output_dir: Path) -> list[int]:
+    """The steps of the complete `checkpoint-N` directories in `output_dir`, ascending."""
+    if not output_dir.is_dir():
+        return []
+    steps = []
+    for entry in output_dir.iterdir():
+        match = CHECKPOINT.match(entry.name)
+        if match and entry.is_dir() and not entry.is_symlink() and is_complete(entry):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def stored_checkpoints(backend: Backend) -> dict[int, dict[str, Any]]:
+    """The complete checkpoints in the store (those with a manifest): step -> manifest
+    summary (`bytes`, `at`)."""
+    found: dict[int, dict[str, Any]] = {}
+    for key in backend.list("checkpoints/"):
+        match = _MANIFEST.match(key)
+        if match:
+            found[int(match.group(1))] = {}
+    for step in sorted(found)[-KEEP_CHECKPOINTS * 2 :]:
+        manifest = read_manifest(backend, f"checkpoints/checkpoint-{step}.json")
+        if manifest is not None:
+            found[step] = {"bytes": manifest["bytes"], "at": manifest["at"]}
+    return {s: m for s, m in found.items() if m}
+
+
+def read_manifest(backend: Backend, key: str) -> dict[str, Any] | None:
+    """A manifest from the store, checked (files with sizes under plain keys); None when
+    there is none or it is not one rlfleet wrote."""
+    raw = backend.get_bytes(key, MANIFEST_MAX + 1)
+    if raw is None or len(raw) > MANIFEST_MAX:
+        return None
+    try:
+        data = json.loads(raw)
+        files = {check_key(str(k)): int(v) for k, v in data["files"].items()}
+        at = str(data.get("at", ""))[:40]
+    except (ValueError, KeyError, TypeError, AttributeError, StoreError):
+        return None
+    if any(size < 0 for size in files.values()):
+        return None
+    return {"files": files, "bytes": sum(files.values()), "at": at}
+
+
+def upload_tree(
+    backend: Backend,
+    root: Path,
+    prefix: str,
+    manifest_key: str,
+    *,
+    skip_top: re.Pattern[str] | None = None,
+    progress: Progress | None = None,
+) -> int | None:
+    """Upload every file under `root` to `prefix/…`, then the manifest at `manifest_key`;
+    the bytes uploaded. None (no manifest written) when the files changed meanwhile."""
+    before = snapshot(root, skip_top)
+    for rel in sorted(before.files):
+        backend.put_file(root / rel, f"{prefix}/{rel}", progress)
+    if snapshot(root, skip_top) != before:
+        return None
+    manifest = {"files": {rel: size for rel, (size, _) in before.files.items()}, "at": _now()}
+    backend.put_bytes(json.dumps(manifest, sort_keys=True).encode(), manifest_key)
+    return before.size
+
+
+def upload_checkpoint(backend: Backend, output_dir: Path, step: int) -> int | None:
+    """Upload `checkpoint-<step>` and its manifest; its size, or None if it changed."""
+    name = f"checkpoint-{int(step)}"
+    return upload_tree(
+        backend, output_dir / name, f"checkpoints/{name}", f"checkpoints/{name}.json"
+    )
+
+
+def prune(backend: Backend, keep: int = KEEP_CHECKPOINTS) -> list[int]:
+    """Delete every checkpoint of the store but the newest `keep` complete ones (the
+    manifest first, so a reader never takes a checkpoint whose files are going); their
+    steps."""
+    listed = backend.list("checkpoints/")
+    steps = sorted(int(m.group(1)) for k in listed if (m := _MANIFEST.match(k)))
+    old = steps[:-keep] if keep > 0 else steps
+    for step in old:
+        backend.delete([f"checkpoints/checkpoint-{step}.json"])
+        inside = f"checkpoints/checkpoint-{step}/"
+        backend.delete([k for k in listed if k.startswith(inside)])
+    return old
+
+
+def download_tree(
+    backend: Backend,
+    manifest: dict[str, Any],
+    prefix: str,
+    dest: Path,
+    progress: Progress | None = None,
+) -> None:
+    """Fetch every file of a manifest from `prefix/…` into `dest` (made here), each one's
+    size checked; `StoreError` when one is missing or differs."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for rel, size in sorted(manifest["files"].items()):
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        backend.get_file(f"{prefix}/{rel}", target, progress)
+        if target.stat().st_size != size:
+            raise StoreError(f"{prefix}/{rel}: {target.stat().st_size} bytes, manifest says {size}")
+
+
+def restore_newest(
+    backend: Backend, output_dir: Path, progress: Progress | None = None
+) -> int | None:
+    """Put the store's newest complete checkpoint into `output_dir` (unless a complete
+    one as new is already there); its step, or None when the store has none.
+
+    It is fetched into a temporary directory beside it and renamed into place only once
+    every file is in and of its manifest's size: `--resume auto` never sees half of it."""
+    stored = stored_checkpoints(backend)
+    if not stored:
+        return None
+    step = max(stored)
+    if any(s >= step for s in local_steps(output_dir)):
+        return step
+    manifest = read_manifest(backend, f"checkpoints/checkpoint-{step}.json")
+    if manifest is None:
+        raise StoreError(f"checkpoint-{step}: its manifest went away while restoring")
+    tmp = output_dir / f"{RESTORE_TMP}-{step}"
+    remove_tree(tmp)
+    download_tree(backend, manifest, f"checkpoints/checkpoint-{step}", tmp, progress)
+    final = output_dir / f"checkpoint-{step}"
+    remove_tree(final)  # an incomplete one of the same step left by a crash
+    os.replace(tmp, final)
+    return step
+
+
+def has_final(backend: Backend) -> bool:
+    """Whether the job's final outputs are complete in the store (its marker is there)."""
+    return read_manifest(backend, FINAL_MARKER) is not None
+
+
+def upload_final(backend: Backend, output_dir: Path, progress: Progress | None = None) -> int:
+    """Upload the final outputs (the output directory but its `checkpoint-N/`), then the
+    final marker; the bytes uploaded."""
+    for _ in range(3):
+        size = upload_tree(
+            backend, output_dir, "final", FINAL_MARKER, skip_top=_SKIPPED_TOP, progress=progress
+        )
+        if size is not None:
+            return size
+    raise StoreError("the final outputs kept changing while they were uploaded")
+
+
+def pull(
+    backend: Backend,
+    dest: Path,
+    checkpoint: int | None = None,
+    progress: Progress | None = None,
+    on_size: Callable[[int], None] | None = None,
+) -> str:
+    """Download the final outputs (or checkpoint `checkpoint`) into `dest`; what was
+    fetched (`final` or `checkpoint-N`). `StoreError` when it is not in the store."""
+    if checkpoint is None:
+        manifest = read_manifest(backend, FINAL_MARKER)
+        if manifest is None:
+            raise StoreError("the job's final outputs are not in the store (not completed yet)")
+        prefix, what = "final", "final"
+    else:
+        manifest = read_manifest(backend, f"checkpoints/checkpoint-{int(checkpoint)}.json")
+        if manifest is None:
+            steps = sorted(stored_checkpoints(backend))
+            have = ", ".join(map(str, steps)) or "none"
+            raise StoreError(f"no complete checkpoint {checkpoint} in the store (steps: {have})")
+        prefix = what = f"checkpoints/checkpoint-{int(checkpoint)}"
+        what = f"checkpoint-{int(checkpoint)}"
+    if on_size is not None:
+        on_size(manifest["bytes"])
+    download_tree(backend, manifest, prefix, dest, progress)
+    return what
