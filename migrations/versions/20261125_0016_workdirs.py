@@ -1,7 +1,7 @@
 """workdirs: a job's code and data, packed and stored once per content
 
 Revision ID: 0016
-Revises: 0014
+Revises: 0015
 Create Date: 2026-11-25 18:00:00
 
 `job submit --workdir DIR` packs DIR into a gzip'd tar kept in `workdirs`, keyed by the
@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0016"
-down_revision: str | None = "0014"
+down_revision: str | None = "0015"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

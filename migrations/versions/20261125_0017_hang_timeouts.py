@@ -1,7 +1,7 @@
 """hang timeouts: a job's hang and startup timeouts, and the progress the poller last read
 
 Revision ID: 0017
-Revises: 0014
+Revises: 0016
 Create Date: 2026-11-25 18:00:00
 
 `jobs.hang_timeout_s` and `jobs.startup_timeout_s` (`job submit --hang-timeout`,
@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0017"
-down_revision: str | None = "0014"
+down_revision: str | None = "0016"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
