@@ -82,31 +82,34 @@ async def claim_batch_in_session(
     return results
 
 
+CLAIM_COLUMNS = (
+    Job.id,
+    Job.status,
+    Job.gpus_requested,
+    Job.nodes,
+    Job.model,
+    Job.dataset,
+    Job.reward_function,
+    Job.extra_args,
+    Job.env,
+    Job.roles,
+    Job.workdir_digest,
+    Job.store,
+    Job.attempt,
+    Job.retry_count,
+    Job.max_retries,
+    Job.machine_faults,
+)
+"""The job row's columns a claim reads (locked with the row); a claim step reads no other."""
+
+
 async def _lock_jobs(conn: AsyncConnection, ids: list[int]) -> tuple[dict[int, Any], set[int]]:
     """The batch's job rows, locked, by id; and the ids whose rows exist but another
     transaction holds right now (`busy`)."""
     # SKIP LOCKED: a batch never waits for a job row, so it can never be one side of a
     # deadlock with another transaction that moves several jobs (requeue, poller).
     locked = (
-        select(
-            Job.id,
-            Job.status,
-            Job.gpus_requested,
-            Job.nodes,
-            Job.model,
-            Job.dataset,
-            Job.reward_function,
-            Job.extra_args,
-            Job.env,
-            Job.roles,
-            Job.workdir_digest,
-            Job.store,
-            Job.attempt,
-            Job.retry_count,
-            Job.max_retries,
-            Job.machine_faults,
-            leftover_may_run(Job.id).label("leftover"),
-        )
+        select(*CLAIM_COLUMNS, leftover_may_run(Job.id).label("leftover"))
         .where(Job.id.in_(ids))
         .order_by(Job.id)
         .with_for_update(skip_locked=True, of=Job)

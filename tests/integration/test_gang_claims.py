@@ -9,7 +9,7 @@ import random
 
 from sqlalchemy import select, text
 
-from scheduler.claims.batch import claim_gpus
+from scheduler.claims.batch import CLAIM_COLUMNS, claim_gpus
 from scheduler.claims.gang import claim_gang
 from scheduler.claims.result import Claim, NoClaim
 from scheduler.db import Database
@@ -75,13 +75,8 @@ async def _claim_per_node(db: Database, job_id: int, demands: list[int]) -> Clai
     row locked as `claim_batch_in_session` locks it."""
     async with db.engine.begin() as conn:
         row = (
-            await conn.execute(
-                select(
-                    Job.id, Job.status, Job.gpus_requested, Job.nodes, Job.model, Job.dataset,
-                    Job.reward_function, Job.extra_args, Job.env, Job.roles, Job.workdir_digest,
-                ).where(Job.id == job_id).with_for_update()
-            )
-        ).one()  # fmt: skip
+            await conn.execute(select(*CLAIM_COLUMNS).where(Job.id == job_id).with_for_update())
+        ).one()
         return await claim_gang(conn, row, "test", 60.0, demands)
 
 
