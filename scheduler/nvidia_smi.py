@@ -15,24 +15,43 @@ from dataclasses import dataclass
 
 from scheduler.remote.output import as_int
 
-GPU_QUERY = "index,uuid,name,memory.total,memory.used,utilization.gpu"
+BASE_QUERY = "index,uuid,name,memory.total,memory.used,utilization.gpu"
+HEALTH_QUERY = "ecc.errors.uncorrected.volatile.total,retired_pages.pending,remapped_rows.pending"
+"""The health fields read with every poll (docs/gpu-health.md). A GPU or driver that does
+not support one answers `[N/A]` or `[Not Supported]` for it: unknown, not unhealthy."""
+GPU_QUERY = f"{BASE_QUERY},{HEALTH_QUERY}"
 APPS_QUERY = "gpu_uuid,pid,used_memory"
 _FORMAT = "--format=csv,noheader,nounits"
-GPU_COMMAND = f"nvidia-smi --query-gpu={GPU_QUERY} {_FORMAT}"
-"""Lists the GPUs, one csv line each (`parse_gpus`)."""
+BASIC_MARK = "@@rlfleet-gpus-basic"
+"""Printed before the GPU lines when the driver refused the health fields (a driver older
+than the field: nvidia-smi then fails the whole query) and the basic query ran instead."""
+GPU_COMMAND = (
+    f"rlfleet_gpus=$(nvidia-smi --query-gpu={GPU_QUERY} {_FORMAT} 2>&1); rlfleet_gpus_rc=$?\n"
+    'case "$rlfleet_gpus" in\n'
+    f'  *"is not a valid field"*) echo {BASIC_MARK}; '
+    f"nvidia-smi --query-gpu={BASE_QUERY} {_FORMAT} 2>&1; rlfleet_gpus_rc=$? ;;\n"
+    """  *) printf '%s\\n' "$rlfleet_gpus" ;;\n"""
+    "esac\n"
+    "(exit $rlfleet_gpus_rc)"
+)
+"""Lists the GPUs, one csv line each (`parse_gpus`), with their health fields where the
+driver knows them; its exit status is nvidia-smi's."""
 APPS_COMMAND = f"nvidia-smi --query-compute-apps={APPS_QUERY} {_FORMAT}"
 """Lists the processes using a GPU, one csv line each (`parse_apps`)."""
 
-# What nvidia-smi prints where it cannot give a value; all mean "unknown", not an error.
+# What nvidia-smi prints where it cannot give a value: "unknown", not an error.
 _NOT_AVAILABLE = {
     "[N/A]",
     "N/A",
     "[Not Supported]",
     "[Insufficient Permissions]",
-    "[Unknown Error]",
-    "[GPU requires reset]",
     "",
 }
+FAULT_MARKERS = ("[GPU requires reset]", "[Unknown Error]", "ERR!")
+"""What nvidia-smi prints in a field of a GPU that is broken: that GPU is unhealthy
+(`GpuInfo.fault`); the field's value is unknown."""
+_YES = {"yes", "1", "true", "enabled"}
+_NO = {"no", "0", "false", "disabled"}
 _NO_APPS = ("No running processes found", "No running compute processes found")
 _INT = re.compile(r"^-?\d+(\.\d+)?$")
 
@@ -47,6 +66,15 @@ class GpuInfo:
     memory_total_mb: int | None
     memory_used_mb: int | None
     utilization_pct: int | None
+    ecc_uncorrected: int | None = None
+    """`ecc.errors.uncorrected.volatile.total`: None when not reported (no ECC, old driver)."""
+    retired_pending: bool | None = None
+    """`retired_pages.pending`: pages waiting to be retired at the next reset."""
+    remapped_pending: bool | None = None
+    """`remapped_rows.pending`: rows waiting to be remapped at the next reset."""
+    fault: str | None = None
+    """The first fault marker (`FAULT_MARKERS`) nvidia-smi printed in a field of this GPU:
+    it requires a reset or cannot be read. None: none."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +86,14 @@ class ComputeApp:
     used_memory_mb: int | None
 
 
+def _fault(text: str) -> str | None:
+    """The fault marker in a field, if any."""
+    return next((m for m in FAULT_MARKERS if m in text), None)
+
+
 def _number(text: str) -> int | None:
     value = text.strip()
-    if value in _NOT_AVAILABLE:
+    if value in _NOT_AVAILABLE or _fault(value) is not None:
         return None
     if not _INT.match(value):
         raise ValueError(f"not a number: {value!r}")
@@ -94,25 +127,51 @@ def diagnose(lines: Sequence[str], rc: int | None) -> str | None:
     return None
 
 
-def parse_gpu_line(line: str) -> GpuInfo:
-    """One `--query-gpu` csv line; `ValueError` when it is not one."""
+def _flag(text: str) -> bool | None:
+    """A yes/no field; None when unknown. `ValueError` when it is neither."""
+    value = text.strip()
+    if value in _NOT_AVAILABLE or _fault(value) is not None:
+        return None
+    if value.lower() in _YES:
+        return True
+    if value.lower() in _NO:
+        return False
+    raise ValueError(f"not yes or no: {value!r}")
+
+
+def parse_gpu_line(line: str, *, health: bool | None = None) -> GpuInfo:
+    """One `--query-gpu` csv line; `ValueError` when it is not one.
+
+    `health`: whether the line carries the health fields (`GPU_QUERY`) or not
+    (`BASE_QUERY`); None: it does when it has at least 9 fields."""
     fields = [f.strip() for f in line.split(",")]
     if len(fields) < 6:
         raise ValueError(f"expected 6 fields, got {len(fields)}")
+    if health is None:
+        health = len(fields) >= 9
+    if health and len(fields) < 9:
+        raise ValueError(f"expected 9 fields, got {len(fields)}")
+    tail = 6 if health else 3
     # A name with a comma in it would split into more fields: rejoin the middle.
     index, uuid, rest = fields[0], fields[1], fields[2:]
-    name = ", ".join(rest[:-3])
+    name = ", ".join(rest[:-tail])
+    values = rest[-tail:]
     if as_int(index) is None or index.startswith("-"):
         raise ValueError(f"bad index {index!r}")
     if not uuid.startswith(("GPU-", "MIG-")) or len(uuid) < 12:
         raise ValueError(f"bad uuid {uuid!r}")
+    fault = next((f for f in map(_fault, rest) if f is not None), None)
     return GpuInfo(
         index=int(index),
         uuid=uuid,
-        name=None if name in _NOT_AVAILABLE else name,
-        memory_total_mb=_number(rest[-3]),
-        memory_used_mb=_number(rest[-2]),
-        utilization_pct=_number(rest[-1]),
+        name=None if name in _NOT_AVAILABLE or _fault(name) else name,
+        memory_total_mb=_number(values[0]),
+        memory_used_mb=_number(values[1]),
+        utilization_pct=_number(values[2]),
+        ecc_uncorrected=_number(values[3]) if health else None,
+        retired_pending=_flag(values[4]) if health else None,
+        remapped_pending=_flag(values[5]) if health else None,
+        fault=fault,
     )
 
 
@@ -130,13 +189,15 @@ def parse_app_line(line: str) -> ComputeApp:
 def parse_gpus(lines: Sequence[str], rc: int | None) -> tuple[list[GpuInfo], str | None]:
     """The GPUs in a `--query-gpu` section, and the reason it cannot be trusted, if any."""
     lines = _clean(list(lines))
+    basic = BASIC_MARK in lines
+    lines = [line for line in lines if line != BASIC_MARK]
     reason = diagnose(lines, rc)
     if reason is not None:
         return [], reason
     gpus: list[GpuInfo] = []
     for n, line in enumerate(lines, 1):
         try:
-            gpus.append(parse_gpu_line(line))
+            gpus.append(parse_gpu_line(line, health=False if basic else None))
         except ValueError as exc:
             return [], f"unreadable nvidia-smi GPU line {n} ({exc}): {line[:120]!r}"
     if not gpus:
