@@ -118,7 +118,9 @@ def step(before: Health, reading: GpuInfo | None, *, clear_polls: int = CLEAR_PO
             f"healthy again: clear for {cleared} polls (was: {before.reason})",
         )
     # Still unhealthy while clearing; a count that went down (a reset) is the new baseline.
-    keep = before.ecc_baseline if count is None or before.ecc_baseline is None else min(
-        count, before.ecc_baseline
+    keep = (
+        before.ecc_baseline
+        if count is None or before.ecc_baseline is None
+        else min(count, before.ecc_baseline)
     )
     return Step(Health(before.reason, cleared, keep), None)

@@ -32,9 +32,7 @@ def upgrade() -> None:
         sa.Column("health_clear_polls", sa.Integer(), server_default=sa.text("0"), nullable=False),
     )
     op.add_column("gpus", sa.Column("ecc_uncorrected", sa.BigInteger(), nullable=True))
-    op.add_column(
-        "gpus", sa.Column("health_changed_at", sa.DateTime(timezone=True), nullable=True)
-    )
+    op.add_column("gpus", sa.Column("health_changed_at", sa.DateTime(timezone=True), nullable=True))
     op.add_column(
         "gpus", sa.Column("drained", sa.Boolean(), server_default=sa.text("false"), nullable=False)
     )
@@ -58,9 +56,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_gpu_events")),
     )
-    op.create_index(
-        op.f("ix_gpu_events_vm_id_created_at"), "gpu_events", ["vm_id", "created_at"]
-    )
+    op.create_index(op.f("ix_gpu_events_vm_id_created_at"), "gpu_events", ["vm_id", "created_at"])
 
 
 def downgrade() -> None:
