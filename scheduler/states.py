@@ -132,6 +132,7 @@ class FailureReason(StrEnum):
     NODE_LOST = "node_lost"
     VM_REMOVED = "vm_removed"  # `vm remove --force` while it ran
     VANISHED = "vanished"  # process gone without an exit code
+    GPU_FAILED = "gpu_failed"  # its GPU was lost or requires a reset: stopped, retried elsewhere
 
 
 class RetryClass(StrEnum):
@@ -153,5 +154,6 @@ FAILURE_RETRY: dict[FailureReason, RetryClass] = {
     FailureReason.NODE_LOST: RetryClass.MACHINE_FAULT,
     FailureReason.VM_REMOVED: RetryClass.MACHINE_FAULT,
     FailureReason.VANISHED: RetryClass.COUNTED,
+    FailureReason.GPU_FAILED: RetryClass.MACHINE_FAULT,
 }
 """Every failure reason's retry class (`tests/unit/test_retry.py` checks none is missing)."""

@@ -22,6 +22,8 @@ from scheduler import metrics
 from scheduler.db import Database, installation_id
 from scheduler.gpu_poller.finish import finish_jobs, load_ranks
 from scheduler.gpu_poller.inventory import apply, mark_silent
+from scheduler.gpu_health import Health
+from scheduler.gpu_poller.gpu_faults import stop_on_broken_gpus
 from scheduler.gpu_poller.state import GpuRow, Outcome, SweepStats, VMState
 from scheduler.history import PRUNE_EVERY_S, prune
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
@@ -201,6 +203,8 @@ class GpuPoller:
                 self._failing.discard(outcome.vm.target.id)
         stats.jobs_finished += await finish_jobs(self.db, outcomes)
         await self._apply(outcomes, stats)
+        # After the GPU rows say so: a stopped job's GPUs are then not offered again.
+        stats.jobs_finished += await stop_on_broken_gpus(self.db, outcomes)
 
     async def _load(self) -> list[VMState]:
         async with self.db.transaction() as session:
@@ -282,9 +286,13 @@ async def load_vms(session: AsyncSession) -> dict[int, VMState]:
             GPU.utilization_pct,
             GPU.healthy,
             GPU.foreign_busy,
+            GPU.health_reason,
+            GPU.health_clear_polls,
+            GPU.ecc_uncorrected,
         )
     )
-    for vm_id, uuid, job_id, *values in gpu_rows:
+    for vm_id, uuid, job_id, *values, reason, clear_polls, ecc in gpu_rows:
         if vm_id in vms:
-            vms[vm_id].gpus[uuid] = GpuRow(uuid, job_id, tuple(values))
+            health = Health(reason, clear_polls, ecc)
+            vms[vm_id].gpus[uuid] = GpuRow(uuid, job_id, tuple(values), health)
     return vms
