@@ -77,8 +77,7 @@ async def stop_on_broken_gpus(db: Database, outcomes: Sequence[Outcome]) -> int:
 
 async def _stop(db: Database, broken: BrokenGpu) -> bool:
     why = (
-        f"{GPU_FAILED}: GPU {broken.gpu_index} ({broken.uuid}) on {broken.vm_name} "
-        f"{broken.reason}"
+        f"{GPU_FAILED}: GPU {broken.gpu_index} ({broken.uuid}) on {broken.vm_name} {broken.reason}"
     )[:500]
     async with db.transaction() as session:
         row = (

@@ -20,10 +20,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
 from scheduler.db import Database, installation_id
-from scheduler.gpu_poller.finish import finish_jobs, load_ranks
-from scheduler.gpu_poller.inventory import apply, mark_silent
 from scheduler.gpu_health import Health
+from scheduler.gpu_poller.finish import finish_jobs, load_ranks
 from scheduler.gpu_poller.gpu_faults import stop_on_broken_gpus
+from scheduler.gpu_poller.inventory import apply, mark_silent
 from scheduler.gpu_poller.state import GpuRow, Outcome, SweepStats, VMState
 from scheduler.history import PRUNE_EVERY_S, prune
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
