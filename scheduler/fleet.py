@@ -340,6 +340,7 @@ async def set_draining(session: AsyncSession, name: str, draining: bool) -> VM:
 def vm_to_dict(vm: VM, *, gpus: bool = True) -> dict[str, Any]:
     """A VM as plain data, for `--json` and for display."""
     data: dict[str, Any] = {
+        "id": vm.id,
         "name": vm.name,
         "host": vm.host,
         "internal_address": vm.internal_address,

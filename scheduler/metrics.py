@@ -51,15 +51,18 @@ GPUS = Gauge(
     "(by hand), foreign, unhealthy.",
     ["state"],
 )
+# Per GPU, labelled by the VM's id (`vm list --json` has it), not its name: the endpoint is
+# unauthenticated and serves no names (docs/security.md). The reasons are the poller's own
+# text (`scheduler.gpu_health`), nothing a VM or user wrote.
 GPU_HEALTHY = Gauge(
     "rlfleet_gpu_healthy",
     "Per GPU: 1 healthy, 0 unhealthy (no job is placed on it).",
-    ["vm", "gpu", "uuid"],
+    ["vm_id", "gpu", "uuid"],
 )
 GPU_UNHEALTHY_REASON = Gauge(
     "rlfleet_gpu_unhealthy_info",
     "1 for each unhealthy GPU, with why (the reason `vm show` prints).",
-    ["vm", "gpu", "uuid", "reason"],
+    ["vm_id", "gpu", "uuid", "reason"],
 )
 QUEUE_WAIT = Histogram(
     "rlfleet_job_queue_wait_seconds",
@@ -237,9 +240,7 @@ async def refresh_gauges(db: Database) -> None:
         )
         per_gpu = (
             await session.execute(
-                select(VM.name, GPU.index, GPU.uuid, GPU.healthy, GPU.health_reason).join(
-                    VM, VM.id == GPU.vm_id
-                )
+                select(GPU.vm_id, GPU.index, GPU.uuid, GPU.healthy, GPU.health_reason)
             )
         ).all()
     for status in JobStatus:
@@ -252,8 +253,8 @@ async def refresh_gauges(db: Database) -> None:
     # Rebuilt each time: a removed GPU or a cleared reason leaves no series behind.
     GPU_HEALTHY.clear()
     GPU_UNHEALTHY_REASON.clear()
-    for vm_name, index, uuid, healthy, reason in per_gpu:
-        labels = {"vm": vm_name, "gpu": str(index), "uuid": uuid}
+    for vm_id, index, uuid, healthy, reason in per_gpu:
+        labels = {"vm_id": str(vm_id), "gpu": str(index), "uuid": uuid}
         GPU_HEALTHY.labels(**labels).set(1 if healthy else 0)
         if not healthy:
             why = reason or "its VM cannot be trusted (see the VM's last_error)"

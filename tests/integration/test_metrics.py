@@ -39,7 +39,7 @@ def sample(page: str, name: str, **labels: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
-async def seed_fleet(db: Database) -> None:
+async def seed_fleet(db: Database) -> list[int]:
     """Two VMs (one healthy and draining, one unreachable), six GPUs (one requiring a
     reset, one drained by hand), five jobs."""
     async with db.transaction() as session:
@@ -79,11 +79,12 @@ async def seed_fleet(db: Database) -> None:
                 {"vm_id": vm_ids[0], "index": 3, "uuid": "GPU-a3", "drained": True},
             ],
         )
+    return list(vm_ids)
 
 
 async def test_gauges_follow_the_database_and_helpers_feed_the_histograms(db: Database) -> None:
     # Given a fleet and jobs in several states
-    await seed_fleet(db)
+    a = str((await seed_fleet(db))[0])
     port = free_port()
     before = scrape_or_none(port)
     assert before is None  # nothing serves there yet
@@ -120,11 +121,11 @@ async def test_gauges_follow_the_database_and_helpers_feed_the_histograms(db: Da
     assert sample(page, "rlfleet_gpus", state="unhealthy") == 2
     assert sample(page, "rlfleet_gpus", state="drained") == 1
     # …each GPU's health, and why an unhealthy one is
-    assert sample(page, "rlfleet_gpu_healthy", vm="a", gpu="1", uuid="GPU-a1") == 1
-    assert sample(page, "rlfleet_gpu_healthy", vm="a", gpu="2", uuid="GPU-a2") == 0
+    assert sample(page, "rlfleet_gpu_healthy", vm_id=a, gpu="1", uuid="GPU-a1") == 1
+    assert sample(page, "rlfleet_gpu_healthy", vm_id=a, gpu="2", uuid="GPU-a2") == 0
     reason = "requires reset: nvidia-smi prints [GPU requires reset]"
     assert (
-        sample(page, "rlfleet_gpu_unhealthy_info", vm="a", gpu="2", uuid="GPU-a2", reason=reason)
+        sample(page, "rlfleet_gpu_unhealthy_info", vm_id=a, gpu="2", uuid="GPU-a2", reason=reason)
         == 1
     )
     info = [line for line in page.splitlines() if line.startswith("rlfleet_gpu_unhealthy_info{")]
