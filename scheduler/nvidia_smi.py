@@ -91,13 +91,25 @@ def _fault(text: str) -> str | None:
     return next((m for m in FAULT_MARKERS if m in text), None)
 
 
-def _number(text: str) -> int | None:
+INT32 = (-(2**31), 2**31 - 1)
+"""The range of the `gpus` columns a reading is stored in (memory, utilisation)."""
+COUNT = (0, 2**63 - 1)
+"""The range of a count stored in a BIGINT column (ECC errors)."""
+
+
+def _number(text: str, bounds: tuple[int, int] = INT32) -> int | None:
+    """A numeric field; None when unknown. `ValueError` when it is not a number or out of
+    `bounds` (what its column holds: one VM's absurd value must not fail the batch that
+    writes every VM's poll)."""
     value = text.strip()
     if value in _NOT_AVAILABLE or _fault(value) is not None:
         return None
-    if not _INT.match(value):
-        raise ValueError(f"not a number: {value!r}")
-    return int(float(value))
+    if not _INT.match(value) or len(value) > 40:
+        raise ValueError(f"not a number: {value[:40]!r}")
+    number = int(float(value)) if "." in value else int(value)
+    if not bounds[0] <= number <= bounds[1]:
+        raise ValueError(f"out of range: {value[:40]}")
+    return number
 
 
 def _clean(lines: list[str]) -> list[str]:
@@ -168,7 +180,7 @@ def parse_gpu_line(line: str, *, health: bool | None = None) -> GpuInfo:
         memory_total_mb=_number(values[0]),
         memory_used_mb=_number(values[1]),
         utilization_pct=_number(values[2]),
-        ecc_uncorrected=_number(values[3]) if health else None,
+        ecc_uncorrected=_number(values[3], COUNT) if health else None,
         retired_pending=_flag(values[4]) if health else None,
         remapped_pending=_flag(values[5]) if health else None,
         fault=fault,

@@ -326,3 +326,23 @@ async def test_vm_drain_gpu_takes_one_gpu_out_by_hand_and_undrain_brings_it_back
         assert bad.returncode == 2, bad
         assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
     assert not any(g.drained for g in (await gpu_rows(db, vm_id)).values())
+
+
+async def test_absurd_numbers_from_one_vm_cost_only_that_vm(
+    db: Database, sim_fleet: FleetFactory, transport: Transport
+) -> None:
+    """Given two VMs, one whose nvidia-smi prints an ECC count no column holds, when the
+    poller sweeps, then that VM's GPUs cannot be trusted (one-line reason)
+    and the other VM is recorded as usual: one VM's output never fails the batch."""
+    fleet = await sim_fleet(2, gpus_per_vm=1)
+    ids = await fleet.register(db)
+    fleet[0].set_gpu_health(0, ecc=10**20)
+    poller = GpuPoller(db, transport)
+    stats = await poller.sweep()
+    assert stats.reachable == 2
+    async with db.transaction() as session:
+        bad = await session.get(VM, ids["vm0"])
+        good = await session.get(VM, ids["vm1"])
+    assert bad is not None and good is not None
+    assert bad.status == "unhealthy" and "out of range" in (bad.last_error or "")
+    assert (good.status, good.available_gpus) == ("healthy", 1)

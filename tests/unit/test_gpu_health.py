@@ -73,6 +73,21 @@ def test_a_line_of_the_basic_query_has_no_health_and_a_comma_name_is_not_misread
     assert result.gpus[0].name == name and result.gpus[0].ecc_uncorrected is None
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        f"0, {U0}, NVIDIA A100, 1, 0, 0, {2**63}, No, No",
+        f"0, {U0}, NVIDIA A100, 1, 0, 0, -1, No, No",
+        f"0, {U0}, NVIDIA A100, {2**31}, 0, 0, 0, No, No",
+        f"0, {U0}, NVIDIA A100, 1, {'9' * 400}, 0",
+    ],
+)
+def test_a_number_no_column_holds_is_an_unreadable_line(line: str) -> None:
+    result = parse_poll(poll_output([line], []))
+    assert result.error is not None
+    assert "out of range" in result.error or "not a number" in result.error
+
+
 def test_a_yes_no_field_with_another_value_is_an_unreadable_line() -> None:
     result = parse_poll(poll_output([f"0, {U0}, NVIDIA A100, 1, 0, 0, 0, maybe, No"], []))
     assert result.error is not None and "not yes or no" in result.error
