@@ -254,7 +254,7 @@ def _collect(outcome: Outcome, result: PollResult, writes: _Writes, stats: Sweep
         if lost.event is not None:
             log.warning("gpu_unhealthy", vm=vm.target.name, uuid=uuid, reason=lost.event)
             writes.events.append(_event(vm, uuid, row.values[0], lost))
-        if lost.event is not None or row.values[5]:
+        if lost.health != row.health or row.values[5]:
             writes.absent.append(
                 {"vm_id": vm.target.id, "uuid": uuid, "reason": lost.health.reason}
             )

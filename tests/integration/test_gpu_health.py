@@ -37,6 +37,9 @@ from tests.workloads.support import (
     write_fake_python,
 )
 
+# Every test here polls a fleet over SSH several times: seconds each.
+pytestmark = pytest.mark.slow
+
 FleetFactory = Callable[..., Awaitable[SimFleet]]
 CONFIG = RequeueConfig(interval_s=0.2, recheck_after_s=0.3)
 
@@ -83,7 +86,6 @@ async def placements_on(db: Database, job_ids: list[int], uuids: set[str]) -> in
         return sum(1 for gpus in placed if set(gpus or ()) & uuids)
 
 
-@pytest.mark.slow
 async def test_rising_ecc_keeps_new_jobs_off_but_leaves_the_running_one_and_a_reset_clears_it(
     db: Database, sim_fleet: FleetFactory, transport: Transport
 ) -> None:
@@ -169,7 +171,6 @@ async def test_a_gpu_that_requires_reset_stops_its_job_and_not_the_vms_other_job
     assert failed is None
 
 
-@pytest.mark.slow
 async def test_no_job_is_placed_on_an_unhealthy_gpu(
     db: Database, sim_fleet: FleetFactory, nats: EmbeddedNats, tmp_path: pytest.TempPathFactory
 ) -> None:
@@ -238,7 +239,6 @@ async def test_no_job_is_placed_on_an_unhealthy_gpu(
     assert (0, "healthy") in kinds
 
 
-@pytest.mark.slow
 async def test_a_job_on_a_gpu_that_requires_reset_moves_elsewhere_without_using_a_retry(
     db: Database, sim_fleet: FleetFactory, nats: EmbeddedNats, tmp_path: pytest.TempPathFactory
 ) -> None:
@@ -288,7 +288,6 @@ async def test_a_job_on_a_gpu_that_requires_reset_moves_elsewhere_without_using_
     assert by_name["vm1"]["gpus"][0]["health_reason"] is None
 
 
-@pytest.mark.slow
 async def test_vm_drain_gpu_takes_one_gpu_out_by_hand_and_undrain_brings_it_back(
     db: Database, sim_fleet: FleetFactory, transport: Transport
 ) -> None:
@@ -346,3 +345,31 @@ async def test_absurd_numbers_from_one_vm_cost_only_that_vm(
     assert bad is not None and good is not None
     assert bad.status == "unhealthy" and "out of range" in (bad.last_error or "")
     assert (good.status, good.available_gpus) == ("healthy", 1)
+
+
+async def test_a_gpu_that_vanishes_again_while_clearing_starts_its_count_again(
+    db: Database, sim_fleet: FleetFactory, transport: Transport
+) -> None:
+    # Given a GPU that vanished and came back, clear for CLEAR_POLLS - 1 polls
+    fleet = await sim_fleet(1, gpus_per_vm=2)
+    vm_id = (await fleet.register(db))["vm0"]
+    poller = GpuPoller(db, transport)
+    await poller.sweep()
+    uuid = fleet[0].gpu_uuids[1]
+    fleet[0].set_gpu_health(1, vanished=True)
+    await poller.sweep()
+    fleet[0].set_gpu_health(1, vanished=None)
+    for _ in range(CLEAR_POLLS - 1):
+        await poller.sweep()
+    assert (await gpu_rows(db, vm_id))[uuid].health_clear_polls == CLEAR_POLLS - 1
+    # When it vanishes again for one poll, then comes back
+    fleet[0].set_gpu_health(1, vanished=True)
+    await poller.sweep()
+    assert (await gpu_rows(db, vm_id))[uuid].health_clear_polls == 0
+    fleet[0].set_gpu_health(1, vanished=None)
+    # Then it takes CLEAR_POLLS polls again, not one
+    for _ in range(CLEAR_POLLS - 1):
+        await poller.sweep()
+        assert not (await gpu_rows(db, vm_id))[uuid].healthy
+    await poller.sweep()
+    assert (await gpu_rows(db, vm_id))[uuid].healthy
