@@ -198,11 +198,29 @@ def parse_app_line(line: str) -> ComputeApp:
     return ComputeApp(gpu_uuid=uuid, pid=_number(pid), used_memory_mb=_number(used))
 
 
+LOST_RC = 15
+"""nvidia-smi's exit status when a GPU is lost (fallen off the bus) and it listed the rest."""
+_LOST_MARKS = ("fallen off the bus", "GPU is lost")
+
+
+def _without_lost(lines: list[str], rc: int | None) -> tuple[list[str], int | None]:
+    """The lines and exit status to read when nvidia-smi reported a lost GPU but listed
+    others: those others are read as usual (the lost one is the GPU the listing misses,
+    `scheduler.gpu_health`), not the whole VM distrusted. Otherwise unchanged."""
+    lost = [line for line in lines if any(m in line for m in _LOST_MARKS)]
+    rest = [line for line in lines if line not in lost]
+    if lost and rest and rc in (0, LOST_RC):
+        return rest, 0
+    return lines, rc
+
+
 def parse_gpus(lines: Sequence[str], rc: int | None) -> tuple[list[GpuInfo], str | None]:
-    """The GPUs in a `--query-gpu` section, and the reason it cannot be trusted, if any."""
+    """The GPUs in a `--query-gpu` section, and the reason it cannot be trusted, if any.
+    A GPU reported lost beside others that are listed is simply not listed (per GPU, not
+    the VM); a lost GPU with nothing else listed distrusts the VM."""
     lines = _clean(list(lines))
     basic = BASIC_MARK in lines
-    lines = [line for line in lines if line != BASIC_MARK]
+    lines, rc = _without_lost([line for line in lines if line != BASIC_MARK], rc)
     reason = diagnose(lines, rc)
     if reason is not None:
         return [], reason
@@ -224,6 +242,10 @@ def parse_gpus(lines: Sequence[str], rc: int | None) -> tuple[list[GpuInfo], str
 def parse_apps(lines: Sequence[str], rc: int | None) -> tuple[list[ComputeApp], str | None]:
     """The processes in a `--query-compute-apps` section, and a reason when unreadable."""
     lines = [line for line in _clean(list(lines)) if not line.startswith(_NO_APPS)]
+    if rc == LOST_RC and lines and all(any(m in line for m in _LOST_MARKS) for line in lines):
+        lines, rc = [], 0  # only the lost GPU's complaint: no process listed
+    else:
+        lines, rc = _without_lost(lines, rc)
     reason = diagnose(lines, rc)
     if reason is not None:
         return [], reason

@@ -373,3 +373,31 @@ async def test_a_gpu_that_vanishes_again_while_clearing_starts_its_count_again(
         assert not (await gpu_rows(db, vm_id))[uuid].healthy
     await poller.sweep()
     assert (await gpu_rows(db, vm_id))[uuid].healthy
+
+
+async def test_a_gpu_fallen_off_the_bus_is_lost_alone_and_its_job_moves(
+    db: Database, sim_fleet: FleetFactory, transport: Transport
+) -> None:
+    """Given jobs on both GPUs of a VM, when GPU 0 falls off the bus (nvidia-smi says it
+    is lost, lists GPU 1 and exits 15), then the VM stays healthy, GPU 0 alone is lost and
+    its job stopped as gpu_failed, and the job on GPU 1 runs on."""
+    fleet = await sim_fleet(1, gpus_per_vm=2)
+    vm = fleet[0]
+    vm_id = (await fleet.register(db))["vm0"]
+    poller = GpuPoller(db, transport)
+    await poller.sweep()
+    on_lost = await launch_on(db, transport, vm.target(vm_id), 0, "--fake_seconds", "60")
+    on_fine = await launch_on(db, transport, vm.target(vm_id), 1, "--fake_seconds", "60")
+    await poller.sweep()
+    vm.fail_nvidia_smi("fallen_off_bus")
+    await poller.sweep()
+    async with db.transaction() as session:
+        row = await session.get(VM, vm_id)
+        assert row is not None and (row.status, row.last_error) == ("healthy", None)
+    rows = await gpu_rows(db, vm_id)
+    lost, fine = (rows[u] for u in vm.gpu_uuids)
+    assert not lost.healthy and lost.health_reason == "lost: no longer listed by nvidia-smi"
+    assert fine.healthy and fine.job_id == on_fine
+    job = await job_row(db, on_lost)
+    assert (job.status, job.failure_reason, job.retry_count) == ("failed", "gpu_failed", 0)
+    assert (await job_row(db, on_fine)).status == "running"
