@@ -16,26 +16,32 @@ from dataclasses import dataclass
 from scheduler.remote.output import as_int
 
 BASE_QUERY = "index,uuid,name,memory.total,memory.used,utilization.gpu"
-HEALTH_QUERY = "ecc.errors.uncorrected.volatile.total,retired_pages.pending,remapped_rows.pending"
+ECC_FIELD = "ecc.errors.uncorrected.volatile.total"
+RETIRED_FIELD = "retired_pages.pending"
+REMAPPED_FIELD = "remapped_rows.pending"
+HEALTH_QUERY = f"{ECC_FIELD},{RETIRED_FIELD},{REMAPPED_FIELD}"
 """The health fields read with every poll (docs/gpu-health.md). A GPU or driver that does
 not support one answers `[N/A]` or `[Not Supported]` for it: unknown, not unhealthy."""
 GPU_QUERY = f"{BASE_QUERY},{HEALTH_QUERY}"
+GPU_QUERIES = (GPU_QUERY, f"{BASE_QUERY},{ECC_FIELD},{RETIRED_FIELD}", BASE_QUERY)
+"""The GPU queries a poll tries in turn: a driver older than a field refuses the whole
+query ("is not a valid field"), so the next one, with fewer health fields, is asked in the
+same round trip (row remapping came with later drivers than ECC and page retirement)."""
 APPS_QUERY = "gpu_uuid,pid,used_memory"
 _FORMAT = "--format=csv,noheader,nounits"
-BASIC_MARK = "@@rlfleet-gpus-basic"
-"""Printed before the GPU lines when the driver refused the health fields (a driver older
-than the field: nvidia-smi then fails the whole query) and the basic query ran instead."""
+QUERY_MARK = "@@rlfleet-gpus-query"
+"""Printed before the GPU lines with the query that answered (one of `GPU_QUERIES`)."""
 GPU_COMMAND = (
-    f"rlfleet_gpus=$(nvidia-smi --query-gpu={GPU_QUERY} {_FORMAT} 2>&1); rlfleet_gpus_rc=$?\n"
-    'case "$rlfleet_gpus" in\n'
-    f'  *"is not a valid field"*) echo {BASIC_MARK}; '
-    f"nvidia-smi --query-gpu={BASE_QUERY} {_FORMAT} 2>&1; rlfleet_gpus_rc=$? ;;\n"
-    """  *) printf '%s\\n' "$rlfleet_gpus" ;;\n"""
-    "esac\n"
+    f"for rlfleet_q in {' '.join(GPU_QUERIES)}; do\n"
+    f'  rlfleet_gpus=$(nvidia-smi --query-gpu="$rlfleet_q" {_FORMAT} 2>&1); rlfleet_gpus_rc=$?\n'
+    '  case "$rlfleet_gpus" in *"is not a valid field"*) ;; *) break ;; esac\n'
+    "done\n"
+    f'echo "{QUERY_MARK} $rlfleet_q"\n'
+    """printf '%s\\n' "$rlfleet_gpus"\n"""
     "(exit $rlfleet_gpus_rc)"
 )
-"""Lists the GPUs, one csv line each (`parse_gpus`), with their health fields where the
-driver knows them; its exit status is nvidia-smi's."""
+"""Lists the GPUs, one csv line each (`parse_gpus`), with the health fields the driver
+knows; its exit status is nvidia-smi's."""
 APPS_COMMAND = f"nvidia-smi --query-compute-apps={APPS_QUERY} {_FORMAT}"
 """Lists the processes using a GPU, one csv line each (`parse_apps`)."""
 
@@ -140,34 +146,36 @@ def diagnose(lines: Sequence[str], rc: int | None) -> str | None:
 
 
 def _flag(text: str) -> bool | None:
-    """A yes/no field; None when unknown. `ValueError` when it is neither."""
-    value = text.strip()
-    if value in _NOT_AVAILABLE or _fault(value) is not None:
-        return None
-    if value.lower() in _YES:
+    """A yes/no field (`Yes`/`No`, or a count: pending when above 0); None when unknown,
+    including a value in a form this parser does not know (a health field read wrongly
+    must not distrust the whole VM: the listing itself is still checked)."""
+    value = text.strip().lower()
+    if value in _YES:
         return True
-    if value.lower() in _NO:
+    if value in _NO:
         return False
-    raise ValueError(f"not yes or no: {value!r}")
+    if value.isascii() and value.isdigit() and len(value) <= 18:
+        return int(value) > 0
+    return None
 
 
-def parse_gpu_line(line: str, *, health: bool | None = None) -> GpuInfo:
-    """One `--query-gpu` csv line; `ValueError` when it is not one.
-
-    `health`: whether the line carries the health fields (`GPU_QUERY`) or not
-    (`BASE_QUERY`); None: it does when it has at least 9 fields."""
+def parse_gpu_line(line: str, *, query: str | None = None) -> GpuInfo:
+    """One `--query-gpu` csv line of `query` (one of `GPU_QUERIES`); `ValueError` when it
+    is not one. None: `GPU_QUERY` when the line has at least its 9 fields, else
+    `BASE_QUERY`."""
     fields = [f.strip() for f in line.split(",")]
     if len(fields) < 6:
         raise ValueError(f"expected 6 fields, got {len(fields)}")
-    if health is None:
-        health = len(fields) >= 9
-    if health and len(fields) < 9:
-        raise ValueError(f"expected 9 fields, got {len(fields)}")
-    tail = 6 if health else 3
+    if query is None:
+        query = GPU_QUERY if len(fields) >= 9 else BASE_QUERY
+    names = query.split(",")
+    if len(fields) < len(names):
+        raise ValueError(f"expected {len(names)} fields, got {len(fields)}")
+    tail = len(names) - 3
     # A name with a comma in it would split into more fields: rejoin the middle.
     index, uuid, rest = fields[0], fields[1], fields[2:]
     name = ", ".join(rest[:-tail])
-    values = rest[-tail:]
+    values = dict(zip(names[3:], rest[-tail:], strict=True))
     if as_int(index) is None or index.startswith("-"):
         raise ValueError(f"bad index {index!r}")
     if not uuid.startswith(("GPU-", "MIG-")) or len(uuid) < 12:
@@ -177,12 +185,12 @@ def parse_gpu_line(line: str, *, health: bool | None = None) -> GpuInfo:
         index=int(index),
         uuid=uuid,
         name=None if name in _NOT_AVAILABLE or _fault(name) else name,
-        memory_total_mb=_number(values[0]),
-        memory_used_mb=_number(values[1]),
-        utilization_pct=_number(values[2]),
-        ecc_uncorrected=_number(values[3], COUNT) if health else None,
-        retired_pending=_flag(values[4]) if health else None,
-        remapped_pending=_flag(values[5]) if health else None,
+        memory_total_mb=_number(values["memory.total"]),
+        memory_used_mb=_number(values["memory.used"]),
+        utilization_pct=_number(values["utilization.gpu"]),
+        ecc_uncorrected=_number(values[ECC_FIELD], COUNT) if ECC_FIELD in values else None,
+        retired_pending=_flag(values[RETIRED_FIELD]) if RETIRED_FIELD in values else None,
+        remapped_pending=_flag(values[REMAPPED_FIELD]) if REMAPPED_FIELD in values else None,
         fault=fault,
     )
 
@@ -219,15 +227,18 @@ def parse_gpus(lines: Sequence[str], rc: int | None) -> tuple[list[GpuInfo], str
     A GPU reported lost beside others that are listed is simply not listed (per GPU, not
     the VM); a lost GPU with nothing else listed distrusts the VM."""
     lines = _clean(list(lines))
-    basic = BASIC_MARK in lines
-    lines, rc = _without_lost([line for line in lines if line != BASIC_MARK], rc)
+    marks = [line for line in lines if line.startswith(QUERY_MARK + " ")]
+    query = marks[-1].removeprefix(QUERY_MARK + " ") if marks else None
+    lines, rc = _without_lost([line for line in lines if line not in marks], rc)
     reason = diagnose(lines, rc)
     if reason is not None:
         return [], reason
+    if query is not None and query not in GPU_QUERIES:
+        return [], f"nvidia-smi answered an unknown GPU query: {query[:120]!r}"
     gpus: list[GpuInfo] = []
     for n, line in enumerate(lines, 1):
         try:
-            gpus.append(parse_gpu_line(line, health=False if basic else None))
+            gpus.append(parse_gpu_line(line, query=query))
         except ValueError as exc:
             return [], f"unreadable nvidia-smi GPU line {n} ({exc}): {line[:120]!r}"
     if not gpus:

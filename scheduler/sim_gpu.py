@@ -14,7 +14,8 @@ ECC errors), `retired_pending`, `remapped_pending` (booleans), `fault` (a marker
 `[GPU requires reset]`, `[Unknown Error]` or `ERR!`, printed in every field but index and
 UUID), `unsupported` (health fields answered `[N/A]`/`[Not Supported]`), and `vanished`
 (not listed at all, as a GPU that dropped off does). `old_driver` in the config refuses
-the health fields the way a driver older than them does.
+the health fields (True: all of them; a list: those) the way a driver older than them
+does.
 
 Which GPUs a process uses is read from its `CUDA_VISIBLE_DEVICES` the way CUDA reads it
 (`devices_of`): a UUID names that GPU; a number is a position in CUDA's order, which is
@@ -230,7 +231,9 @@ def main(argv: list[str]) -> int:
         fields = [f.strip() for f in options[key].split(",")]
         # A driver older than a field refuses the whole query (any other field the
         # simulation has no value of is answered [N/A]).
-        refused = [f for f in fields if f in HEALTH_FIELDS] if cfg.get("old_driver") else []
+        old = cfg.get("old_driver")
+        too_new = HEALTH_FIELDS if old is True else tuple(old or ())
+        refused = [f for f in fields if f in too_new]
         if refused:
             print(f'Field "{refused[0]}" is not a valid field to query.')
             print("")

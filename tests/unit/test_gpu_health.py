@@ -11,7 +11,7 @@ import pytest
 
 from scheduler import sim_gpu
 from scheduler.gpu_health import CLEAR_POLLS, ECC, FAULT, LOST, Health, condition, step
-from scheduler.nvidia_smi import BASIC_MARK, GpuInfo, parse_gpu_line
+from scheduler.nvidia_smi import BASE_QUERY, QUERY_MARK, GpuInfo, parse_gpu_line
 from scheduler.poll import parse_poll, poll_command
 from tests.unit.test_poll import U0, U1, poll_output
 
@@ -67,7 +67,8 @@ def test_health_fields_are_read(line: str, expected: tuple[object, ...]) -> None
 def test_a_line_of_the_basic_query_has_no_health_and_a_comma_name_is_not_misread() -> None:
     # Given a driver that refused the health fields (the poll then ran the basic query)
     name = "Tesla V100, SXM2, 16GB, rev 1"
-    result = parse_poll(poll_output([BASIC_MARK, f"0, {U0}, {name}, 16384, 0, 0"], []))
+    mark = f"{QUERY_MARK} {BASE_QUERY}"
+    result = parse_poll(poll_output([mark, f"0, {U0}, {name}, 16384, 0, 0"], []))
     # Then the line is read as the basic one, its name whole, health unknown
     assert result.error is None
     assert result.gpus[0].name == name and result.gpus[0].ecc_uncorrected is None
@@ -88,9 +89,14 @@ def test_a_number_no_column_holds_is_an_unreadable_line(line: str) -> None:
     assert "out of range" in result.error or "not a number" in result.error
 
 
-def test_a_yes_no_field_with_another_value_is_an_unreadable_line() -> None:
-    result = parse_poll(poll_output([f"0, {U0}, NVIDIA A100, 1, 0, 0, 0, maybe, No"], []))
-    assert result.error is not None and "not yes or no" in result.error
+@pytest.mark.parametrize(
+    ("field", "pending"), [("Yes", True), ("No", False), ("2", True), ("0", False), ("maybe", None)]
+)
+def test_a_pending_field_may_be_a_count_and_an_unknown_form_is_unknown(
+    field: str, pending: bool | None
+) -> None:
+    result = parse_poll(poll_output([f"0, {U0}, NVIDIA A100, 1, 0, 0, 0, No, {field}"], []))
+    assert result.error is None and result.gpus[0].remapped_pending is pending
 
 
 def test_a_faulty_gpu_does_not_make_the_others_unreadable() -> None:
@@ -136,12 +142,31 @@ def test_the_simulation_reports_each_health_setting(tmp_path: Path) -> None:
 
 def test_a_driver_that_refuses_the_health_fields_still_lists_its_gpus(tmp_path: Path) -> None:
     config = sim_gpu.make_config("vm", 2, gpu_name="Tesla V100, SXM2", memory_mb=16384)
+    sim_gpu.set_health(config, 1, ecc=2)
     config["old_driver"] = True
     gpus = run_poll(tmp_path, config)
     assert [(g.index, g.name, g.ecc_uncorrected) for g in gpus] == [
         (0, "Tesla V100, SXM2", None),
         (1, "Tesla V100, SXM2", None),
     ]
+
+
+def test_a_driver_without_row_remapping_still_reports_ecc_and_retirement(
+    tmp_path: Path,
+) -> None:
+    config = sim_gpu.make_config("vm", 2, gpu_name="Tesla V100, SXM2", memory_mb=16384)
+    sim_gpu.set_health(config, 1, ecc=2, retired_pending=True)
+    config["old_driver"] = ["remapped_rows.pending"]
+    gpus = run_poll(tmp_path, config)
+    assert [(g.name, g.ecc_uncorrected, g.retired_pending, g.remapped_pending) for g in gpus] == [
+        ("Tesla V100, SXM2", 0, False, None),
+        ("Tesla V100, SXM2", 2, True, None),
+    ]
+
+
+def test_an_unknown_query_mark_distrusts_the_answer() -> None:
+    result = parse_poll(poll_output([f"{QUERY_MARK} index,pid", f"0, {U0}, A, 1, 0, 0"], []))
+    assert result.error is not None and "unknown GPU query" in result.error
 
 
 # -- health transitions ----------------------------------------------------------------
