@@ -4,7 +4,9 @@ parser of their output. The poll that runs them with the attempt status probe is
 
 The parser never raises on what a VM prints: anything it cannot read becomes a one-line
 reason (`diagnose`, `parse_gpus`, `parse_apps`), which the poller stores in
-`vms.last_error` while it marks the VM's GPUs unhealthy.
+`vms.last_error` while it marks the VM's GPUs unhealthy. What one GPU says of its own
+health (ECC, pending retirement or remapping, a fault marker in a field) is read into its
+`GpuInfo`; what that means for the GPU is `scheduler.gpu_health`'s to decide.
 """
 
 from __future__ import annotations
