@@ -13,6 +13,7 @@ import os
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from sqlalchemy import select, update
@@ -30,9 +31,11 @@ from tests.workloads.support import (
     RLFLEET,
     alive,
     daemons,
+    job_nodes,
     job_row,
     launch_on,
     new_job,
+    scheduling,
     wait_status,
     write_fake_python,
 )
@@ -172,7 +175,7 @@ async def test_a_gpu_that_requires_reset_stops_its_job_and_not_the_vms_other_job
 
 
 async def test_no_job_is_placed_on_an_unhealthy_gpu(
-    db: Database, sim_fleet: FleetFactory, nats: EmbeddedNats, tmp_path: pytest.TempPathFactory
+    db: Database, sim_fleet: FleetFactory, nats: EmbeddedNats, tmp_path: Path
 ) -> None:
     """Given a VM of six GPUs, five of which turn unhealthy in five different ways and one
     that answers [N/A] for its health fields, when six jobs are submitted, then exactly
@@ -180,7 +183,7 @@ async def test_no_job_is_placed_on_an_unhealthy_gpu(
     rising ECC is reset and clear for CLEAR_POLLS polls, a job is placed on that GPU."""
     fleet = await sim_fleet(1, gpus_per_vm=6)
     vm = fleet[0]
-    ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN), python=write_fake_python(tmp_path))  # type: ignore[arg-type]
+    ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN), python=write_fake_python(tmp_path))
     vm_id = ids["vm0"]
     uuids = vm.gpu_uuids
     async with daemons(db, nats.url, CONFIG):
@@ -240,14 +243,14 @@ async def test_no_job_is_placed_on_an_unhealthy_gpu(
 
 
 async def test_a_job_on_a_gpu_that_requires_reset_moves_elsewhere_without_using_a_retry(
-    db: Database, sim_fleet: FleetFactory, nats: EmbeddedNats, tmp_path: pytest.TempPathFactory
+    db: Database, sim_fleet: FleetFactory, nats: EmbeddedNats, tmp_path: Path
 ) -> None:
     """Given two VMs, the second drained at first so the job lands on the first, when the
     job's GPU reports [GPU requires reset], then its attempt is stopped (its process
     killed), the job fails as gpu_failed and runs to completion on the other VM with
     retry_count 0; `vm show` and `vm list --json` say which GPU is unhealthy and why."""
     fleet = await sim_fleet(2, gpus_per_vm=1)
-    ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN), python=write_fake_python(tmp_path))  # type: ignore[arg-type]
+    ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN), python=write_fake_python(tmp_path))
     async with db.transaction() as session:
         await session.execute(update(VM).where(VM.name == "vm1").values(draining=True))
     async with daemons(db, nats.url, CONFIG):
@@ -401,3 +404,43 @@ async def test_a_gpu_fallen_off_the_bus_is_lost_alone_and_its_job_moves(
     job = await job_row(db, on_lost)
     assert (job.status, job.failure_reason, job.retry_count) == ("failed", "gpu_failed", 0)
     assert (await job_row(db, on_fine)).status == "running"
+
+
+async def test_a_rank_on_a_gpu_that_requires_reset_stops_the_whole_attempt_which_runs_again(
+    db: Database, sim_fleet: FleetFactory, nats: EmbeddedNats, transport: Transport, tmp_path: Path
+) -> None:
+    """Given a 2 × 1 job on two of three VMs, when rank 1's GPU requires a reset, then the
+    job fails as gpu_failed (no retry used), rank 0 on its healthy VM is killed rather than
+    left running alone, and the job runs again as a whole on the two healthy VMs."""
+    fleet = await sim_fleet(3, gpus_per_vm=1)
+    ids = await fleet.register(db, entrypoint=str(FAKE_TRAIN), python=write_fake_python(tmp_path))
+    by_id = {vm_id: fleet.by_name(name) for name, vm_id in ids.items()}
+    poller = GpuPoller(db, transport)
+    await poller.sweep()
+    job_id = await new_job(
+        db, 1, ("--fake_seconds", "300", "--fake_retry_seconds", "1"), nodes=2, max_retries=0
+    )
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        await requeue.tick()
+        await wait_status(db, job_id, "running")
+        first = await job_nodes(db, job_id)
+        rank0_pid, broken_vm = first[0].remote_pid, first[1].vm_id
+        assert rank0_pid is not None and alive(rank0_pid) and broken_vm is not None
+        by_id[broken_vm].set_gpu_health(0, fault="[GPU requires reset]")
+        await poller.sweep()
+        job = await job_row(db, job_id)
+        assert (job.status, job.failure_reason, job.retry_count) == ("failed", "gpu_failed", 0)
+        deadline = time.monotonic() + 30
+        while alive(rank0_pid):  # the requeue manager's kill sweep
+            assert time.monotonic() < deadline, "rank 0 was left running alone"
+            await requeue.tick()
+            await asyncio.sleep(0.1)
+        deadline = time.monotonic() + 60
+        while (job := await job_row(db, job_id)).status != "completed":
+            assert time.monotonic() < deadline, f"job is {job.status} ({job.status_reason})"
+            await poller.sweep()
+            await requeue.tick()
+            await asyncio.sleep(0.1)
+        second = await job_nodes(db, job_id)
+    assert job.attempt == 2 and job.retry_count == 0
+    assert broken_vm not in {r.vm_id for r in second}
