@@ -209,7 +209,13 @@ async def test_no_job_is_placed_on_an_unhealthy_gpu(
         assert rows[uuids[5]].healthy, "[N/A] health fields are not a sign of trouble"
 
         jobs = [await new_job(db, 1, ("--fake_seconds", "60")) for _ in range(6)]
-        first = await wait_status(db, jobs[0], "running", timeout=30)
+        # Whichever job the dispatcher takes first (they are announced in no set order)
+        # runs on the one healthy GPU
+        deadline = time.monotonic() + 30
+        while not (running := [j for j in jobs if (await job_row(db, j)).status == "running"]):
+            assert time.monotonic() < deadline, "no job ran on the healthy GPU"
+            await asyncio.sleep(0.05)
+        first = await job_row(db, running[0])
         assert first.gpu_uuids == [uuids[5]]
         # Every other job waits: give the dispatcher and requeue manager several rounds.
         for _ in range(10):
@@ -217,7 +223,7 @@ async def test_no_job_is_placed_on_an_unhealthy_gpu(
             assert await placements_on(db, jobs, set(uuids[:5])) == 0
         # …never claimed at all (a claim on an unhealthy GPU that failed and was requeued
         # would have left attempt 1 behind)
-        waiting = [await job_row(db, j) for j in jobs[1:]]
+        waiting = [await job_row(db, j) for j in jobs if j != first.id]
         assert {(j.status, j.attempt) for j in waiting} <= {("queued", 0), ("pending", 0)}
 
         # When GPU 0 is reset (its volatile ECC count back to 0), it is healthy again after
