@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import gpu_health
 from scheduler.db import Database
-from scheduler.gpu_poller.state import Outcome, SweepStats, VMState
+from scheduler.gpu_poller.state import GpuRow, Outcome, SweepStats, VMState
 from scheduler.gpus import RECOUNT_SQL
 from scheduler.history import GpuReading, ProgressRow, record_samples
 from scheduler.logging import get_logger
@@ -186,16 +186,19 @@ async def apply(
     `stats`. A VM is unreachable after `unreachable_after` failed polls in a row or once
     silent for `unreachable_timeout` seconds."""
     writes = _Writes()
-    for outcome in outcomes:
-        if outcome.result is None:
-            writes.failed.append({"vm_id": outcome.vm.target.id, "error": outcome.error})
-            _log_failure(outcome.vm, outcome.error or "", unreachable_after)
-            continue
-        stats.reachable += 1
-        _collect(outcome, outcome.result, writes, stats)
-    stats.failed += len(writes.failed)
     ids = [o.vm.target.id for o in outcomes]
     async with db.transaction() as session:
+        # The GPU rows as they are now, not as the sweep that sent the poll loaded them: a
+        # poll can land sweeps later, and a GPU's health is a step from its last state.
+        await _reload_gpus(session, [o.vm for o in outcomes if o.result is not None])
+        for outcome in outcomes:
+            if outcome.result is None:
+                writes.failed.append({"vm_id": outcome.vm.target.id, "error": outcome.error})
+                _log_failure(outcome.vm, outcome.error or "", unreachable_after)
+                continue
+            stats.reachable += 1
+            _collect(outcome, outcome.result, writes, stats)
+        stats.failed += len(writes.failed)
         await _write(
             session,
             writes,
@@ -203,6 +206,29 @@ async def apply(
             unreachable_after=unreachable_after,
             unreachable_timeout=unreachable_timeout,
         )
+
+
+_GPU_ROWS_SQL = text(
+    """
+SELECT vm_id, uuid, job_id, index, name, memory_total_mb, memory_used_mb, utilization_pct,
+       healthy, foreign_busy, health_reason, health_clear_polls, ecc_uncorrected
+FROM gpus WHERE vm_id = ANY(:ids)
+"""
+)
+
+
+async def _reload_gpus(session: AsyncSession, vms: Sequence[VMState]) -> None:
+    """Replace the loaded GPU rows of `vms` with the rows as they are now (caller's
+    transaction; only the poller writes a GPU's health, one batch at a time)."""
+    if not vms:
+        return
+    by_id = {vm.target.id: vm for vm in vms}
+    for vm in vms:
+        vm.gpus = {}
+    rows = await session.execute(_GPU_ROWS_SQL, {"ids": list(by_id)})
+    for vm_id, uuid, job_id, *values, reason, clear_polls, ecc in rows:
+        health = gpu_health.Health(reason, clear_polls, ecc)
+        by_id[vm_id].gpus[uuid] = GpuRow(uuid, job_id, tuple(values), health)
 
 
 def _collect(outcome: Outcome, result: PollResult, writes: _Writes, stats: SweepStats) -> None:

@@ -22,7 +22,11 @@ from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_health import CLEAR_POLLS
 from scheduler.gpu_poller import GpuPoller
+from scheduler.gpu_poller.inventory import apply
+from scheduler.gpu_poller.state import Outcome, SweepStats
+from scheduler.gpu_poller.sweep import load_vms
 from scheduler.models import GPU, VM, GpuEvent, Job, JobEvent, JobNode
+from scheduler.poll import parse_poll, poll_command
 from scheduler.requeue import RequeueConfig
 from scheduler.transport import Transport
 from tests.fleet import FAKE_TRAIN, SimFleet
@@ -450,3 +454,29 @@ async def test_a_rank_on_a_gpu_that_requires_reset_stops_the_whole_attempt_which
         second = await job_nodes(db, job_id)
     assert job.attempt == 2 and job.retry_count == 0
     assert broken_vm not in {r.vm_id for r in second}
+
+
+async def test_a_poll_that_lands_sweeps_later_steps_from_the_gpus_current_health(
+    db: Database, sim_fleet: FleetFactory, transport: Transport
+) -> None:
+    """Given a poll sent by a sweep that loaded the VM before its GPU rows existed (a slow
+    poll lands sweeps later), when it reports an ECC count that rose since the GPU was
+    first recorded, then the rise is seen: the step is taken from the row as it is when
+    the poll is written, not from the stale load (which would take 2 for a first sight)."""
+    fleet = await sim_fleet(1, gpus_per_vm=1)
+    vm_id = (await fleet.register(db))["vm0"]
+    async with db.transaction() as session:
+        stale = (await load_vms(session))[vm_id]
+    assert stale.gpus == {}
+    await GpuPoller(db, transport).sweep()  # the rows, with 0 errors
+    fleet[0].set_gpu_health(0, ecc=2)
+    answer = await transport.run(stale.target, poll_command([]), timeout=30)
+    await apply(
+        db,
+        [Outcome(stale, result=parse_poll(answer.stdout))],
+        SweepStats(),
+        unreachable_after=3,
+        unreachable_timeout=8,
+    )
+    row = (await gpu_rows(db, vm_id))[fleet[0].gpu_uuids[0]]
+    assert not row.healthy and row.health_reason == "uncorrected ECC errors rose from 0 to 2"
