@@ -12,13 +12,14 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
 from scheduler.errors import BadInput, NotFound
+from scheduler.gpus import refresh_available_in_session
 from scheduler.leftovers import (
     AttemptRecord,
     abandon_attempt,
     open_leftover_count,
     open_leftover_on_vm,
 )
-from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM, Job, JobNode
+from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM, GpuEvent, Job, JobNode
 from scheduler.states import LIVE_STATES, FailureReason, JobStatus
 from scheduler.validate import check_text
 
@@ -127,13 +128,84 @@ async def list_vms(
 
 
 def gpu_state(gpu: GPU) -> str:
-    """What a GPU is to the scheduler now: `unhealthy`, `foreign` (a process rlfleet did
-    not start uses it), `allocated` (to a job) or `free`."""
+    """What a GPU is to the scheduler now: `unhealthy`, `allocated` (to a job), `drained`
+    (taken out by hand), `foreign` (a process rlfleet did not start uses it) or `free`."""
     if not gpu.healthy:
         return "unhealthy"
     if gpu.job_id is not None:
         return "allocated"
+    if gpu.drained:
+        return "drained"
     return "foreign" if gpu.foreign_busy else "free"
+
+
+GPU_EVENTS_SHOWN = 20
+"""How many of a VM's latest GPU events `vm show` prints."""
+
+
+def find_gpu(vm: VM, which: str) -> GPU:
+    """The GPU of `vm` (its GPUs loaded) named by `which`: its UUID (or a unique prefix of
+    at least 8 characters), or nvidia-smi's index at the last poll; else `BadInput`."""
+    text = which.strip()
+    if text.isdigit() and text.isascii():
+        found = [g for g in vm.gpus if g.index == int(text)]
+    elif len(text) >= 8:
+        found = [g for g in vm.gpus if g.uuid.lower().startswith(text.lower())]
+    else:
+        found = []
+    if len(found) != 1:
+        known = ", ".join(f"{g.index} ({g.uuid})" for g in vm.gpus) or "none known yet"
+        raise BadInput(f"VM {vm.name!r} has no GPU {which[:100]!r}; its GPUs: {known}"[:400])
+    return found[0]
+
+
+async def set_gpu_draining(session: AsyncSession, name: str, which: str, draining: bool) -> GPU:
+    """Take one GPU of VM `name` out by hand (`vm drain NAME --gpu`: a job on it finishes,
+    no new one starts there) or bring it back; recorded as a GPU event."""
+    query = select(VM).where(VM.name == name).options(selectinload(VM.gpus))
+    vm = await session.scalar(query)
+    if vm is None:
+        raise NotFound(f"no VM named {name!r}")
+    gpu = find_gpu(vm, which)
+    if gpu.drained != draining:
+        gpu.drained = draining
+        kind = "drained" if draining else "undrained"
+        session.add(
+            GpuEvent(
+                vm_id=vm.id,
+                gpu_uuid=gpu.uuid,
+                gpu_index=gpu.index,
+                kind=kind,
+                reason=f"{kind} by hand",
+                actor="cli",
+            )
+        )
+        await session.flush()
+        await refresh_available_in_session(session, {vm.id})
+    return gpu
+
+
+async def gpu_events(
+    session: AsyncSession, vm_id: int, limit: int = GPU_EVENTS_SHOWN
+) -> list[dict[str, Any]]:
+    """The VM's latest GPU events, newest first, as plain data."""
+    rows = await session.scalars(
+        select(GpuEvent)
+        .where(GpuEvent.vm_id == vm_id)
+        .order_by(GpuEvent.created_at.desc(), GpuEvent.id.desc())
+        .limit(limit)
+    )
+    return [
+        {
+            "at": e.created_at,
+            "gpu_index": e.gpu_index,
+            "gpu_uuid": e.gpu_uuid,
+            "kind": e.kind,
+            "reason": e.reason,
+            "actor": e.actor,
+        }
+        for e in rows
+    ]
 
 
 def runs_on(vm_id: Any) -> ColumnElement[bool]:
@@ -268,6 +340,7 @@ async def set_draining(session: AsyncSession, name: str, draining: bool) -> VM:
 def vm_to_dict(vm: VM, *, gpus: bool = True) -> dict[str, Any]:
     """A VM as plain data, for `--json` and for display."""
     data: dict[str, Any] = {
+        "id": vm.id,
         "name": vm.name,
         "host": vm.host,
         "internal_address": vm.internal_address,
@@ -304,6 +377,11 @@ def gpu_to_dict(gpu: GPU) -> dict[str, Any]:
         "memory_used_mb": gpu.memory_used_mb,
         "utilization_pct": gpu.utilization_pct,
         "healthy": gpu.healthy,
+        "health_reason": gpu.health_reason
+        or (None if gpu.healthy else "its VM cannot be trusted (see the VM's last_error)"),
+        "health_changed_at": gpu.health_changed_at,
+        "ecc_uncorrected": gpu.ecc_uncorrected,
+        "drained": gpu.drained,
         "foreign_busy": gpu.foreign_busy,
         "job_id": gpu.job_id,
         "state": gpu_state(gpu),

@@ -1,7 +1,8 @@
 """Which GPUs are free, giving a job's GPUs back, and recounting a VM's free GPUs.
 
-A GPU is free when nvidia-smi says it is healthy and idle, rlfleet has not given it to a
-job, its VM answers and is not draining, and no leftover (`scheduler.leftovers`: an
+A GPU is free when nvidia-smi says it is healthy (`scheduler.gpu_health`) and idle, no
+operator drained it by hand, rlfleet has not given it to a job, its VM answers and is not
+draining, and no leftover (`scheduler.leftovers`: an
 attempt that may still run on its VM) may still hold it. The claim query, the pending
 planner and every recount use the SQL fragments here, so they all count alike.
 """
@@ -29,7 +30,7 @@ once, then hash anti-joined). A leftover blocks its GPUs by UUID (a renumbering 
 move them); rows written before UUIDs were recorded block by index."""
 
 FREE_GPU = """
-    g.job_id IS NULL AND g.healthy AND NOT g.foreign_busy
+    g.job_id IS NULL AND g.healthy AND NOT g.drained AND NOT g.foreign_busy
     AND NOT EXISTS (
         SELECT 1 FROM leftover_gpus b
         WHERE b.vm_id = g.vm_id AND (b.uuid = g.uuid OR b.index = g.index)

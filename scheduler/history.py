@@ -128,13 +128,18 @@ async def record_samples(
 
 
 async def prune(session: AsyncSession, days: float, *, batch: int = PRUNE_BATCH) -> int:
-    """Delete samples older than `days` (at most `batch` rows per table); how many went."""
+    """Delete samples, and GPU health events (`gpu_events`), older than `days` (at most
+    `batch` rows per table); how many went."""
     deleted = 0
-    for table in ("gpu_samples", "progress_samples"):
+    for table, column in (
+        ("gpu_samples", "recorded_at"),
+        ("progress_samples", "recorded_at"),
+        ("gpu_events", "created_at"),
+    ):
         result = await session.execute(
             text(
                 f"DELETE FROM {table} WHERE id IN (SELECT id FROM {table} "
-                "WHERE recorded_at < now() - make_interval(secs => :secs) LIMIT :batch)"
+                f"WHERE {column} < now() - make_interval(secs => :secs) LIMIT :batch)"
             ),
             {"secs": days * 86400.0, "batch": batch},
         )

@@ -47,8 +47,22 @@ VMS = Gauge(
 VMS_DRAINING = Gauge("rlfleet_vms_draining", "VMs that take no new jobs.")
 GPUS = Gauge(
     "rlfleet_gpus",
-    "GPUs by use: free (healthy, unallocated, not foreign), allocated, foreign, unhealthy.",
+    "GPUs by use: free (healthy, unallocated, not drained, not foreign), allocated, drained "
+    "(by hand), foreign, unhealthy.",
     ["state"],
+)
+# Per GPU, labelled by the VM's id (`vm list --json` has it), not its name: the endpoint is
+# unauthenticated and serves no names (docs/security.md). The reasons are the poller's own
+# text (`scheduler.gpu_health`), nothing a VM or user wrote.
+GPU_HEALTHY = Gauge(
+    "rlfleet_gpu_healthy",
+    "Per GPU: 1 healthy, 0 unhealthy (no job is placed on it).",
+    ["vm_id", "gpu", "uuid"],
+)
+GPU_UNHEALTHY_REASON = Gauge(
+    "rlfleet_gpu_unhealthy_info",
+    "1 for each unhealthy GPU, with why (the reason `vm show` prints).",
+    ["vm_id", "gpu", "uuid", "reason"],
 )
 QUEUE_WAIT = Histogram(
     "rlfleet_job_queue_wait_seconds",
@@ -217,19 +231,34 @@ async def refresh_gauges(db: Database) -> None:
         gpu_state = case(
             (GPU.job_id.is_not(None), "allocated"),
             (GPU.healthy.is_(False), "unhealthy"),
+            (GPU.drained.is_(True), "drained"),
             (GPU.foreign_busy.is_(True), "foreign"),
             else_="free",
         )
         gpu_counts: dict[str, int] = dict(
             (await session.execute(select(gpu_state, func.count()).group_by(gpu_state))).all()  # type: ignore[arg-type]
         )
+        per_gpu = (
+            await session.execute(
+                select(GPU.vm_id, GPU.index, GPU.uuid, GPU.healthy, GPU.health_reason)
+            )
+        ).all()
     for status in JobStatus:
         JOBS.labels(status=status.value).set(job_counts.get(status.value, 0))
     for vm_status in VMStatus:
         VMS.labels(status=vm_status.value).set(vm_counts.get(vm_status.value, 0))
     VMS_DRAINING.set(int(draining or 0))
-    for state in ("free", "allocated", "foreign", "unhealthy"):
+    for state in ("free", "allocated", "drained", "foreign", "unhealthy"):
         GPUS.labels(state=state).set(gpu_counts.get(state, 0))
+    # Rebuilt each time: a removed GPU or a cleared reason leaves no series behind.
+    GPU_HEALTHY.clear()
+    GPU_UNHEALTHY_REASON.clear()
+    for vm_id, index, uuid, healthy, reason in per_gpu:
+        labels = {"vm_id": str(vm_id), "gpu": str(index), "uuid": uuid}
+        GPU_HEALTHY.labels(**labels).set(1 if healthy else 0)
+        if not healthy:
+            why = reason or "its VM cannot be trusted (see the VM's last_error)"
+            GPU_UNHEALTHY_REASON.labels(**labels, reason=why[:200]).set(1)
 
 
 async def refresh_forever(

@@ -169,7 +169,21 @@ class GPU(Base):
     memory_used_mb: Mapped[int | None] = mapped_column(Integer)
     utilization_pct: Mapped[int | None] = mapped_column(Integer)
     healthy: Mapped[bool] = mapped_column(Boolean, default=True, server_default="true")
-    """False when nvidia-smi failed, or the last poll did not list this UUID (absent)."""
+    """False when nvidia-smi failed on the VM, or the GPU itself is unhealthy
+    (`health_reason`): no job is placed on it."""
+    health_reason: Mapped[str | None] = mapped_column(Text)
+    """Why the GPU itself is unhealthy (`scheduler.gpu_health`: lost, a fault, rising ECC,
+    a pending retirement or remapping); NULL: healthy."""
+    health_clear_polls: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    """Polls in a row its condition has been clear while `health_reason` is set; healthy
+    again at `gpu_health.CLEAR_POLLS`."""
+    ecc_uncorrected: Mapped[int | None] = mapped_column(BigInteger)
+    """The uncorrected volatile ECC count it had while healthy (a higher count is rising);
+    NULL: never reported."""
+    health_changed_at: Mapped[datetime | None] = mapped_column(_now())
+    """When `health_reason` last changed; NULL: never."""
+    drained: Mapped[bool] = mapped_column(Boolean, default=False, server_default="false")
+    """Taken out by hand (`vm drain NAME --gpu`): a job on it finishes, no new one starts."""
     foreign_busy: Mapped[bool] = mapped_column(Boolean, default=False, server_default="false")
     """A process not started by rlfleet is using this GPU."""
     job_id: Mapped[int | None] = mapped_column(
@@ -419,6 +433,25 @@ class JobPort(Base):
     name: Mapped[str] = mapped_column(String(32))
 
     __table_args__ = (CheckConstraint("port BETWEEN 1 AND 65535", name="port_range"),)
+
+
+class GpuEvent(Base):
+    """A change of one GPU's health or of its hand drain: the history `vm show` prints."""
+
+    __tablename__ = "gpu_events"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    vm_id: Mapped[int] = mapped_column(ForeignKey("vms.id", ondelete="CASCADE"))
+    gpu_uuid: Mapped[str] = mapped_column(String(96))
+    gpu_index: Mapped[int | None] = mapped_column(Integer)
+    """nvidia-smi's index then; NULL when not known."""
+    kind: Mapped[str] = mapped_column(String(16))
+    """`unhealthy`, `healthy`, `drained` or `undrained`."""
+    reason: Mapped[str] = mapped_column(Text)
+    actor: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+
+    __table_args__ = (Index("ix_gpu_events_vm_id_created_at", "vm_id", "created_at"),)
 
 
 class JobEvent(Base):

@@ -9,7 +9,14 @@ The config: `name` and optional `fleet` (a GPU shows as used while a live proces
 environment has `RLFLEET_SIM_VM=<name>`, and `RLFLEET_SIM_FLEET=<fleet>` when set, names
 it in `CUDA_VISIBLE_DEVICES`), `fail` (None or one of FAIL_MODES: fail as a broken real
 one does), `process_mb`, and `gpus`: a list of `{index, uuid, name, memory, speed}`, each
-with an optional `busy_power` (watts drawn while in use) and `power_limit`.
+with an optional `busy_power` (watts drawn while in use) and `power_limit`, and
+optionally with the health a real one reports (`set_health`): `ecc` (uncorrected volatile
+ECC errors), `retired_pending`, `remapped_pending` (booleans), `fault` (a marker such as
+`[GPU requires reset]`, `[Unknown Error]` or `ERR!`, printed in every field but index and
+UUID), `unsupported` (health fields answered `[N/A]`/`[Not Supported]`), and `vanished`
+(not listed at all, as a GPU that dropped off does). `old_driver` in the config refuses
+the health fields (True: all of them; a list: those) the way a driver older than them
+does.
 
 Which GPUs a process uses is read from its `CUDA_VISIBLE_DEVICES` the way CUDA reads it
 (`devices_of`): a UUID names that GPU; a number is a position in CUDA's order, which is
@@ -33,6 +40,13 @@ from typing import Any
 VM_ENV = "RLFLEET_SIM_VM"
 FLEET_ENV = "RLFLEET_SIM_FLEET"
 FAIL_MODES = ("driver", "no_devices", "fallen_off_bus", "garbage")
+HEALTH_KEYS = ("ecc", "retired_pending", "remapped_pending", "fault", "unsupported", "vanished")
+"""Per-GPU health settings (`set_health`)."""
+HEALTH_FIELDS = (
+    "ecc.errors.uncorrected.volatile.total",
+    "retired_pages.pending",
+    "remapped_rows.pending",
+)
 DRIVER_FAILURE = (
     "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
     "Make sure that the latest NVIDIA driver is installed and running.\n"
@@ -78,6 +92,20 @@ def reorder(config: dict[str, Any], uuids: Sequence[str]) -> None:
     is taken out (a removed or lost card)."""
     by_uuid = {g["uuid"]: g for g in config["gpus"]}
     config["gpus"] = [{**by_uuid[u], "index": i} for i, u in enumerate(uuids)]
+
+
+def set_health(config: dict[str, Any], index: int, **health: Any) -> None:
+    """Set health values of the GPU with nvidia-smi index `index` (`HEALTH_KEYS`); a value
+    of None removes the setting (back to a healthy GPU)."""
+    unknown = set(health) - set(HEALTH_KEYS)
+    if unknown:
+        raise ValueError(f"unknown GPU health settings {sorted(unknown)}; use {HEALTH_KEYS}")
+    gpu = next(g for g in config["gpus"] if int(g["index"]) == index)
+    for key, value in health.items():
+        if value is None:
+            gpu.pop(key, None)
+        else:
+            gpu[key] = value
 
 
 def cuda_order(gpus: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -143,7 +171,20 @@ def _holders(cfg: dict[str, Any]) -> dict[str, list[int]]:
     return found
 
 
+def _health_field(field: str, gpu: dict[str, Any]) -> str:
+    if gpu.get("unsupported"):
+        return "[Not Supported]" if field == HEALTH_FIELDS[0] else "[N/A]"
+    if field == HEALTH_FIELDS[0]:
+        return str(int(gpu.get("ecc", 0)))
+    key = "retired_pending" if field == HEALTH_FIELDS[1] else "remapped_pending"
+    return "Yes" if gpu.get(key) else "No"
+
+
 def _gpu_field(field: str, gpu: dict[str, Any], pids: list[int], mb: int, units: bool) -> str:
+    if gpu.get("fault") and field not in ("index", "uuid", "gpu_uuid"):
+        return str(gpu["fault"])
+    if field in HEALTH_FIELDS:
+        return _health_field(field, gpu)
     used = mb * len(pids)
     values = {
         "index": str(gpu["index"]),
@@ -192,7 +233,11 @@ def main(argv: list[str]) -> int:
     options = dict(a.partition("=")[::2] for a in argv[1:])
     fmt = options.get("--format", "")
     units, header = "nounits" not in fmt, "noheader" not in fmt
-    gpus = [g for g in cfg["gpus"] if not (mode == "fallen_off_bus" and g["index"] == 0)]
+    gpus = [
+        g
+        for g in cfg["gpus"]
+        if not (mode == "fallen_off_bus" and g["index"] == 0) and not g.get("vanished")
+    ]
     if mode == "fallen_off_bus":
         print(GPU_LOST)
     holders = _holders(cfg)
@@ -201,6 +246,16 @@ def main(argv: list[str]) -> int:
         if key not in options:
             continue
         fields = [f.strip() for f in options[key].split(",")]
+        # A driver older than a field refuses the whole query (any other field the
+        # simulation has no value of is answered [N/A]).
+        old = cfg.get("old_driver")
+        too_new = HEALTH_FIELDS if old is True else tuple(old or ())
+        refused = [f for f in fields if f in too_new]
+        if refused:
+            print(f'Field "{refused[0]}" is not a valid field to query.')
+            print("")
+            print("Please run 'nvidia-smi --help-query-gpu' for more information.")
+            return 2
         if header:
             print(", ".join(fields))
         for gpu in gpus:

@@ -135,6 +135,7 @@ class FailureReason(StrEnum):
     HUNG = "hung"  # running, its step unchanged for the job's hang timeout: stopped
     STARTUP_TIMEOUT = "startup_timeout"  # running, no first step within its startup timeout
     STORE_ERROR = "store_error"  # the job's store unreachable or refused at the attempt's start
+    GPU_FAILED = "gpu_failed"  # its GPU was lost or requires a reset: stopped, retried elsewhere
 
 
 class RetryClass(StrEnum):
@@ -162,5 +163,6 @@ FAILURE_RETRY: dict[FailureReason, RetryClass] = {
     FailureReason.HUNG: RetryClass.COUNTED,
     FailureReason.STARTUP_TIMEOUT: RetryClass.COUNTED,
     FailureReason.STORE_ERROR: RetryClass.OUTAGE,
+    FailureReason.GPU_FAILED: RetryClass.MACHINE_FAULT,
 }
 """Every failure reason's retry class (`tests/unit/test_retry.py` checks none is missing)."""

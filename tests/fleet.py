@@ -338,6 +338,12 @@ class SimVM:
                     gpu.pop("busy_power", None)
                 else:
                     gpu["busy_power"] = watts
+
+    def set_gpu_health(self, index: int, **health: object) -> None:
+        """Make GPU `index` report health trouble as a real one does (`sim_gpu.set_health`:
+        ecc, retired_pending, remapped_pending, fault, unsupported, vanished); None for a
+        setting takes it back."""
+        sim_gpu.set_health(self._config, index, **health)
         sim_gpu.write_config(self.root / "sim.json", self._config)
 
     def add_foreign_process(self, gpu_index: int) -> ForeignProcess:

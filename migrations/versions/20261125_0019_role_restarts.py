@@ -1,7 +1,7 @@
 """role restarts: how many restarts in place of each role the poller has recorded
 
 Revision ID: 0019
-Revises: 0017
+Revises: 0018
 Create Date: 2026-11-25 18:00:00
 
 A job group's role with `restart: on-failure` is restarted in place by its VM's supervisor,
@@ -20,7 +20,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision: str = "0019"
-down_revision: str | None = "0017"
+down_revision: str | None = "0018"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

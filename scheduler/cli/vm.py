@@ -20,7 +20,7 @@ from scheduler.cli._common import (
     warn,
 )
 from scheduler.db import Database
-from scheduler.models import DEFAULT_ENTRYPOINT, VM
+from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM
 
 vm_name_argument = click.argument("name", type=ColumnText(VM.name))
 """The NAME argument of the commands about one VM."""
@@ -176,14 +176,17 @@ def show(ctx: CliContext, name: str, as_json: bool) -> None:
 
     async def go(db: Database) -> dict[str, Any]:
         async with db.transaction() as session:
-            return fleet.vm_to_dict(await fleet.get_vm(session, name, with_gpus=True))
+            row = await fleet.get_vm(session, name, with_gpus=True)
+            data = fleet.vm_to_dict(row)
+            data["gpu_events"] = await fleet.gpu_events(session, row.id)
+            return data
 
     vm = ctx.run(go)
     if as_json:
         echo_json(vm)
         return
     for key, value in vm.items():
-        if key != "gpus":
+        if key not in ("gpus", "gpu_events"):
             click.echo(f"{key + ':':22}{'-' if value is None else printable(value)}")
     rows = [
         (
@@ -192,13 +195,29 @@ def show(ctx: CliContext, name: str, as_json: bool) -> None:
             f"{g['memory_used_mb']}/{g['memory_total_mb']} MiB",
             g["utilization_pct"],
             "yes" if g["healthy"] else "NO",
-            "foreign" if g["foreign_busy"] else (f"job {g['job_id']}" if g["job_id"] else "free"),
+            _gpu_use(g),
+            printable(g["health_reason"] or ""),
         )
         for g in vm["gpus"]
     ]
     if rows:
         click.echo("")
-        echo_table(["GPU", "NAME", "MEMORY", "UTIL%", "HEALTHY", "USE"], rows)
+        echo_table(["GPU", "NAME", "MEMORY", "UTIL%", "HEALTHY", "USE", "HEALTH REASON"], rows)
+    events = [
+        (fmt_time(e["at"]), e["gpu_index"], e["kind"], printable(e["reason"]), e["actor"])
+        for e in vm["gpu_events"]
+    ]
+    if events:
+        click.echo("")
+        echo_table(["GPU EVENT AT", "GPU", "KIND", "REASON", "BY"], events)
+
+
+def _gpu_use(gpu: dict[str, Any]) -> str:
+    """What the GPU is used for, for `vm show`."""
+    use = (
+        "foreign" if gpu["foreign_busy"] else (f"job {gpu['job_id']}" if gpu["job_id"] else "free")
+    )
+    return use + ("+drained" if gpu["drained"] else "")
 
 
 @group.command("remove")
@@ -244,19 +263,48 @@ def _set_draining(ctx: CliContext, name: str, draining: bool) -> None:
     ctx.run(go)
 
 
+def _set_gpu_draining(ctx: CliContext, name: str, which: str, draining: bool) -> str:
+    async def go(db: Database) -> str:
+        async with db.transaction() as session:
+            gpu = await fleet.set_gpu_draining(session, name, which, draining)
+            return f"GPU {gpu.index} ({gpu.uuid})"
+
+    return ctx.run(go)
+
+
+gpu_option = click.option(
+    "--gpu",
+    "gpu",
+    metavar="UUID|INDEX",
+    type=ColumnText(GPU.uuid),
+    help="Only this GPU of the VM: its UUID (or a prefix of 8 characters or more) or "
+    "nvidia-smi's index.",
+)
+
+
 @group.command("drain")
 @vm_name_argument
+@gpu_option
 @pass_cli
-def drain(ctx: CliContext, name: str) -> None:
-    """Let VM NAME finish its jobs but give it no new ones."""
+def drain(ctx: CliContext, name: str, gpu: str | None) -> None:
+    """Let VM NAME (or one of its GPUs) finish its jobs but give it no new ones."""
+    if gpu is not None:
+        what = _set_gpu_draining(ctx, name, gpu, True)
+        click.echo(f"{what} of VM {name} is drained: a job on it continues, no new job starts")
+        return
     _set_draining(ctx, name, True)
     click.echo(f"VM {name} is draining: running jobs continue, no new jobs start there")
 
 
 @group.command("undrain")
 @vm_name_argument
+@gpu_option
 @pass_cli
-def undrain(ctx: CliContext, name: str) -> None:
-    """Let VM NAME take new jobs again."""
+def undrain(ctx: CliContext, name: str, gpu: str | None) -> None:
+    """Let VM NAME (or one of its GPUs) take new jobs again."""
+    if gpu is not None:
+        what = _set_gpu_draining(ctx, name, gpu, False)
+        click.echo(f"{what} of VM {name} takes new jobs again (when healthy)")
+        return
     _set_draining(ctx, name, False)
     click.echo(f"VM {name} takes new jobs again")

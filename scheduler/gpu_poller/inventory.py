@@ -1,7 +1,8 @@
 """The poller's inventory: what a batch of polls says of the fleet, written in one short
 transaction: each VM's status, health and launch error, its GPU rows (by UUID: a GPU
 nvidia-smi no longer lists is marked unhealthy, never replaced; docs/invariants.md,
-invariant 8) and the history samples. Also the VMs silent for the unreachable timeout.
+invariant 8), each GPU's own health (`scheduler.gpu_health`) with an event when it changes,
+and the history samples. Also the VMs silent for the unreachable timeout.
 No transaction is open during SSH (invariant 4): this runs after the polls landed."""
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from scheduler import gpu_health
 from scheduler.db import Database
 from scheduler.gpu_poller.liveness import record_progress
-from scheduler.gpu_poller.state import Outcome, SweepStats, VMState
+from scheduler.gpu_poller.state import GpuRow, Outcome, SweepStats, VMState
 from scheduler.gpus import RECOUNT_SQL
 from scheduler.history import GpuReading, ProgressRow, record_samples
 from scheduler.logging import get_logger
@@ -94,17 +96,25 @@ RETURNING id
 _GPU_UPSERT_SQL = text(
     """
 INSERT INTO gpus (vm_id, index, uuid, name, memory_total_mb, memory_used_mb,
-                  utilization_pct, healthy, foreign_busy, updated_at)
-SELECT t.vm_id, t.idx, t.u, t.n, t.total, t.used, t.util, true, t.fb, now()
+                  utilization_pct, healthy, foreign_busy, health_reason, health_clear_polls,
+                  ecc_uncorrected, health_changed_at, updated_at)
+SELECT t.vm_id, t.idx, t.u, t.n, t.total, t.used, t.util, t.reason IS NULL, t.fb, t.reason,
+       t.clear, t.ecc, CASE WHEN t.reason IS NULL THEN NULL ELSE now() END, now()
 FROM unnest(CAST(:vm_ids AS int[]), CAST(:idxs AS int[]), CAST(:uuids AS text[]),
             CAST(:names AS text[]), CAST(:totals AS int[]), CAST(:useds AS int[]),
-            CAST(:utils AS int[]), CAST(:fbs AS boolean[]))
-    AS t(vm_id, idx, u, n, total, used, util, fb)
+            CAST(:utils AS int[]), CAST(:fbs AS boolean[]), CAST(:reasons AS text[]),
+            CAST(:clears AS int[]), CAST(:eccs AS bigint[]))
+    AS t(vm_id, idx, u, n, total, used, util, fb, reason, clear, ecc)
 ON CONFLICT (vm_id, uuid) DO UPDATE SET
     index = excluded.index, name = excluded.name,
     memory_total_mb = excluded.memory_total_mb,
     memory_used_mb = excluded.memory_used_mb, utilization_pct = excluded.utilization_pct,
-    healthy = true,
+    healthy = excluded.health_reason IS NULL,
+    health_reason = excluded.health_reason,
+    health_clear_polls = excluded.health_clear_polls,
+    ecc_uncorrected = excluded.ecc_uncorrected,
+    health_changed_at = CASE WHEN gpus.health_reason IS DISTINCT FROM excluded.health_reason
+                             THEN now() ELSE gpus.health_changed_at END,
     foreign_busy = CASE WHEN gpus.job_id IS NULL THEN excluded.foreign_busy ELSE false END,
     updated_at = now()
 """
@@ -116,6 +126,27 @@ _GPU_UNHEALTHY_SQL = text(
 UPDATE gpus SET healthy = false, updated_at = now()
 FROM unnest(CAST(:vm_ids AS int[]), CAST(:uuids AS text[])) AS t(vm_id, u)
 WHERE gpus.vm_id = t.vm_id AND gpus.uuid = t.u
+"""
+)
+# A GPU the VM had that nvidia-smi no longer lists: lost (`gpu_health`), its row and job kept.
+_GPU_ABSENT_SQL = text(
+    """
+UPDATE gpus SET healthy = false, health_reason = t.reason, health_clear_polls = 0,
+    health_changed_at = CASE WHEN gpus.health_reason IS DISTINCT FROM t.reason
+                             THEN now() ELSE gpus.health_changed_at END,
+    updated_at = now()
+FROM unnest(CAST(:vm_ids AS int[]), CAST(:uuids AS text[]), CAST(:reasons AS text[]))
+    AS t(vm_id, u, reason)
+WHERE gpus.vm_id = t.vm_id AND gpus.uuid = t.u
+"""
+)
+_GPU_EVENTS_SQL = text(
+    """
+INSERT INTO gpu_events (vm_id, gpu_uuid, gpu_index, kind, reason, actor)
+SELECT t.vm_id, t.u, t.idx, t.kind, t.reason, 'poller'
+FROM unnest(CAST(:vm_ids AS int[]), CAST(:uuids AS text[]), CAST(:idxs AS int[]),
+            CAST(:kinds AS text[]), CAST(:reasons AS text[]))
+    AS t(vm_id, u, idx, kind, reason)
 """
 )
 _GPUS_OF_UNREACHABLE_SQL = text(
@@ -148,7 +179,11 @@ class _Writes:
     upserts: list[dict[str, Any]] = field(default_factory=list)
     """GPU rows whose reported values changed."""
     lost_gpus: list[dict[str, Any]] = field(default_factory=list)
-    """GPUs that cannot be trusted or are no longer listed."""
+    """GPUs of VMs whose nvidia-smi cannot be trusted."""
+    absent: list[dict[str, Any]] = field(default_factory=list)
+    """GPUs no longer listed, with their health reason."""
+    events: list[dict[str, Any]] = field(default_factory=list)
+    """Changes of a GPU's health (`gpu_events`)."""
     samples: list[GpuReading] = field(default_factory=list)
     progress: list[ProgressRow] = field(default_factory=list)
     store: list[dict[str, Any]] = field(default_factory=list)
@@ -167,16 +202,19 @@ async def apply(
     `stats`. A VM is unreachable after `unreachable_after` failed polls in a row or once
     silent for `unreachable_timeout` seconds."""
     writes = _Writes()
-    for outcome in outcomes:
-        if outcome.result is None:
-            writes.failed.append({"vm_id": outcome.vm.target.id, "error": outcome.error})
-            _log_failure(outcome.vm, outcome.error or "", unreachable_after)
-            continue
-        stats.reachable += 1
-        _collect(outcome, outcome.result, writes, stats)
-    stats.failed += len(writes.failed)
     ids = [o.vm.target.id for o in outcomes]
     async with db.transaction() as session:
+        # The GPU rows as they are now, not as the sweep that sent the poll loaded them: a
+        # poll can land sweeps later, and a GPU's health is a step from its last state.
+        await _reload_gpus(session, [o.vm for o in outcomes if o.result is not None])
+        for outcome in outcomes:
+            if outcome.result is None:
+                writes.failed.append({"vm_id": outcome.vm.target.id, "error": outcome.error})
+                _log_failure(outcome.vm, outcome.error or "", unreachable_after)
+                continue
+            stats.reachable += 1
+            _collect(outcome, outcome.result, writes, stats)
+        stats.failed += len(writes.failed)
         await _write(
             session,
             writes,
@@ -184,6 +222,29 @@ async def apply(
             unreachable_after=unreachable_after,
             unreachable_timeout=unreachable_timeout,
         )
+
+
+_GPU_ROWS_SQL = text(
+    """
+SELECT vm_id, uuid, job_id, index, name, memory_total_mb, memory_used_mb, utilization_pct,
+       healthy, foreign_busy, health_reason, health_clear_polls, ecc_uncorrected
+FROM gpus WHERE vm_id = ANY(:ids)
+"""
+)
+
+
+async def _reload_gpus(session: AsyncSession, vms: Sequence[VMState]) -> None:
+    """Replace the loaded GPU rows of `vms` with the rows as they are now (caller's
+    transaction; only the poller writes a GPU's health, one batch at a time)."""
+    if not vms:
+        return
+    by_id = {vm.target.id: vm for vm in vms}
+    for vm in vms:
+        vm.gpus = {}
+    rows = await session.execute(_GPU_ROWS_SQL, {"ids": list(by_id)})
+    for vm_id, uuid, job_id, *values, reason, clear_polls, ecc in rows:
+        health = gpu_health.Health(reason, clear_polls, ecc)
+        by_id[vm_id].gpus[uuid] = GpuRow(uuid, job_id, tuple(values), health)
 
 
 def _collect(outcome: Outcome, result: PollResult, writes: _Writes, stats: SweepStats) -> None:
@@ -223,16 +284,23 @@ def _collect(outcome: Outcome, result: PollResult, writes: _Writes, stats: Sweep
         stats.unhealthy += 1
     elif vm.status != VMStatus.HEALTHY:
         log.info("vm_healthy", vm=vm.target.name, was=vm.status)
-    writes.upserts += _gpu_changes(vm, result, outcome.finished)
+    writes.upserts += _gpu_changes(vm, result, outcome.finished, writes.events)
     writes.samples += [
         GpuReading(vm.target.id, g.uuid, g.utilization_pct, g.memory_used_mb, g.memory_total_mb)
         for g in result.gpus
     ]
     seen = {g.uuid for g in result.gpus}
-    gone = [u for u, row in vm.gpus.items() if u not in seen and row.values[5]]
-    if gone:
-        log.warning("gpus_absent", vm=vm.target.name, uuids=gone)
-    writes.lost_gpus += [{"vm_id": vm.target.id, "uuid": u} for u in gone]
+    for uuid, row in vm.gpus.items():
+        if uuid in seen:
+            continue
+        lost = gpu_health.step(row.health, None)
+        if lost.event is not None:
+            log.warning("gpu_unhealthy", vm=vm.target.name, uuid=uuid, reason=lost.event)
+            writes.events.append(_event(vm, uuid, row.values[0], lost))
+        if lost.health != row.health or row.values[5]:
+            writes.absent.append(
+                {"vm_id": vm.target.id, "uuid": uuid, "reason": lost.health.reason}
+            )
 
 
 async def _write(
@@ -281,11 +349,31 @@ async def _write(
                 useds="used",
                 utils="util",
                 fbs="foreign",
+                reasons="reason",
+                clears="clear",
+                eccs="ecc",
             ),
         )
     if writes.lost_gpus:
         await session.execute(
             _GPU_UNHEALTHY_SQL, _columns(writes.lost_gpus, vm_ids="vm_id", uuids="uuid")
+        )
+    if writes.absent:
+        await session.execute(
+            _GPU_ABSENT_SQL,
+            _columns(writes.absent, vm_ids="vm_id", uuids="uuid", reasons="reason"),
+        )
+    if writes.events:
+        await session.execute(
+            _GPU_EVENTS_SQL,
+            _columns(
+                writes.events,
+                vm_ids="vm_id",
+                uuids="uuid",
+                idxs="index",
+                kinds="kind",
+                reasons="reason",
+            ),
         )
     if ids:
         await session.execute(RECOUNT_SQL, {"ids": ids})
@@ -374,10 +462,25 @@ def _store_rows(vm: VMState, result: PollResult) -> list[dict[str, Any]]:
     ]
 
 
+def _event(vm: VMState, uuid: str, index: int | None, step: gpu_health.Step) -> dict[str, Any]:
+    """A `gpu_events` row for a GPU whose health changed in this poll."""
+    return {
+        "vm_id": vm.target.id,
+        "uuid": uuid,
+        "index": index,
+        "kind": "healthy" if step.health.healthy else "unhealthy",
+        "reason": (step.event or "")[:500],
+    }
+
+
 def _gpu_changes(
-    vm: VMState, result: PollResult, finished: Collection[int] = ()
+    vm: VMState,
+    result: PollResult,
+    finished: Collection[int] = (),
+    events: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Upsert parameters for the GPUs whose reported values differ from their rows.
+    """Upsert parameters for the GPUs whose reported values or health differ from their
+    rows; the changes of health are added to `events`.
 
     `finished`: jobs this sweep found ended (and freed). Their attempts had ended before
     nvidia-smi ran, so a process still on their GPUs is foreign."""
@@ -385,6 +488,14 @@ def _gpu_changes(
     rows = []
     for gpu in result.gpus:
         loaded = vm.gpus.get(gpu.uuid)
+        before = loaded.health if loaded is not None else gpu_health.Health()
+        health = gpu_health.step(before, gpu)
+        if health.event is not None and events is not None:
+            if health.health.healthy:
+                log.info("gpu_healthy", vm=vm.target.name, uuid=gpu.uuid, reason=health.event)
+            else:
+                log.warning("gpu_unhealthy", vm=vm.target.name, uuid=gpu.uuid, reason=health.event)
+            events.append(_event(vm, gpu.uuid, gpu.index, health))
         # Processes on a GPU allocated to a live job are that job's.
         owned = loaded is not None and loaded.job_id is not None and loaded.job_id not in finished
         foreign = gpu.uuid in busy and not owned
@@ -394,10 +505,10 @@ def _gpu_changes(
             gpu.memory_total_mb,
             gpu.memory_used_mb,
             gpu.utilization_pct,
-            True,
+            health.health.healthy,
             foreign,
         )
-        if loaded is not None and loaded.values == values:
+        if loaded is not None and loaded.values == values and loaded.health == health.health:
             continue
         rows.append(
             {
@@ -409,6 +520,9 @@ def _gpu_changes(
                 "used": gpu.memory_used_mb,
                 "util": gpu.utilization_pct,
                 "foreign": foreign,
+                "reason": health.health.reason,
+                "clear": health.health.clear_polls,
+                "ecc": health.health.ecc_baseline,
             }
         )
     return rows

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.gpu_health import Health
 from scheduler.poll import PollResult
 from scheduler.transport import VMTarget
 from scheduler.verdicts import LiveJob
@@ -19,6 +20,8 @@ class GpuRow:
     job_id: int | None
     values: tuple[Any, ...]
     """(index, name, memory_total_mb, memory_used_mb, utilization_pct, healthy, foreign_busy)"""
+    health: Health = field(default_factory=Health)
+    """The GPU's own health as stored (`scheduler.gpu_health`)."""
 
 
 @dataclass

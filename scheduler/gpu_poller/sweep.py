@@ -20,7 +20,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
 from scheduler.db import Database, installation_id
+from scheduler.gpu_health import Health
 from scheduler.gpu_poller.finish import finish_jobs, load_ranks
+from scheduler.gpu_poller.gpu_faults import stop_on_broken_gpus
 from scheduler.gpu_poller.inventory import apply, mark_silent
 from scheduler.gpu_poller.liveness import load_watches, stalls, stop_stalled
 from scheduler.gpu_poller.restarts import record_restarts
@@ -219,6 +221,8 @@ class GpuPoller:
         for outcome, job, verdict in stalls(outcomes, self._watches):
             self._stop(outcome, job, verdict)
         await self._apply(outcomes, stats)
+        # After the GPU rows say so: a stopped job's GPUs are then not offered again.
+        stats.jobs_finished += await stop_on_broken_gpus(self.db, outcomes)
 
     def _stop(self, outcome: Outcome, job: LiveJob, verdict: Stall) -> None:
         """Capture and stop a stalled attempt in a task of its own (SSH, then a short
@@ -319,9 +323,13 @@ async def load_vms(session: AsyncSession) -> dict[int, VMState]:
             GPU.utilization_pct,
             GPU.healthy,
             GPU.foreign_busy,
+            GPU.health_reason,
+            GPU.health_clear_polls,
+            GPU.ecc_uncorrected,
         )
     )
-    for vm_id, uuid, job_id, *values in gpu_rows:
+    for vm_id, uuid, job_id, *values, reason, clear_polls, ecc in gpu_rows:
         if vm_id in vms:
-            vms[vm_id].gpus[uuid] = GpuRow(uuid, job_id, tuple(values))
+            health = Health(reason, clear_polls, ecc)
+            vms[vm_id].gpus[uuid] = GpuRow(uuid, job_id, tuple(values), health)
     return vms

@@ -104,9 +104,9 @@ async def fleet_snapshot(
 
 
 async def gpu_state_counts(session: AsyncSession) -> dict[str, int]:
-    """How many GPUs of the whole fleet are free, allocated, foreign or unhealthy."""
+    """How many GPUs of the whole fleet are free, allocated, drained, foreign or unhealthy."""
     state = fleet_gpu_state_sql()
-    counts = {"free": 0, "allocated": 0, "foreign": 0, "unhealthy": 0}
+    counts = {"free": 0, "allocated": 0, "drained": 0, "foreign": 0, "unhealthy": 0}
     for row in await session.execute(select(state, func.count()).group_by(state)):
         counts[row[0]] = int(row[1])
     return counts
@@ -119,6 +119,7 @@ def fleet_gpu_state_sql() -> Any:
     return case(
         (GPU.healthy.is_(False), "unhealthy"),
         (GPU.job_id.is_not(None), "allocated"),
+        (GPU.drained.is_(True), "drained"),
         (GPU.foreign_busy.is_(True), "foreign"),
         else_="free",
     )

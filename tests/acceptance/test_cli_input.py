@@ -104,6 +104,8 @@ BAD_INPUT: list[tuple[list[str | bytes], str]] = [
     ([*SUBMIT, "--", "--model", "x"], "use `job submit --model`"),
     ([*SUBMIT, "--", "--dataset=x"], "use `job submit --dataset`"),
     ([*SUBMIT, "--", "--reward_function", "x"], "use `job submit --reward-function`"),
+    (["vm", "drain", "ghost", "--gpu", "0"], "no VM named 'ghost'"),
+    (["vm", "undrain", "ghost", "--gpu", "g" * 200], "too long"),
 ]
 
 
@@ -220,7 +222,7 @@ OPTIONS = [
     "--host", "--port", "--user", "--transport", "--python", "--entrypoint", "--json",
     "--model", "--dataset", "--reward-function", "--gpus", "--max-retries", "--priority",
     "--name", "--output-dir", "--status", "--limit", "--attempt", "--grace", "--revision",
-    "--no-progress", "--force", "--help", "--", "--log-level", "--database-url",
+    "--no-progress", "--force", "--help", "--", "--log-level", "--database-url", "--gpu",
 ]  # fmt: skip
 DAEMONS = {"poller", "dispatcher", "requeue", "up"}
 

@@ -464,7 +464,7 @@ async def test_the_fleet_page_refreshes_in_place_and_shows_a_failed_refresh(
         await browser.get(f"{base}/fleet?name=vm")
         browser.js("window.notReloaded = true")
         assert rows() == [["vm0", ["free", "free"]]]
-        assert counts() == "1 VMs · GPUs: free 2 allocated 0 foreign 0 unhealthy 0"
+        assert counts() == "1 VMs · GPUs: free 2 allocated 0 drained 0 foreign 0 unhealthy 0"
         # And meanwhile two VMs join (one that the filter leaves out) and a process rlfleet
         # did not start takes a GPU of vm0
         for name in ("vm1", "other0"):
@@ -475,7 +475,7 @@ async def test_the_fleet_page_refreshes_in_place_and_shows_a_failed_refresh(
         # Then the page shows it in place, its filter kept, with the whole fleet's counts
         want = [["vm0", ["free", "foreign"]], ["vm1", ["free"]]]
         await until_rows(want)
-        assert counts() == "2 VMs · GPUs: free 3 allocated 0 foreign 1 unhealthy 0"
+        assert counts() == "2 VMs · GPUs: free 3 allocated 0 drained 0 foreign 1 unhealthy 0"
         assert browser.js("return document.querySelectorAll('.spark svg').length") == 2
         # And says when its data arrived
         state = refreshed()
@@ -525,6 +525,13 @@ async def test_the_fleet_page_refreshes_in_place_and_shows_a_failed_refresh(
         await until_rows([["vm0", ["free", "free"]], ["vm1", ["free"]]])
         assert refreshed()["state"] == "ok" and not refreshed()["stale"]
         assert browser.js("return window.notReloaded === true"), "the page was reloaded"
+
+        # When vm1's GPU requires a reset, the page shows it unhealthy, with the reason
+        fleet.by_name("vm1").set_gpu_health(0, fault="[GPU requires reset]")
+        await until_rows([["vm0", ["free", "free"]], ["vm1", ["unhealthy"]]])
+        reason = browser.js("return document.querySelector('td.gpus .gpu.unhealthy').textContent")
+        assert "requires reset: nvidia-smi prints [GPU requires reset]" in reason
+        assert counts() == "2 VMs · GPUs: free 3 allocated 0 drained 0 foreign 0 unhealthy 1"
     finally:
         polling.cancel()
         await asyncio.gather(polling, return_exceptions=True)

@@ -100,7 +100,8 @@ async def test_jobs_compute_on_the_gpus_they_were_given_on_mixed_renumbered_gpus
     launched between renumberings, then each one's CUDA_VISIBLE_DEVICES names the UUIDs it
     was given and its process computes on exactly those, no GPU is used by two jobs, GPU
     rows follow their UUID (index updated, allocation kept), and a card that disappears
-    is marked unhealthy with its allocation, never handed to the card taking its index."""
+    is marked unhealthy (lost), its job stopped (`gpu_failed`), and nothing of its
+    allocation handed to the card taking its index."""
     fleet = await sim_fleet(0)
     vm = await fleet.add_vm("mixed", models=MODELS)
     assert vm.cuda_uuids != vm.gpu_uuids
@@ -143,17 +144,21 @@ async def test_jobs_compute_on_the_gpus_they_were_given_on_mixed_renumbered_gpus
                 third_row = await session.get(Job, third)
             assert all(r.job_id is not None and not r.foreign_busy for r in rows)
 
-            # The third job's card disappears: its row stays the third job's, unhealthy;
-            # the card that takes over its index is not given its allocation.
+            # The third job's card disappears: its row stays, unhealthy (lost), the job on it
+            # is stopped; the card that takes over its index is not given its allocation.
             assert third_row is not None and third_row.gpu_uuids is not None
             gone = third_row.gpu_uuids[0]
             vm.reorder_gpus([u for u in vm.gpu_uuids if u != gone])
             await poller.sweep()
             async with db.transaction() as session:
                 rows = (await session.scalars(select(GPU).where(GPU.vm_id == vm_id))).all()
+                third_row = await session.get(Job, third)
             by_uuid = {r.uuid: r for r in rows}
-            assert not by_uuid[gone].healthy and by_uuid[gone].job_id == third
-            assert [r.uuid for r in rows if r.job_id == third] == [gone]
+            assert not by_uuid[gone].healthy
+            assert (by_uuid[gone].health_reason or "").startswith("lost")
+            assert third_row is not None
+            assert (third_row.status, third_row.failure_reason) == ("failed", "gpu_failed")
+            assert not [r.uuid for r in rows if r.job_id == third]
             assert all(r.healthy for u, r in by_uuid.items() if u != gone)
     finally:
         await nc.close()

@@ -11,6 +11,7 @@ from sqlalchemy import func, select, text, update
 
 from scheduler.db import Database
 from scheduler.errors import BadInput
+from scheduler.fleet import set_gpu_draining
 from scheduler.gpu_poller import GpuPoller
 from scheduler.history import (
     TIMELINE_BUCKETS,
@@ -19,7 +20,7 @@ from scheduler.history import (
     timeline_span,
     vm_timelines,
 )
-from scheduler.models import GpuSample, ProgressSample
+from scheduler.models import GpuEvent, GpuSample, ProgressSample
 from scheduler.transport import Transport
 from tests.integration.test_poller import launch_job
 from tests.workloads.support import job_attempt_dir
@@ -77,24 +78,32 @@ async def test_samples_older_than_the_retention_are_pruned(
     for step in (1, 2):
         progress.write_text(json.dumps({"step": step, "reward": 1.0}))
         await poller.sweep()
+    # (and two GPU health events, the first of them 8 days old)
+    async with db.transaction() as session:
+        await set_gpu_draining(session, "vm0", "0", True)
+        await set_gpu_draining(session, "vm0", "0", False)
     async with db.transaction() as session:
         for model, stamp in (
             (GpuSample, GpuSample.recorded_at),
             (ProgressSample, ProgressSample.recorded_at),
+            (GpuEvent, GpuEvent.created_at),
         ):
             oldest = select(func.min(model.id)).scalar_subquery()
             await session.execute(
                 update(model)
                 .where(model.id == oldest)
-                .values(recorded_at=stamp - timedelta(days=8))
+                .values({stamp.key: stamp - timedelta(days=8)})
             )
     gpu_before, progress_before = await count(db, GpuSample), await count(db, ProgressSample)
     # When the poller prunes (it does so at most once a minute; force it now)
     deleted = await poller.prune_history(force=True)
     # Then exactly the old ones are gone
-    assert deleted == 2
+    assert deleted == 3
     assert await count(db, GpuSample) == gpu_before - 1
     assert await count(db, ProgressSample) == progress_before - 1
+    async with db.transaction() as session:
+        kinds = (await session.scalars(select(GpuEvent.kind))).all()
+    assert kinds == ["undrained"]
     async with db.transaction() as session:
         assert [p["step"] for p in await job_curve(session, job_id)] == [2]
 

@@ -39,8 +39,9 @@ def sample(page: str, name: str, **labels: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
-async def seed_fleet(db: Database) -> None:
-    """Two VMs (one healthy and draining, one unreachable), four GPUs, five jobs."""
+async def seed_fleet(db: Database) -> list[int]:
+    """Two VMs (one healthy and draining, one unreachable), six GPUs (one requiring a
+    reset, one drained by hand), five jobs."""
     async with db.transaction() as session:
         vm_ids = (
             await session.scalars(
@@ -68,13 +69,22 @@ async def seed_fleet(db: Database) -> None:
                 {"vm_id": vm_ids[0], "index": 1, "uuid": "GPU-a1"},
                 {"vm_id": vm_ids[1], "index": 0, "uuid": "GPU-b0", "foreign_busy": True},
                 {"vm_id": vm_ids[1], "index": 1, "uuid": "GPU-b1", "healthy": False},
+                {
+                    "vm_id": vm_ids[0],
+                    "index": 2,
+                    "uuid": "GPU-a2",
+                    "healthy": False,
+                    "health_reason": "requires reset: nvidia-smi prints [GPU requires reset]",
+                },
+                {"vm_id": vm_ids[0], "index": 3, "uuid": "GPU-a3", "drained": True},
             ],
         )
+    return list(vm_ids)
 
 
 async def test_gauges_follow_the_database_and_helpers_feed_the_histograms(db: Database) -> None:
     # Given a fleet and jobs in several states
-    await seed_fleet(db)
+    a = str((await seed_fleet(db))[0])
     port = free_port()
     before = scrape_or_none(port)
     assert before is None  # nothing serves there yet
@@ -108,7 +118,18 @@ async def test_gauges_follow_the_database_and_helpers_feed_the_histograms(db: Da
     assert sample(page, "rlfleet_gpus", state="allocated") == 1
     assert sample(page, "rlfleet_gpus", state="free") == 1
     assert sample(page, "rlfleet_gpus", state="foreign") == 1
-    assert sample(page, "rlfleet_gpus", state="unhealthy") == 1
+    assert sample(page, "rlfleet_gpus", state="unhealthy") == 2
+    assert sample(page, "rlfleet_gpus", state="drained") == 1
+    # …each GPU's health, and why an unhealthy one is
+    assert sample(page, "rlfleet_gpu_healthy", vm_id=a, gpu="1", uuid="GPU-a1") == 1
+    assert sample(page, "rlfleet_gpu_healthy", vm_id=a, gpu="2", uuid="GPU-a2") == 0
+    reason = "requires reset: nvidia-smi prints [GPU requires reset]"
+    assert (
+        sample(page, "rlfleet_gpu_unhealthy_info", vm_id=a, gpu="2", uuid="GPU-a2", reason=reason)
+        == 1
+    )
+    info = [line for line in page.splitlines() if line.startswith("rlfleet_gpu_unhealthy_info{")]
+    assert len(info) == 2 and not any("GPU-a1" in line for line in info)
     # …and what the helpers recorded
     assert sample(page, "rlfleet_dispatch_duration_seconds_sum") == (dispatches or 0) + 0.25
     assert sample(page, "rlfleet_job_retries_total", reason="oom") == (oom_retries or 0) + 1

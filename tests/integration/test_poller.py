@@ -221,7 +221,6 @@ async def test_finished_jobs_are_moved_with_exit_code_and_reason_and_free_their_
     [
         ("driver", "cannot reach the NVIDIA driver"),
         ("no_devices", "no devices were found"),
-        ("fallen_off_bus", "fallen off the bus"),
         ("garbage", "unreadable nvidia-smi GPU line"),
     ],
 )

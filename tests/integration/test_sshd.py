@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import getpass
+import json
 import os
 import socket
 import subprocess
@@ -20,17 +21,20 @@ from pathlib import Path
 
 import asyncssh
 import pytest
+from sqlalchemy import select
 
 from scheduler import sim_gpu
 from scheduler.db import Database
 from scheduler.embedded import free_port
 from scheduler.fleet import VMSpec, add_vm
 from scheduler.gpu_poller import GpuPoller
+from scheduler.leftovers import LeftoverSweep
 from scheduler.models import GPU, VM
 from scheduler.sim_gpu import gpu_uuid
 from scheduler.transport import HostKeyMismatch, SSHTransport, TransportError, VMTarget
 from tests.fleet import PROCESS_MEMORY_MB
 from tests.requires import find_program, require_program
+from tests.workloads.support import alive, job_attempt_dir, job_row, launch_on
 
 # Missing sshd skips these tests, or fails them under CI (tests/requires.py).
 SSHD = find_program("sshd", "/usr/sbin/sshd")
@@ -240,3 +244,58 @@ async def test_the_poller_polls_a_vm_behind_real_sshd(sshd: RealSshd, db: Databa
         assert (row.status, row.available_gpus, row.last_error) == ("healthy", 2, None)
         gpus = (await session.execute(GPU.__table__.select().where(GPU.vm_id == vm_id))).all()
     assert sorted(g.uuid for g in gpus) == sorted(gpu_uuid("real", i) for i in range(2))
+
+
+@pytest.mark.slow
+async def test_gpu_health_behind_real_sshd_stops_the_job_on_a_gpu_requiring_reset(
+    sshd: RealSshd, db: Database
+) -> None:
+    """Given a job on GPU 0 of a VM behind OpenSSH's sshd, when GPU 0 reports
+    [GPU requires reset] and GPU 1 vanishes from the listing, then each GPU (not the VM)
+    is unhealthy with its reason, the job failed as gpu_failed with no retry used, and
+    the kill sweep stops its process over the same sshd."""
+    target = sshd.target
+    async with db.transaction() as session:
+        vm = await add_vm(
+            session,
+            VMSpec(
+                name="real",
+                host=target.host,
+                port=target.port,
+                user=target.user,
+                ssh_key_path=target.ssh_key_path,
+                known_hosts=target.known_hosts,
+            ),
+        )
+        vm_id = vm.id
+    transport = SSHTransport()
+    try:
+        poller = GpuPoller(db, transport)
+        await poller.sweep()
+        job_id = await launch_on(
+            db, transport, dataclasses.replace(target, id=vm_id), 0, "--fake_seconds", "60"
+        )
+        await poller.sweep()
+        config = json.loads((sshd.root / "sim.json").read_text())
+        sim_gpu.set_health(config, 0, fault="[GPU requires reset]")
+        sim_gpu.set_health(config, 1, vanished=True)
+        sim_gpu.write_config(sshd.root / "sim.json", config)
+        await poller.sweep()
+        job = await job_row(db, job_id)
+        assert (job.status, job.failure_reason, job.retry_count) == ("failed", "gpu_failed", 0)
+        pid = int((await job_attempt_dir(db, job_id, sshd.home) / "pid").read_text())
+        assert alive(pid)
+        report = await LeftoverSweep(db, transport, grace_s=1.0, actor="test").sweep()
+        assert report.killed == [job_id]
+        assert not alive(pid)
+    finally:
+        await transport.close()
+    async with db.transaction() as session:
+        row = await session.get(VM, vm_id)
+        assert row is not None and (row.status, row.available_gpus) == ("healthy", 0)
+        gpus = (await session.scalars(select(GPU).where(GPU.vm_id == vm_id))).all()
+    reasons = {g.uuid: g.health_reason for g in gpus}
+    assert reasons == {
+        gpu_uuid("real", 0): "requires reset: nvidia-smi prints [GPU requires reset]",
+        gpu_uuid("real", 1): "lost: no longer listed by nvidia-smi",
+    }

@@ -16,7 +16,7 @@ from sqlalchemy import select
 from scheduler.cli._common import to_jsonable
 from scheduler.db import Database
 from scheduler.embedded import free_port
-from scheduler.fleet import list_vms, vm_to_dict
+from scheduler.fleet import list_vms, set_gpu_draining, vm_to_dict
 from scheduler.gpu_poller import GpuPoller
 from scheduler.jobs import list_jobs
 from scheduler.models import JobEvent
@@ -219,7 +219,13 @@ async def test_the_fleet_page_shows_each_gpus_state_and_a_timeline(
         ("allocated", job_id),
         ("foreign", None),
     ]
-    assert data["gpu_states"] == {"free": 1, "allocated": 1, "foreign": 0 + 1, "unhealthy": 0}
+    assert data["gpu_states"] == {
+        "free": 1,
+        "allocated": 1,
+        "drained": 0,
+        "foreign": 0 + 1,
+        "unhealthy": 0,
+    }
     assert data["vms"][0]["timeline"], "two polls recorded samples"
     # The timelines cover the time since the first sample (a minute at least), not 3 hours
     # in which two polls would be one dot at the end
@@ -238,6 +244,36 @@ async def test_the_fleet_page_shows_each_gpus_state_and_a_timeline(
         ("foreign", None),
     ]
     assert shown["gpu_states"] == data["gpu_states"] and shown["vms"][0]["timeline"]
+
+
+async def test_the_fleet_page_shows_an_unhealthy_gpus_reason_and_a_drained_gpu(
+    db: Database, client: Client, sim_fleet, transport: Transport
+) -> None:
+    # Given a VM whose GPU 0 requires a reset and whose GPU 1 an operator drained
+    fleet = await sim_fleet(1, gpus_per_vm=3)
+    await fleet.register(db)
+    fleet[0].set_gpu_health(0, fault="[GPU requires reset]")
+    poller = GpuPoller(db, transport)
+    await poller.sweep()
+    async with db.transaction() as session:
+        await set_gpu_draining(session, "vm0", "1", True)
+    # Then the fleet page's data says so, GPU by GPU, with the reason
+    data = (await client().get("/api/fleet")).json()
+    gpus = data["vms"][0]["gpus"]
+    assert [(g["state"], g["drained"]) for g in gpus] == [
+        ("unhealthy", False),
+        ("drained", True),
+        ("free", False),
+    ]
+    assert "requires reset" in gpus[0]["health_reason"]
+    assert gpus[1]["health_reason"] is None
+    assert data["gpu_states"] == {
+        "free": 1,
+        "allocated": 0,
+        "drained": 1,
+        "foreign": 0,
+        "unhealthy": 1,
+    }
 
 
 class LogRecorder:

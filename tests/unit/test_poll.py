@@ -48,9 +48,7 @@ def test_no_compute_apps_means_every_gpu_idle() -> None:
         assert result.error is None and result.busy_uuids() == set()
 
 
-@pytest.mark.parametrize(
-    "marker", ["[N/A]", "[Not Supported]", "[Insufficient Permissions]", "[Unknown Error]"]
-)
+@pytest.mark.parametrize("marker", ["[N/A]", "[Not Supported]", "[Insufficient Permissions]"])
 def test_unavailable_values_are_unknown_not_errors(marker: str) -> None:
     line = f"0, {U0}, NVIDIA A10G, 23028, {marker}, {marker}"
     app = f"{U0}, 77, {marker}"
@@ -82,7 +80,7 @@ def test_a_gpu_name_with_a_comma_is_rejoined() -> None:
     [
         ([DRIVER, ""], 9, [DRIVER], 9, "cannot reach the NVIDIA driver"),
         (["No devices were found"], 6, ["No devices were found"], 6, "no devices were found"),
-        ([LOST, H100], 15, [LOST], 15, "fallen off the bus"),
+        ([LOST], 15, [LOST], 15, "fallen off the bus"),
         (["GPU 00000000:3B:00.0: GPU has fallen off the bus."], 0, [], 0, "fallen off the bus"),
         (["sh: 1: nvidia-smi: not found"], 127, [], 127, "not found"),
         ([f"0, {U0}, NVIDIA A1"], 0, [], 0, "unreadable nvidia-smi GPU line 1"),
@@ -100,6 +98,19 @@ def test_failure_modes_become_a_reason(
 ) -> None:
     result = parse_poll(poll_output(gpus, apps, gpus_rc=gpus_rc, apps_rc=apps_rc))
     assert result.error is not None and reason in result.error
+
+
+def test_a_lost_gpu_beside_listed_ones_is_that_gpu_missing_not_a_broken_vm() -> None:
+    # Given nvidia-smi reporting GPU 0 lost (exit 15) and listing GPU 1
+    result = parse_poll(
+        poll_output([LOST, H100], [LOST, f"{U1}, 4242, 70000"], gpus_rc=15, apps_rc=15)
+    )
+    # Then the VM's nvidia-smi is trusted, GPU 1 listed (GPU 0 missing: lost, per GPU)
+    assert result.error is None
+    assert [g.uuid for g in result.gpus] == [U1] and result.busy_uuids() == {U1}
+    # And the process listing with nothing but the complaint lists no process
+    alone = parse_poll(poll_output([LOST, H100], [LOST], gpus_rc=15, apps_rc=15))
+    assert alone.error is None and alone.apps == ()
 
 
 @pytest.mark.parametrize(

@@ -340,16 +340,18 @@ function spanText(data) {
   return `since ${end - start < 20 * 3600 ? since.slice(11) : since}`;
 }
 
-const GPU_STATES = ["free", "allocated", "foreign", "unhealthy"];
+const GPU_STATES = ["free", "allocated", "drained", "foreign", "unhealthy"];
 const known = (v, unit) => (v === null || v === undefined ? "?" : `${v}${unit || ""}`);
 
 function gpuBadge(g) {
   const title = `GPU ${g.index} ${g.name || ""}: ${g.state}, ${known(g.utilization_pct, "%")}, `
-    + `${known(g.memory_used_mb)}/${known(g.memory_total_mb)} MiB`;
+    + `${known(g.memory_used_mb)}/${known(g.memory_total_mb)} MiB`
+    + (g.health_reason ? ` (${g.health_reason})` : "") + (g.drained ? ", drained by hand" : "");
   return el(
     "span", { class: `gpu ${g.state}`, title, "data-gpu": String(g.index) },
     String(g.index),
     ...(g.job_id ? [":", el("a", { href: `/jobs/${g.job_id}` }, String(g.job_id))] : []),
+    ...(g.health_reason ? [" ", el("small", { class: "gpu-reason" }, g.health_reason)] : []),
   );
 }
 
