@@ -21,10 +21,16 @@ lists is marked unhealthy, never replaced by the card that now has its index
 What a probed attempt's state means for its job (complete, fail and why, leave it) is
 decided without I/O in `scheduler.verdicts`.
 
+Several pollers (on any hosts) divide the VMs between them, Postgres the only coordinator:
+each polls only the VMs it holds under its lease (`shares.py`), renewed by a task of its
+own four times per lease; VMs it takes (added, released by another, or left by a poller
+that died) are polled at once, between its sweeps.
+
 The package's modules: `sweep.py` (the sweep: scheduling the probes, loading the VMs,
 recording results as they land), `inventory.py` (writing VM status, GPU rows and history
 samples), `finish.py` (the live ranks to probe and finishing them), `state.py` (what a
-sweep holds). This module runs the daemon.
+sweep holds), `shares.py` (the poller lease and the VMs it holds). This module runs the
+daemon.
 
 Run it as `rlfleet poller` or `python -m scheduler.gpu_poller`.
 """
@@ -32,9 +38,14 @@ Run it as `rlfleet poller` or `python -m scheduler.gpu_poller`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
-from scheduler.daemon import run_loop
+from scheduler import metrics
+from scheduler.aio import sleep_or_stop
 from scheduler.db import Database
+from scheduler.errors import error_line
+from scheduler.gpu_poller.shares import Shares
 from scheduler.gpu_poller.sweep import (
     DEFAULT_COMMAND_TIMEOUT_S,
     DEFAULT_INTERVAL_S,
@@ -73,9 +84,20 @@ async def run_poller(
     unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT_S,
     ready: asyncio.Event | None = None,
     keep_days: float | None = None,
+    lease_s: float = 0.0,
+    name: str | None = None,
 ) -> None:
-    """Sweep every `interval` seconds until `stop`; a failed sweep is logged, never fatal.
-    `keep_days`: the history retention (default: `RLFLEET_HISTORY_DAYS`, else 7 days)."""
+    """Sweep this poller's share of the VMs every `interval` seconds until `stop`; a failed
+    sweep or renewal is logged, never fatal. `keep_days`: the history retention (default:
+    `RLFLEET_HISTORY_DAYS`, else 7 days). `lease_s`: the poller lease (0: derived from the
+    interval and the unreachable timeout, `Liveness.poller_lease`); `name`: this poller's
+    name in `pollers` (default `host:pid`)."""
+    knobs = Liveness(
+        poll_interval_s=interval,
+        unreachable_timeout_s=unreachable_timeout,
+        poller_lease_s=lease_s,
+    )
+    shares = Shares(db, lease_s=knobs.poller_lease(), name=name)
     poller = GpuPoller(
         db,
         transport,
@@ -83,30 +105,101 @@ async def run_poller(
         command_timeout=command_timeout,
         unreachable_timeout=unreachable_timeout,
         history_days=keep_days if keep_days is not None else history_days(),
+        shares=shares,
     )
     log.info(
         "poller_started",
+        poller=shares.name,
         interval=interval,
         unreachable_after=unreachable_after,
         poll_timeout=command_timeout,
         unreachable_timeout=unreachable_timeout,
+        lease=shares.lease_s,
     )
     # A sweep waits for the polls at most until the next one is due; the rest land later.
     wait_s = max(interval - FLUSH_AFTER_S, interval / 2)
+    taken: set[int] = set()
+    wake = asyncio.Event()
+    first = asyncio.Event()
+    keeper = asyncio.create_task(_keep_share(shares, stop, taken, wake, first))
+    try:
+        # The first sweep waits for the first renewal (held VMs), at most one lease.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(first.wait(), shares.lease_s)
+        next_due = time.monotonic()
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= next_due:
+                next_due = now + interval
+                # A full sweep polls every held VM, those just taken included.
+                wake.clear()
+                taken.clear()
+                await _sweep(poller, wait_s=wait_s)
+                if ready is not None:
+                    ready.set()
+            elif wake.is_set():
+                wake.clear()
+                only = set(taken)
+                taken.clear()
+                await _sweep(poller, wait_s=max(0.1, min(wait_s, next_due - now)), only=only)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(_first_of(wake, stop), next_due - now)
+    finally:
+        keeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keeper
+        await poller.close()
+        try:
+            await shares.leave()
+        except Exception as exc:  # noqa: BLE001 - the lease runs out by itself
+            log.warning("poller_leave_failed", error=error_line(exc))
 
-    async def sweep() -> None:
-        await poller.sweep(wait_s=wait_s)
 
-    def failed(exc: Exception, failures: int) -> None:
-        # The database may be down: try again next interval.
+async def _sweep(poller: GpuPoller, **kwargs: object) -> None:
+    try:
+        await poller.sweep(**kwargs)  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - the database may be down: try again next time
         log.error("poll_sweep_failed", error=f"{type(exc).__name__}: {exc}")
 
+
+async def _first_of(*events: asyncio.Event) -> None:
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
     try:
-        await run_loop(
-            sweep, stop, interval_s=interval, from_start=True, on_error=failed, ready=ready
-        )
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        await poller.close()
+        for w in waits:
+            w.cancel()
+
+
+async def _keep_share(
+    shares: Shares,
+    stop: asyncio.Event,
+    taken: set[int],
+    wake: asyncio.Event,
+    first: asyncio.Event,
+) -> None:
+    """Renew the lease every `shares.renew_every_s` until `stop`; VMs taken go to `taken`
+    and set `wake` (the loop polls them at once). `first` is set after the first try."""
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            renewal = await shares.renew()
+        except Exception as exc:  # noqa: BLE001 - Postgres down: the lease may run out
+            log.error(
+                "poller_renew_failed",
+                poller=shares.name,
+                error=error_line(exc),
+                lease_left_s=round(max(0.0, shares.valid_until - time.monotonic()), 2),
+            )
+        else:
+            metrics.set_poller_held(shares.name, len(renewal.held), renewal.pollers)
+            metrics.count_takeovers(shares.name, len(renewal.reaped))
+            if renewal.taken:
+                taken.update(renewal.taken)
+                wake.set()
+        first.set()
+        await sleep_or_stop(stop, max(0.0, shares.renew_every_s - (time.monotonic() - started)))
 
 
 async def run(
@@ -121,7 +214,8 @@ async def run(
     knobs default to the environment's (`Liveness.from_env`); `rlfleet poller` and
     `rlfleet up` both run this."""
     knobs = liveness or Liveness.from_env()
-    db = Database(settings.database_url, pool_size=2)
+    # One connection for the lease renewals, beside the sweep's.
+    db = Database(settings.database_url, pool_size=3)
     transport = make_transport()
     try:
         await run_poller(
@@ -133,6 +227,7 @@ async def run(
             command_timeout=knobs.poll_timeout_s,
             unreachable_timeout=knobs.unreachable_timeout_s,
             ready=ready,
+            lease_s=knobs.poller_lease(),
         )
     finally:
         await transport.close()

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
-from sqlalchemy import select
+from sqlalchemy import Integer, any_, bindparam, select
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
 from scheduler.db import Database, installation_id
 from scheduler.gpu_poller.finish import finish_jobs, load_ranks
 from scheduler.gpu_poller.inventory import apply, mark_silent
+from scheduler.gpu_poller.shares import Shares
 from scheduler.gpu_poller.state import GpuRow, Outcome, SweepStats, VMState
 from scheduler.history import PRUNE_EVERY_S, prune
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
@@ -64,8 +66,12 @@ class GpuPoller:
         unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT_S,
         batch_size: int = 250,
         history_days: float | None = None,
+        shares: Shares | None = None,
     ) -> None:
         self.db = db
+        self.shares = shares
+        """With shares, only the VMs this poller holds are polled and recorded (several
+        pollers divide the fleet); None: every VM (a poller alone, or a test)."""
         self.history_days = history_days
         """Samples older than this many days are pruned; None: never."""
         self._pruned_at: float | None = None
@@ -85,13 +91,18 @@ class GpuPoller:
         """Ids of the VMs whose poll is still out."""
         return list(self._inflight)
 
-    async def sweep(self, *, wait_s: float | None = None) -> SweepStats:
-        """Poll every VM once and record what was seen.
+    async def sweep(
+        self, *, wait_s: float | None = None, only: Collection[int] | None = None
+    ) -> SweepStats:
+        """Poll every VM once (every VM this poller holds, with shares) and record what
+        was seen.
 
         `wait_s`: wait at most this long for the polls (the daemon passes its interval);
-        polls still out then are left running. None waits until every poll has landed."""
+        polls still out then are left running. None waits until every poll has landed.
+        `only`: poll just these VMs (those a renewal just took)."""
         started = time.monotonic()
-        vms = await self._load()
+        cpu_started = time.process_time()
+        vms = await self._load(only)
         stats = SweepStats(vms=len(vms))
         for vm in vms:
             if vm.target.id not in self._inflight:
@@ -146,7 +157,12 @@ class GpuPoller:
             await self._mark_silent(list(self._inflight), names)
         await self.prune_history()
         stats.seconds = time.monotonic() - started
+        stats.cpu_seconds = time.process_time() - cpu_started
         metrics.observe_poll_sweep(stats.seconds)
+        if only is None:
+            metrics.observe_poller_sweep(
+                self.shares.name if self.shares else "", stats.seconds, stats.cpu_seconds
+            )
         log.debug("poll_sweep_done", **stats.__dict__)
         return stats
 
@@ -190,10 +206,21 @@ class GpuPoller:
 
     async def _mark_silent(self, vm_ids: list[int], names: dict[int, str]) -> None:
         """`inventory.mark_silent` with this poller's unreachable timeout."""
+        if self.shares is not None:
+            vm_ids = [i for i in vm_ids if self.shares.holds(i)]
+            if not vm_ids:
+                return
         await mark_silent(self.db, vm_ids, names, self.unreachable_timeout)
 
     async def _record(self, outcomes: Sequence[Outcome], stats: SweepStats) -> None:
         outcomes = latest_per_vm(outcomes)
+        if self.shares is not None:
+            # A VM released or lost meanwhile is another poller's now: its poll, sent while
+            # this one held it, is not recorded over theirs.
+            outcomes = [o for o in outcomes if self.shares.holds(o.vm.target.id)]
+            if not outcomes:
+                return
+        stats.polled += len(outcomes)
         for outcome in outcomes:
             if outcome.result is None:
                 self._failing.add(outcome.vm.target.id)
@@ -202,10 +229,17 @@ class GpuPoller:
         stats.jobs_finished += await finish_jobs(self.db, outcomes)
         await self._apply(outcomes, stats)
 
-    async def _load(self) -> list[VMState]:
+    async def _load(self, only: Collection[int] | None = None) -> list[VMState]:
+        ids: Collection[int] | None = only
+        if self.shares is not None:
+            mine = self.shares.mine()
+            ids = mine if only is None else mine & set(only)
+            metrics.set_poller_held(self.shares.name, len(mine))
+        if ids is not None and not ids:
+            return []
         async with self.db.transaction() as session:
             # Plain columns, not ORM objects: this runs for every VM on every sweep.
-            vms = await load_vms(session)
+            vms = await load_vms(session, ids)
             installation = await installation_id(session)
             for job in await load_ranks(session, installation):
                 if job.vm_id in vms:
@@ -259,11 +293,16 @@ async def _next(queue: asyncio.Queue[Outcome], timeout: float | None) -> Outcome
         return None
 
 
-async def load_vms(session: AsyncSession) -> dict[int, VMState]:
-    """Every VM with its GPU rows, by id."""
-    vm_rows = await session.execute(
-        select(*VMTarget.columns(), VM.status, VM.consecutive_failures, VM.launch_error)
-    )
+async def load_vms(session: AsyncSession, ids: Collection[int] | None = None) -> dict[int, VMState]:
+    """Every VM (or those of `ids`) with its GPU rows, by id."""
+    query = select(*VMTarget.columns(), VM.status, VM.consecutive_failures, VM.launch_error)
+    gpu_filter = []
+    if ids is not None:
+        # One array parameter, whatever the number of VMs.
+        wanted = bindparam("ids", sorted(ids), type_=ARRAY(Integer))
+        query = query.where(VM.id == any_(wanted))
+        gpu_filter = [GPU.vm_id == any_(wanted)]
+    vm_rows = await session.execute(query)
     vms = {
         row.id: VMState(
             VMTarget.from_row(row), row.status, row.consecutive_failures, row.launch_error
@@ -282,7 +321,7 @@ async def load_vms(session: AsyncSession) -> dict[int, VMState]:
             GPU.utilization_pct,
             GPU.healthy,
             GPU.foreign_busy,
-        )
+        ).where(*gpu_filter)
     )
     for vm_id, uuid, job_id, *values in gpu_rows:
         if vm_id in vms:

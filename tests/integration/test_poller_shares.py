@@ -1,0 +1,161 @@
+"""Pollers share the fleet (scheduler.gpu_poller.shares) on real Postgres and real SSH VMs:
+the division, takeover of an expired lease, a returning poller holding nothing another
+holds, and sweeps that poll only the poller's own VMs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+
+from sqlalchemy import func, insert, select, update
+
+from scheduler.db import Database
+from scheduler.gpu_poller import GpuPoller
+from scheduler.gpu_poller.shares import Shares
+from scheduler.liveness import Liveness
+from scheduler.models import VM, Poller
+from scheduler.transport import Transport
+from tests.fleet import SimFleet
+
+FleetFactory = Callable[..., Awaitable[SimFleet]]
+
+
+async def add_vms(db: Database, n: int) -> None:
+    async with db.transaction() as session:
+        await session.execute(insert(VM), [{"name": f"vm{i}", "host": "h"} for i in range(n)])
+
+
+async def holders(db: Database) -> dict[int, int | None]:
+    async with db.transaction() as session:
+        return dict((await session.execute(select(VM.id, VM.poller_id))).all())
+
+
+async def age_poller(db: Database, poller_id: int, seconds: float) -> None:
+    """Make the poller's last renewal `seconds` older (its lease runs out)."""
+    async with db.transaction() as session:
+        await session.execute(
+            update(Poller)
+            .where(Poller.id == poller_id)
+            .values(renewed_at=Poller.renewed_at - timedelta(seconds=seconds))
+        )
+
+
+async def test_pollers_divide_the_vms_and_rebalance(db: Database) -> None:
+    # Given 10 VMs and one poller: it holds them all
+    await add_vms(db, 10)
+    a, b, c = (Shares(db, lease_s=30, name=n) for n in "abc")
+    assert len((await a.renew()).held) == 10
+    # When a second and a third poller join, each renewing a couple of times
+    await b.renew()
+    await c.renew()
+    for _ in range(2):
+        for shares in (a, b, c):
+            await shares.renew()
+    # Then the VMs are divided (ceil(10/3) = 4 at most each), each held by one poller
+    held = [a.held, b.held, c.held]
+    assert sorted(len(h) for h in held) == [2, 4, 4] or sorted(len(h) for h in held) == [3, 3, 4]
+    assert frozenset().union(*held) == frozenset((await holders(db)).keys())
+    assert sum(len(h) for h in held) == 10
+    rows = await holders(db)
+    for shares in (a, b, c):
+        assert all(rows[vm] == shares.id for vm in shares.held)
+    # When one stops cleanly, the others take its VMs at their next renewal
+    await c.leave()
+    await a.renew()
+    await b.renew()
+    assert len(a.held) + len(b.held) == 10 and not a.held & b.held
+    # And a VM added later goes to a poller with room
+    await add_vms_named(db, "late")
+    renewals = [await a.renew(), await b.renew()]
+    late = await vm_id(db, "late")
+    assert sum(late in r.taken for r in renewals) == 1
+
+
+async def add_vms_named(db: Database, name: str) -> None:
+    async with db.transaction() as session:
+        await session.execute(insert(VM), [{"name": name, "host": "h"}])
+
+
+async def vm_id(db: Database, name: str) -> int:
+    async with db.transaction() as session:
+        return int(await session.scalar(select(VM.id).where(VM.name == name)))
+
+
+async def test_an_expired_lease_is_taken_over_and_its_holder_returns_holding_nothing(
+    db: Database,
+) -> None:
+    # Given two pollers holding 3 VMs each
+    await add_vms(db, 6)
+    a, b = Shares(db, lease_s=30, name="a"), Shares(db, lease_s=30, name="b")
+    await a.renew()
+    await b.renew()
+    await a.renew()
+    await b.renew()
+    assert len(a.held) == len(b.held) == 3
+    a_vms = a.held
+    # When a's lease runs out (a stopped renewing: partitioned, or dead)
+    assert a.id is not None
+    await age_poller(db, a.id, 31)
+    taken = await b.renew()
+    # Then b frees a's VMs and takes them all, at once
+    assert taken.reaped == ("a",)
+    assert a_vms <= taken.taken and len(b.held) == 6
+    async with db.transaction() as session:
+        assert await session.scalar(select(func.count()).select_from(Poller)) == 1
+    # When a comes back: its old lease is never renewed; it registers anew and holds
+    # nothing b holds
+    back = await a.renew()
+    assert back.held == frozenset() and not a.holds(next(iter(a_vms)))
+    rows = await holders(db)
+    assert all(rows[vm] == b.id for vm in a_vms)
+    # and the share evens out only through b releasing VMs, which a then takes
+    await b.renew()
+    await a.renew()
+    assert len(a.held) == len(b.held) == 3 and not a.held & b.held
+
+
+async def test_a_lease_not_renewed_in_time_holds_nothing_locally() -> None:
+    # A poller that cannot renew stops polling its VMs once its lease may have run out
+    # by its own clock, before any other poller may take them (no database needed: the
+    # local clock decides).
+    shares = Shares(None, lease_s=0.3, name="x")  # type: ignore[arg-type]
+    shares.held = frozenset({1, 2})
+    shares.valid_until = time.monotonic() + 0.3
+    assert shares.mine() == {1, 2} and shares.holds(1)
+    shares.valid_until = time.monotonic() - 0.001
+    assert shares.mine() == frozenset() and not shares.holds(1)
+
+
+def test_the_default_lease_keeps_a_dead_pollers_vms_polled_within_the_unreachable_timeout() -> None:
+    knobs = Liveness()
+    assert knobs.takeover_gap_s() < knobs.unreachable_timeout_s
+    assert knobs.problems() == []
+    assert Liveness(poll_interval_s=0.5).takeover_gap_s() < knobs.unreachable_timeout_s
+    # A lease given explicitly that would leave VMs unpolled too long is refused
+    bad = Liveness(poller_lease_s=4).problems()
+    assert any("poller lease" in p for p in bad), bad
+
+
+async def test_sweeps_poll_only_the_pollers_own_vms(
+    db: Database, transport: Transport, sim_fleet: FleetFactory
+) -> None:
+    # Given 4 VMs shared by two pollers
+    fleet = await sim_fleet(4)
+    await fleet.register(db)
+    a, b = Shares(db, lease_s=30, name="a"), Shares(db, lease_s=30, name="b")
+    for shares in (a, b, a, b):
+        await shares.renew()
+    pa = GpuPoller(db, transport, shares=a)
+    pb = GpuPoller(db, transport, shares=b)
+    # When both sweep
+    sa, sb = await asyncio.gather(pa.sweep(), pb.sweep())
+    # Then each polled its own two VMs, and every VM was polled
+    assert (sa.vms, sa.polled, sb.vms, sb.polled) == (2, 2, 2, 2)
+    async with db.transaction() as session:
+        rows = (await session.execute(select(VM.status, VM.last_polled_at))).all()
+    assert all(r.status == "healthy" and r.last_polled_at is not None for r in rows)
+    # When a's lease runs out by its own clock, its sweep polls nothing
+    a.valid_until = 0.0
+    assert (await pa.sweep()).vms == 0
