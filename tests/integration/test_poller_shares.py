@@ -5,12 +5,17 @@ holds, and sweeps that poll only the poller's own VMs."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
 from sqlalchemy import func, insert, select, update
 
+from scheduler import fleet
 from scheduler.db import Database
 from scheduler.gpu_poller import GpuPoller
 from scheduler.gpu_poller.shares import Shares
@@ -159,3 +164,37 @@ async def test_sweeps_poll_only_the_pollers_own_vms(
     # When a's lease runs out by its own clock, its sweep polls nothing
     a.valid_until = 0.0
     assert (await pa.sweep()).vms == 0
+
+
+async def test_vm_show_and_list_say_which_poller_holds_a_vm(
+    db: Database, database_url: str
+) -> None:
+    # Given two VMs, one held by poller "hostA:11", the other by nobody yet
+    await add_vms(db, 1)
+    shares = Shares(db, lease_s=30, name="hostA:11")
+    await shares.renew()
+    await add_vms_named(db, "free")
+    async with db.transaction() as session:
+        shown = fleet.vm_to_dict(await fleet.get_vm(session, "vm0", with_gpus=True))
+        listed = {v["name"]: v for v in map(fleet.vm_to_dict, await fleet.list_vms(session))}
+    assert shown["poller"] == "hostA:11" and "last_polled_at" in shown
+    assert listed["vm0"]["poller"] == "hostA:11" and listed["free"]["poller"] is None
+    # And the CLI prints it (vm show, vm list --json)
+    env = {**os.environ, "RLFLEET_DATABASE_URL": database_url}
+    cli = [sys.executable, "-m", "scheduler.cli"]
+    show = await asyncio.to_thread(
+        subprocess.run, [*cli, "vm", "show", "vm0"], env=env, capture_output=True, text=True
+    )
+    assert show.returncode == 0, show.stderr
+    assert any(line.split() == ["poller:", "hostA:11"] for line in show.stdout.splitlines()), (
+        show.stdout
+    )
+    assert any(line.startswith("last_polled_at:") for line in show.stdout.splitlines())
+    listing = await asyncio.to_thread(
+        subprocess.run, [*cli, "vm", "list", "--json"], env=env, capture_output=True, text=True
+    )
+    assert listing.returncode == 0, listing.stderr
+    assert {v["name"]: v["poller"] for v in json.loads(listing.stdout)} == {
+        "vm0": "hostA:11",
+        "free": None,
+    }
