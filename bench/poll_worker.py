@@ -1,0 +1,108 @@
+"""One poller of `bench/poll.py`, a process of its own: sweeps its share of the simulated
+fleet and reports each sweep's wall and CPU time on stdout (JSON lines).
+
+It imports `scheduler` from `--code` (default: this checkout), so the same benchmark can
+measure another checkout's poller (`--code /path/to/other/checkout`, one poller, polling
+every VM as a poller alone does). Driven by `bench/poll.py` over stdin: it prints `ready`
+once its share is settled, sweeps once to connect on `warm`, sweeps `--sweeps` times on
+`go`, and exits on `stop`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def say(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+async def line() -> str:
+    return (await asyncio.to_thread(sys.stdin.readline)).strip()
+
+
+async def main(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(Path(args.code).resolve()))
+    from scheduler.db import Database
+    from scheduler.gpu_poller import GpuPoller
+    from scheduler.logging import configure
+    from scheduler.transport import SSHTransport
+
+    configure("WARNING")
+    db = Database(args.url, pool_size=3)
+    transport = SSHTransport(max_concurrency=args.concurrency)
+    shares = None
+    keeper = None
+    if args.pollers > 0:
+        from scheduler.gpu_poller.shares import Shares
+
+        shares = Shares(db, lease_s=args.lease, name=f"bench-poller-{args.index}")
+
+        async def keep() -> None:
+            while True:
+                started = time.monotonic()
+                try:
+                    await shares.renew()
+                except Exception as exc:  # noqa: BLE001
+                    say(event="renew_failed", error=str(exc)[:200])
+                await asyncio.sleep(max(0.0, shares.renew_every_s - (time.monotonic() - started)))
+
+        keeper = asyncio.create_task(keep())
+        while shares.pollers != args.pollers or not shares.held:
+            await asyncio.sleep(0.05)
+        poller = GpuPoller(db, transport, shares=shares)
+    else:
+        poller = GpuPoller(db, transport)
+    import scheduler
+
+    say(event="ready", held=len(shares.held) if shares else None, code=scheduler.__file__)
+    assert await line() == "warm"
+
+    async def sweep() -> dict[str, float]:
+        cpu = time.process_time()
+        wall = time.monotonic()
+        stats = await poller.sweep()
+        cpu = time.process_time() - cpu
+        wall = time.monotonic() - wall
+        polled = getattr(stats, "polled", stats.reachable + stats.failed)
+        return {
+            "wall": wall,
+            "cpu": cpu,
+            "vms": stats.vms,
+            "polled": polled,
+            "reachable": stats.reachable,
+        }
+
+    say(event="warm", **await sweep())
+    assert await line() == "go"
+    sweeps = [await sweep() for _ in range(args.sweeps)]
+    say(event="done", sweeps=sweeps, held=len(shares.held) if shares else None)
+    assert await line() == "stop"
+    if keeper is not None:
+        keeper.cancel()
+    await transport.close()
+    await db.dispose()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--code", default=str(REPO))
+    parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--pollers", type=int, default=1, help="0: poll every VM, no shares")
+    parser.add_argument("--sweeps", type=int, default=5)
+    parser.add_argument("--concurrency", type=int, default=200)
+    parser.add_argument("--lease", type=float, default=30.0)
+    args = parser.parse_args()
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    asyncio.run(main(args))
