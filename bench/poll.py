@@ -216,6 +216,11 @@ class Worker:
                 str(args.concurrency),
                 "--lease",
                 str(args.lease),
+                *(
+                    ["--profile", f"{args.profile}/poller-{pollers}-{index}.prof"]
+                    if args.profile
+                    else []
+                ),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -238,6 +243,16 @@ class Worker:
             if report["event"] == event:
                 return report
             print(f"  poller {self.index}: {report}", flush=True)
+
+
+def show_profile(path: Path) -> None:
+    """Where poller 0's measured sweeps spent their time (cProfile: the shares add to the
+    Python-heavy parts), by own time and by cumulative time."""
+    import pstats
+
+    stats = pstats.Stats(str(path))
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(40)
 
 
 def fleet_counts(fleet: list[Connection]) -> list[int]:
@@ -327,6 +342,8 @@ def run_round(
             flush=True,
         )
     per_poll_ms = cpu_total / max(1, polls_total) * 1000
+    if args.profile:
+        show_profile(Path(args.profile) / f"poller-{pollers}-0.prof")
     summary = (
         f"pollers={pollers or 'today'} cpu_s_per_poller={worst_cpu:.2f} "
         f"polls_per_vm={min(per_vm):g}..{max(per_vm):g} cpu_ms_per_vm_poll={per_poll_ms:.2f}"
@@ -388,6 +405,11 @@ def main() -> None:
     parser.add_argument("--baseline-sample", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=200)
     parser.add_argument("--lease", type=float, default=Liveness().poller_lease())
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="directory: cProfile the measured sweeps there, print where the time goes",
+    )
     args = parser.parse_args()
     args.pollers = [int(n) for n in args.pollers.split(",") if n.strip()]
     raise_fd_limit()

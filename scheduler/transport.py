@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import re
 import secrets
 import signal
 from collections.abc import Callable, Sequence
@@ -471,6 +472,13 @@ class SSHTransport:
 
 
 SESSION_END = "__rlfleet_end_"
+_TOKEN_HEX = 16
+# Any request's end marker, compiled once: a separator string would be compiled into a new
+# regex by every read (each request's token is new, so never from re's cache), about a
+# quarter of a poll's CPU. A match whose token is not this request's is output, read on.
+_OUT_END = re.compile(rf"\n{SESSION_END}[0-9a-f]{{{_TOKEN_HEX}}} ")
+_ERR_END = re.compile(rf"\n{SESSION_END}[0-9a-f]{{{_TOKEN_HEX}}}\n")
+_END_LEN = len(SESSION_END) + _TOKEN_HEX + 2
 
 
 class _Session:
@@ -492,7 +500,7 @@ class _Session:
 
     async def run(self, command: str, timeout: float) -> CommandResult:
         """Run one command; the session is closed if it fails or times out."""
-        end = f"{SESSION_END}{secrets.token_hex(8)}"
+        end = f"{SESSION_END}{secrets.token_hex(_TOKEN_HEX // 2)}"
         request = (
             f"( {command}\n) </dev/null; rlfleet_rc=$?; "
             f"printf '\\n%s %d\\n' {end} \"$rlfleet_rc\"; printf '\\n%s\\n' {end} >&2\n"
@@ -506,9 +514,9 @@ class _Session:
 
     async def _exchange(self, request: str, end: str) -> CommandResult:
         self.process.stdin.write(request)
-        out = await self.process.stdout.readuntil(f"\n{end} ")
+        out = await _read_to_end(self.process.stdout, _OUT_END, f"\n{end} ")
         rc = (await self.process.stdout.readline()).strip()
-        err = await self.process.stderr.readuntil(f"\n{end}\n")
+        err = await _read_to_end(self.process.stderr, _ERR_END, f"\n{end}\n")
         return CommandResult(
             int(rc) if rc.lstrip("-").isdigit() else 255,
             out[: -len(end) - 2],
@@ -519,6 +527,17 @@ class _Session:
         """End the remote shell's channel."""
         self.closed = True
         self.process.close()
+
+
+async def _read_to_end(stream: asyncssh.SSHReader[str], any_end: re.Pattern[str], end: str) -> str:
+    """Read `stream` up to and including `end` (this request's marker), with `any_end`
+    (every marker's shape, compiled once) as the separator."""
+    parts = []
+    while True:
+        part = await stream.readuntil(any_end, _END_LEN)
+        parts.append(part)
+        if part.endswith(end):
+            return "".join(parts)
 
 
 class RoutingTransport:

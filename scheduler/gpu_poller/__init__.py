@@ -22,9 +22,9 @@ What a probed attempt's state means for its job (complete, fail and why, leave i
 decided without I/O in `scheduler.verdicts`.
 
 Several pollers (on any hosts) divide the VMs between them, Postgres the only coordinator:
-each polls only the VMs it holds under its lease (`shares.py`), renewed by a task of its
-own four times per lease; VMs it takes (added, released by another, or left by a poller
-that died) are polled at once, between its sweeps.
+each polls only the VMs it holds under its lease (`shares.py`), renewed four times per
+lease from a thread of its own; VMs it takes (added, released by another, or left by a
+poller that died) are polled at once, between its sweeps.
 
 The package's modules: `sweep.py` (the sweep: scheduling the probes, loading the VMs,
 recording results as they land), `inventory.py` (writing VM status, GPU rows and history
@@ -42,10 +42,8 @@ import contextlib
 import time
 
 from scheduler import metrics
-from scheduler.aio import sleep_or_stop
 from scheduler.db import Database
-from scheduler.errors import error_line
-from scheduler.gpu_poller.shares import Shares
+from scheduler.gpu_poller.shares import Keeper, Renewal, Shares
 from scheduler.gpu_poller.sweep import (
     DEFAULT_COMMAND_TIMEOUT_S,
     DEFAULT_INTERVAL_S,
@@ -97,7 +95,7 @@ async def run_poller(
         unreachable_timeout_s=unreachable_timeout,
         poller_lease_s=lease_s,
     )
-    shares = Shares(db, lease_s=knobs.poller_lease(), name=name)
+    shares = Shares(db, lease_s=knobs.poller_lease(), name=name)  # its db: the keeper's
     poller = GpuPoller(
         db,
         transport,
@@ -120,12 +118,23 @@ async def run_poller(
     wait_s = max(interval - FLUSH_AFTER_S, interval / 2)
     taken: set[int] = set()
     wake = asyncio.Event()
-    first = asyncio.Event()
-    keeper = asyncio.create_task(_keep_share(shares, stop, taken, wake, first))
+    loop = asyncio.get_running_loop()
+
+    def took(vms: frozenset[int]) -> None:  # in the loop, from the keeper's thread
+        taken.update(vms)
+        wake.set()
+
+    def renewed(renewal: Renewal) -> None:  # in the keeper's thread
+        metrics.set_poller_held(shares.name, len(renewal.held), renewal.pollers)
+        metrics.count_takeovers(shares.name, len(renewal.reaped))
+        if renewal.taken:
+            loop.call_soon_threadsafe(took, renewal.taken)
+
+    keeper = Keeper(shares, db.url, renewed)
+    keeper.start()
     try:
         # The first sweep waits for the first renewal (held VMs), at most one lease.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(first.wait(), shares.lease_s)
+        await asyncio.to_thread(keeper.tried.wait, shares.lease_s)
         next_due = time.monotonic()
         while not stop.is_set():
             now = time.monotonic()
@@ -146,14 +155,9 @@ async def run_poller(
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(_first_of(wake, stop), next_due - now)
     finally:
-        keeper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await keeper
         await poller.close()
-        try:
-            await shares.leave()
-        except Exception as exc:  # noqa: BLE001 - the lease runs out by itself
-            log.warning("poller_leave_failed", error=error_line(exc))
+        # Stops renewing and gives the VMs back, so the others take them at once.
+        await asyncio.to_thread(keeper.stop)
 
 
 async def _sweep(poller: GpuPoller, **kwargs: object) -> None:
@@ -172,36 +176,6 @@ async def _first_of(*events: asyncio.Event) -> None:
             w.cancel()
 
 
-async def _keep_share(
-    shares: Shares,
-    stop: asyncio.Event,
-    taken: set[int],
-    wake: asyncio.Event,
-    first: asyncio.Event,
-) -> None:
-    """Renew the lease every `shares.renew_every_s` until `stop`; VMs taken go to `taken`
-    and set `wake` (the loop polls them at once). `first` is set after the first try."""
-    while not stop.is_set():
-        started = time.monotonic()
-        try:
-            renewal = await shares.renew()
-        except Exception as exc:  # noqa: BLE001 - Postgres down: the lease may run out
-            log.error(
-                "poller_renew_failed",
-                poller=shares.name,
-                error=error_line(exc),
-                lease_left_s=round(max(0.0, shares.valid_until - time.monotonic()), 2),
-            )
-        else:
-            metrics.set_poller_held(shares.name, len(renewal.held), renewal.pollers)
-            metrics.count_takeovers(shares.name, len(renewal.reaped))
-            if renewal.taken:
-                taken.update(renewal.taken)
-                wake.set()
-        first.set()
-        await sleep_or_stop(stop, max(0.0, shares.renew_every_s - (time.monotonic() - started)))
-
-
 async def run(
     settings: Settings,
     stop: asyncio.Event,
@@ -214,8 +188,7 @@ async def run(
     knobs default to the environment's (`Liveness.from_env`); `rlfleet poller` and
     `rlfleet up` both run this."""
     knobs = liveness or Liveness.from_env()
-    # One connection for the lease renewals, beside the sweep's.
-    db = Database(settings.database_url, pool_size=3)
+    db = Database(settings.database_url, pool_size=2)
     transport = make_transport()
     try:
         await run_poller(

@@ -24,15 +24,21 @@ by exactly one live poller per sweep:
   `poll_interval + lease + renew_every` (`Liveness.problems` keeps that below the
   unreachable timeout).
 
-The renewal is one short transaction of its own (invariant 4: no SSH or NATS inside).
+The renewal is one short transaction of its own (invariant 4: no SSH or NATS inside). The
+daemon renews from a thread of its own (`Keeper`, with its own event loop and database
+connection), so a sweep that keeps the poller's event loop busy for a while (thousands of
+polls landing at once on a loaded host) never starves the lease.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sqlalchemy import text
@@ -218,3 +224,62 @@ class Shares:
             return
         async with self.db.transaction() as session:
             await session.execute(_LEAVE_SQL, {"id": poller_id})
+
+
+class Keeper:
+    """Renews a poller's lease every `shares.renew_every_s` from a thread of its own, with
+    its own event loop and a database connection of its own (to `url`); `on_renewal` is
+    called in that thread after each successful renewal. `stop` gives the VMs back."""
+
+    def __init__(
+        self, shares: Shares, url: str, on_renewal: Callable[[Renewal], None] | None = None
+    ) -> None:
+        self.shares = shares
+        self.url = url
+        self.on_renewal = on_renewal
+        self.tried = threading.Event()
+        """Set once the first renewal was tried (whatever its outcome)."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="poller-lease", daemon=True)
+
+    def start(self) -> None:
+        """Start renewing."""
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop renewing and leave (the VMs go back at once); waits for the thread."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        db = Database(self.url, pool_size=1)
+        self.shares.db = db
+        try:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    renewal = await self.shares.renew()
+                except Exception as exc:  # noqa: BLE001 - Postgres down: the lease may run out
+                    log.error(
+                        "poller_renew_failed",
+                        poller=self.shares.name,
+                        error=f"{type(exc).__name__}: {exc}"[:300],
+                        lease_left_s=round(max(0.0, self.shares.valid_until - time.monotonic()), 2),
+                    )
+                else:
+                    if self.on_renewal is not None:
+                        self.on_renewal(renewal)
+                self.tried.set()
+                until = started + self.shares.renew_every_s
+                while not self._stop.is_set() and (left := until - time.monotonic()) > 0:
+                    await asyncio.sleep(min(left, 0.1))
+            try:
+                await self.shares.leave()
+            except Exception as exc:  # noqa: BLE001 - the lease runs out by itself
+                log.warning("poller_leave_failed", error=f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            self.tried.set()
+            await db.dispose()
