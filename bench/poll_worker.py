@@ -49,7 +49,9 @@ async def main(args: argparse.Namespace) -> None:
         keeper.start()
         while shares.pollers != args.pollers or not shares.held:
             await asyncio.sleep(0.05)
-        poller = GpuPoller(db, transport, shares=shares)
+        # Sweeps run back to back here, not every 5 s as in the daemon: GPU samples are
+        # written every poll (0), more than the daemon's one in three (the upper bound).
+        poller = GpuPoller(db, transport, shares=shares, gpu_sample_every_s=0.0)
     else:
         poller = GpuPoller(db, transport)
     import scheduler

@@ -52,7 +52,7 @@ from scheduler.gpu_poller.sweep import (
     FLUSH_AFTER_S,
     GpuPoller,
 )
-from scheduler.history import history_days
+from scheduler.history import GPU_SAMPLE_EVERY_S, history_days
 from scheduler.liveness import Liveness
 from scheduler.logging import get_logger
 from scheduler.settings import Settings
@@ -104,6 +104,7 @@ async def run_poller(
         unreachable_timeout=unreachable_timeout,
         history_days=keep_days if keep_days is not None else history_days(),
         shares=shares,
+        gpu_sample_every_s=GPU_SAMPLE_EVERY_S,
     )
     log.info(
         "poller_started",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -139,6 +139,17 @@ class _Writes:
     progress: list[ProgressRow] = field(default_factory=list)
 
 
+class SampleGate(Protocol):
+    """Which history samples a batch writes (`sweep.HistoryGate`): the others change
+    nothing (a step already recorded) or are not due yet (GPU samples)."""
+
+    def keep(
+        self, progress: list[ProgressRow], samples: list[GpuReading]
+    ) -> tuple[list[ProgressRow], list[GpuReading]]: ...
+
+    def written(self, progress: list[ProgressRow], samples: list[GpuReading]) -> None: ...
+
+
 async def apply(
     db: Database,
     outcomes: Sequence[Outcome],
@@ -146,10 +157,12 @@ async def apply(
     *,
     unreachable_after: int,
     unreachable_timeout: float,
+    gate: SampleGate | None = None,
 ) -> None:
     """Write what these polls (one per VM) saw, in one short transaction; count them in
     `stats`. A VM is unreachable after `unreachable_after` failed polls in a row or once
-    silent for `unreachable_timeout` seconds."""
+    silent for `unreachable_timeout` seconds. `gate`: which history samples to write
+    (None: all)."""
     writes = _Writes()
     for outcome in outcomes:
         if outcome.result is None:
@@ -160,6 +173,8 @@ async def apply(
         _collect(outcome, outcome.result, writes, stats)
     stats.failed += len(writes.failed)
     ids = [o.vm.target.id for o in outcomes]
+    if gate is not None:
+        writes.progress, writes.samples = gate.keep(writes.progress, writes.samples)
     async with db.transaction() as session:
         await _write(
             session,
@@ -168,6 +183,8 @@ async def apply(
             unreachable_after=unreachable_after,
             unreachable_timeout=unreachable_timeout,
         )
+    if gate is not None:
+        gate.written(writes.progress, writes.samples)
 
 
 def _collect(outcome: Outcome, result: PollResult, writes: _Writes, stats: SweepStats) -> None:

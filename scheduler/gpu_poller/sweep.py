@@ -25,7 +25,7 @@ from scheduler.gpu_poller.finish import finish_jobs, load_ranks
 from scheduler.gpu_poller.inventory import apply, mark_silent
 from scheduler.gpu_poller.shares import Shares
 from scheduler.gpu_poller.state import GpuRow, Outcome, SweepStats, VMState
-from scheduler.history import PRUNE_EVERY_S, prune
+from scheduler.history import PRUNE_EVERY_S, GpuReading, ProgressRow, prune
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM
@@ -67,8 +67,12 @@ class GpuPoller:
         batch_size: int = 250,
         history_days: float | None = None,
         shares: Shares | None = None,
+        gpu_sample_every_s: float = 0.0,
     ) -> None:
         self.db = db
+        self.history = HistoryGate(gpu_sample_every_s)
+        """Which history samples a batch writes: no step twice, GPU samples of a VM at most
+        every `gpu_sample_every_s` (0: every poll)."""
         self.shares = shares
         """With shares, only the VMs this poller holds are polled and recorded (several
         pollers divide the fleet); None: every VM (a poller alone, or a test)."""
@@ -272,7 +276,42 @@ class GpuPoller:
             stats,
             unreachable_after=self.unreachable_after,
             unreachable_timeout=self.unreachable_timeout,
+            gate=self.history,
         )
+
+
+class HistoryGate:
+    """Which history samples a poller writes (`inventory.SampleGate`): a progress step
+    only when it is not the step last written for that attempt (the row would change
+    nothing), and a VM's GPU samples at most every `gpu_every_s` seconds (0: every poll).
+    What was written is noted only once its transaction committed."""
+
+    def __init__(self, gpu_every_s: float = 0.0) -> None:
+        self.gpu_every_s = gpu_every_s
+        self._sampled_at: dict[int, float] = {}
+        self._steps: dict[tuple[int, int], int] = {}
+
+    def keep(
+        self, progress: list[ProgressRow], samples: list[GpuReading]
+    ) -> tuple[list[ProgressRow], list[GpuReading]]:
+        """The rows of a batch worth writing."""
+        progress = [p for p in progress if self._steps.get((p.job_id, p.attempt)) != p.step]
+        if self.gpu_every_s > 0:
+            now = time.monotonic()
+            due = self._sampled_at
+            samples = [s for s in samples if now - due.get(s.vm_id, -1e18) >= self.gpu_every_s]
+        return progress, samples
+
+    def written(self, progress: list[ProgressRow], samples: list[GpuReading]) -> None:
+        """Note what a committed batch wrote."""
+        for p in progress:
+            self._steps[(p.job_id, p.attempt)] = p.step
+        if len(self._steps) > 100_000:  # attempts long over: forget them
+            self._steps.clear()
+        if self.gpu_every_s > 0:
+            now = time.monotonic()
+            for s in samples:
+                self._sampled_at[s.vm_id] = now
 
 
 def latest_per_vm(outcomes: Sequence[Outcome]) -> list[Outcome]:
