@@ -7,7 +7,7 @@ distance, with a 4-GPU nvidia-smi poll from memory (utilization and memory vary 
 answer, so the poller really writes GPU rows every sweep); each fleet process counts the
 polls each of its VMs answers.
 
-For each count in `--pollers` (default 1,2,3), that many pollers (`bench/poll_worker.py`,
+For each count in `--pollers` (default 1,2,3), that many pollers (`bench/pollers/worker.py`,
 the real `GpuPoller` with its lease, `scheduler.gpu_poller.shares`) start against one
 embedded Postgres, divide the VMs, sweep once to connect, then sweep `--sweeps` times, all
 at once. Printed per poller: the wall and CPU time of a sweep (median), the VMs it polled
@@ -194,14 +194,14 @@ async def baseline(targets: list[VMTarget]) -> float:
 
 
 class Worker:
-    """One poller process (`bench/poll_worker.py`), driven over its stdin and stdout."""
+    """One poller process (`bench/pollers/worker.py`), driven over its stdin and stdout."""
 
     def __init__(self, index: int, url: str, args: argparse.Namespace, pollers: int, code: str):
         self.index = index
         self.proc = subprocess.Popen(
             [
                 sys.executable,
-                str(Path(__file__).with_name("poll_worker.py")),
+                str(Path(__file__).parent / "pollers" / "worker.py"),
                 "--url",
                 url,
                 "--code",

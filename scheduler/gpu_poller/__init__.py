@@ -126,8 +126,8 @@ async def run_poller(
         wake.set()
 
     def renewed(renewal: Renewal) -> None:  # in the keeper's thread
-        metrics.set_poller_held(shares.name, len(renewal.held), renewal.pollers)
-        metrics.count_takeovers(shares.name, len(renewal.reaped))
+        metrics.set_poller_held(len(renewal.held), renewal.pollers)
+        metrics.count_takeovers(len(renewal.reaped))
         if renewal.taken:
             loop.call_soon_threadsafe(took, renewal.taken)
 

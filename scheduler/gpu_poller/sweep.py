@@ -164,9 +164,7 @@ class GpuPoller:
         stats.cpu_seconds = time.process_time() - cpu_started
         metrics.observe_poll_sweep(stats.seconds)
         if only is None:
-            metrics.observe_poller_sweep(
-                self.shares.name if self.shares else "", stats.seconds, stats.cpu_seconds
-            )
+            metrics.observe_poller_sweep(stats.seconds, stats.cpu_seconds)
         log.debug("poll_sweep_done", **stats.__dict__)
         return stats
 
@@ -238,7 +236,7 @@ class GpuPoller:
         if self.shares is not None:
             mine = self.shares.mine()
             ids = mine if only is None else mine & set(only)
-            metrics.set_poller_held(self.shares.name, len(mine))
+            metrics.set_poller_held(len(mine))
         if ids is not None and not ids:
             return []
         async with self.db.transaction() as session:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 
+from prometheus_client import generate_latest
 from sqlalchemy import func, insert, select, update
 
 from scheduler import fleet
@@ -158,6 +159,12 @@ async def test_sweeps_poll_only_the_pollers_own_vms(
     sa, sb = await asyncio.gather(pa.sweep(), pb.sweep())
     # Then each polled its own two VMs, and every VM was polled
     assert (sa.vms, sa.polled, sb.vms, sb.polled) == (2, 2, 2, 2)
+    # and the poller's metrics say so (VMs held, the sweep's wall and CPU time)
+    exposed = generate_latest().decode()
+    assert "rlfleet_poll_vms_held 2.0" in exposed
+    for name in ("rlfleet_poll_sweep_seconds", "rlfleet_poll_sweep_cpu_seconds"):
+        value = next(line for line in exposed.splitlines() if line.startswith(name + " "))
+        assert float(value.split()[1]) > 0, value
     async with db.transaction() as session:
         rows = (await session.execute(select(VM.status, VM.last_polled_at))).all()
     assert all(r.status == "healthy" and r.last_polled_at is not None for r in rows)
