@@ -152,16 +152,17 @@ class VM(Base):
     """First failed poll of the current outage; NULL while the VM answers."""
     last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
-    poller_id: Mapped[int | None] = mapped_column(
-        ForeignKey("pollers.id", ondelete="SET NULL"), index=True
-    )
-    """The poller that holds this VM (polls it, alone); NULL: none yet, the next poller
-    with room takes it."""
+    poller_id: Mapped[int | None] = mapped_column(Integer, index=True)
+    """The poller that holds this VM (polls it, alone) while that `pollers` row lives;
+    NULL or an id with no row: free, the next poller with room takes it. No foreign key:
+    its checks would lock poller rows from every sweep's writes (deadlocks with renewals)."""
 
     gpus: Mapped[list[GPU]] = relationship(
         back_populates="vm", cascade="all, delete-orphan", order_by="GPU.index"
     )
-    poller: Mapped[Poller | None] = relationship(lazy="raise", passive_deletes=True)
+    poller: Mapped[Poller | None] = relationship(
+        primaryjoin="foreign(VM.poller_id) == Poller.id", lazy="raise", viewonly=True
+    )
 
     __table_args__ = (CheckConstraint("port BETWEEN 1 AND 65535", name="port_range"),)
 

@@ -7,8 +7,7 @@ Create Date: 2026-11-25 18:00:00
 Several pollers divide the VMs between them with Postgres as the only coordinator
 (`scheduler.gpu_poller.shares`). `pollers` has a row per running poller, renewed every
 fraction of the poller lease; a row whose lease ran out is deleted by whichever poller
-sees it first, and `vms.poller_id` (ON DELETE SET NULL) then frees that poller's VMs for
-the others to take.
+sees it first, and a VM whose `poller_id` names no row is free for the others to take.
 """
 
 from __future__ import annotations
@@ -45,20 +44,13 @@ def upgrade() -> None:
         sa.CheckConstraint("lease_s > 0 AND lease_s <= 3600", name=op.f("ck_pollers_lease_range")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_pollers")),
     )
+    # No foreign key: its checks would lock poller rows from every sweep's writes (a
+    # poller_id that names no row means the VM is free).
     op.add_column("vms", sa.Column("poller_id", sa.Integer(), nullable=True))
-    op.create_foreign_key(
-        op.f("fk_vms_poller_id_pollers"),
-        "vms",
-        "pollers",
-        ["poller_id"],
-        ["id"],
-        ondelete="SET NULL",
-    )
     op.create_index(op.f("ix_vms_poller_id"), "vms", ["poller_id"], unique=False)
 
 
 def downgrade() -> None:
     op.drop_index(op.f("ix_vms_poller_id"), table_name="vms")
-    op.drop_constraint(op.f("fk_vms_poller_id_pollers"), "vms", type_="foreignkey")
     op.drop_column("vms", "poller_id")
     op.drop_table("pollers")

@@ -12,12 +12,16 @@ by exactly one live poller per sweep:
   the database's `now()` of that renewal). Another poller may free its VMs only once
   `renewed_at + lease_s` is past by the database's clock, so after the holder has stopped
   starting polls on them. A lease that ran out is never renewed: the row is deleted by
-  whichever poller sees it first (`ON DELETE SET NULL` frees its VMs), and the poller that
-  comes back registers anew, holding nothing, and takes only VMs nobody holds.
+  whichever poller sees it first, which frees its VMs (a VM whose `poller_id` names no
+  live row is free), and the poller that comes back registers anew, holding nothing, and
+  takes only VMs nobody holds.
 - **Division.** Each renewal computes the fair share `ceil(VMs / live pollers)`; a
-  poller holding more releases its excess (highest ids), one holding less takes free VMs
-  (`FOR UPDATE SKIP LOCKED`, never waiting on a row a sweep is writing). Pollers or VMs
-  that come and go are rebalanced within a renewal or two.
+  poller holding more releases its excess (highest ids), one holding less takes free VMs.
+  Every lock a renewal takes on another's rows is `FOR UPDATE SKIP LOCKED`: it never waits
+  on a VM row a sweep is writing nor on a poller row being renewed, so renewals and sweeps
+  cannot deadlock (`vms.poller_id` has no foreign key for the same reason: its checks
+  would lock poller rows from every sweep). Pollers or VMs that come and go are
+  rebalanced within a renewal or two.
 - **Takeover.** A poller that dies or is cut off from Postgres loses its VMs within one
   lease (plus one renewal of a survivor); a VM taken (or added) is polled at once, not at
   the taker's next sweep, so it is never left unpolled for longer than
@@ -60,10 +64,13 @@ RETURNING id
 """
 )
 _REGISTER_SQL = text("INSERT INTO pollers (name, lease_s) VALUES (:name, :lease) RETURNING id")
-# Deleting a poller frees its VMs (vms.poller_id ON DELETE SET NULL).
+# Deleting a poller frees its VMs (a poller_id naming no row is free). A row being
+# renewed right now is skipped: its renewal decides.
 _REAP_SQL = text(
     """
-DELETE FROM pollers WHERE renewed_at < now() - make_interval(secs => lease_s)
+DELETE FROM pollers WHERE id IN (
+    SELECT id FROM pollers WHERE renewed_at < now() - make_interval(secs => lease_s)
+    FOR UPDATE SKIP LOCKED)
 RETURNING id, name
 """
 )
@@ -81,8 +88,11 @@ RETURNING id
 _CLAIM_SQL = text(
     """
 UPDATE vms SET poller_id = :id
-WHERE id IN (SELECT id FROM vms WHERE poller_id IS NULL ORDER BY id LIMIT :n
-             FOR UPDATE SKIP LOCKED)
+WHERE id IN (SELECT v.id FROM vms v
+             WHERE v.poller_id IS NULL
+                OR NOT EXISTS (SELECT 1 FROM pollers p WHERE p.id = v.poller_id)
+             ORDER BY v.id LIMIT :n
+             FOR UPDATE OF v SKIP LOCKED)
 RETURNING id
 """
 )

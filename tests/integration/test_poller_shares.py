@@ -205,3 +205,22 @@ async def test_vm_show_and_list_say_which_poller_holds_a_vm(
         "vm0": "hostA:11",
         "free": None,
     }
+
+
+async def test_a_renewal_never_waits_on_a_sweep_writing_the_vms(db: Database) -> None:
+    # Given poller b holding 3 VMs, whose sweep is writing their rows (updated twice in
+    # one open transaction, as a batch's apply does) when b's lease runs out
+    await add_vms(db, 3)
+    a, b = Shares(db, lease_s=30, name="a"), Shares(db, lease_s=30, name="b")
+    await b.renew()
+    assert len(b.held) == 3 and b.id is not None
+    await age_poller(db, b.id, 31)
+    async with db.transaction() as sweep:
+        await sweep.execute(update(VM).values(status="healthy"))
+        await sweep.execute(update(VM).values(available_gpus=0))
+        # When a renews meanwhile, it neither waits on those rows nor deadlocks: it frees
+        # b's lease and takes none of the rows being written
+        renewal = await asyncio.wait_for(a.renew(), 10)
+        assert renewal.reaped == ("b",) and renewal.taken == frozenset()
+    # Then, the write committed, a's next renewal takes them
+    assert len((await a.renew()).taken) == 3
