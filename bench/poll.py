@@ -54,7 +54,6 @@ from sqlalchemy import create_engine, insert, pool, text  # noqa: E402
 
 from scheduler.db import Database  # noqa: E402
 from scheduler.embedded import EmbeddedPostgres  # noqa: E402
-from scheduler.liveness import Liveness  # noqa: E402
 from scheduler.logging import configure  # noqa: E402
 from scheduler.migrate import upgrade  # noqa: E402
 from scheduler.models import VM  # noqa: E402
@@ -404,7 +403,10 @@ def main() -> None:
     parser.add_argument("--today", default=None, help="checkout whose poller to compare with")
     parser.add_argument("--baseline-sample", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=200)
-    parser.add_argument("--lease", type=float, default=Liveness().poller_lease())
+    # No poller fails here: the lease sets only how often each renews (four times per
+    # lease). Longer than the daemon's, so that a machine shared with the fleet processes
+    # does not make a poller miss its renewals (`--lease 1.8` is the daemon's default).
+    parser.add_argument("--lease", type=float, default=10.0)
     parser.add_argument(
         "--profile",
         default=None,
