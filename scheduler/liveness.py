@@ -84,6 +84,14 @@ class Liveness:
             return self.poller_lease_s
         return max(0.2, min(10.0, (self.unreachable_timeout_s - self.poll_interval_s) * 0.6))
 
+    def poll_keepalive_s(self) -> float:
+        """SSH keepalive interval of the poller's connections: a poll every interval, each
+        with its deadline, already finds a dead connection (and abandons it); keepalives
+        at the transport's 2 s would cost two round trips per poll on every VM. At
+        `poll_interval_s + poll_timeout_s` none is sent while polls go on; a connection no
+        longer polled (its VM now another poller's) still closes once dead."""
+        return self.poll_interval_s + self.poll_timeout_s
+
     def takeover_gap_s(self) -> float:
         """Longest a VM goes unpolled when its poller dies: the interval it would have been
         polled at, then one lease, then one renewal of a surviving poller."""

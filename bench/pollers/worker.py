@@ -37,7 +37,19 @@ async def main(args: argparse.Namespace) -> None:
 
     configure("ERROR")  # a loaded machine makes some VMs late: not news here
     db = Database(args.url, pool_size=3)
-    transport = SSHTransport(max_concurrency=args.concurrency)
+    # Generous deadlines: a machine shared by the fleet's processes answers late at times,
+    # and a poll counted as failed would be retried over a new connection (not the cost
+    # being measured). Liveness is not what this measures.
+    # Keepalives as the poller daemon has them (`gpu_poller.run`; today's poller had the
+    # transport's default).
+    keepalive = {}
+    if args.pollers > 0:
+        from scheduler.liveness import Liveness
+
+        keepalive = {"keepalive_interval": Liveness().poll_keepalive_s()}
+    transport = SSHTransport(
+        max_concurrency=args.concurrency, connect_timeout=60.0, login_timeout=60.0, **keepalive
+    )
     shares = None
     keeper = None
     if args.pollers > 0:
@@ -51,9 +63,11 @@ async def main(args: argparse.Namespace) -> None:
             await asyncio.sleep(0.05)
         # Sweeps run back to back here, not every 5 s as in the daemon: GPU samples are
         # written every poll (0), more than the daemon's one in three (the upper bound).
-        poller = GpuPoller(db, transport, shares=shares, gpu_sample_every_s=0.0)
+        poller = GpuPoller(
+            db, transport, shares=shares, gpu_sample_every_s=0.0, command_timeout=120.0
+        )
     else:
-        poller = GpuPoller(db, transport)
+        poller = GpuPoller(db, transport, command_timeout=120.0)
     import scheduler
 
     say(event="ready", held=len(shares.held) if shares else None, code=scheduler.__file__)

@@ -53,7 +53,7 @@ from scheduler.gpu_poller.sweep import (
     GpuPoller,
 )
 from scheduler.history import GPU_SAMPLE_EVERY_S, history_days
-from scheduler.liveness import Liveness
+from scheduler.liveness import Liveness, SSHDeadlines
 from scheduler.logging import get_logger
 from scheduler.settings import Settings
 from scheduler.transport import Transport, make_transport
@@ -190,7 +190,9 @@ async def run(
     `rlfleet up` both run this."""
     knobs = liveness or Liveness.from_env()
     db = Database(settings.database_url, pool_size=2)
-    transport = make_transport()
+    # No keepalives between polls: each poll is one, with a deadline.
+    keepalive = max(knobs.poll_keepalive_s(), SSHDeadlines.from_env().keepalive_interval_s)
+    transport = make_transport(keepalive_interval=keepalive)
     try:
         await run_poller(
             db,

@@ -139,6 +139,8 @@ def test_the_default_lease_keeps_a_dead_pollers_vms_polled_within_the_unreachabl
     assert knobs.takeover_gap_s() < knobs.unreachable_timeout_s
     assert knobs.problems() == []
     assert Liveness(poll_interval_s=0.5).takeover_gap_s() < knobs.unreachable_timeout_s
+    # The poller's connections send no keepalive between polls (each poll is one)
+    assert knobs.poll_keepalive_s() > knobs.poll_interval_s
     # A lease given explicitly that would leave VMs unpolled too long is refused
     bad = Liveness(poller_lease_s=4).problems()
     assert any("poller lease" in p for p in bad), bad
