@@ -161,9 +161,9 @@ async def run_poller(
         await asyncio.to_thread(keeper.stop)
 
 
-async def _sweep(poller: GpuPoller, **kwargs: object) -> None:
+async def _sweep(poller: GpuPoller, *, wait_s: float, only: set[int] | None = None) -> None:
     try:
-        await poller.sweep(**kwargs)  # type: ignore[arg-type]
+        await poller.sweep(wait_s=wait_s, only=only)
     except Exception as exc:  # noqa: BLE001 - the database may be down: try again next time
         log.error("poll_sweep_failed", error=f"{type(exc).__name__}: {exc}")
 
