@@ -195,7 +195,7 @@ def serve_daemon(name: str, settings: Settings, metrics_port: int, entry: Entry)
     "however few polls failed",
 )
 @liveness_option(
-    "--lease",
+    "--poller-lease",
     "poller_lease_s",
     0,
     "Seconds this poller holds its share of the VMs after each renewal; the VMs of a poller "
@@ -209,7 +209,7 @@ def poller(
     unreachable_after: int,
     poll_timeout: float,
     unreachable_timeout: float,
-    lease: float,
+    poller_lease: float,
     database_url: str | None,
     nats_url: str | None,
     metrics_port: int,
@@ -221,7 +221,7 @@ def poller(
         poll_interval_s=interval,
         poll_timeout_s=poll_timeout,
         unreachable_timeout_s=unreachable_timeout,
-        poller_lease_s=lease,
+        poller_lease_s=poller_lease,
     )
     settings = daemon_settings(ctx, database_url, nats_url, log_level)
     from scheduler import gpu_poller
