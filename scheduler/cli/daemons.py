@@ -215,8 +215,9 @@ def poller(
     metrics_port: int,
     log_level: str | None,
 ) -> None:
-    """Poll the GPUs and launched jobs of this poller's share of the VMs over SSH (the GPU
-    poller daemon; run several, on any hosts, and they divide the VMs)."""
+    """Poll the VMs' GPUs and launched jobs over SSH (the GPU poller; several share the VMs).
+
+    Pollers on several hosts divide the VMs between them (README, "Several pollers")."""
     liveness = checked_liveness(
         poll_interval_s=interval,
         poll_timeout_s=poll_timeout,
