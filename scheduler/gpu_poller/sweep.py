@@ -237,6 +237,9 @@ class GpuPoller:
             mine = self.shares.mine()
             ids = mine if only is None else mine & set(only)
             metrics.set_poller_held(len(mine))
+            if only is None:
+                # A VM no longer held is no longer this poller's to find failing.
+                self._failing.intersection_update(mine)
         if ids is not None and not ids:
             return []
         async with self.db.transaction() as session:
