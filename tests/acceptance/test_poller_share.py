@@ -1,12 +1,15 @@
 """Three pollers share the fleet as separate processes (`python -m scheduler.gpu_poller`);
 one is killed with SIGKILL mid-run. Its VMs must be polled by the other two within one
 lease period, no VM may go unpolled for as long as the unreachable timeout, and no job on
-them may be declared lost (nor any VM marked unreachable)."""
+them may be declared lost (nor any VM marked unreachable). Then one of the two is cut off
+(SIGSTOP) past its lease and comes back: its VMs go to the other, and it shares the VMs
+again under a new lease, its old one never renewed."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import time
 from collections import Counter
@@ -147,6 +150,36 @@ async def test_a_killed_poller_s_vms_are_taken_over_within_one_lease(
         assert not unreachable, unreachable
         assert statuses == {"running"} and lost == 0 and len(jobs) == N_VMS
         assert victim_id not in remaining and len(remaining) == 2
+
+        # When a second poller is cut off (SIGSTOP: it neither renews nor polls) and
+        # comes back after its lease ran out
+        cut = pollers[1]
+        assert cut.proc is not None
+        cut_id = by_pid[cut.proc.pid]
+        cut_vms = {r[0] for r in await snapshot(db) if r[1] == cut_id}
+        os.kill(cut.proc.pid, signal.SIGSTOP)
+        try:
+
+            async def taken_from_cut() -> bool:
+                rows = {r[0]: r for r in await snapshot(db)}
+                return all(rows[v][1] not in (None, cut_id) for v in cut_vms)
+
+            await wait_until(taken_from_cut, 30, "the cut-off poller's VMs to be taken over")
+        finally:
+            os.kill(cut.proc.pid, signal.SIGCONT)
+
+        # Then it holds none of its old VMs under its old lease (that lease is gone: it
+        # registers anew), and the two share the VMs again: a new row, no VM free
+        async def shared_again() -> bool:
+            rows = await snapshot(db)
+            per = Counter(r[1] for r in rows)
+            return None not in per and len(per) == 2 and cut_id not in per
+
+        await wait_until(shared_again, 30, "the returning poller to share the VMs again")
+        async with db.transaction() as session:
+            live = set((await session.execute(select(Poller.id))).scalars())
+        assert cut_id not in live and len(live) == 2
+        assert "poller_lease_lost" in cut.tail(200)
     finally:
         codes = [p.stop() for p in pollers[1:]]
         for p in pollers:
