@@ -168,6 +168,9 @@ class LocalTransport:
     async def close(self) -> None:
         """Nothing to release."""
 
+    def forget(self, target: VMTarget) -> None:
+        """Nothing is kept per VM."""
+
 
 # Fast, widely supported algorithms first (key exchange is the CPU-heavy part of a
 # connect); the rest of asyncssh's defaults follow so that older servers still connect.
@@ -267,6 +270,18 @@ class SSHTransport:
             target.known_hosts,
             target.verify_host_key,
         )
+
+    def forget(self, target: VMTarget) -> None:
+        """Close the pooled connection (and shell) to `target`: no command is expected
+        there for a while (its VM went to another poller). A command still running on it
+        fails; the next one connects anew."""
+        key = self._key(target)
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            session.close()
+        conn = self._conns.pop(key, None)
+        if conn is not None:
+            conn.close()
 
     @property
     def open_connections(self) -> int:
@@ -563,6 +578,12 @@ class RoutingTransport:
         return await self._pick(target).run(
             target, command, timeout=timeout, input=input, persistent=persistent
         )
+
+    def forget(self, target: VMTarget) -> None:
+        """Close what the transport of `target` keeps open to it."""
+        forget = getattr(self._pick(target), "forget", None)
+        if forget is not None:
+            forget(target)
 
     async def close(self) -> None:
         """Close both transports."""

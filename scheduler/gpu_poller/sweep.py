@@ -86,6 +86,9 @@ class GpuPoller:
         self.unreachable_timeout = unreachable_timeout
         self._inflight: dict[int, asyncio.Task[Outcome]] = {}
         self._sent_at: dict[int, float] = {}
+        self._targets: dict[int, VMTarget] = {}
+        """Each VM this poller loaded, by id: its connection is closed once the VM is no
+        longer this poller's."""
         self._failing: set[int] = set()
         """VMs whose latest poll failed."""
         self._landed: asyncio.Queue[Outcome] = asyncio.Queue()
@@ -238,18 +241,29 @@ class GpuPoller:
             ids = mine if only is None else mine & set(only)
             metrics.set_poller_held(len(mine))
             if only is None:
-                # A VM no longer held is no longer this poller's to find failing.
+                # A VM no longer held is no longer this poller's to find failing, nor
+                # worth a connection kept open (with its keepalives).
                 self._failing.intersection_update(mine)
+                self._forget(set(self._targets) - mine)
         if ids is not None and not ids:
             return []
         async with self.db.transaction() as session:
             # Plain columns, not ORM objects: this runs for every VM on every sweep.
             vms = await load_vms(session, ids)
+            self._targets.update((vm_id, vm.target) for vm_id, vm in vms.items())
             installation = await installation_id(session)
             for job in await load_ranks(session, installation):
                 if job.vm_id in vms:
                     vms[job.vm_id].jobs.append(job)
         return list(vms.values())
+
+    def _forget(self, vm_ids: set[int]) -> None:
+        """Close the connections to VMs this poller no longer holds."""
+        forget = getattr(self.transport, "forget", None)
+        for vm_id in vm_ids:
+            target = self._targets.pop(vm_id)
+            if forget is not None:
+                forget(target)
 
     async def _probe(self, vm: VMState) -> Outcome:
         check = None

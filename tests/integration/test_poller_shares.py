@@ -22,7 +22,7 @@ from scheduler.gpu_poller import GpuPoller
 from scheduler.gpu_poller.shares import Shares
 from scheduler.liveness import Liveness
 from scheduler.models import VM, Poller
-from scheduler.transport import Transport
+from scheduler.transport import SSHTransport, Transport
 from tests.fleet import SimFleet
 
 FleetFactory = Callable[..., Awaitable[SimFleet]]
@@ -226,3 +226,28 @@ async def test_a_renewal_never_waits_on_a_sweep_writing_the_vms(db: Database) ->
         assert renewal.reaped == ("b",) and renewal.taken == frozenset()
     # Then, the write committed, a's next renewal takes them
     assert len((await a.renew()).taken) == 3
+
+
+async def test_a_poller_closes_the_connections_of_the_vms_it_released(
+    db: Database, sim_fleet: FleetFactory
+) -> None:
+    # Given a poller alone, holding and polling 4 VMs over connections of its own
+    fleet = await sim_fleet(4)
+    await fleet.register(db)
+    a = Shares(db, lease_s=30, name="a")
+    await a.renew()
+    transport = SSHTransport()
+    poller = GpuPoller(db, transport, shares=a)
+    try:
+        assert (await poller.sweep()).polled == 4
+        assert transport.open_connections == 4
+        # When a second poller joins and a releases half of the VMs to it
+        b = Shares(db, lease_s=30, name="b")
+        await b.renew()
+        await a.renew()
+        assert len(a.held) == 2
+        # Then a's next sweep polls its two and closes the other two connections
+        assert (await poller.sweep()).polled == 2
+        assert transport.open_connections == 2
+    finally:
+        await transport.close()
