@@ -107,7 +107,7 @@ async def get_vm(session: AsyncSession, name: str, *, with_gpus: bool = False) -
     """The VM called `name`, or `NotFound`."""
     query = select(VM).where(VM.name == name)
     if with_gpus:
-        query = query.options(selectinload(VM.gpus))
+        query = query.options(selectinload(VM.gpus), selectinload(VM.poller))
     vm = await session.scalar(query)
     if vm is None:
         raise NotFound(f"no VM named {name!r}")
@@ -119,7 +119,12 @@ async def list_vms(
 ) -> list[VM]:
     """Every VM, by name, with its GPUs; with `name`, those whose name contains it
     (case-insensitive, taken literally); `limit` and `offset` take one page of them."""
-    query = select(VM).options(selectinload(VM.gpus)).order_by(VM.name).offset(offset)
+    query = (
+        select(VM)
+        .options(selectinload(VM.gpus), selectinload(VM.poller))
+        .order_by(VM.name)
+        .offset(offset)
+    )
     if name:
         query = query.where(VM.name.icontains(name, autoescape=True))
     if limit is not None:
@@ -351,6 +356,7 @@ def vm_to_dict(vm: VM, *, gpus: bool = True) -> dict[str, Any]:
         "draining": vm.draining,
         "available_gpus": vm.available_gpus,
         "consecutive_failures": vm.consecutive_failures,
+        "poller": _poller_name(vm),
         "last_polled_at": vm.last_polled_at,
         "last_seen_at": vm.last_seen_at,
         "last_error": vm.last_error,
@@ -365,6 +371,14 @@ def vm_to_dict(vm: VM, *, gpus: bool = True) -> dict[str, Any]:
     if gpus:
         data["gpus"] = [gpu_to_dict(g) for g in vm.gpus]
     return data
+
+
+def _poller_name(vm: VM) -> str | None:
+    """The name (`host:pid`) of the poller holding the VM, when loaded; None: no poller
+    holds it (none runs, or it was freed and not taken yet)."""
+    if "poller" not in vm.__dict__:  # not loaded with the VM
+        return None
+    return vm.poller.name if vm.poller is not None else None
 
 
 def gpu_to_dict(gpu: GPU) -> dict[str, Any]:

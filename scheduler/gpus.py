@@ -72,6 +72,10 @@ UPDATE vms v SET available_gpus = (
     SELECT count(*) FROM gpus g WHERE g.vm_id = v.id AND {FREE_GPU}
 )
 WHERE v.id = ANY(:ids)
+  -- A count that did not change is not written again (a row version per VM per poll).
+  AND v.available_gpus IS DISTINCT FROM (
+    SELECT count(*) FROM gpus g WHERE g.vm_id = v.id AND {FREE_GPU}
+  )
 """
 )
 """AVAILABLE_SQL that waits for the VM rows: for a transaction that holds them already (the

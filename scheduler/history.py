@@ -20,6 +20,10 @@ from scheduler.errors import BadInput
 HISTORY_DAYS_ENV = "RLFLEET_HISTORY_DAYS"
 DEFAULT_HISTORY_DAYS = 7.0
 MAX_HISTORY_DAYS = 3660.0
+GPU_SAMPLE_EVERY_S = 15.0
+"""How often the poller daemon records a VM's GPU samples (a poll every few seconds;
+a timeline of an hour averages minute-wide buckets, so one sample in three polls is as
+good a chart for a third of the rows)."""
 PRUNE_EVERY_S = 60.0
 """How often the poller deletes samples older than the retention."""
 PRUNE_BATCH = 20_000

@@ -10,7 +10,12 @@ and keepalives notice a dead connection, so both cases end in bounded time:
 - the watchdog next to each attempt stops the training (TERM, then KILL after
   `fence_grace_s`) once its lease is `fence_after_s` old by the VM's own clock;
 - the requeue manager fails the jobs of a VM silent for `node_lost_timeout_s` (counted
-  from its last answer) as `node_lost` and runs them elsewhere.
+  from its last answer) as `node_lost` and runs them elsewhere;
+- several pollers divide the VMs (`scheduler.gpu_poller.shares`): a poller holds its VMs
+  for `poller_lease_s` after each renewal (renewed four times per lease); the VMs of one
+  that dies or is cut off are polled by another within `poll_interval_s + poller_lease_s
+  + poller_lease_s / 4` of their last poll, which must stay below `unreachable_timeout_s`
+  (so no VM looks unreachable, nor fences its attempts, because its poller died).
 
 The relations `problems()` checks keep a partitioned attempt stopped before its job is
 given to another VM, and a VM that answers (even slowly) from ever fencing its attempts.
@@ -29,6 +34,7 @@ UNREACHABLE_TIMEOUT_ENV = "RLFLEET_UNREACHABLE_TIMEOUT"
 NODE_LOST_TIMEOUT_ENV = "RLFLEET_NODE_LOST_TIMEOUT"
 FENCE_AFTER_ENV = "RLFLEET_FENCE_AFTER"
 FENCE_GRACE_ENV = "RLFLEET_FENCE_GRACE"
+POLLER_LEASE_ENV = "RLFLEET_POLLER_LEASE"
 SSH_CONNECT_TIMEOUT_ENV = "RLFLEET_SSH_CONNECT_TIMEOUT"
 SSH_KEEPALIVE_INTERVAL_ENV = "RLFLEET_SSH_KEEPALIVE_INTERVAL"
 SSH_KEEPALIVE_COUNT_ENV = "RLFLEET_SSH_KEEPALIVE_COUNT_MAX"
@@ -40,6 +46,7 @@ ENV_NAMES = {
     "node_lost_timeout_s": NODE_LOST_TIMEOUT_ENV,
     "fence_after_s": FENCE_AFTER_ENV,
     "fence_grace_s": FENCE_GRACE_ENV,
+    "poller_lease_s": POLLER_LEASE_ENV,
 }
 """The environment variable of each `Liveness` knob (read by `Liveness.from_env` and by the
 daemon commands' flags)."""
@@ -64,6 +71,32 @@ class Liveness:
     node_lost_timeout_s: float = 27.0
     fence_after_s: float = 18.0
     fence_grace_s: float = 5.0
+    poller_lease_s: float = 0.0
+    """How long a poller holds its VMs after a renewal; 0: derived from the poll interval
+    and the unreachable timeout (`poller_lease`)."""
+
+    def poller_lease(self) -> float:
+        """The poller lease in seconds: `poller_lease_s`, or when 0 the longest that keeps
+        a dead poller's VMs polled again before the unreachable timeout, with a margin:
+        0.6 of (unreachable timeout - poll interval), between 0.2 s and 10 s
+        (1.8 s with the defaults)."""
+        if self.poller_lease_s > 0:
+            return self.poller_lease_s
+        return max(0.2, min(10.0, (self.unreachable_timeout_s - self.poll_interval_s) * 0.6))
+
+    def poll_keepalive_s(self) -> float:
+        """SSH keepalive interval of the poller's connections: a poll every interval, each
+        with its deadline, already finds a dead connection (and abandons it); keepalives
+        at the transport's 2 s would cost two round trips per poll on every VM. At
+        `poll_interval_s + poll_timeout_s` none is sent while polls go on; a connection no
+        longer polled (its VM now another poller's) still closes once dead."""
+        return self.poll_interval_s + self.poll_timeout_s
+
+    def takeover_gap_s(self) -> float:
+        """Longest a VM goes unpolled when its poller dies: the interval it would have been
+        polled at, then one lease, then one renewal of a surviving poller."""
+        lease = self.poller_lease()
+        return self.poll_interval_s + lease + lease / 4
 
     @classmethod
     def from_env(
@@ -94,6 +127,13 @@ class Liveness:
             out.append(
                 f"unreachable timeout ({self.unreachable_timeout_s:g}s) must exceed the poll "
                 f"interval ({self.poll_interval_s:g}s): a healthy VM would look lost"
+            )
+        if self.poller_lease_s > 0 and self.takeover_gap_s() >= self.unreachable_timeout_s:
+            out.append(
+                f"poller lease ({self.poller_lease_s:g}s): poll interval + lease + lease/4 "
+                f"({self.takeover_gap_s():g}s) must stay below the unreachable timeout "
+                f"({self.unreachable_timeout_s:g}s): the VMs of a poller that dies would be "
+                "marked unreachable before another poller takes them"
             )
         if self.fence_after_s == 0:
             return out  # no watchdogs: nothing to keep consistent with them

@@ -84,6 +84,17 @@ POLL_SWEEP_DURATION = Histogram(
     "One poller sweep over every VM.",
     buckets=_STEP_BUCKETS,
 )
+# A poller's own share and sweeps (each poller serves its own metrics: no label needed,
+# and no host name is exposed).
+POLL_VMS_HELD = Gauge("rlfleet_poll_vms_held", "VMs this poller holds (polls, alone).")
+POLL_SWEEP_SECONDS = Gauge("rlfleet_poll_sweep_seconds", "Wall time of this poller's last sweep.")
+POLL_SWEEP_CPU_SECONDS = Gauge(
+    "rlfleet_poll_sweep_cpu_seconds", "CPU time of this poller's last sweep."
+)
+POLL_POLLERS = Gauge("rlfleet_poll_pollers", "Live pollers sharing the VMs, as last renewed.")
+POLL_TAKEOVERS = Counter(
+    "rlfleet_poll_takeovers_total", "Pollers whose lease ran out and whose VMs this one freed."
+)
 DISPATCHES = Counter("rlfleet_dispatches_total", "Dispatch outcomes.", ["outcome"])
 RETRIES = Counter(
     "rlfleet_job_retries_total", "Failed jobs put back in the queue, by failure reason.", ["reason"]
@@ -185,6 +196,25 @@ def observe_dispatch(seconds: float, outcome: str = "launched") -> None:
 def observe_poll_sweep(seconds: float) -> None:
     """Record the duration of one poller sweep over the fleet."""
     POLL_SWEEP_DURATION.observe(seconds)
+
+
+def set_poller_held(held: int, pollers: int | None = None) -> None:
+    """This poller's share: the VMs it holds (and the live pollers it shares with)."""
+    POLL_VMS_HELD.set(held)
+    if pollers is not None:
+        POLL_POLLERS.set(pollers)
+
+
+def observe_poller_sweep(seconds: float, cpu_seconds: float) -> None:
+    """Wall and CPU time of this poller's last full sweep."""
+    POLL_SWEEP_SECONDS.set(seconds)
+    POLL_SWEEP_CPU_SECONDS.set(cpu_seconds)
+
+
+def count_takeovers(n: int) -> None:
+    """Count the pollers whose lease ran out and whose VMs this poller freed."""
+    if n:
+        POLL_TAKEOVERS.inc(n)
 
 
 def observe_queue_wait(queued_at: datetime | None, claimed_at: datetime | None) -> None:

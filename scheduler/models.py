@@ -96,6 +96,24 @@ class Installation(Base):
     )
 
 
+class Poller(Base):
+    """A running poller: the VMs it holds (`VM.poller_id`) are its to poll while its lease
+    lasts, `lease_s` seconds from `renewed_at` (`scheduler.gpu_poller.shares`)."""
+
+    __tablename__ = "pollers"
+
+    id: Mapped[int] = mapped_column(Integer, Identity(), primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    """Host and process id, for people: `host:pid`."""
+    lease_s: Mapped[float] = mapped_column(Double)
+    started_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    renewed_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    """Database time of the last renewal; the lease runs out `lease_s` later, and a lease
+    that ran out is never renewed (the row is deleted, its VMs freed)."""
+
+    __table_args__ = (CheckConstraint("lease_s > 0 AND lease_s <= 3600", name="lease_range"),)
+
+
 class VM(Base):
     """A machine reached over SSH (or the local machine) that can run training."""
 
@@ -143,9 +161,16 @@ class VM(Base):
     """First failed poll of the current outage; NULL while the VM answers."""
     last_error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    poller_id: Mapped[int | None] = mapped_column(Integer, index=True)
+    """The poller that holds this VM (polls it, alone) while that `pollers` row lives;
+    NULL or an id with no row: free, the next poller with room takes it. No foreign key:
+    its checks would lock poller rows from every sweep's writes (deadlocks with renewals)."""
 
     gpus: Mapped[list[GPU]] = relationship(
         back_populates="vm", cascade="all, delete-orphan", order_by="GPU.index"
+    )
+    poller: Mapped[Poller | None] = relationship(
+        primaryjoin="foreign(VM.poller_id) == Poller.id", lazy="raise", viewonly=True
     )
 
     __table_args__ = (CheckConstraint("port BETWEEN 1 AND 65535", name="port_range"),)

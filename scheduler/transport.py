@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import re
 import secrets
 import signal
 from collections.abc import Callable, Sequence
@@ -197,6 +198,9 @@ class LocalTransport:
     async def close(self) -> None:
         """Nothing to release."""
 
+    def forget(self, target: VMTarget) -> None:
+        """Nothing is kept per VM."""
+
 
 # Fast, widely supported algorithms first (key exchange is the CPU-heavy part of a
 # connect); the rest of asyncssh's defaults follow so that older servers still connect.
@@ -296,6 +300,18 @@ class SSHTransport:
             target.known_hosts,
             target.verify_host_key,
         )
+
+    def forget(self, target: VMTarget) -> None:
+        """Close the pooled connection (and shell) to `target`: no command is expected
+        there for a while (its VM went to another poller). A command still running on it
+        fails; the next one connects anew."""
+        key = self._key(target)
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            session.close()
+        conn = self._conns.pop(key, None)
+        if conn is not None:
+            conn.close()
 
     @property
     def open_connections(self) -> int:
@@ -530,6 +546,13 @@ class SSHTransport:
 
 
 SESSION_END = "__rlfleet_end_"
+_TOKEN_HEX = 16
+# Any request's end marker, compiled once: a separator string would be compiled into a new
+# regex by every read (each request's token is new, so never from re's cache), about a
+# quarter of a poll's CPU. A match whose token is not this request's is output, read on.
+_OUT_END = re.compile(rf"\n{SESSION_END}[0-9a-f]{{{_TOKEN_HEX}}} ")
+_ERR_END = re.compile(rf"\n{SESSION_END}[0-9a-f]{{{_TOKEN_HEX}}}\n")
+_END_LEN = len(SESSION_END) + _TOKEN_HEX + 2
 
 
 class _Session:
@@ -551,7 +574,7 @@ class _Session:
 
     async def run(self, command: str, timeout: float) -> CommandResult:
         """Run one command; the session is closed if it fails or times out."""
-        end = f"{SESSION_END}{secrets.token_hex(8)}"
+        end = f"{SESSION_END}{secrets.token_hex(_TOKEN_HEX // 2)}"
         request = (
             f"( {command}\n) </dev/null; rlfleet_rc=$?; "
             f"printf '\\n%s %d\\n' {end} \"$rlfleet_rc\"; printf '\\n%s\\n' {end} >&2\n"
@@ -565,9 +588,9 @@ class _Session:
 
     async def _exchange(self, request: str, end: str) -> CommandResult:
         self.process.stdin.write(request)
-        out = await self.process.stdout.readuntil(f"\n{end} ")
+        out = await _read_to_end(self.process.stdout, _OUT_END, f"\n{end} ")
         rc = (await self.process.stdout.readline()).strip()
-        err = await self.process.stderr.readuntil(f"\n{end}\n")
+        err = await _read_to_end(self.process.stderr, _ERR_END, f"\n{end}\n")
         return CommandResult(
             int(rc) if rc.lstrip("-").isdigit() else 255,
             out[: -len(end) - 2],
@@ -578,6 +601,17 @@ class _Session:
         """End the remote shell's channel."""
         self.closed = True
         self.process.close()
+
+
+async def _read_to_end(stream: asyncssh.SSHReader[str], any_end: re.Pattern[str], end: str) -> str:
+    """Read `stream` up to and including `end` (this request's marker), with `any_end`
+    (every marker's shape, compiled once) as the separator."""
+    parts = []
+    while True:
+        part = await stream.readuntil(any_end, _END_LEN)
+        parts.append(part)
+        if part.endswith(end):
+            return "".join(parts)
 
 
 class RoutingTransport:
@@ -611,6 +645,12 @@ class RoutingTransport:
         picked = self._pick(target)
         assert isinstance(picked, LocalTransport | SSHTransport)
         return await picked.stream(target, command, sink, timeout=timeout)
+
+    def forget(self, target: VMTarget) -> None:
+        """Close what the transport of `target` keeps open to it."""
+        forget = getattr(self._pick(target), "forget", None)
+        if forget is not None:
+            forget(target)
 
     async def close(self) -> None:
         """Close both transports."""

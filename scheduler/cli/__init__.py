@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "poller": (
         "scheduler.cli.daemons:poller",
-        "Poll every VM's GPUs and launched jobs over SSH (the GPU poller daemon).",
+        "Poll the VMs' GPUs and launched jobs over SSH (the GPU poller; several share the VMs).",
     ),
     "dispatcher": (
         "scheduler.cli.daemons:dispatcher",

@@ -194,6 +194,13 @@ def serve_daemon(name: str, settings: Settings, metrics_port: int, entry: Entry)
     "A VM that has not answered a poll for this many seconds is marked unreachable, "
     "however few polls failed",
 )
+@liveness_option(
+    "--poller-lease",
+    "poller_lease_s",
+    0,
+    "Seconds this poller holds its share of the VMs after each renewal; the VMs of a poller "
+    "that stops renewing go to the others after it. 0: 0.6 x (unreachable timeout - interval)",
+)
 @daemon_options
 @click.pass_context
 def poller(
@@ -202,16 +209,20 @@ def poller(
     unreachable_after: int,
     poll_timeout: float,
     unreachable_timeout: float,
+    poller_lease: float,
     database_url: str | None,
     nats_url: str | None,
     metrics_port: int,
     log_level: str | None,
 ) -> None:
-    """Poll every VM's GPUs and launched jobs over SSH (the GPU poller daemon)."""
+    """Poll the VMs' GPUs and launched jobs over SSH (the GPU poller; several share the VMs).
+
+    Pollers on several hosts divide the VMs between them (README, "Several pollers")."""
     liveness = checked_liveness(
         poll_interval_s=interval,
         poll_timeout_s=poll_timeout,
         unreachable_timeout_s=unreachable_timeout,
+        poller_lease_s=poller_lease,
     )
     settings = daemon_settings(ctx, database_url, nats_url, log_level)
     from scheduler import gpu_poller

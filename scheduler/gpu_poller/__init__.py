@@ -21,11 +21,16 @@ lists is marked unhealthy, never replaced by the card that now has its index
 What a probed attempt's state means for its job (complete, fail and why, leave it) is
 decided without I/O in `scheduler.verdicts`.
 
+Several pollers (on any hosts) divide the VMs between them, Postgres the only coordinator:
+each polls only the VMs it holds under its lease (`shares.py`), renewed four times per
+lease from a thread of its own; VMs it takes (added, released by another, or left by a
+poller that died) are polled at once, between its sweeps.
+
 The package's modules: `sweep.py` (the sweep: scheduling the probes, loading the VMs,
 recording results as they land), `inventory.py` (writing VM status, GPU rows and history
 samples), `finish.py` (the live ranks to probe and finishing them), `restarts.py` (a job
-group's restarts in place, read by the probe, as events), `state.py` (what a sweep holds).
-This module runs the daemon.
+group's restarts in place, read by the probe, as events), `state.py` (what a sweep holds),
+`shares.py` (the poller lease and the VMs it holds). This module runs the daemon.
 
 Run it as `rlfleet poller` or `python -m scheduler.gpu_poller`.
 """
@@ -33,9 +38,12 @@ Run it as `rlfleet poller` or `python -m scheduler.gpu_poller`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
-from scheduler.daemon import run_loop
+from scheduler import metrics
 from scheduler.db import Database
+from scheduler.gpu_poller.shares import Keeper, Renewal, Shares
 from scheduler.gpu_poller.sweep import (
     DEFAULT_COMMAND_TIMEOUT_S,
     DEFAULT_INTERVAL_S,
@@ -44,8 +52,8 @@ from scheduler.gpu_poller.sweep import (
     FLUSH_AFTER_S,
     GpuPoller,
 )
-from scheduler.history import history_days
-from scheduler.liveness import Liveness
+from scheduler.history import GPU_SAMPLE_EVERY_S, history_days
+from scheduler.liveness import Liveness, SSHDeadlines
 from scheduler.logging import get_logger
 from scheduler.settings import Settings
 from scheduler.transport import Transport, make_transport
@@ -74,9 +82,20 @@ async def run_poller(
     unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT_S,
     ready: asyncio.Event | None = None,
     keep_days: float | None = None,
+    lease_s: float = 0.0,
+    name: str | None = None,
 ) -> None:
-    """Sweep every `interval` seconds until `stop`; a failed sweep is logged, never fatal.
-    `keep_days`: the history retention (default: `RLFLEET_HISTORY_DAYS`, else 7 days)."""
+    """Sweep this poller's share of the VMs every `interval` seconds until `stop`; a failed
+    sweep or renewal is logged, never fatal. `keep_days`: the history retention (default:
+    `RLFLEET_HISTORY_DAYS`, else 7 days). `lease_s`: the poller lease (0: derived from the
+    interval and the unreachable timeout, `Liveness.poller_lease`); `name`: this poller's
+    name in `pollers` (default `host:pid`)."""
+    knobs = Liveness(
+        poll_interval_s=interval,
+        unreachable_timeout_s=unreachable_timeout,
+        poller_lease_s=lease_s,
+    )
+    shares = Shares(db, lease_s=knobs.poller_lease(), name=name)  # its db: the keeper's
     poller = GpuPoller(
         db,
         transport,
@@ -84,30 +103,78 @@ async def run_poller(
         command_timeout=command_timeout,
         unreachable_timeout=unreachable_timeout,
         history_days=keep_days if keep_days is not None else history_days(),
+        shares=shares,
+        gpu_sample_every_s=GPU_SAMPLE_EVERY_S,
     )
     log.info(
         "poller_started",
+        poller=shares.name,
         interval=interval,
         unreachable_after=unreachable_after,
         poll_timeout=command_timeout,
         unreachable_timeout=unreachable_timeout,
+        lease=shares.lease_s,
     )
     # A sweep waits for the polls at most until the next one is due; the rest land later.
     wait_s = max(interval - FLUSH_AFTER_S, interval / 2)
+    taken: set[int] = set()
+    wake = asyncio.Event()
+    loop = asyncio.get_running_loop()
 
-    async def sweep() -> None:
-        await poller.sweep(wait_s=wait_s)
+    def took(vms: frozenset[int]) -> None:  # in the loop, from the keeper's thread
+        taken.update(vms)
+        wake.set()
 
-    def failed(exc: Exception, failures: int) -> None:
-        # The database may be down: try again next interval.
-        log.error("poll_sweep_failed", error=f"{type(exc).__name__}: {exc}")
+    def renewed(renewal: Renewal) -> None:  # in the keeper's thread
+        metrics.set_poller_held(len(renewal.held), renewal.pollers)
+        metrics.count_takeovers(len(renewal.reaped))
+        if renewal.taken:
+            loop.call_soon_threadsafe(took, renewal.taken)
 
+    keeper = Keeper(shares, db.url, renewed)
+    keeper.start()
     try:
-        await run_loop(
-            sweep, stop, interval_s=interval, from_start=True, on_error=failed, ready=ready
-        )
+        # The first sweep waits for the first renewal (held VMs), at most one lease.
+        await asyncio.to_thread(keeper.tried.wait, shares.lease_s)
+        next_due = time.monotonic()
+        while not stop.is_set():
+            now = time.monotonic()
+            if now >= next_due:
+                next_due = now + interval
+                # A full sweep polls every held VM, those just taken included.
+                wake.clear()
+                taken.clear()
+                await _sweep(poller, wait_s=wait_s)
+                if ready is not None:
+                    ready.set()
+            elif wake.is_set():
+                wake.clear()
+                only = set(taken)
+                taken.clear()
+                await _sweep(poller, wait_s=max(0.1, min(wait_s, next_due - now)), only=only)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(_first_of(wake, stop), next_due - now)
     finally:
         await poller.close()
+        # Stops renewing and gives the VMs back, so the others take them at once.
+        await asyncio.to_thread(keeper.stop)
+
+
+async def _sweep(poller: GpuPoller, *, wait_s: float, only: set[int] | None = None) -> None:
+    try:
+        await poller.sweep(wait_s=wait_s, only=only)
+    except Exception as exc:  # noqa: BLE001 - the database may be down: try again next time
+        log.error("poll_sweep_failed", error=f"{type(exc).__name__}: {exc}")
+
+
+async def _first_of(*events: asyncio.Event) -> None:
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 async def run(
@@ -123,7 +190,9 @@ async def run(
     `rlfleet up` both run this."""
     knobs = liveness or Liveness.from_env()
     db = Database(settings.database_url, pool_size=2)
-    transport = make_transport()
+    # No keepalives between polls: each poll is one, with a deadline.
+    keepalive = max(knobs.poll_keepalive_s(), SSHDeadlines.from_env().keepalive_interval_s)
+    transport = make_transport(keepalive_interval=keepalive)
     try:
         await run_poller(
             db,
@@ -134,6 +203,7 @@ async def run(
             command_timeout=knobs.poll_timeout_s,
             unreachable_timeout=knobs.unreachable_timeout_s,
             ready=ready,
+            lease_s=knobs.poller_lease(),
         )
     finally:
         await transport.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -190,6 +190,17 @@ class _Writes:
     """Store status files read of the attempts this VM runs."""
 
 
+class SampleGate(Protocol):
+    """Which history samples a batch writes (`sweep.HistoryGate`): the others change
+    nothing (a step already recorded) or are not due yet (GPU samples)."""
+
+    def keep(
+        self, progress: list[ProgressRow], samples: list[GpuReading]
+    ) -> tuple[list[ProgressRow], list[GpuReading]]: ...
+
+    def written(self, progress: list[ProgressRow], samples: list[GpuReading]) -> None: ...
+
+
 async def apply(
     db: Database,
     outcomes: Sequence[Outcome],
@@ -197,12 +208,16 @@ async def apply(
     *,
     unreachable_after: int,
     unreachable_timeout: float,
+    gate: SampleGate | None = None,
 ) -> None:
     """Write what these polls (one per VM) saw, in one short transaction; count them in
     `stats`. A VM is unreachable after `unreachable_after` failed polls in a row or once
-    silent for `unreachable_timeout` seconds."""
+    silent for `unreachable_timeout` seconds. `gate`: which history samples to write
+    (None: all)."""
     writes = _Writes()
     ids = [o.vm.target.id for o in outcomes]
+    if gate is not None:
+        writes.progress, writes.samples = gate.keep(writes.progress, writes.samples)
     async with db.transaction() as session:
         # The GPU rows as they are now, not as the sweep that sent the poll loaded them: a
         # poll can land sweeps later, and a GPU's health is a step from its last state.
@@ -222,6 +237,8 @@ async def apply(
             unreachable_after=unreachable_after,
             unreachable_timeout=unreachable_timeout,
         )
+    if gate is not None:
+        gate.written(writes.progress, writes.samples)
 
 
 _GPU_ROWS_SQL = text(

@@ -61,4 +61,8 @@ class SweepStats:
     jobs_finished: int = 0
     silent: int = 0
     """VMs whose poll was still out when the sweep ended."""
+    polled: int = 0
+    """Polls recorded (the VMs this poller holds that answered or failed)."""
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    """This process's CPU time during the sweep (what a poller on a host of its own costs)."""

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
-from sqlalchemy import select
+from sqlalchemy import Integer, any_, bindparam, select
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
@@ -26,9 +27,10 @@ from scheduler.gpu_poller.gpu_faults import stop_on_broken_gpus
 from scheduler.gpu_poller.inventory import apply, mark_silent
 from scheduler.gpu_poller.liveness import load_watches, stalls, stop_stalled
 from scheduler.gpu_poller.restarts import record_restarts
+from scheduler.gpu_poller.shares import Shares
 from scheduler.gpu_poller.state import GpuRow, Outcome, SweepStats, VMState
 from scheduler.hang import Stall, Watch
-from scheduler.history import PRUNE_EVERY_S, prune
+from scheduler.history import PRUNE_EVERY_S, GpuReading, ProgressRow, prune
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM
@@ -70,8 +72,16 @@ class GpuPoller:
         unreachable_timeout: float = DEFAULT_UNREACHABLE_TIMEOUT_S,
         batch_size: int = 250,
         history_days: float | None = None,
+        shares: Shares | None = None,
+        gpu_sample_every_s: float = 0.0,
     ) -> None:
         self.db = db
+        self.history = HistoryGate(gpu_sample_every_s)
+        """Which history samples a batch writes: no step twice, GPU samples of a VM at most
+        every `gpu_sample_every_s` (0: every poll)."""
+        self.shares = shares
+        """With shares, only the VMs this poller holds are polled and recorded (several
+        pollers divide the fleet); None: every VM (a poller alone, or a test)."""
         self.history_days = history_days
         """Samples older than this many days are pruned; None: never."""
         self._pruned_at: float | None = None
@@ -82,6 +92,9 @@ class GpuPoller:
         self.unreachable_timeout = unreachable_timeout
         self._inflight: dict[int, asyncio.Task[Outcome]] = {}
         self._sent_at: dict[int, float] = {}
+        self._targets: dict[int, VMTarget] = {}
+        """Each VM this poller loaded, by id: its connection is closed once the VM is no
+        longer this poller's."""
         self._failing: set[int] = set()
         """VMs whose latest poll failed."""
         self._landed: asyncio.Queue[Outcome] = asyncio.Queue()
@@ -97,13 +110,18 @@ class GpuPoller:
         """Ids of the VMs whose poll is still out."""
         return list(self._inflight)
 
-    async def sweep(self, *, wait_s: float | None = None) -> SweepStats:
-        """Poll every VM once and record what was seen.
+    async def sweep(
+        self, *, wait_s: float | None = None, only: Collection[int] | None = None
+    ) -> SweepStats:
+        """Poll every VM once (every VM this poller holds, with shares) and record what
+        was seen.
 
         `wait_s`: wait at most this long for the polls (the daemon passes its interval);
-        polls still out then are left running. None waits until every poll has landed."""
+        polls still out then are left running. None waits until every poll has landed.
+        `only`: poll just these VMs (those a renewal just took)."""
         started = time.monotonic()
-        vms = await self._load()
+        cpu_started = time.process_time()
+        vms = await self._load(only)
         stats = SweepStats(vms=len(vms))
         for vm in vms:
             if vm.target.id not in self._inflight:
@@ -161,7 +179,10 @@ class GpuPoller:
             await asyncio.gather(*self._stopping.values(), return_exceptions=True)
         await self.prune_history()
         stats.seconds = time.monotonic() - started
+        stats.cpu_seconds = time.process_time() - cpu_started
         metrics.observe_poll_sweep(stats.seconds)
+        if only is None:
+            metrics.observe_poller_sweep(stats.seconds, stats.cpu_seconds)
         log.debug("poll_sweep_done", **stats.__dict__)
         return stats
 
@@ -206,10 +227,21 @@ class GpuPoller:
 
     async def _mark_silent(self, vm_ids: list[int], names: dict[int, str]) -> None:
         """`inventory.mark_silent` with this poller's unreachable timeout."""
+        if self.shares is not None:
+            vm_ids = [i for i in vm_ids if self.shares.holds(i)]
+            if not vm_ids:
+                return
         await mark_silent(self.db, vm_ids, names, self.unreachable_timeout)
 
     async def _record(self, outcomes: Sequence[Outcome], stats: SweepStats) -> None:
         outcomes = latest_per_vm(outcomes)
+        if self.shares is not None:
+            # A VM released or lost meanwhile is another poller's now: its poll, sent while
+            # this one held it, is not recorded over theirs.
+            outcomes = [o for o in outcomes if self.shares.holds(o.vm.target.id)]
+            if not outcomes:
+                return
+        stats.polled += len(outcomes)
         for outcome in outcomes:
             if outcome.result is None:
                 self._failing.add(outcome.vm.target.id)
@@ -242,16 +274,37 @@ class GpuPoller:
 
         task.add_done_callback(done)
 
-    async def _load(self) -> list[VMState]:
+    async def _load(self, only: Collection[int] | None = None) -> list[VMState]:
+        ids: Collection[int] | None = only
+        if self.shares is not None:
+            mine = self.shares.mine()
+            ids = mine if only is None else mine & set(only)
+            metrics.set_poller_held(len(mine))
+            if only is None:
+                # A VM no longer held is no longer this poller's to find failing, nor
+                # worth a connection kept open (with its keepalives).
+                self._failing.intersection_update(mine)
+                self._forget(set(self._targets) - mine)
+        if ids is not None and not ids:
+            return []
         async with self.db.transaction() as session:
             # Plain columns, not ORM objects: this runs for every VM on every sweep.
-            vms = await load_vms(session)
+            vms = await load_vms(session, ids)
+            self._targets.update((vm_id, vm.target) for vm_id, vm in vms.items())
             installation = await installation_id(session)
             self._watches = await load_watches(session)
             for job in await load_ranks(session, installation):
                 if job.vm_id in vms:
                     vms[job.vm_id].jobs.append(job)
         return list(vms.values())
+
+    def _forget(self, vm_ids: set[int]) -> None:
+        """Close the connections to VMs this poller no longer holds."""
+        forget = getattr(self.transport, "forget", None)
+        for vm_id in vm_ids:
+            target = self._targets.pop(vm_id)
+            if forget is not None:
+                forget(target)
 
     async def _probe(self, vm: VMState) -> Outcome:
         check = None
@@ -279,7 +332,42 @@ class GpuPoller:
             stats,
             unreachable_after=self.unreachable_after,
             unreachable_timeout=self.unreachable_timeout,
+            gate=self.history,
         )
+
+
+class HistoryGate:
+    """Which history samples a poller writes (`inventory.SampleGate`): a progress step
+    only when it is not the step last written for that attempt (the row would change
+    nothing), and a VM's GPU samples at most every `gpu_every_s` seconds (0: every poll).
+    What was written is noted only once its transaction committed."""
+
+    def __init__(self, gpu_every_s: float = 0.0) -> None:
+        self.gpu_every_s = gpu_every_s
+        self._sampled_at: dict[int, float] = {}
+        self._steps: dict[tuple[int, int], int] = {}
+
+    def keep(
+        self, progress: list[ProgressRow], samples: list[GpuReading]
+    ) -> tuple[list[ProgressRow], list[GpuReading]]:
+        """The rows of a batch worth writing."""
+        progress = [p for p in progress if self._steps.get((p.job_id, p.attempt)) != p.step]
+        if self.gpu_every_s > 0:
+            now = time.monotonic()
+            due = self._sampled_at
+            samples = [s for s in samples if now - due.get(s.vm_id, -1e18) >= self.gpu_every_s]
+        return progress, samples
+
+    def written(self, progress: list[ProgressRow], samples: list[GpuReading]) -> None:
+        """Note what a committed batch wrote."""
+        for p in progress:
+            self._steps[(p.job_id, p.attempt)] = p.step
+        if len(self._steps) > 100_000:  # attempts long over: forget them
+            self._steps.clear()
+        if self.gpu_every_s > 0:
+            now = time.monotonic()
+            for s in samples:
+                self._sampled_at[s.vm_id] = now
 
 
 def latest_per_vm(outcomes: Sequence[Outcome]) -> list[Outcome]:
@@ -300,11 +388,16 @@ async def _next(queue: asyncio.Queue[Outcome], timeout: float | None) -> Outcome
         return None
 
 
-async def load_vms(session: AsyncSession) -> dict[int, VMState]:
-    """Every VM with its GPU rows, by id."""
-    vm_rows = await session.execute(
-        select(*VMTarget.columns(), VM.status, VM.consecutive_failures, VM.launch_error)
-    )
+async def load_vms(session: AsyncSession, ids: Collection[int] | None = None) -> dict[int, VMState]:
+    """Every VM (or those of `ids`) with its GPU rows, by id."""
+    query = select(*VMTarget.columns(), VM.status, VM.consecutive_failures, VM.launch_error)
+    gpu_filter = []
+    if ids is not None:
+        # One array parameter, whatever the number of VMs.
+        wanted = bindparam("ids", sorted(ids), type_=ARRAY(Integer))
+        query = query.where(VM.id == any_(wanted))
+        gpu_filter = [GPU.vm_id == any_(wanted)]
+    vm_rows = await session.execute(query)
     vms = {
         row.id: VMState(
             VMTarget.from_row(row), row.status, row.consecutive_failures, row.launch_error
@@ -326,7 +419,7 @@ async def load_vms(session: AsyncSession) -> dict[int, VMState]:
             GPU.health_reason,
             GPU.health_clear_polls,
             GPU.ecc_uncorrected,
-        )
+        ).where(*gpu_filter)
     )
     for vm_id, uuid, job_id, *values, reason, clear_polls, ecc in gpu_rows:
         if vm_id in vms:

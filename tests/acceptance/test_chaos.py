@@ -1,13 +1,13 @@
 """Chaos: 200 jobs, single- and multi-node, on a 10-VM test fleet while daemons, NATS,
 Postgres and VMs fail.
 
-The real daemons run as subprocesses of the real CLI — one poller, two dispatchers, two
-requeue managers — against an embedded Postgres and nats-server of the test's own, and
-ten SSH test VMs with two simulated GPUs each. While the jobs run: one dispatcher is
-killed with SIGKILL (and started again later, as systemd would), nats-server is
-restarted, Postgres is restarted, two VMs crash (one comes back) — one of them under a
-rank of a running 2-node job — and some job ids are published three times. In the end
-every job must be in the state its script implies, within its retry limits, with no GPU
+The real daemons run as subprocesses of the real CLI — two pollers (sharing the VMs),
+two dispatchers, two requeue managers — against an embedded Postgres and nats-server of
+the test's own, and ten SSH test VMs with two simulated GPUs each. While the jobs run:
+one dispatcher is killed with SIGKILL (and started again later, as systemd would),
+nats-server is restarted, Postgres is restarted, two VMs crash (one comes back) — one of
+them under a rank of a running 2-node job — and some job ids are published three times.
+In the end every job must be in the state its script implies, within its retry limits, with no GPU
 ever double-booked, no gang ever holding only part of its GPUs, no job ever running twice
 and no gang attempt ever running with only some of its ranks.
 """
@@ -149,7 +149,8 @@ def job_specs(outputs: Path, rng: random.Random) -> list[tuple[Kind, JobSpec]]:
 
 
 def daemons(url: str, nats_url: str, log_dir: Path, env: dict[str, str]) -> dict[str, Daemon]:
-    """The five daemons, with the short intervals a test can afford."""
+    """The six daemons, with the short intervals a test can afford; the two pollers divide
+    the VMs between them."""
     conn = ["--database-url", url, "--nats-url", nats_url]
     py = [sys.executable, "-m"]
     requeue = [
@@ -172,13 +173,10 @@ def daemons(url: str, nats_url: str, log_dir: Path, env: dict[str, str]) -> dict
         "2",
     ]
     dispatcher = [*py, "scheduler.dispatcher", *conn, "--lease", "10", "--launch-timeout", "8"]
+    poller = [*py, "scheduler.gpu_poller", *conn, "--interval", "0.5", "--unreachable-after", "2"]
     return {
-        "poller": Daemon(
-            "poller",
-            [*py, "scheduler.gpu_poller", *conn, "--interval", "0.5", "--unreachable-after", "2"],
-            log_dir,
-            env,
-        ),
+        "poller-1": Daemon("poller-1", poller, log_dir, env),
+        "poller-2": Daemon("poller-2", poller, log_dir, env),
         "dispatcher-1": Daemon("dispatcher-1", dispatcher, log_dir, env),
         "dispatcher-2": Daemon("dispatcher-2", dispatcher, log_dir, env),
         "requeue-1": Daemon("requeue-1", requeue, log_dir, env),
@@ -393,6 +391,10 @@ async def test_chaos(
                 break
             await asyncio.sleep(0.2)
         assert gangs and hosting, "no long gang and long job ran on distinct VMs"
+        # The two pollers share the VMs (five each), not both polling all of them.
+        async with db.transaction() as session:
+            holders = Counter((await session.execute(select(VM.poller_id))).scalars())
+        assert None not in holders and sorted(holders.values()) == [5, 5], holders
         hit_gang, (survivor_vm, lost_vm) = min(gangs.items())
         async with db.transaction() as session:
             hit_attempt = await session.scalar(select(Job.attempt).where(Job.id == hit_gang))
@@ -599,7 +601,7 @@ async def test_chaos(
     # Every leftover on a VM that answers was killed (and its GPUs given back).
     assert not leftovers, leftovers
     assert sampler.scans > 100
-    for name in ("poller", "dispatcher-2", "requeue-1", "requeue-2"):
+    for name in ("poller-1", "poller-2", "dispatcher-2", "requeue-1", "requeue-2"):
         assert procs[name].starts == 1 and exits[name] == 0, f"{name} died\n{context}"
 
 

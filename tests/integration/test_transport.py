@@ -276,3 +276,28 @@ async def test_a_cancelled_local_command_leaves_no_process(tmp_path) -> None:
     while any(alive(pid) for pid in group) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert not any(alive(pid) for pid in group)
+
+
+async def test_persistent_session_output_with_a_lookalike_end_marker_stays_whole(
+    sim_fleet,
+) -> None:
+    # A command whose output holds something shaped like the session's end marker (a job
+    # can write anything the poll prints) gets it back as output: only this request's
+    # own marker, with its fresh token, ends the output.
+    fleet = await sim_fleet(1)
+    transport = SSHTransport()
+    fake = "__rlfleet_end_0123456789abcdef"
+    try:
+        result = await transport.run(
+            fleet[0].target(),
+            f"printf 'a\\n{fake} 0\\nb\\n'; printf 'c\\n{fake}\\nd\\n' >&2; exit 4",
+            timeout=10,
+            persistent=True,
+        )
+        again = await transport.run(fleet[0].target(), "echo next", timeout=10, persistent=True)
+    finally:
+        await transport.close()
+    assert result.exit_status == 4
+    assert result.stdout == f"a\n{fake} 0\nb\n"
+    assert result.stderr == f"c\n{fake}\nd\n"
+    assert (again.exit_status, again.stdout) == (0, "next\n")
