@@ -338,6 +338,7 @@ class SimVM:
                     gpu.pop("busy_power", None)
                 else:
                     gpu["busy_power"] = watts
+        sim_gpu.write_config(self.root / "sim.json", self._config)
 
     def set_gpu_health(self, index: int, **health: object) -> None:
         """Make GPU `index` report health trouble as a real one does (`sim_gpu.set_health`:
