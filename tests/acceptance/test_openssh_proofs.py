@@ -8,7 +8,9 @@ gets nothing of the test's environment but what its `~/.rlfleet/env` and `~/.aws
   stored checkpoint N; the retry on VM B restores it and continues from step N; the final
   model is in the store, comes back and loads.
 - Issue 23: a trainer that stops advancing is stopped within hang_timeout + one poll, its
-  diagnostics kept (py-spy's stacks among them), and resumes elsewhere from its checkpoint.
+  diagnostics kept (py-spy's stacks among them), and resumes elsewhere from its checkpoint;
+  a reward-server role killed mid-run is restarted in place and the trainer completes with
+  every reward scored.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
 from scheduler.models import Leftover
 from scheduler.transport import Transport
+from tests.acceptance.test_reward_role import reward_restart_proof
 from tests.acceptance.test_store_fleet import crash_resume_proof, s3  # noqa: F401 (fixture)
 from tests.integration.test_hang import CONFIG as HANG_CONFIG
 from tests.integration.test_hang import (
@@ -187,3 +190,21 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return "(ended)"
+
+
+async def test_a_reward_server_killed_on_openssh_is_restarted_and_every_reward_is_scored(
+    sshd_fleet: Callable[..., SshdFleet],  # noqa: F811
+    db: Database,
+    nats: EmbeddedNats,
+    transport: Transport,
+    tmp_path: Path,
+) -> None:
+    """Issue 23's role-restart proof on an OpenSSH VM (see `reward_restart_proof`): the
+    example's reward role, killed mid-run, is restarted in place by its supervisor (which
+    runs detached from any sshd session) while the trainer runs on and completes with
+    every reward scored."""
+    from training.tiny_model import save_tiny_model
+
+    tiny = save_tiny_model(tmp_path / "tiny-model")
+    fleet, poller = await training_fleet(sshd_fleet, db, transport, 1)
+    await reward_restart_proof(db, nats, transport, poller, tiny, tmp_path, fleet)
