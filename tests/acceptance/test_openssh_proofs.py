@@ -16,6 +16,8 @@ gets nothing of the test's environment but what its `~/.rlfleet/env` and `~/.aws
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -44,6 +46,7 @@ from tests.s3server import S3Server
 from tests.sshd import SshdFleet, sshd_fleet  # noqa: F401 (the fixture)
 from tests.workloads.support import (
     FAKE_TRAIN,
+    RLFLEET,
     attempt_dirs,
     daemons,
     installation,
@@ -99,8 +102,21 @@ async def test_a_crashed_openssh_vm_costs_one_checkpoint_interval_and_the_model_
         crashed.append(name)
 
     homes = {vm.name: vm.home for vm in fleet}
-    await crash_resume_proof(db, nats, transport, poller, s3, tiny, tmp_path, homes, crash)
+    job_id = await crash_resume_proof(db, nats, transport, poller, s3, tiny, tmp_path, homes, crash)
     assert len(crashed) == 1
+    # `rlfleet job pull`, as a user runs it with the AWS variables of their machine.
+    dest = tmp_path / "cli-pulled"
+    env = dict(os.environ, RLFLEET_DATABASE_URL=db.url, **s3.env())
+    pulled = subprocess.run(
+        [str(RLFLEET), "job", "pull", str(job_id), str(dest), "--json"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert pulled.returncode == 0, pulled.stderr
+    assert s3.secret not in pulled.stdout + pulled.stderr
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(dest)
+    assert model.config.model_type == "qwen2"
 
 
 async def test_a_hung_trainer_on_openssh_is_stopped_diagnosed_and_resumes_elsewhere(

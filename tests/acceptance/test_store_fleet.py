@@ -124,11 +124,12 @@ async def crash_resume_proof(
     tmp_path: Path,
     homes: dict[str, Path],
     crash: Callable[[str], Awaitable[None]],
-) -> None:
+) -> int:
     """Issue 22's proof on two registered VMs (`homes`: each VM's home by name, set up by
     `store_fleet` or the like): the job's VM A is crashed by `crash(name)` once a checkpoint
     of it is in the store; the retry on VM B restores it, continues from its step and
-    completes; the final model is in the store and comes back with `pull` and loads."""
+    completes; the final model is in the store and comes back with `pull` and loads.
+    Returns the job's id."""
     job_id = await store_job(db, tiny, s3, max_retries=0)
     inst = await installation(db)
     deadline = time.monotonic() + 400
@@ -192,6 +193,7 @@ async def crash_resume_proof(
 
     model = AutoModelForCausalLM.from_pretrained(dest)
     assert model.config.model_type == "qwen2"
+    return job_id
 
 
 async def _vm_ids(db: Database) -> dict[str, int]:
