@@ -8,7 +8,8 @@ gets nothing of the test's environment but what its `~/.rlfleet/env` and `~/.aws
   stored checkpoint N; the retry on VM B restores it and continues from step N; the final
   model is in the store, comes back and loads.
 - Issue 23: a trainer that stops advancing is stopped within hang_timeout + one poll, its
-  diagnostics kept (py-spy's stacks among them), and resumes elsewhere from its checkpoint;
+  diagnostics kept (py-spy's stacks among them), and resumes elsewhere from its checkpoint
+  (in an output directory both VMs mount); a slow trainer is never stopped;
   a reward-server role killed mid-run is restarted in place and the trainer completes with
   every reward scored.
 """
@@ -206,6 +207,24 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return "(ended)"
+
+
+async def test_a_slow_trainer_on_openssh_is_never_stopped(
+    sshd_fleet: Callable[..., SshdFleet],  # noqa: F811
+    db: Database,
+    nats: EmbeddedNats,
+) -> None:
+    """Given a trainer taking 5 s per step, its GPU idle-looking (80 W) so that only the
+    progress decides, with a 10 s hang timeout, when it runs its 5 steps behind sshd, then
+    it completes on its first attempt: no false stop."""
+    fleet = sshd_fleet(1, gpus_per_vm=1)
+    await fleet.register(db, entrypoint=str(FAKE_TRAIN))
+    fleet.by_name("vm0").set_busy_power(0, 80.0)
+    async with daemons(db, nats.url, HANG_CONFIG):
+        job_id = await new_job(db, 1, ("--fake_step_seconds", "5"), hang_timeout_s=10)
+        done = await wait_status(db, job_id, {"completed", "failed"}, timeout=120)
+    assert done.status == "completed", done.status_reason
+    assert done.attempt == 1 and not await failed_events(db, job_id)
 
 
 async def test_a_reward_server_killed_on_openssh_is_restarted_and_every_reward_is_scored(
