@@ -16,8 +16,9 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -140,9 +141,23 @@ async def test_a_reward_server_killed_mid_run_is_restarted_and_every_reward_is_s
     restart is an event of the job."""
     from training.tiny_model import save_tiny_model
 
-    steps = 8
     tiny = save_tiny_model(tmp_path / "tiny-model")
     fleet, poller = await training_fleet(sim_fleet, db, transport, 1)
+    await reward_restart_proof(db, nats, transport, poller, tiny, tmp_path, fleet)
+
+
+async def reward_restart_proof(
+    db: Database,
+    nats: EmbeddedNats,
+    transport: Transport,
+    poller: GpuPoller,
+    tiny: Path,
+    tmp_path: Path,
+    fleet: Iterable[Any],
+) -> None:
+    """The restart proof on a registered one-VM training fleet (`fleet`: its VMs, each with
+    `processes()`, as tests/fleet.py's and tests/sshd.py's have; `poller` has swept it)."""
+    steps = 8
     roles = example_roles(tiny, steps)
     assert roles["roles"]["reward"]["restart"] == "on-failure"  # type: ignore[index]
     job_id = await new_job(

@@ -106,7 +106,30 @@ async def test_a_crashed_vm_costs_one_checkpoint_interval_and_the_model_comes_ba
 
     tiny = save_tiny_model(tmp_path / "tiny-model")
     fleet, poller = await store_fleet(sim_fleet, db, transport, s3, 2)
-    ids = {vm.name: vm for vm in fleet}
+
+    async def crash(name: str) -> None:
+        await fleet.by_name(name).stop(kill_processes=True)
+
+    homes = {vm.name: vm.home for vm in fleet}
+    await crash_resume_proof(db, nats, transport, poller, s3, tiny, tmp_path, homes, crash)
+
+
+async def crash_resume_proof(
+    db: Database,
+    nats: EmbeddedNats,
+    transport: Transport,
+    poller: GpuPoller,
+    s3: S3Server,
+    tiny: Path,
+    tmp_path: Path,
+    homes: dict[str, Path],
+    crash: Callable[[str], Awaitable[None]],
+) -> int:
+    """Issue 22's proof on two registered VMs (`homes`: each VM's home by name, set up by
+    `store_fleet` or the like): the job's VM A is crashed by `crash(name)` once a checkpoint
+    of it is in the store; the retry on VM B restores it, continues from its step and
+    completes; the final model is in the store and comes back with `pull` and loads.
+    Returns the job's id."""
     job_id = await store_job(db, tiny, s3, max_retries=0)
     inst = await installation(db)
     deadline = time.monotonic() + 400
@@ -122,7 +145,7 @@ async def test_a_crashed_vm_costs_one_checkpoint_interval_and_the_model_comes_ba
             await asyncio.sleep(0.2)
         vm_ids = {name: vm_id for name, vm_id in (await _vm_ids(db)).items()}
         lost_name = next(n for n, i in vm_ids.items() if i == first.vm_id)
-        await ids[lost_name].stop(kill_processes=True)  # VM A crashes
+        await crash(lost_name)  # VM A crashes
         saved = max(stored_steps(s3))
         assert saved < MAX_STEPS, "the run ended before the crash: make it longer"
         await sweep_until(poller, db, first.vm_id, "unreachable")
@@ -132,7 +155,7 @@ async def test_a_crashed_vm_costs_one_checkpoint_interval_and_the_model_comes_ba
             await poller.sweep()
             await requeue.tick()
             await asyncio.sleep(0.3)
-    other = next(vm for name, vm in ids.items() if name != lost_name)
+    other_home = next(home for name, home in homes.items() if name != lost_name)
     log = (Path(job.attempt_dir or "") / "train.log").read_text()
     assert job.status == "completed", (job.status_reason, log[-3000:])
     assert job.vm_id != first.vm_id and job.retry_count == 0 and job.attempt == 2
@@ -142,7 +165,8 @@ async def test_a_crashed_vm_costs_one_checkpoint_interval_and_the_model_comes_ba
     assert restored is not None, log[-3000:]
     step = int(restored.group(1))
     assert saved <= step < MAX_STEPS
-    out = other.home / default_output_dir(inst, job_id).removeprefix("~/")
+    print(f"crashed with checkpoint-{saved} stored; the retry restored checkpoint-{step}")
+    out = other_home / default_output_dir(inst, job_id).removeprefix("~/")
     local = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
     assert local[0] == step and all(s > step for s in local[1:]), local
     final_state = json.loads((out / f"checkpoint-{MAX_STEPS}" / "trainer_state.json").read_text())
@@ -169,6 +193,7 @@ async def test_a_crashed_vm_costs_one_checkpoint_interval_and_the_model_comes_ba
 
     model = AutoModelForCausalLM.from_pretrained(dest)
     assert model.config.model_type == "qwen2"
+    return job_id
 
 
 async def _vm_ids(db: Database) -> dict[str, int]:

@@ -1,21 +1,16 @@
 """The transport and the poller against OpenSSH's real `sshd`, the server users run.
 
-sshd runs as a non-daemon child on a free loopback port with its own host key, config and
-authorized_keys in a temp dir (`make test` installs openssh-server when it is missing).
-Its sessions get a HOME of their own in that dir, so attempts never mix with the user's.
+sshd runs as one VM of tests/sshd.py's fleet: a non-daemon child on a free loopback port with
+its own host key, config and authorized_keys in a temp dir, its sessions with a HOME of their
+own there, so attempts never mix with the user's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import getpass
 import json
-import os
-import socket
-import subprocess
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,136 +20,27 @@ from sqlalchemy import select
 
 from scheduler import sim_gpu
 from scheduler.db import Database
-from scheduler.embedded import free_port
 from scheduler.fleet import VMSpec, add_vm
 from scheduler.gpu_poller import GpuPoller
 from scheduler.leftovers import LeftoverSweep
 from scheduler.models import GPU, VM
 from scheduler.sim_gpu import gpu_uuid
-from scheduler.transport import HostKeyMismatch, SSHTransport, TransportError, VMTarget
-from tests.fleet import PROCESS_MEMORY_MB
-from tests.requires import find_program, require_program
+from scheduler.transport import HostKeyMismatch, SSHTransport, TransportError
+from tests.sshd import SshdFleet, SshdVM
 from tests.workloads.support import alive, job_attempt_dir, job_row, launch_on
 
-# Missing sshd skips these tests, or fails them under CI (tests/requires.py).
-SSHD = find_program("sshd", "/usr/sbin/sshd")
-
-
-@dataclasses.dataclass
-class RealSshd:
-    """A running sshd and what a client needs to reach it."""
-
-    target: VMTarget
-    proc: subprocess.Popen[bytes]
-    root: Path
-
-    @property
-    def home(self) -> Path:
-        """$HOME of the sessions (the ~ of the VM)."""
-        return self.root / "home"
-
-    def sshd_pids(self) -> list[int]:
-        """The listening sshd and every sshd process it forked (one or two per connection)."""
-        children: dict[int, list[int]] = {}
-        names: dict[int, str] = {}
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    stat = (entry / "stat").read_text()
-                except OSError:
-                    continue  # it ended while we looked
-                name, rest = stat[stat.index("(") + 1 :].rsplit(")", 1)
-                names[int(entry.name)] = name
-                children.setdefault(int(rest.split()[1]), []).append(int(entry.name))
-        found, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            if names.get(pid, "").startswith("sshd"):
-                found.append(pid)
-                todo += children.get(pid, [])
-        return found
-
-
-def _write_key(path: Path) -> asyncssh.SSHKey:
-    key = asyncssh.generate_private_key("ssh-ed25519")
-    path.write_bytes(key.export_private_key("openssh"))
-    path.chmod(0o600)
-    return key
+RealSshd = SshdVM
+"""One VM behind OpenSSH's sshd (tests/sshd.py); tests/integration/test_silent.py uses it."""
 
 
 @pytest.fixture
-def sshd(tmp_path: Path) -> Iterator[RealSshd]:
+def sshd(tmp_path: Path) -> Iterator[SshdVM]:
     """sshd on 127.0.0.1, with a simulated nvidia-smi (2 GPUs) first on the session PATH."""
-    sshd_path = require_program(SSHD, "OpenSSH sshd", "openssh-server")
-    root = tmp_path / "sshd"
-    (root / "bin").mkdir(parents=True)
-    (root / "home").mkdir()
-    host_key = _write_key(root / "host_key")
-    client_key = _write_key(root / "client_key")
-    (root / "authorized_keys").write_text(client_key.export_public_key("openssh").decode())
-    fleet = uuid.uuid4().hex[:12]
-    config = sim_gpu.make_config(
-        "real", 2, gpu_name="NVIDIA L4", memory_mb=23034, fleet=fleet, process_mb=PROCESS_MEMORY_MB
-    )
-    sim_gpu.install(root / "bin", root / "sim.json", config)
-    port = free_port()
-    (root / "sshd_config").write_text(
-        "\n".join(
-            [
-                f"Port {port}",
-                "ListenAddress 127.0.0.1",
-                f"HostKey {root / 'host_key'}",
-                f"AuthorizedKeysFile {root / 'authorized_keys'}",
-                "PubkeyAuthentication yes",
-                "PasswordAuthentication no",
-                "KbdInteractiveAuthentication no",
-                "UsePAM no",
-                "StrictModes no",
-                "PermitRootLogin prohibit-password",
-                "PidFile none",
-                "LogLevel ERROR",
-                f"SetEnv PATH={root / 'bin'}:/usr/local/bin:/usr/bin:/bin"
-                f" RLFLEET_SIM_VM=real RLFLEET_SIM_FLEET={fleet} HOME={root / 'home'}",
-                "",
-            ]
-        )
-    )
-    if os.geteuid() == 0:
-        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege separation dir
-    proc = subprocess.Popen(
-        [sshd_path, "-D", "-e", "-f", str(root / "sshd_config")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 10
-    while True:
-        if proc.poll() is not None:
-            err = proc.stderr.read().decode() if proc.stderr else ""
-            pytest.fail(f"sshd exited with {proc.returncode}: {err}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                break
-        except OSError:
-            assert time.monotonic() < deadline, "sshd never listened"
-            time.sleep(0.05)
-    public = host_key.export_public_key("openssh").decode().strip()
-    (root / "known_hosts").write_text(f"[127.0.0.1]:{port} {public}\n")
-    target = VMTarget(
-        id=0,
-        name="real",
-        host="127.0.0.1",
-        port=port,
-        user=getpass.getuser(),
-        ssh_key_path=str(root / "client_key"),
-        known_hosts=str(root / "known_hosts"),
-    )
-    yield RealSshd(target, proc, root)
-    proc.terminate()
+    fleet = SshdFleet(tmp_path / "sshd-fleet")
     try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        yield fleet.add_vm("real", gpus=2)
+    finally:
+        fleet.close()
 
 
 @pytest.mark.slow

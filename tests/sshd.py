@@ -1,0 +1,353 @@
+"""A test fleet of OpenSSH's real `sshd`, the server users run: each "VM" is one sshd.
+
+Each VM is a non-daemon `sshd -D` on a free loopback port, with its own host key, config,
+authorized_keys (the fleet's client key), HOME and simulated nvidia-smi config in a
+directory of its own. Its sessions get, through `SetEnv`, `HOME=<vm home>`,
+`PATH=<vm bin>:/usr/local/bin:/usr/bin:/bin`, `RLFLEET_SIM_VM=<name>` and
+`RLFLEET_SIM_FLEET=<token of this fleet>`, and nothing else of the test's environment (as
+on a real VM, settings reach jobs through `~/.rlfleet/env`). The GPU is the one thing
+simulated (scheduler/sim_gpu.py). `make test` installs openssh-server when it is missing.
+
+    fleet = start_sshd_fleet(tmp_path / "vms", 2, gpus_per_vm=1)
+    vm_ids = await fleet.register(db, entrypoint="training.train_grpo")
+    fleet[0].crash()        # its sshd and every process of its sessions are SIGKILLed
+    fleet[0].start()        # up again: same port, same host key
+    fleet.close()           # every VM stopped, every process started on it killed
+
+A VM's processes are told apart by the `RLFLEET_SIM_VM`/`RLFLEET_SIM_FLEET` pair in their
+environment (tests/fleet.py `sim_processes`), so a crash only ever touches processes that
+were started on that VM, never this process and never pid 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+import pytest
+
+from scheduler import sim_gpu
+from scheduler.db import Database
+from scheduler.embedded import free_port
+from scheduler.fleet import VMSpec, add_vm
+from scheduler.transport import VMTarget
+from tests.fleet import FAKE_TRAIN, PROCESS_MEMORY_MB, sim_processes
+from tests.requires import find_program, require_program
+
+# Missing sshd skips the tests that use it, or fails them under CI (tests/requires.py).
+SSHD = find_program("sshd", "/usr/sbin/sshd")
+
+
+def _write_key(path: Path) -> asyncssh.SSHKey:
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    path.write_bytes(key.export_private_key("openssh"))
+    path.chmod(0o600)
+    return key
+
+
+def _safe_kill(pid: int, sig: signal.Signals) -> None:
+    """Signal one process; never pid <= 1 nor this process."""
+    if pid <= 1 or pid == os.getpid():
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+class SshdVM:
+    """One VM: OpenSSH's sshd on 127.0.0.1:`port` with a HOME and simulated GPUs."""
+
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        *,
+        sshd_path: str,
+        client_key: Path,
+        authorized_keys: str,
+        fleet_token: str,
+        gpus: int = 1,
+        gpu_name: str = "NVIDIA L4",
+        memory_mb: int = 23034,
+    ) -> None:
+        self.name = name
+        self.root = root
+        self.fleet_token = fleet_token
+        self.sshd_path = sshd_path
+        self.client_key_path = client_key
+        self.known_hosts_path = root / "known_hosts"
+        self.bin_dir = root / "bin"
+        self.bin_dir.mkdir(parents=True)
+        self.home.mkdir()
+        host_key = _write_key(root / "host_key")
+        (root / "authorized_keys").write_text(authorized_keys)
+        self._config: dict[str, Any] = sim_gpu.make_config(
+            name, gpus, gpu_name=gpu_name, memory_mb=memory_mb, fleet=fleet_token,
+            process_mb=PROCESS_MEMORY_MB,
+        )  # fmt: skip
+        sim_gpu.install(self.bin_dir, root / "sim.json", self._config)
+        self.port = free_port()
+        (root / "sshd_config").write_text(
+            "\n".join(
+                [
+                    f"Port {self.port}",
+                    "ListenAddress 127.0.0.1",
+                    f"HostKey {root / 'host_key'}",
+                    f"AuthorizedKeysFile {root / 'authorized_keys'}",
+                    "PubkeyAuthentication yes",
+                    "PasswordAuthentication no",
+                    "KbdInteractiveAuthentication no",
+                    "UsePAM no",
+                    "StrictModes no",
+                    "PermitRootLogin prohibit-password",
+                    "PidFile none",
+                    "LogLevel ERROR",
+                    f"SetEnv PATH={self.bin_dir}:/usr/local/bin:/usr/bin:/bin"
+                    f" RLFLEET_SIM_VM={name} RLFLEET_SIM_FLEET={fleet_token} HOME={self.home}",
+                    "",
+                ]
+            )
+        )
+        public = host_key.export_public_key("openssh").decode().strip()
+        self.known_hosts_path.write_text(f"[127.0.0.1]:{self.port} {public}\n")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def home(self) -> Path:
+        """$HOME of the sessions (the ~ of the VM)."""
+        return self.root / "home"
+
+    @property
+    def running(self) -> bool:
+        """Whether sshd runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def target(self) -> VMTarget:
+        """A `VMTarget` for this VM without a database row (for transport tests)."""
+        return VMTarget(
+            id=0,
+            name=self.name,
+            host="127.0.0.1",
+            port=self.port,
+            user=getpass.getuser(),
+            ssh_key_path=str(self.client_key_path),
+            known_hosts=str(self.known_hosts_path),
+        )
+
+    @property
+    def gpu_uuids(self) -> list[str]:
+        """The UUIDs nvidia-smi reports, by index."""
+        return [g["uuid"] for g in self._config["gpus"]]
+
+    def start(self) -> None:
+        """Start sshd (again) on the VM's port, with the same host key; returns once it
+        listens."""
+        if self.running:
+            return
+        if os.geteuid() == 0:
+            os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege separation dir
+        log = self.root / "sshd.log"
+        with open(log, "ab") as err:
+            self.proc = subprocess.Popen(
+                [self.sshd_path, "-D", "-e", "-f", str(self.root / "sshd_config")],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
+        deadline = time.monotonic() + 10
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sshd exited with {self.proc.returncode}: {log.read_text()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("sshd never listened") from None
+                time.sleep(0.05)
+
+    def sshd_pids(self) -> list[int]:
+        """The listening sshd and every sshd process it forked (one or two per connection)."""
+        if self.proc is None:
+            return []
+        children: dict[int, list[int]] = {}
+        names: dict[int, str] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue  # it ended while we looked
+                name, rest = stat[stat.index("(") + 1 :].rsplit(")", 1)
+                names[int(entry.name)] = name
+                children.setdefault(int(rest.split()[1]), []).append(int(entry.name))
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            if names.get(pid, "").startswith("sshd"):
+                found.append(pid)
+                todo += children.get(pid, [])
+        return found
+
+    def processes(self) -> list[int]:
+        """Pids of live processes started in this VM's sessions (sshd itself aside)."""
+        return sim_processes(self.name, self.fleet_token)
+
+    def stop(self) -> None:
+        """Stop sshd and drop its connections (the VM's processes run on)."""
+        for pid in self.sshd_pids():
+            _safe_kill(pid, signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(10)
+            self.proc = None
+
+    def crash(self) -> None:
+        """The VM crashes (a power loss): its sshd, every connection's sshd and every
+        process started in its sessions are SIGKILLed at once; nothing else is touched."""
+        for pid in self.sshd_pids():
+            _safe_kill(pid, signal.SIGSTOP)  # no new session starts while we look
+        self.kill_processes()
+        self.stop()
+        self.kill_processes()  # anything a session forked between the two looks
+
+    def kill_processes(self) -> None:
+        """SIGKILL every process started in this VM's sessions."""
+        for pid in self.processes():
+            _safe_kill(pid, signal.SIGKILL)
+
+    def write_vm_env(self, values: dict[str, str]) -> Path:
+        """Write the VM's `~/.rlfleet/env` (mode 0600), as deploy/bootstrap-vm.sh creates it."""
+        path = self.home / ".rlfleet" / "env"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600)
+        path.write_text("".join(f"{key}={value}\n" for key, value in values.items()))
+        return path
+
+    def set_busy_power(self, gpu_index: int, watts: float | None) -> None:
+        """What GPU `gpu_index` draws while in use; None: the default."""
+        for gpu in self._config["gpus"]:
+            if gpu["index"] == gpu_index:
+                if watts is None:
+                    gpu.pop("busy_power", None)
+                else:
+                    gpu["busy_power"] = watts
+        sim_gpu.write_config(self.root / "sim.json", self._config)
+
+    def set_gpu_health(self, index: int, **health: object) -> None:
+        """Make GPU `index` report health trouble (`sim_gpu.set_health`)."""
+        sim_gpu.set_health(self._config, index, **health)
+        sim_gpu.write_config(self.root / "sim.json", self._config)
+
+    def spec(self, *, entrypoint: str | None = None, python: str | None = None) -> VMSpec:
+        """The VM as `rlfleet vm add` would register it, with its key and known_hosts."""
+        return VMSpec(
+            name=self.name,
+            host="127.0.0.1",
+            port=self.port,
+            user=getpass.getuser(),
+            ssh_key_path=str(self.client_key_path),
+            known_hosts=str(self.known_hosts_path),
+            verify_host_key=True,
+            transport="ssh",
+            python=python or sys.executable,
+            entrypoint=entrypoint or str(FAKE_TRAIN),
+        )
+
+
+class SshdFleet:
+    """A set of `SshdVM`s sharing one client key; index it or iterate it."""
+
+    def __init__(self, root: Path) -> None:
+        self.sshd_path = require_program(SSHD, "OpenSSH sshd", "openssh-server")
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.client_key_path = root / "client_key"
+        key = _write_key(self.client_key_path)
+        self._authorized = key.export_public_key("openssh").decode()
+        # VM names repeat across fleets; processes are told apart by this token too.
+        self.token = uuid.uuid4().hex[:12]
+        self.vms: list[SshdVM] = []
+
+    def add_vm(self, name: str | None = None, *, gpus: int = 1, **gpu: Any) -> SshdVM:
+        """Create and start one more VM."""
+        name = name or f"vm{len(self.vms)}"
+        vm = SshdVM(
+            self.root / name,
+            name,
+            sshd_path=self.sshd_path,
+            client_key=self.client_key_path,
+            authorized_keys=self._authorized,
+            fleet_token=self.token,
+            gpus=gpus,
+            **gpu,
+        )
+        self.vms.append(vm)
+        return vm
+
+    async def register(
+        self, db: Database, *, entrypoint: str | None = None, python: str | None = None
+    ) -> dict[str, int]:
+        """Add every VM to the `vms` table; returns their ids by name."""
+        ids = {}
+        async with db.transaction() as session:
+            for vm in self.vms:
+                row = await add_vm(session, vm.spec(entrypoint=entrypoint, python=python))
+                ids[vm.name] = row.id
+        return ids
+
+    def by_name(self, name: str) -> SshdVM:
+        """The VM called `name`."""
+        return next(vm for vm in self.vms if vm.name == name)
+
+    def __getitem__(self, index: int) -> SshdVM:
+        return self.vms[index]
+
+    def __iter__(self) -> Iterator[SshdVM]:
+        return iter(self.vms)
+
+    def __len__(self) -> int:
+        return len(self.vms)
+
+    def close(self) -> None:
+        """Stop every VM and kill every process started on it."""
+        for vm in self.vms:
+            vm.crash()
+
+
+def start_sshd_fleet(root: Path, n_vms: int, *, gpus_per_vm: int = 1, **gpu: Any) -> SshdFleet:
+    """A started fleet of `n_vms` sshd VMs named vm0, vm1, … with `gpus_per_vm` GPUs each."""
+    fleet = SshdFleet(root)
+    for _ in range(n_vms):
+        fleet.add_vm(gpus=gpus_per_vm, **gpu)
+    return fleet
+
+
+@pytest.fixture
+def sshd_fleet(tmp_path: Path) -> Iterator[Callable[..., SshdFleet]]:
+    """Factory of sshd fleets (import it into a test module to use it):
+    `fleet = sshd_fleet(2, gpus_per_vm=1)`; every fleet is crashed after the test, which
+    kills every process started on its VMs."""
+    fleets: list[SshdFleet] = []
+
+    def make(n_vms: int = 1, *, gpus_per_vm: int = 1, **gpu: Any) -> SshdFleet:
+        fleet = SshdFleet(tmp_path / f"sshd-fleet{len(fleets)}")
+        fleets.append(fleet)
+        for _ in range(n_vms):
+            fleet.add_vm(gpus=gpus_per_vm, **gpu)
+        return fleet
+
+    yield make
+    for fleet in fleets:
+        fleet.close()
