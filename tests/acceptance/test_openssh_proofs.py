@@ -34,8 +34,8 @@ from scheduler.models import Leftover
 from scheduler.transport import Transport
 from tests.acceptance.test_reward_role import reward_restart_proof
 from tests.acceptance.test_store_fleet import crash_resume_proof, s3  # noqa: F401 (fixture)
-from tests.integration.test_hang import CONFIG as HANG_CONFIG
 from tests.integration.test_hang import (
+    CAPTURE_SLACK_S,
     POLL_S,
     diagnostics,
     failed_events,
@@ -43,6 +43,7 @@ from tests.integration.test_hang import (
     set_draining,
     wait_step,
 )
+from tests.integration.test_hang import CONFIG as HANG_CONFIG
 from tests.s3server import S3Server
 from tests.sshd import SshdFleet, sshd_fleet  # noqa: F401 (the fixture)
 from tests.workloads.support import (
@@ -169,7 +170,9 @@ async def test_a_hung_trainer_on_openssh_is_stopped_diagnosed_and_resumes_elsewh
         f"openssh: hang failed {detected_s:.2f}s after step 3 was first read (timeout 10s);"
         f" its diagnostics written at {(captured - seen_at).total_seconds():.2f}s"
     )
-    assert 10 <= detected_s <= 10 + POLL_S + 2.0, detected_s
+    # Within the timeout plus one poll, plus the capture (nvidia-smi and py-spy over SSH:
+    # under a second on an idle machine, a few on a loaded 2-core CI runner).
+    assert 10 <= detected_s <= 10 + POLL_S + CAPTURE_SLACK_S, detected_s
     assert (done.attempt, done.retry_count) == (2, 1)
     (diag,) = await diagnostics(db, job_id)
     assert (diag.attempt, diag.vm_name) == (1, "vm0")

@@ -44,6 +44,8 @@ CONFIG = RequeueConfig(
     policy=RetryPolicy(base_delay_s=0.1, jitter=0.0),
 )
 POLL_S = 0.2
+CAPTURE_SLACK_S = 4.0
+"""What the hang check may take beyond the timeout and one poll (capture, load)."""
 """The poll interval of `daemons()`."""
 
 
@@ -133,7 +135,9 @@ async def test_a_hung_trainer_is_stopped_diagnosed_and_resumes_elsewhere(
     assert "80/400 W" in reason
     detected_s = (events[0].created_at - seen_at).total_seconds()
     print(f"hang detected {detected_s:.2f}s after step 3 was first read (timeout 10s)")
-    assert 10 <= detected_s <= 10 + POLL_S + 2.0, detected_s
+    # Within the timeout plus one poll, plus the capture (nvidia-smi and py-spy over SSH:
+    # under a second on an idle machine, a few on a loaded 2-core CI runner).
+    assert 10 <= detected_s <= 10 + POLL_S + CAPTURE_SLACK_S, detected_s
     assert (done.attempt, done.retry_count) == (2, 1)
     (diag,) = await diagnostics(db, job_id)
     assert (diag.attempt, diag.vm_name) == (1, "vm0")
