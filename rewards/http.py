@@ -79,30 +79,20 @@ def _port(value: str, name: str) -> int:
     return int(value)
 
 
-def _timeout(env: Mapping[str, str]) -> float:
-    raw = env.get(TIMEOUT_ENV)
+def _seconds(env: Mapping[str, str], name: str, default: float, *, zero_ok: bool) -> float:
+    """`name` from the environment as a finite number of seconds (> 0, or >= 0 where
+    `zero_ok`); `default` when unset or empty."""
+    raw = env.get(name)
     if not raw:
-        return DEFAULT_TIMEOUT_S
+        return default
     try:
-        timeout = float(raw)
+        value = float(raw)
     except ValueError:
-        timeout = 0.0
-    if not timeout > 0:
-        raise RewardServerError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds")
-    return timeout
-
-
-def _retry(env: Mapping[str, str]) -> float:
-    raw = env.get(RETRY_ENV)
-    if not raw:
-        return DEFAULT_RETRY_S
-    try:
-        retry = float(raw)
-    except ValueError:
-        retry = -1.0
-    if not 0 <= retry < float("inf"):
-        raise RewardServerError(f"{RETRY_ENV}={raw!r} is not a number of seconds")
-    return retry
+        value = float("nan")
+    above = value >= 0 if zero_ok else value > 0
+    if not (above and value < float("inf")):
+        raise RewardServerError(f"{name}={raw!r} is not a number of seconds")
+    return value
 
 
 def _headers(env: Mapping[str, str]) -> dict[str, str]:
@@ -134,8 +124,8 @@ def remote_score(
     import time
 
     url = server_url()
-    timeout = _timeout(os.environ)
-    give_up = time.monotonic() + _retry(os.environ)
+    timeout = _seconds(os.environ, TIMEOUT_ENV, DEFAULT_TIMEOUT_S, zero_ok=False)
+    give_up = time.monotonic() + _seconds(os.environ, RETRY_ENV, DEFAULT_RETRY_S, zero_ok=True)
     body = json.dumps(
         {"prompts": list(prompts), "completions": [completion_text(c) for c in completions]}
     ).encode()

@@ -297,3 +297,8 @@ def test_asking_again_ends_after_reward_server_retry_and_never_for_a_bad_answer(
         monkeypatch.setenv("REWARD_SERVER_RETRY", bad)
         with pytest.raises(RewardServerError, match="REWARD_SERVER_RETRY"):
             remote_score(["p"], ["a"])
+    monkeypatch.setenv("REWARD_SERVER_RETRY", "0")
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        monkeypatch.setenv("REWARD_SERVER_TIMEOUT", bad)
+        with pytest.raises(RewardServerError, match="REWARD_SERVER_TIMEOUT"):
+            remote_score(["p"], ["a"])
