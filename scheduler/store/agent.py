@@ -66,7 +66,8 @@ class Status:
         }
         if path is not None and path.is_file():
             try:
-                old = json.loads(path.read_text()[:8192])
+                with path.open("rb") as f:  # a file the job can grow: read a bounded prefix
+                    old = json.loads(f.read(8192))
                 if isinstance(old, dict):
                     self.data.update({k: old[k] for k in self.data if k in old and k != "store"})
             except (OSError, ValueError):
