@@ -12,6 +12,7 @@ import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select, update
@@ -91,6 +92,51 @@ async def diagnostics(db: Database, job_id: int) -> list[JobDiagnostics]:
         return list(rows)
 
 
+async def hung_trainer_proof(
+    db: Database, nats_url: str, fleet: Any, output_dir: Path, config: Any, *, timeout: float
+) -> tuple[int, Any, Any, Any, float]:
+    """The hung-trainer proof on `fleet` (the in-process or the OpenSSH one): vm0's trainer
+    hangs after step 3 at 100 % and 80/400 W; checked: one `hung` event, found within the
+    timeout plus one poll (and the capture), the retry on vm1 completing with one retry
+    used, and the diagnostics kept. Returns the job id, the finished job, its diagnostics
+    when step 3 was first read and the seconds from then to the event."""
+    fleet.by_name("vm0").set_busy_power(0, 80.0)  # 100 % busy at 80/400 W
+    await set_draining(db, "vm1", True)
+    args: tuple[str, ...] = ("--fake_hang_at", "3", "--fake_hang_once", "--fake_checkpoints")
+    args += ("--fake_step_seconds", "0.2")
+    async with daemons(db, nats_url, config):
+        job_id = await new_job(
+            db, 1, args, hang_timeout_s=10, output_dir=str(output_dir), max_retries=2
+        )
+        job = await wait_step(db, job_id, 3)
+        assert job.status == "running" and job.attempt == 1
+        seen_at = job.progress_changed_at
+        assert seen_at is not None
+        await set_draining(db, "vm1", False)
+        await set_draining(db, "vm0", True)
+        done = await wait_status(db, job_id, "completed", timeout=timeout)
+
+    events = await failed_events(db, job_id)
+    assert len(events) == 1 and events[0].attempt == 1, [e.reason for e in events]
+    reason = events[0].reason or ""
+    assert reason.startswith("hung: step 3 unchanged for 1"), reason
+    assert "80/400 W" in reason
+    detected_s = (events[0].created_at - seen_at).total_seconds()
+    # Within the timeout plus one poll, plus the capture (nvidia-smi and py-spy over SSH:
+    # under a second on an idle machine, a few on a loaded 2-core CI runner).
+    assert 10 <= detected_s <= 10 + POLL_S + CAPTURE_SLACK_S, detected_s
+    assert (done.attempt, done.retry_count) == (2, 1)
+    (diag,) = await diagnostics(db, job_id)
+    assert (diag.attempt, diag.vm_name) == (1, "vm0")
+    assert diag.reason == events[0].reason
+    gpu = fleet.by_name("vm0").gpu_uuids[0]
+    assert f"GPUs of the attempt: {gpu}\n" in diag.content
+    assert f"== nvidia-smi -i {gpu}\n" in diag.content
+    for needle in ("fake_train: step 3", "waiting for a peer", "== process"):
+        assert needle in diag.content, (needle, diag.content[:3000])
+    return job_id, done, diag, seen_at, detected_s
+
+
 async def test_a_hung_trainer_is_stopped_diagnosed_and_resumes_elsewhere(
     sim_fleet: FleetFactory,
     db: Database,
@@ -110,43 +156,10 @@ async def test_a_hung_trainer_is_stopped_diagnosed_and_resumes_elsewhere(
     monkeypatch.setenv("RLFLEET_FAKE_RECORD", str(records))
     fleet = await sim_fleet(2, gpus_per_vm=1)
     await fleet.register(db, entrypoint=str(FAKE_TRAIN))
-    fleet.by_name("vm0").set_busy_power(0, 80.0)  # 100 % busy at 80/400 W
-    shared = tmp_path / "shared-outputs"  # the output directory both VMs see
-    await set_draining(db, "vm1", True)
-    args: tuple[str, ...] = ("--fake_hang_at", "3", "--fake_hang_once", "--fake_checkpoints")
-    args += ("--fake_step_seconds", "0.2")
-    async with daemons(db, nats.url, CONFIG):
-        job_id = await new_job(
-            db, 1, args, hang_timeout_s=10, output_dir=str(shared), max_retries=2
-        )
-        job = await wait_step(db, job_id, 3)
-        assert job.status == "running" and job.attempt == 1
-        seen_at = job.progress_changed_at
-        assert seen_at is not None
-        await set_draining(db, "vm1", False)
-        await set_draining(db, "vm0", True)
-
-        done = await wait_status(db, job_id, "completed", timeout=60)
-
-    events = await failed_events(db, job_id)
-    assert len(events) == 1 and events[0].attempt == 1, [e.reason for e in events]
-    reason = events[0].reason or ""
-    assert reason.startswith("hung: step 3 unchanged for 1"), reason
-    assert "80/400 W" in reason
-    detected_s = (events[0].created_at - seen_at).total_seconds()
+    job_id, done, diag, _seen_at, detected_s = await hung_trainer_proof(
+        db, nats.url, fleet, tmp_path / "shared-outputs", CONFIG, timeout=60
+    )
     print(f"hang detected {detected_s:.2f}s after step 3 was first read (timeout 10s)")
-    # Within the timeout plus one poll, plus the capture (nvidia-smi and py-spy over SSH:
-    # under a second on an idle machine, a few on a loaded 2-core CI runner).
-    assert 10 <= detected_s <= 10 + POLL_S + CAPTURE_SLACK_S, detected_s
-    assert (done.attempt, done.retry_count) == (2, 1)
-    (diag,) = await diagnostics(db, job_id)
-    assert (diag.attempt, diag.vm_name) == (1, "vm0")
-    assert diag.reason == events[0].reason
-    gpu = fleet.by_name("vm0").gpu_uuids[0]
-    assert f"GPUs of the attempt: {gpu}\n" in diag.content
-    assert f"== nvidia-smi -i {gpu}\n" in diag.content
-    for needle in ("fake_train: step 3", "waiting for a peer", "== process"):
-        assert needle in diag.content, (needle, diag.content[:3000])
     # py-spy's dump of the trainer: its Python stack, down to the sleep it hangs in.
     assert "hang (" in diag.content and "fake_train.py:" in diag.content, diag.content[-3000:]
     home = fleet.by_name("vm0").home
