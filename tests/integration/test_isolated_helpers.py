@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ import pytest
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.jobspec import parse_data
+from scheduler.remote.isolated import module_words
 from scheduler.remote.launch import entry_check_words
 from scheduler.workdir import pack
 from tests.fleet import SimFleet
@@ -207,3 +209,72 @@ def test_the_check_of_a_vms_entrypoint_finds_the_vms_own_not_its_working_directo
         timeout=60,
     )  # fmt: skip
     assert (ran.returncode, importers(log)) == (0, []), ran.stdout + ran.stderr
+
+
+BASE_PYTHON = Path(sys.base_prefix) / "bin" / "python3"
+"""The interpreter the test venv was made from: the scheduler is not installed in it, so a
+helper it runs finds the scheduler only through a PYTHONPATH (as on a VM whose
+`~/.rlfleet/env` names the checkout)."""
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_sh(words: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """`words` as one `sh -c` command in `cwd`, with nothing of the test's environment but
+    PATH, HOME and `env`."""
+    base = {"PATH": "/usr/bin:/bin", "HOME": str(cwd)}
+    return subprocess.run(
+        ["sh", "-c", " ".join(words)], cwd=cwd, env={**base, **env}, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_a_helper_finds_the_scheduler_through_the_vms_pythonpath_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """Given a python without the scheduler, a VM-level PYTHONPATH naming the checkout
+    (with an empty and a relative entry beside it) and a working directory holding a fake
+    `scheduler/` and `training/`: the isolated store agent and the check run the
+    checkout's, never the fakes; without that PYTHONPATH the check says the module is
+    missing."""
+    if not BASE_PYTHON.exists() or run_sh([str(BASE_PYTHON), "-c", "'import scheduler'"],
+                                          tmp_path).returncode == 0:  # fmt: skip
+        pytest.skip("needs a python without the scheduler installed")
+    log = tmp_path / "imports.log"
+    home = hostile_workdir(tmp_path / "home", log)
+    vm_path = f":{REPO}:relative"
+    agent = module_words(str(BASE_PYTHON), "scheduler.store.agent", ["--help"])
+    ran = run_sh(agent, home, PYTHONPATH=vm_path)
+    assert ran.returncode == 0 and "--installation" in ran.stdout, ran.stderr
+    check = entry_check_words(str(BASE_PYTHON), ENTRYPOINT)
+    ran = run_sh(check, home, PYTHONPATH=vm_path)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    ran = run_sh(check, home)
+    assert ran.returncode == 1 and "No module named 'training'" in ran.stderr
+    assert importers(log) == []
+
+
+@pytest.mark.parametrize(
+    ("entry", "in_work", "expected"),
+    [
+        ("training.train_grpo", False, 0),  # the VM's own, installed
+        ("training.train_grpo", True, 0),  # the workdir ships `training/`: the job's own
+        ("nowhere.train", False, 1),  # neither: the VM cannot start it
+        ("nowhere.train", True, 0),  # the workdir ships `nowhere/`
+        ("train.py", True, 0),  # relative, with a workdir: resolved there, the job's
+        ("train.py", False, 1),  # relative, without: $HOME/train.py, absent
+        ("/absent/train.py", True, 1),  # absolute: the VM's file, whatever the workdir
+    ],
+)
+def test_what_the_check_holds_against_the_vm_and_what_it_leaves_to_the_job(
+    tmp_path: Path, entry: str, in_work: bool, expected: int
+) -> None:
+    """The check's decision (docs/security.md, "A job's workdir"): the VM's python and its
+    own installation, unless the job's workdir ships the entrypoint (then a failure of it
+    is the job's, counted); nothing of the workdir is run to decide."""
+    log = tmp_path / "imports.log"
+    work = hostile_workdir(tmp_path / "work", log, broken_training=True)
+    (work / "nowhere").mkdir()
+    (work / "nowhere" / "__init__.py").write_text(MARK.format(log=str(log), name="nowhere"))
+    where = shlex.quote(str(work)) if in_work else "''"
+    ran = run_sh(entry_check_words(sys.executable, entry, where), tmp_path)
+    assert (ran.returncode, importers(log)) == (expected, []), ran.stdout + ran.stderr
