@@ -26,6 +26,7 @@ import pytest
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.jobspec import parse_data
+from scheduler.poll import CHECK_RC, check_command
 from scheduler.remote.isolated import module_words
 from scheduler.remote.launch import entry_check_words
 from scheduler.workdir import pack
@@ -278,3 +279,22 @@ def test_what_the_check_holds_against_the_vm_and_what_it_leaves_to_the_job(
     where = shlex.quote(str(work)) if in_work else "''"
     ran = run_sh(entry_check_words(sys.executable, entry, where), tmp_path)
     assert (ran.returncode, importers(log)) == (expected, []), ran.stdout + ran.stderr
+
+
+def test_the_polls_check_sees_the_vms_env_file_as_the_wrappers_does(tmp_path: Path) -> None:
+    """The poll's check of a marked VM (`poll.check_command`) runs with the VM's
+    `~/.rlfleet/env` loaded and no other PYTHONPATH, as the wrapper's check does: a VM whose
+    `training` is found through the PYTHONPATH set there passes it, whatever PYTHONPATH the
+    SSH session has, and the fake `training/` in $HOME is never imported."""
+    if not BASE_PYTHON.exists() or run_sh([str(BASE_PYTHON), "-c", "'import training'"],
+                                          tmp_path).returncode == 0:  # fmt: skip
+        pytest.skip("needs a python without the training package installed")
+    log = tmp_path / "imports.log"
+    home = hostile_workdir(tmp_path / "home", log, broken_training=True)
+    (home / ".rlfleet").mkdir()
+    (home / ".rlfleet" / "env").write_text(f"PYTHONPATH={REPO}\n")
+    check = " ".join(entry_check_words(str(BASE_PYTHON), ENTRYPOINT))
+    script = "\n".join(check_command(check))
+    ran = run_sh([script], home, PYTHONPATH=str(home))
+    assert f"{CHECK_RC} 0" in ran.stdout, ran.stdout + ran.stderr
+    assert importers(log) == []
