@@ -23,7 +23,8 @@ from scheduler.nvidia_smi import (
     parse_gpus,
     parse_loads,
 )
-from scheduler.remote.layout import Attempt
+from scheduler.remote.env import VM_ENV_FILE, load_env_lines
+from scheduler.remote.layout import Attempt, home_path
 from scheduler.remote.output import as_int, output_lines
 from scheduler.remote.probe import RemoteJobState, parse_status, status_probe
 from scheduler.remote.restarts import RoleRestarts, parse_restarts
@@ -77,11 +78,14 @@ class PollResult:
 
 
 def check_command(check: str) -> list[str]:
-    """Poll lines that run the shell command `check` in $HOME (as an attempt runs) and
-    print its last lines of output and its exit status."""
+    """Poll lines that run the shell command `check` in $HOME with the VM's env file
+    loaded and no PYTHONPATH but the one it sets (as the wrapper's check runs, so that both
+    agree) and print its last lines of output and its exit status."""
     return [
         f"echo {CHECK}",
-        f'rlfleet_out=$(cd "$HOME" && {check} 2>&1)',
+        'rlfleet_out=$(cd "$HOME" && unset PYTHONPATH',
+        *load_env_lines([home_path(VM_ENV_FILE)]),
+        f"{check} 2>&1)",
         "rlfleet_rc=$?",
         'printf "%s\\n" "$rlfleet_out" | tail -n 3',
         f'echo "{CHECK_RC} $rlfleet_rc"',

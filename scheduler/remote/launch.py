@@ -21,6 +21,7 @@ from scheduler.remote.env import (
     job_env_text,
     load_env_lines,
 )
+from scheduler.remote.isolated import ENTRY_CHECK_CODE, isolated_words
 from scheduler.remote.kill import PID_WAIT_S
 from scheduler.remote.layout import DIR_MARK, Attempt, home_path, parse_dir
 from scheduler.remote.output import (
@@ -167,18 +168,13 @@ def visible_devices(spec: LaunchSpec) -> str:
     return ",".join(str(int(i)) for i in spec.gpu_indices)
 
 
-def entry_check_words(python: str, entrypoint: str) -> list[str]:
-    """A command that exits 0 when `python` runs and finds `entrypoint` (a readable `.py`
-    script, or an importable module); otherwise its last line of output says why."""
-    if entrypoint.endswith(".py"):
-        code = "import sys; open(sys.argv[1]).close()"
-    else:
-        code = (
-            "import importlib.util, sys; "
-            "sys.exit(0 if importlib.util.find_spec(sys.argv[1]) "
-            'else "No module named " + sys.argv[1])'
-        )
-    return [shlex.quote(python), "-c", shlex.quote(code), shlex.quote(entrypoint)]
+def entry_check_words(python: str, entrypoint: str, work: str = "''") -> list[str]:
+    """A command that exits 0 when the VM can start training: `python` runs and finds
+    `entrypoint` (a readable `.py` script, or an importable module) in the VM's own
+    installation, or the job's workdir (`work`, a shell word; `''`: none) ships it;
+    otherwise its last line of output says why. It runs isolated
+    (`remote.isolated.ENTRY_CHECK_CODE`): nothing of the job's is imported."""
+    return isolated_words(python, ENTRY_CHECK_CODE, [shlex.quote(entrypoint), work], vm_path=True)
 
 
 def train_words(spec: LaunchSpec) -> list[str]:
@@ -210,7 +206,10 @@ def wrapper_script(spec: LaunchSpec) -> str:
     signal or make the wrapper's check of python fail (docs/invariants.md, invariant 9).
     Only that check (run with the VM's env file, not the job's) says the VM cannot run
     training: it writes `CANNOT_START_FILE`; any exit code of the training itself, 126 and
-    127 included, is the job's.
+    127 included, is the job's. The wrapper, its check and the store agent run in the
+    attempt directory, as isolated Python (`remote.isolated`): a workdir shipping
+    `training/`, `scheduler/` or `json.py` is imported by the training alone, which runs
+    in the workdir with it first on PYTHONPATH.
     """
     d = spec.run.word()
     command = train_words(spec) if spec.group is None else supervisor_words(spec)
@@ -224,13 +223,16 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "trap 'rlfleet_sig=INT' INT",
             "trap 'rlfleet_sig=HUP' HUP",
             *watchdog_lines(spec.fence_after_s, spec.fence_grace_s, spec.run),
-            *_cd_lines(spec),
+            # The wrapper and its helpers run in the attempt directory, never in the job's
+            # workdir (and isolated: `remote.isolated`); only the training goes there.
+            'cd "$d" || exit 1',
             f"mkdir -p {home_path(spec.output_dir)}",
             'echo "rlfleet: attempt started on $(hostname) at $(date -u +%FT%TZ)'
             f' CUDA_VISIBLE_DEVICES="{shlex.quote(visible_devices(spec))}',
             # A python or entrypoint the VM cannot run ends the attempt with 127 and one
             # line saying why, before training starts (the poller marks the VM). The check
-            # sees the VM's env file (a PATH set there), never the job's own variables.
+            # sees the VM's env file (a PATH, a PYTHONPATH set there), never the job's own
+            # variables, and runs isolated: it imports nothing of the job's workdir.
             "rlfleet_check=$(",
             *load_env_lines([home_path(VM_ENV_FILE)]),
             f"  {' '.join(_check_words(spec))} 2>&1",
@@ -258,6 +260,7 @@ def wrapper_script(spec: LaunchSpec) -> str:
             *("  " + line for line in workdir_env_lines(spec, before_env=True)),
             *load_env_lines([home_path(VM_ENV_FILE), f'"$d/{JOB_ENV_FILE}"']),
             *("  " + line for line in workdir_env_lines(spec, before_env=False)),
+            *("  " + line for line in _cd_lines(spec)),
             '  exec "$@"',
             "  )",
             "  rc=$?",
@@ -275,7 +278,12 @@ def wrapper_script(spec: LaunchSpec) -> str:
 
 
 def _cd_lines(spec: LaunchSpec) -> list[str]:
-    """Where the attempt runs: its copy of the job's workdir, or the VM user's home."""
+    """Where the training runs (in its subshell, just before it starts): its copy of the
+    job's workdir, or the VM user's home. A job group's supervisor stays in the attempt
+    directory, where the wrapper's own helpers run (`remote.isolated`); it starts each
+    role in the workdir itself."""
+    if spec.group is not None:
+        return []
     if spec.workdir is None:
         return ['cd "$HOME" || exit 1']
     return [f'cd "$d/{WORK_DIR}" || exit 1']
@@ -321,16 +329,21 @@ GROUP_FILE = "group.json"
 
 
 def _check_words(spec: LaunchSpec) -> list[str]:
-    """The wrapper's check that training can start: the VM's python and entrypoint, or
-    only its python for a group without a training role."""
+    """The wrapper's check that training can start (`entry_check_words`, with the job's
+    workdir when it has one), or only that the VM's python runs, for a group without a
+    training role; isolated either way."""
     if spec.group is not None and not spec.group.needs_entrypoint:
-        return [shlex.quote(spec.python), "-c", "pass"]
-    return entry_check_words(spec.python, spec.entrypoint)
+        return isolated_words(spec.python, "pass")
+    work = f'"$d/{WORK_DIR}"' if spec.workdir is not None else "''"
+    return entry_check_words(spec.python, spec.entrypoint, work)
 
 
 def supervisor_words(spec: LaunchSpec) -> list[str]:
-    """The command of a job group's attempt: the supervisor with its `group.json`."""
-    return [shlex.quote(spec.python), "-u", f'"$d/{SUPERVISOR_FILE}"', f'"$d/{GROUP_FILE}"']
+    """The command of a job group's attempt: the supervisor with its `group.json`, isolated
+    (standard library only: it needs no PYTHONPATH, and the job's is ignored)."""
+    return [
+        shlex.quote(spec.python), "-I", "-u", f'"$d/{SUPERVISOR_FILE}"', f'"$d/{GROUP_FILE}"',
+    ]  # fmt: skip
 
 
 def supervisor_source() -> str:

@@ -5,10 +5,10 @@ configuration (`GroupLaunch`), and the probes that ask a VM for free TCP ports.
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler.remote.isolated import isolated_words
 from scheduler.remote.output import as_int, output_lines
 
 
@@ -69,7 +69,7 @@ def free_port_script(python: str) -> str:
         "import socket; s = socket.socket(); s.bind(('', 0)); "
         f"print('{FREE_PORT_MARK}', s.getsockname()[1])"
     )
-    return f"{shlex.quote(python)} -c {shlex.quote(code)}"
+    return " ".join(isolated_words(python, code))
 
 
 def free_ports_script(python: str, count: int) -> str:
@@ -82,7 +82,7 @@ def free_ports_script(python: str, count: int) -> str:
         "for s in socks: s.bind(('', 0))\n"
         f"for s in socks: print('{FREE_PORT_MARK}', s.getsockname()[1])\n"
     )
-    return f"{shlex.quote(python)} -c {shlex.quote(code)} {int(count)}"
+    return " ".join(isolated_words(python, code, [str(int(count))]))
 
 
 def parse_free_ports(stdout: str) -> list[int]:

@@ -4,10 +4,12 @@ upload beside it, the final outputs after it. Every value is quoted.
 
 The agent runs with the VM's python, with the VM's env file loaded (the AWS_* variables
 an operator put there; `~/.aws/` is read by boto3 itself), never with the job's `job.env`,
-and never inside the training process. Its status file is `STORE_STATUS_FILE` in the
-attempt directory; `STORE_ERROR_FILE` is written (by the wrapper only, after training,
-so the job cannot forge it) when the store could not be used, with exit code
-`STORE_ERROR_EXIT`.
+and never inside the training process; in every mode it runs isolated, from the attempt
+directory, with the VM-level PYTHONPATH only (`remote.isolated.module_words`): a job's
+workdir shipping `scheduler/` is never imported in its place. Its status file is
+`STORE_STATUS_FILE` in the attempt directory; `STORE_ERROR_FILE` is written (by the
+wrapper only, after training, so the job cannot forge it) when the store could not be
+used, with exit code `STORE_ERROR_EXIT`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import shlex
 
 from scheduler.remote.env import VM_ENV_FILE, load_env_lines
+from scheduler.remote.isolated import module_words
 from scheduler.remote.layout import Attempt, home_path
 
 STORE_STATUS_FILE = "store.json"
@@ -33,14 +36,14 @@ def _agent(python: str, command: str, store: str, run: Attempt, output_dir: str)
     """A subshell running one agent command with the VM's env file loaded (the uploader
     beside training at a lower CPU priority: it must not slow the training)."""
     words = ["nice", "-n", "10"] if command == "watch" else []
-    words += [
-        shlex.quote(python), "-m", "scheduler.store.agent", command,
+    words += module_words(python, "scheduler.store.agent", [
+        command,
         "--store", shlex.quote(store),
         "--installation", shlex.quote(run.installation),
         "--job-id", str(int(run.job_id)),
         "--output-dir", home_path(output_dir),
         "--status", f'"$d/{STORE_STATUS_FILE}"',
-    ]  # fmt: skip
+    ])  # fmt: skip
     return ["(", *load_env_lines([home_path(VM_ENV_FILE)]), "exec " + " ".join(words), ")"]
 
 

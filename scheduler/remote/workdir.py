@@ -10,19 +10,21 @@ by the launch (`copy_lines`): what a job writes there alters neither the cache n
 another attempt.
 
 The receiver (`RECEIVE_CODE`, standard library only: the VM needs nothing of rlfleet
-installed) reads the packed bytes as base64 on stdin, checks their sha256 against the
-digest it was given, and unpacks only directories and regular files whose names are
-relative, without `..` or empty parts; a symlink, a hard link, a device, a FIFO, more than
-`WORKDIR_MAX_FILES` entries or more than `WORKDIR_MAX_UNPACKED` bytes refuses the whole
-workdir. Modes are kept (less setuid, setgid and sticky bits). A receiver stopped by a
-signal removes its half-unpacked directory; one that could not (SIGKILL, a crash of the
-VM) leaves it, and a later receiver on that VM removes it once it is a day old.
+installed; run isolated, `remote.isolated`) reads the packed bytes as base64 on stdin,
+checks their sha256 against the digest it was given, and unpacks only directories and
+regular files whose names are relative, without `..` or empty parts; a symlink, a hard
+link, a device, a FIFO, more than `WORKDIR_MAX_FILES` entries or more than
+`WORKDIR_MAX_UNPACKED` bytes refuses the whole workdir. Modes are kept (less setuid,
+setgid and sticky bits). A receiver stopped by a signal removes its half-unpacked
+directory; one that could not (SIGKILL, a crash of the VM) leaves it, and a later receiver
+on that VM removes it once it is a day old.
 """
 
 from __future__ import annotations
 
 import shlex
 
+from scheduler.remote.isolated import isolated_words
 from scheduler.remote.layout import ROOT, check_installation, home_path
 from scheduler.remote.output import output_lines
 from scheduler.validate import DIGEST_RE, WORKDIR_MAX_FILES, WORKDIR_MAX_UNPACKED
@@ -145,7 +147,7 @@ print("rlfleet-workdir-ready")
 def receive_script(python: str, installation: str, digest: str) -> str:
     """Unpack the workdir sent as base64 on stdin into the VM's cache; prints `READY_MARK`
     once the workdir is complete there. Every word quoted."""
-    quoted = " ".join(shlex.quote(w) for w in (python, "-c", RECEIVE_CODE))
+    quoted = " ".join(isolated_words(python, RECEIVE_CODE))
     target = home_path(cache_dir(installation, digest))
     return (
         f"{quoted} {target} {shlex.quote(digest)} "

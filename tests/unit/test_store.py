@@ -170,10 +170,12 @@ def test_the_wrapper_runs_the_agent_only_with_a_store_and_parses_as_sh():
     plain = wrapper_script(_spec())
     assert "scheduler.store.agent" not in plain and "store_error" not in plain
     with_store = wrapper_script(_spec(store="s3://bucket/runs"))
+    # Isolated (`python -I`), with only the VM-level PYTHONPATH (remote/isolated.py).
     for command in ("restore", "watch", "finish"):
-        assert f"-m scheduler.store.agent {command} --store s3://bucket/runs" in with_store
-    assert "exec nice -n 10 '/opt/py env/bin/python' -m scheduler.store.agent watch" in with_store
-    assert "'/opt/py env/bin/python' -m scheduler.store.agent" in with_store
+        assert f'"${{PYTHONPATH:-}}" {command} --store s3://bucket/runs' in with_store
+    assert "exec nice -n 10 '/opt/py env/bin/python' -I -c 'import sys;" in with_store
+    assert 'runpy.run_module("scheduler.store.agent", run_name="__main__"' in with_store
+    assert " -m scheduler" not in with_store
     for script in (plain, with_store):
         checked = subprocess.run(["sh", "-n"], input=script, text=True, capture_output=True)
         assert checked.returncode == 0, checked.stderr
@@ -185,9 +187,9 @@ def test_every_rank_restores_and_rank_0_alone_uploads():
     addrs = ("10.0.0.1", "10.0.0.2")
     rank0 = wrapper_script(_spec(store="s3://bucket/runs", node=RankRendezvous(0, addrs, 29500)))
     rank1 = wrapper_script(_spec(store="s3://bucket/runs", node=RankRendezvous(1, addrs, 29500)))
-    assert "agent restore" in rank0 and "agent watch" in rank0 and "agent finish" in rank0
-    assert "agent restore" in rank1
-    assert "agent watch" not in rank1 and "agent finish" not in rank1
+    assert all(f" {c} --store" in rank0 for c in ("restore", "watch", "finish"))
+    assert " restore --store" in rank1
+    assert " watch --store" not in rank1 and " finish --store" not in rank1
     checked = subprocess.run(["sh", "-n"], input=rank1, text=True, capture_output=True)
     assert checked.returncode == 0, checked.stderr
 

@@ -307,7 +307,7 @@ def test_scripts_quote_and_check_every_word() -> None:
     assert parse_has("rlfleet-workdir-present\n") is True
     assert parse_has("rlfleet-workdir-missing\n") is False
     script = receive_script("/opt/py thon; rm -rf ~", INSTALLATION, digest)
-    assert script.startswith("'/opt/py thon; rm -rf ~' -c '")
+    assert script.startswith("'/opt/py thon; rm -rf ~' -I -c '")  # isolated
 
 
 def spec(workdir: str | None) -> LaunchSpec:
