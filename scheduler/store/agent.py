@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", type=float, default=1.0)
     parser.add_argument("--final", action="store_true")
     args = parser.parse_args(argv)
+    os.umask(0o077)  # what it restores or writes is the VM account's alone
     try:
         url = parse_store_url(args.store)
         backend = open_backend(url, args.installation, args.job_id)

@@ -94,7 +94,8 @@ async def test_a_store_that_never_answers_ends_the_job_after_the_cap(
     assert job.failure_reason == "store_error" and job.attempt == CAP + 1, job.status_reason
     assert job.retry_count == 0 and job.uncounted_retries == {"store_error": CAP}
     why = job.status_reason or ""
-    assert why.startswith(f"gave up after {CAP} uncounted retries (store_error ×{CAP}): last: "), why
+    tally = f"gave up after {CAP} uncounted retries (store_error ×{CAP}): last: "
+    assert why.startswith(tally), why
     assert "store_error" in why.split("last: ", 1)[1]
     row = {c.name: getattr(job, c.name) for c in Job.__table__.columns}
     for text in (json.dumps(row, default=str), json.dumps(shown, default=str)):

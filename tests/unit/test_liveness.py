@@ -17,9 +17,9 @@ from scheduler.remote.layout import Attempt
 from scheduler.remote.probe import RemoteJobState, parse_status, status_probe
 from scheduler.remote.watchdog import (
     FENCED_FILE,
+    LEASE_FILE,
     fence_note,
     is_fence_note,
-    LEASE_FILE,
     lease_touch_lines,
     watchdog_lines,
     watchdog_stop_lines,

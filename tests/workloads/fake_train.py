@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         setsid_child(out)
     if args.fake_fence_note is not None:
         note = Path(os.environ["RLFLEET_PROGRESS_FILE"]).parent / "fenced_reason"
-        note.write_bytes((b"garbage \xff\x00 " * (args.fake_fence_note // 13 + 1))[: args.fake_fence_note])
+        garbage = b"garbage \xff\x00 " * (args.fake_fence_note // 13 + 1)
+        note.write_bytes(garbage[: args.fake_fence_note])
     if args.fake_hostile:
         hostile(seconds)
         record("end", exit_code=args.fake_exit)
