@@ -4,13 +4,17 @@ before use, and a bad one is the job's failure, counted against its retries."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
-from scheduler.remote.probe import parse_status
+from scheduler.remote.layout import Attempt
+from scheduler.remote.probe import parse_status, status_probe
 from scheduler.remote.watchdog import fence_note, is_fence_note
 from scheduler.retry import (
     DEFAULT_POLICY,
@@ -26,6 +30,7 @@ from scheduler.verdicts import LiveJob, job_verdict
 
 RUNNING = LiveJob(id=4, vm_id=1, status="running", attempt_number=1, remote_pid=4242)
 NOW = datetime(2026, 11, 27, tzinfo=UTC)
+INSTALLATION = "6f1c1a8e-0000-4000-8000-000000000000"
 
 
 def _probe(fenced: str | None, code: str = "0") -> str:
@@ -115,7 +120,29 @@ def test_the_cap_reads_the_counts_of_a_row_without_trusting_them() -> None:
     policy = RetryPolicy(uncounted_limit=3)
     job = _Job(0, 0, 2)
     for counts in ({"node_lost": -5}, {"x": "y"}, {"store_error": True}, [], None, "garbage"):
-        decision = decide(job, Failure("store_error", 74, 0, counts), NOW, random.Random(1), policy)  # type: ignore[arg-type]
+        decision = decide(job, Failure("store_error", 74, 0, counts), NOW, random.Random(1), policy)
         assert isinstance(decision, Retry), counts
     huge = Failure("store_error", 74, 0, {"store_error": 2**70})
     assert isinstance(decide(job, huge, NOW, random.Random(1), policy), GiveUp)
+
+
+def test_the_probe_reads_a_garbage_exit_code_as_the_jobs_failure(tmp_path: Path) -> None:
+    """The real probe (sh) on an ended attempt whose `exit_code` a leftover of the job
+    overwrote with garbage: `exited`, marked, and the job's failure, counted (it read as
+    `unknown` before, and failed as `vanished`, "no pid file")."""
+    run = Attempt(INSTALLATION, 4, 1, "0123456789abcdef")
+    d = tmp_path / run.relative
+    d.mkdir(parents=True)
+    (d / "pid").write_text("999999\n")
+    (d / "exit_code").write_text("garbage\n")
+    out = subprocess.run(
+        ["/bin/sh", "-c", status_probe([run])],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HOME": str(tmp_path)},
+        check=True,
+    ).stdout
+    state = parse_status(out)[(4, 1)]
+    assert (state.state, state.exit_code, state.bad_exit_code) == ("exited", None, True)
+    verdict = job_verdict(RUNNING, state)
+    assert verdict is not None and verdict.failure_reason == FailureReason.BAD_CONTROL_FILE
