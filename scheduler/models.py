@@ -342,6 +342,12 @@ class Job(Base):
     machine_faults: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     """Failures of this job that were the VM's fault (`retry.is_machine_fault`: node lost,
     VM removed, VM unable to start training), counted for the retry policy's cap."""
+    uncounted_retries: Mapped[dict[str, int]] = mapped_column(
+        JSONB, default=dict, server_default="{}"
+    )
+    """The retries of this job that did not count against `max_retries`, by the failure
+    reason that caused each (`store_error`, `node_lost`…): capped in all per job
+    (`RetryPolicy.uncounted_limit`)."""
     published_at: Mapped[datetime | None] = mapped_column(_now())
     """Last publish to jobs.new; NULL means queued but never published."""
     submitted_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
@@ -383,6 +389,9 @@ class Job(Base):
         CheckConstraint(
             f"retry_decision IN ({_RETRY_DECISIONS}) AND machine_faults >= 0",
             name="retry_bookkeeping",
+        ),
+        CheckConstraint(
+            "jsonb_typeof(uncounted_retries) = 'object'", name="uncounted_retries_object"
         ),
         CheckConstraint(
             "model <> '' AND dataset <> '' AND reward_function <> ''", name="spec_nonempty"

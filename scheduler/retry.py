@@ -19,8 +19,12 @@ Rules, as users of Slurm and SkyPilot would expect them:
 - `store_error` (the job's store could not be reached or refused when an attempt
   started) is an outage, most often the store's for every job: it does not count against
   `max_retries` and is retried with the same exponential backoff, its exponent the
-  number of uncounted retries so far (`attempt - 1 - retry_count`), until
-  `outage_limit` of them (about two days at the 600 s cap).
+  number of uncounted retries so far (`attempt - 1 - retry_count`).
+- Every retry that does not count (the machine faults and the outages) is counted per
+  job and class in `jobs.uncounted_retries`; their sum is capped by `uncounted_limit`
+  (20 by default): past it the job fails for good, "gave up after 20 uncounted retries
+  (store_error ×12, node_lost ×8): last: …". So no class a job can bring about itself (a
+  store it makes fail, a VM it makes lose contact) retries it without end.
 
 `decide` is what the requeue manager calls when it first sees a failed job; the answer is
 stored on the job (`retry_decision`: `retry` at `next_attempt_at`, or `give_up` with a
@@ -72,6 +76,9 @@ class Failure:
     node_lost_count: int = 0
     """Machine faults of this job including this one (`is_machine_fault`): the VM lost,
     removed, or unable to start training."""
+    uncounted: object = None
+    """The job's uncounted retries so far by class (`jobs.uncounted_retries`, read from a
+    row: checked by `uncounted_counts` before use)."""
 
     def describe(self) -> str:
         """`exit_nonzero (exit 1)`, `oom (exit 75)`, `node_lost`…"""
@@ -105,7 +112,9 @@ class RetryPolicy:
     """Relative: 0.25 means the delay is scaled by a random factor in [0.75, 1.25]."""
     node_lost_delay_s: float = 0.0
     node_lost_limit: int = 10
-    outage_limit: int = 300
+    uncounted_limit: int = 20
+    """Most retries per job that do not count against `max_retries`, all classes together
+    (machine faults and outages): it was `outage_limit` (300, outages only)."""
 
     def backoff(self, retry_count: int, rng: random.Random) -> float:
         """Seconds to wait before retry number `retry_count + 1`, jitter included."""
@@ -130,6 +139,10 @@ def decide(
     reason = failure.reason
     if reason in PERMANENT:
         return GiveUp(f"{GIVE_UP_PREFIX}: {failure.describe()} is permanent, not retried")
+    uncounted = not counts_against_limit(reason, failure.exit_code)
+    counts = uncounted_counts(failure.uncounted)
+    if uncounted and sum(counts.values()) >= policy.uncounted_limit:
+        return GiveUp(uncounted_give_up(counts, failure, policy.uncounted_limit))
     if is_machine_fault(reason, failure.exit_code):
         if failure.node_lost_count > policy.node_lost_limit:
             what = "lost nodes" if reason == FailureReason.NODE_LOST.value else "VM failures"
@@ -139,18 +152,50 @@ def decide(
             )
         return Retry(at=now + timedelta(seconds=policy.node_lost_delay_s), counts=False)
     if is_outage(reason):
-        uncounted = max(0, job.attempt - 1 - job.retry_count)
-        if uncounted >= policy.outage_limit:
-            return GiveUp(
-                f"{GIVE_UP_PREFIX} after {uncounted} uncounted retries: {failure.describe()}"
-                f" (limit {policy.outage_limit})"
-            )
-        return Retry(at=now + timedelta(seconds=policy.backoff(uncounted, rng)), counts=False)
+        so_far = max(0, job.attempt - 1 - job.retry_count)
+        return Retry(at=now + timedelta(seconds=policy.backoff(so_far, rng)), counts=False)
     # Counted reasons, and anything unknown: a new reason must not make jobs immortal.
     if job.retry_count >= job.max_retries:
         plural = "retry" if job.retry_count == 1 else "retries"
         return GiveUp(f"{GIVE_UP_PREFIX} after {job.retry_count} {plural}: {failure.describe()}")
     return Retry(at=now + timedelta(seconds=policy.backoff(job.retry_count, rng)))
+
+
+MAX_COUNT = 2**31 - 1
+
+
+def uncounted_counts(raw: object) -> dict[str, int]:
+    """A job's `uncounted_retries` as read from its row (possibly written by hand): the
+    classes named by a short string with a count above 0 (at most `MAX_COUNT`); anything
+    else is left out. Never raises."""
+    if not isinstance(raw, dict):
+        return {}
+    counts: dict[str, int] = {}
+    for key, value in list(raw.items())[:64]:
+        if not isinstance(key, str) or not 0 < len(key) <= 32:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            continue
+        counts[key] = min(value, MAX_COUNT)
+    return counts
+
+
+def add_uncounted(raw: object, reason: str | None) -> dict[str, int]:
+    """`raw` (a row's `uncounted_retries`) with one more retry after `reason`."""
+    counts = uncounted_counts(raw)
+    key = reason if reason and len(reason) <= 32 else "unknown"
+    counts[key] = min(counts.get(key, 0) + 1, MAX_COUNT)
+    return counts
+
+
+def uncounted_give_up(counts: dict[str, int], failure: Failure, limit: int) -> str:
+    """`gave up after 20 uncounted retries (store_error ×12, node_lost ×8): last: …`."""
+    order = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    tally = ", ".join(f"{reason} ×{count}" for reason, count in order)
+    return (
+        f"{GIVE_UP_PREFIX} after {sum(counts.values())} uncounted retries ({tally}):"
+        f" last: {failure.describe()} (limit {limit})"
+    )
 
 
 def is_machine_fault(reason: str | None, exit_code: int | None = None) -> bool:

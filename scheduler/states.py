@@ -136,6 +136,9 @@ class FailureReason(StrEnum):
     STARTUP_TIMEOUT = "startup_timeout"  # running, no first step within its startup timeout
     STORE_ERROR = "store_error"  # the job's store unreachable or refused at the attempt's start
     GPU_FAILED = "gpu_failed"  # its GPU was lost or requires a reset: stopped, retried elsewhere
+    BAD_CONTROL_FILE = "bad_control_file"
+    """A control file of the attempt (its exit code, its watchdog's fence note) holds what
+    the scheduler never writes: the job wrote it (same account), its failure, counted."""
 
 
 class RetryClass(StrEnum):
@@ -148,7 +151,7 @@ class RetryClass(StrEnum):
     """The VM's fault with exit 126/127 (its python or entrypoint cannot run), else counted."""
     OUTAGE = "outage"
     """A service the job needs is down (its store): retried with backoff, not counted
-    against its retries, up to `RetryPolicy.outage_limit` uncounted retries."""
+    against its retries; like the machine faults, within `RetryPolicy.uncounted_limit`."""
 
 
 FAILURE_RETRY: dict[FailureReason, RetryClass] = {
@@ -164,5 +167,6 @@ FAILURE_RETRY: dict[FailureReason, RetryClass] = {
     FailureReason.STARTUP_TIMEOUT: RetryClass.COUNTED,
     FailureReason.STORE_ERROR: RetryClass.OUTAGE,
     FailureReason.GPU_FAILED: RetryClass.MACHINE_FAULT,
+    FailureReason.BAD_CONTROL_FILE: RetryClass.COUNTED,
 }
 """Every failure reason's retry class (`tests/unit/test_retry.py` checks none is missing)."""

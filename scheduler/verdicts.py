@@ -14,6 +14,7 @@ from scheduler.remote.launch import ENTRY_BROKEN_MARK
 from scheduler.remote.layout import Attempt
 from scheduler.remote.probe import RemoteJobState
 from scheduler.remote.store import STORE_ERROR_EXIT
+from scheduler.remote.watchdog import FENCED_FILE, is_fence_note
 from scheduler.retry import VM_FAULT_EXITS
 from scheduler.states import FailureReason, JobStatus
 from training.errors import EXIT_TRANSIENT, EXIT_USAGE
@@ -147,6 +148,9 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
             why = "running without a pid: its launch was never confirmed on the VM"
             return JobVerdict(job, JobStatus.FAILED, None, FailureReason.VANISHED, why)
         return None  # launching: no pid file yet; the lease expiry handles a launch that died
+    bad = bad_control_file(state)
+    if bad is not None:
+        return JobVerdict(job, JobStatus.FAILED, state.exit_code, FAILED_CONTROL, bad)
     if state.state == "exited" and state.fenced is not None:
         # Its watchdog stopped it: the scheduler had lost contact, not the job's fault.
         return JobVerdict(
@@ -181,6 +185,28 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
         return JobVerdict(job, JobStatus.FAILED, code, failure, why)
     why = "no pid file" if state.state == "unknown" else "process gone without an exit code"
     return JobVerdict(job, JobStatus.FAILED, None, FailureReason.VANISHED, why)
+
+
+FAILED_CONTROL = FailureReason.BAD_CONTROL_FILE
+
+
+def bad_control_file(state: RemoteJobState) -> str | None:
+    """Why an ended attempt's control files cannot be the scheduler's, or None: an
+    `exit_code` that is no exit code a wrapper writes, a `fenced_reason` that is not its
+    watchdog's line. Either is in a directory the job can write, so the job wrote it: its
+    failure, counted against its retries (issue 29, point 7), never a lost node (retried
+    uncounted) nor a completion (the scheduler cannot tell whether the attempt was cut
+    short). What the file held is not repeated (it is the job's text)."""
+    if state.state != "exited":
+        return None
+    if state.bad_exit_code:
+        return f"{FAILED_CONTROL.value}: its exit_code file holds no exit code (0-255)"
+    if state.fenced is not None and not is_fence_note(state.fenced):
+        return (
+            f"{FAILED_CONTROL.value}: its {FENCED_FILE} ({len(state.fenced)} characters read)"
+            " is not a line its watchdog writes"
+        )
+    return None
 
 
 def untracked_verdict(job: LiveJob) -> JobVerdict | None:

@@ -539,19 +539,15 @@ def _own_value(f: dataclasses.Field[Any], value: Any, where: str) -> Any:
 def read_recipe(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     """A recipe file's values by field name (checked and converted) and its `env` mapping;
     RecipeError for a file that cannot be read or holds a bad key."""
-    import yaml
+    from training.recipe_yaml import RecipeYamlError, load_recipe_yaml
 
     where = path
     try:
-        with open(path, encoding="utf-8") as stream:
-            data = yaml.safe_load(stream)
+        data = load_recipe_yaml(path)  # bounded: no aliases, 1 MiB, 32 levels
     except OSError as exc:
         raise RecipeError(f"--config {path}: cannot read it: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" (line {mark.line + 1})" if mark is not None else ""
-        problem = getattr(exc, "problem", exc)
-        raise RecipeError(f"--config {path}: not valid YAML{line}: {problem}") from None
+    except RecipeYamlError as exc:
+        raise RecipeError(f"--config {path}: {exc}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

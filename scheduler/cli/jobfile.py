@@ -79,12 +79,9 @@ def from_recipe(
         raise BadInput(f"--config {path}: cannot read it: {exc.strerror or exc}") from None
     if len(raw) > MAX_FILE_BYTES:
         raise BadInput(f"--config {path}: larger than {MAX_FILE_BYTES} bytes")
-    import yaml
+    from scheduler.jobspec.reading import load_yaml
 
-    try:
-        data = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise BadInput(f"--config {path}: not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    data = load_yaml(raw, f"--config {path}")  # the bounded loader of `-f`: no aliases
     if data is None:
         data = {}
     if not isinstance(data, dict):

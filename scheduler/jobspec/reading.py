@@ -36,6 +36,14 @@ def load_file(path: str) -> GroupSpec:
 
 def parse_text(raw: bytes, where: str = "job file") -> GroupSpec:
     """Validate the bytes of a spec file (YAML, read with the safe loader only)."""
+    return parse_data(load_yaml(raw, where))
+
+
+def load_yaml(raw: bytes, where: str) -> Any:
+    """The YAML document in `raw` (at most MAX_FILE_BYTES, checked by the caller), read
+    with the bounded loader of job files: no aliases, MAX_DEPTH, MAX_INT_DIGITS; `BadInput`
+    (one line, naming `where`) for anything else. Recipes (`job submit --config`) are read
+    with it too."""
     import yaml
 
     try:
@@ -59,7 +67,7 @@ def parse_text(raw: bytes, where: str = "job file") -> GroupSpec:
         raise BadInput(f"{where}: nested too deeply") from None
     finally:
         loader.dispose()
-    return parse_data(data)
+    return data
 
 
 _YAML12_INT = r"[-+]?[0-9]+\Z|0o[0-7]+\Z|0x[0-9a-fA-F]+\Z"

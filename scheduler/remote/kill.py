@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from scheduler.remote.layout import DIR_MARK, Attempt
+from scheduler.remote.layout import DIR_MARK, PRIVATE_TREE, Attempt
 from scheduler.remote.output import (
     EXIT_CODE_BYTES,
     EXITED_MARK,
@@ -118,6 +118,7 @@ def kill_script(
             'if [ ! -s "$d/pid" ]; then',
             *missing,
             f'  if [ -e "$d/fenced" ]; then echo "{KILL_MARK} fenced"; exit 0; fi',
+            f"  {PRIVATE_TREE}",
             '  mkdir -p "$d" 2>/dev/null',
             '  if mkdir "$d/.launch.lock" 2>/dev/null; then',
             f'    : > "$d/fenced"; echo "{KILL_MARK} fenced"; exit 0',

@@ -23,7 +23,7 @@ from scheduler.remote.env import (
 )
 from scheduler.remote.isolated import ENTRY_CHECK_CODE, isolated_words
 from scheduler.remote.kill import PID_WAIT_S
-from scheduler.remote.layout import DIR_MARK, Attempt, home_path, parse_dir
+from scheduler.remote.layout import DIR_MARK, PRIVATE_TREE, Attempt, home_path, parse_dir
 from scheduler.remote.output import (
     EXIT_CODE_BYTES,
     EXITED_MARK,
@@ -393,6 +393,7 @@ def launch_script(spec: LaunchSpec, *, pid_wait_s: float = PID_WAIT_S) -> str:
     return "\n".join(
         [
             f"d={d}",
+            PRIVATE_TREE,
             'mkdir -p "$d" || exit 97',
             'if mkdir "$d/.launch.lock" 2>/dev/null; then',
             f'  printf "%s" {shlex.quote(wrapper_script(spec))} > "$d/launch.sh" || exit 97',

@@ -112,6 +112,14 @@ def default_output_dir(installation: str, job_id: int) -> str:
     return f"~/{ROOT}/{check_installation(installation)}/outputs/{int(job_id)}"
 
 
+PRIVATE_TREE = f'umask 077; chmod go-rwx "$HOME/{ROOT}" 2>/dev/null'
+"""The shell line every script that creates part of the VM tree runs first: what it
+creates (attempt directories, logs, launch scripts, output directories, what the training
+and the store agent write under them) is the account's alone, and `~/.rlfleet` an older
+rlfleet left open (0755) is closed, which keeps another account on the VM out of every
+existing directory below it (docs/security.md)."""
+
+
 def home_path(path: str) -> str:
     """A shell word for `path`: `~/x` and relative paths are under $HOME, all quoted."""
     if path == "~":

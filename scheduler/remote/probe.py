@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from scheduler.redact import scrub_urls
 from scheduler.remote.kill import wrapper_alive
 from scheduler.remote.launch import CANNOT_START_FILE, CANNOT_START_MARK
 from scheduler.remote.layout import Attempt
@@ -69,6 +70,9 @@ class RemoteJobState:
     """The wrapper could not use the job's store (`STORE_ERROR_FILE`)."""
     store: dict[str, object] | None = None
     """The attempt's store status (`parse_store_status`); None: none, or unreadable."""
+    bad_exit_code: bool = False
+    """`exited` with an `exit_code` file that holds no exit code a wrapper writes (0-255):
+    the job's doing (`verdicts.job_verdict` fails it, counted)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,8 @@ def parse_store_status(text: str) -> dict[str, object] | None:
         return None
 
     def short(value: object, size: int) -> str | None:
-        return printable(value)[:size] if isinstance(value, str) and value else None
+        # A URL in an error may carry credentials (`AWS_ENDPOINT_URL=https://u:p@host`).
+        return scrub_urls(printable(value))[:size] if isinstance(value, str) and value else None
 
     def count(value: object) -> int | None:
         ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53
@@ -243,7 +248,7 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
             code = as_int(parts[4]) if len(parts) == 5 else None
             if code is not None and not 0 <= code <= MAX_EXIT_CODE:
                 code = None  # not what a wrapper or a kill writes: garbage
-            states[(job_id, attempt)] = ("exited", code) if code is not None else ("unknown", None)
+            states[(job_id, attempt)] = ("exited", code)
         else:
             states[(job_id, attempt)] = (parts[3], None)
     fenced = parse_fenced(stdout)
@@ -257,6 +262,7 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
             key in cannot_start,
             key in store_error,
             store.get(key),
+            bad_exit_code=state == "exited" and code is None,
         )
         for key, (state, code) in states.items()
     }
@@ -264,5 +270,6 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
 
 def log_tail(lines: Sequence[str]) -> str:
     """The last `LOG_TAIL_LINES` lines of what the probe read of a log, printable (no NUL or
-    other control character: it may end up in a reason or on a terminal)."""
-    return printable("\n".join(lines[-LOG_TAIL_LINES:]))
+    other control character: it may end up in a reason or on a terminal), every URL in
+    it redacted (a store's endpoint may carry a password)."""
+    return scrub_urls(printable("\n".join(lines[-LOG_TAIL_LINES:])))

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 from scheduler.liveness import WATCHDOG_PERIOD_S, Liveness
 from scheduler.remote.kill import marked_kill_lines
@@ -18,6 +19,11 @@ LEASE_FILE = "lease"
 FENCED_FILE = "fenced_reason"
 """Written by the watchdog when it fenced the attempt off: why, in one line."""
 FENCED_REASON_BYTES = 300
+_FENCE_NOTE = re.compile(
+    r"lease not renewed for ([0-9]{1,9})s \(fence after ([0-9]{1,9})s\):"
+    r" the scheduler lost contact with this VM"
+)
+"""The one line a watchdog writes into `fenced_reason` (`watchdog_lines`, `fence_note`)."""
 DEFAULT_FENCE_AFTER_S = Liveness.fence_after_s
 DEFAULT_FENCE_GRACE_S = Liveness.fence_grace_s
 
@@ -84,6 +90,23 @@ def watchdog_lines(fence_after_s: float, grace_s: float, run: Attempt | None = N
         ") 2>/dev/null &",  # its messages go to stdout (train.log); the shell's own, nowhere
         "rlfleet_wd=$!",
     ]
+
+
+def fence_note(silent_s: int, after_s: int) -> str:
+    """What a watchdog writes into `fenced_reason` after `silent_s` seconds without a lease
+    (`after_s`: its fence-after setting); the shell text above prints the same line."""
+    return (
+        f"lease not renewed for {int(silent_s)}s (fence after {int(after_s)}s):"
+        " the scheduler lost contact with this VM"
+    )
+
+
+def is_fence_note(text: str) -> bool:
+    """Whether `text` (a `fenced_reason` as the probe read it) is a line a watchdog writes:
+    the file is in a directory the job can write, and anything else in it is the job's
+    (docs/invariants.md, invariant 9), never a lost node."""
+    match = _FENCE_NOTE.fullmatch(text)
+    return match is not None and int(match.group(1)) >= int(match.group(2)) >= 1
 
 
 def watchdog_stop_lines() -> list[str]:

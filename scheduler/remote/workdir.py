@@ -76,6 +76,7 @@ def stop(signum, frame):
     sys.exit(128 + signum)
 signal.signal(signal.SIGTERM, stop)
 signal.signal(signal.SIGHUP, stop)
+os.umask(0o077)
 data = base64.b64decode(sys.stdin.buffer.read())
 if hashlib.sha256(data).hexdigest() != digest:
     fail("its sha256 is not " + digest)

@@ -21,9 +21,11 @@ from scheduler.retry import (
     Failure,
     GiveUp,
     RetryPolicy,
+    add_uncounted,
     counts_against_limit,
     decide,
     is_machine_fault,
+    uncounted_counts,
 )
 from scheduler.states import FailureReason, JobStatus, RetryDecision
 from scheduler.verdicts import group_reason_detail
@@ -51,6 +53,7 @@ async def decide_failed(
                 Job.failure_reason,
                 Job.exit_code,
                 Job.machine_faults,
+                Job.uncounted_retries,
                 Job.status_reason,
             )
             .where(Job.status == JobStatus.FAILED.value, _UNDECIDED)
@@ -62,7 +65,9 @@ async def decide_failed(
     scheduled: list[int] = []
     gave_up: list[int] = []
     for row in rows:
-        failure = Failure(row.failure_reason, row.exit_code, row.machine_faults)
+        failure = Failure(
+            row.failure_reason, row.exit_code, row.machine_faults, row.uncounted_retries
+        )
         decision = decide(row, failure, now, rng, policy)
         bound = log.bind(job_id=row.id, attempt=row.attempt, failure=failure.describe())
         # A job group's attempt says which role ended it and why: keep that in view.
@@ -109,6 +114,7 @@ async def requeue_due(session: AsyncSession, *, actor: str) -> list[int]:
                 Job.exit_code,
                 Job.retry_count,
                 Job.max_retries,
+                Job.uncounted_retries,
             )
             .where(
                 Job.status == JobStatus.FAILED.value,
@@ -137,6 +143,11 @@ async def requeue_due(session: AsyncSession, *, actor: str) -> list[int]:
             actor=actor,
             values={
                 "retry_count": Job.retry_count + (1 if counted else 0),
+                "uncounted_retries": (
+                    row.uncounted_retries
+                    if counted
+                    else add_uncounted(row.uncounted_retries, row.failure_reason)
+                ),
                 "next_attempt_at": None,
                 "status_reason": why,
             },
@@ -160,5 +171,11 @@ def retry_note(row: Any, failure: Failure, at: datetime, now: datetime, policy: 
         return (
             f"{failure.describe()}: the VM's fault, retrying elsewhere "
             f"(VM failures {failure.node_lost_count}/{policy.node_lost_limit})"
+        )
+    if not counts_against_limit(failure.reason, failure.exit_code):
+        done = sum(uncounted_counts(failure.uncounted).values())
+        return (
+            f"{failure.describe()}: retrying in {wait:.0f}s, not counted against max_retries"
+            f" (uncounted retries {done + 1}/{policy.uncounted_limit})"
         )
     return f"{failure.describe()}: retry {row.retry_count + 1}/{row.max_retries} in {wait:.0f}s"

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from scheduler.redact import scrub_urls
 from scheduler.store import parse_store_url
 from scheduler.store.backend import Backend, StoreError, open_backend
 from scheduler.store.sync import (
@@ -86,7 +87,7 @@ class Status:
         self.write()
 
     def error(self, text: str | None) -> None:
-        self.data["last_error"] = text[:300] if text else None
+        self.data["last_error"] = scrub_urls(text)[:300] if text else None
         self.data["error_at"] = _now() if text else None
         self.write()
 
@@ -111,7 +112,8 @@ def _now() -> str:
 
 def say(text: str) -> None:
     """One line into the attempt's log (the agent's stderr is train.log)."""
-    print(f"rlfleet-store: {text}", file=sys.stderr, flush=True)
+    # A URL in an error may carry credentials: the log is the job's to read and ship.
+    print(f"rlfleet-store: {scrub_urls(text)}", file=sys.stderr, flush=True)
 
 
 def restore(backend: Backend, output_dir: Path, status: Status) -> int:
@@ -208,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", type=float, default=1.0)
     parser.add_argument("--final", action="store_true")
     args = parser.parse_args(argv)
+    os.umask(0o077)  # what it restores or writes is the VM account's alone
     try:
         url = parse_store_url(args.store)
         backend = open_backend(url, args.installation, args.job_id)

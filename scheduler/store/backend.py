@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from scheduler.redact import scrub_urls
 from scheduler.store import StoreURL
 
 _KEY_PART = re.compile(r"[A-Za-z0-9._\-+=@,]+")
@@ -63,9 +64,11 @@ class Backend(Protocol):
 
 
 def one_line(exc: BaseException) -> str:
-    """An exception as one short line (botocore's messages name no secret)."""
+    """An exception as one short line, every URL in it redacted: botocore quotes the
+    endpoint URL back ("Could not connect to the endpoint URL: …"), and one set with
+    `AWS_ENDPOINT_URL=https://user:secret@host` carries a password."""
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return text[:300]
+    return scrub_urls(text)[:300]
 
 
 class FileBackend:

@@ -144,7 +144,8 @@ def test_a_number_too_long_to_be_a_pid_or_an_exit_code_is_not_read(text: str) ->
 
 
 def test_the_status_parser_survives_whatever_the_attempts_files_held() -> None:
-    """Exit codes that are words, too long or out of range make the attempt `unknown`;
+    """Exit codes that are words, too long or out of range make the attempt `exited`
+    without an exit code, marked `bad_exit_code` (the job's failure, counted);
     NUL and escapes are gone from the log tail (it may become a reason in the database),
     which keeps only its last lines; nested progress is no progress."""
     out = "\n".join(
@@ -162,7 +163,9 @@ def test_the_status_parser_survives_whatever_the_attempts_files_held() -> None:
         ]
     )
     states = parse_status(out)
-    assert [states[(i, 1)].state for i in (1, 2, 3)] == ["unknown"] * 3
+    assert [states[(i, 1)].state for i in (1, 2, 3)] == ["exited"] * 3
+    assert all(states[(i, 1)].bad_exit_code and states[(i, 1)].exit_code is None for i in (1, 2, 3))
+    assert not states[(4, 1)].bad_exit_code
     four = states[(4, 1)]
     assert (four.state, four.exit_code, four.progress, four.fenced) == ("exited", 0, None, "why")
     assert four.log_tail.splitlines() == [f"line {n}[2J" for n in range(30, 50)]

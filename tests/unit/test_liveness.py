@@ -18,6 +18,8 @@ from scheduler.remote.probe import RemoteJobState, parse_status, status_probe
 from scheduler.remote.watchdog import (
     FENCED_FILE,
     LEASE_FILE,
+    fence_note,
+    is_fence_note,
     lease_touch_lines,
     watchdog_lines,
     watchdog_stop_lines,
@@ -71,7 +73,7 @@ def test_the_probe_renews_leases_and_reports_fenced_attempts(tmp_path: Path) -> 
     attempt.mkdir(parents=True)
     (attempt / "pid").write_text("999999\n")
     (attempt / "exit_code").write_text("143\n")
-    (attempt / FENCED_FILE).write_text("lease not renewed for 18s (fence after 18s)\n")
+    (attempt / FENCED_FILE).write_text(fence_note(18, 18) + "\n")  # the watchdog's line
     out = subprocess.run(
         ["/bin/sh", "-c", status_probe([fenced, missing])],
         capture_output=True,
@@ -83,7 +85,7 @@ def test_the_probe_renews_leases_and_reports_fenced_attempts(tmp_path: Path) -> 
     assert (attempt / LEASE_FILE).exists()
     assert not (tmp_path / missing.relative).exists()
     states = parse_status(out)
-    assert states[(7, 1)].fenced == "lease not renewed for 18s (fence after 18s)"
+    assert states[(7, 1)].fenced == fence_note(18, 18)
     assert states[(8, 1)] == RemoteJobState("unknown")
     verdict = job_verdict(LiveJob(7, 1, "running", 1, 999999), states[(7, 1)])
     assert verdict is not None and verdict.to == JobStatus.FAILED
@@ -146,6 +148,8 @@ def test_a_lease_not_renewed_fences_the_attempt_term_then_kill(tmp_path: Path) -
         took = _wait(lambda: not _group_alive(proc), 15)
         assert 2 <= took < 2 + 2 + 1 + 2
         assert "lease not renewed" in (d / FENCED_FILE).read_text()
+        # The line the real watchdog writes is the one the poller takes for a fence.
+        assert is_fence_note((d / FENCED_FILE).read_text().strip())
         log = (d / "train.log").read_text()
         assert "rlfleet: fenced:" in log and "KILL" in log
         assert (d / "exit_code").read_text().strip() == "137"

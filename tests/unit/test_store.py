@@ -148,8 +148,9 @@ def test_a_store_error_is_retried_with_backoff_and_not_counted():
         delays.append((decision.at - now).total_seconds())
     assert delays == [10, 20, 40, 80]
     assert not counts_against_limit(FailureReason.STORE_ERROR.value, 74)
-    limit = RetryPolicy(outage_limit=5)
-    assert isinstance(decide(_Job(0, 0, 6), failure, now, random.Random(1), limit), GiveUp)
+    limit = RetryPolicy(uncounted_limit=5)
+    five = Failure(FailureReason.STORE_ERROR.value, 74, 0, {"store_error": 5})
+    assert isinstance(decide(_Job(0, 0, 6), five, now, random.Random(1), limit), GiveUp)
 
 
 def _spec(**fields: object) -> LaunchSpec:

@@ -14,7 +14,8 @@ its pid to `setsid_child.pid` in `--output_dir`; `--fake_hang_at N` stops advanc
 step N (0: before the first) and waits for ever (`--fake_hang_once`: on the first attempt
 only); `--fake_step_seconds S` takes S seconds per step; `--fake_checkpoints` writes a
 `checkpoint-<step>` directory in `--output_dir` at each step, and with `--resume auto`
-starts after the newest one. It writes
+starts after the newest one; `--fake_fence_note BYTES` writes that much garbage into its
+attempt's `fenced_reason` (the watchdog's note) before it trains. It writes
 progress.json to $RLFLEET_PROGRESS_FILE and, when `RLFLEET_FAKE_RECORD` names a
 directory, one JSON line per run there saying where, as which rank and on which GPUs it
 ran, so tests can prove that no GPU was shared.
@@ -47,6 +48,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fake_step_seconds", type=float, default=None)
     parser.add_argument("--fake_checkpoints", action="store_true")
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--fake_fence_note", type=int, default=None)
     args, _unknown = parser.parse_known_args(argv)
     rank = os.environ.get("RLFLEET_NODE_RANK")
     if args.fake_fail_rank is None:
@@ -164,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
         seconds = args.fake_retry_seconds
     if args.fake_setsid_child:
         setsid_child(out)
+    if args.fake_fence_note is not None:
+        note = Path(os.environ["RLFLEET_PROGRESS_FILE"]).parent / "fenced_reason"
+        garbage = b"garbage \xff\x00 " * (args.fake_fence_note // 13 + 1)
+        note.write_bytes(garbage[: args.fake_fence_note])
     if args.fake_hostile:
         hostile(seconds)
         record("end", exit_code=args.fake_exit)
