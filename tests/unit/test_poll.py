@@ -155,7 +155,9 @@ def test_a_jobs_log_can_neither_forge_job_news_nor_break_the_poll() -> None:
     result = parse_poll(poll_output([A100], [], jobs=jobs))
     assert result.error is None
     assert set(result.jobs) == {(7, 1), (8, 1)}
-    assert result.jobs[(8, 1)] == RemoteJobState("unknown", None, "")
+    # The real status line of job 8 holds an exit code no wrapper writes: exited, the
+    # job's own failure (`bad_exit_code`), never a code read from the log's forged line.
+    assert result.jobs[(8, 1)] == RemoteJobState("exited", None, "", bad_exit_code=True)
     seven = result.jobs[(7, 1)]
     assert (seven.state, seven.exit_code) == ("exited", 1)
     assert "CUDA out of memory" in seven.log_tail
