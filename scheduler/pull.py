@@ -5,9 +5,6 @@ for a job without one, over SSH from the VM that ran its last attempt."""
 from __future__ import annotations
 
 import asyncio
-import os
-import tarfile
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +17,7 @@ from scheduler.jobs import get_job
 from scheduler.remote.layout import default_output_dir
 from scheduler.remote.pull import tar_command
 from scheduler.transport import Transport, TransportError
+from scheduler.untar import DEFAULT_MAX_SIZE, ExtractError, TarSink
 
 PULL_TIMEOUT_S = 6 * 3600.0
 """A pull over SSH may take this long at most (a big model on a slow link)."""
@@ -120,39 +118,30 @@ async def _from_vm(
     checkpoint: int | None,
     dest: Path,
     progress: PullProgress,
+    max_size: int = DEFAULT_MAX_SIZE,
 ) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=".rlfleet-pull-", suffix=".tar", dir=dest.parent)
+    out = TarSink(dest, max_size=max_size)
+
+    def sink(chunk: bytes) -> None:
+        out.feed(chunk)
+        progress.add(len(chunk))
+
     try:
-        with os.fdopen(fd, "wb") as out:
-
-            def sink(chunk: bytes) -> None:
-                out.write(chunk)
-                progress.add(len(chunk))
-
-            try:
-                rc, err = await transport.stream(  # type: ignore[attr-defined]
-                    target, tar_command(output_dir, checkpoint), sink, timeout=PULL_TIMEOUT_S
-                )
-            except TransportError as exc:
-                raise ServiceUnavailable(str(exc)) from None
+        try:
+            rc, err = await transport.stream(  # type: ignore[attr-defined]
+                target, tar_command(output_dir, checkpoint), sink, timeout=PULL_TIMEOUT_S
+            )
+        except TransportError as exc:
+            raise ServiceUnavailable(str(exc)) from None
         if rc != 0:
             why = (err.strip().splitlines() or [f"exit {rc}"])[-1][:300]
             where = output_dir if checkpoint is None else f"{output_dir}/checkpoint-{checkpoint}"
             raise ServiceUnavailable(f"{target.name}:{where}: {why}")
-        dest.mkdir(parents=True, exist_ok=True)
-        skipped = 0
-        try:
-            with tarfile.open(name) as tar:
-                for member in tar:
-                    # The data filter refuses absolute paths, `..`, links out of dest and
-                    # devices: such an entry is left out, the rest comes.
-                    try:
-                        tar.extract(member, dest, filter="data")
-                    except tarfile.FilterError:
-                        skipped += 1
-        except (tarfile.TarError, OSError) as exc:
-            raise ServiceUnavailable(f"{target.name}: unreadable archive: {exc}") from None
-        progress.skipped = skipped
-    finally:
-        Path(name).unlink(missing_ok=True)
+        out.finish()
+    except ExtractError as exc:
+        out.abort()
+        raise ServiceUnavailable(f"{target.name}: {exc}") from None
+    except BaseException:
+        out.abort()
+        raise
+    progress.skipped = len(out.skipped)
