@@ -88,12 +88,12 @@ class FreshTree:
     """A new directory beside `dest`, filled through `make_dir` / `create_file`, then
     renamed to `dest` (`commit`) or removed (`discard`)."""
 
-    def __init__(self, dest: Path) -> None:
+    def __init__(self, dest: Path, *, prefix: str = ".rlfleet-pull-") -> None:
         check_dest(dest)
         self.dest = dest
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            self.path = Path(tempfile.mkdtemp(prefix=".rlfleet-pull-", dir=dest.parent))
+            self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
             self._root = os.open(self.path, _DIR_FLAGS)
         except OSError as exc:
             raise TreeError(f"{dest.parent}: {exc.strerror}") from None

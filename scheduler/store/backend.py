@@ -10,9 +10,11 @@ module never takes, prints or logs one. Every failure is a `StoreError` with one
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -57,6 +59,13 @@ class Backend(Protocol):
 
     def get_file(self, key: str, path: Path, progress: Progress | None = None) -> None:
         """Copy `key` to a local file."""
+
+    def read_into(
+        self, key: str, write: Callable[[bytes], object], size: int,
+        progress: Progress | None = None,
+    ) -> None:  # fmt: skip
+        """Hand the `size` bytes of `key` to `write`, reading at most `size` + 1 of it;
+        `StoreError` when it is not a regular object of exactly that size."""
 
     def delete(self, keys: Iterable[str]) -> None:
         """Remove these keys (missing ones are fine)."""
@@ -132,12 +141,79 @@ class FileBackend:
         except OSError as exc:
             raise StoreError(f"reading {key}: {one_line(exc)}") from exc
 
+    def read_into(
+        self, key: str, write: Callable[[bytes], object], size: int,
+        progress: Progress | None = None,
+    ) -> None:  # fmt: skip
+        try:
+            fd = _open_regular(self.root, check_key(key))
+        except OSError as exc:
+            raise StoreError(f"reading {key}: {one_line(exc)}") from exc
+        with os.fdopen(fd, "rb") as f:
+            have = os.fstat(fd).st_size
+            if have != size:
+                raise StoreError(f"{key}: {have} bytes, manifest says {size}")
+            _copy_bounded(key, f.read, write, size, progress)
+
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:
             try:
                 self._path(key).unlink(missing_ok=True)
             except OSError as exc:
                 raise StoreError(f"deleting {key}: {one_line(exc)}") from exc
+
+
+def _open_regular(root: Path, key: str) -> int:
+    """An fd of the regular file `key` under `root`, opened without following a link at any
+    part of the key and without blocking (a FIFO); `StoreError` for anything else."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    parts = key.split("/")
+    fd = os.open(root, flags | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            try:
+                inner = os.open(part, flags | os.O_DIRECTORY, dir_fd=fd)
+            except NotADirectoryError:
+                raise StoreError(f"{key}: not a regular file") from None
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise StoreError(f"{key}: not a regular file") from None
+                raise
+            os.close(fd)
+            fd = inner
+        try:
+            found = os.open(parts[-1], flags | os.O_NONBLOCK, dir_fd=fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise StoreError(f"{key}: not a regular file") from None
+            raise
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(found).st_mode):
+        os.close(found)
+        raise StoreError(f"{key}: not a regular file")
+    return found
+
+
+def _copy_bounded(
+    key: str,
+    read: Callable[[int], bytes],
+    write: Callable[[bytes], object],
+    size: int,
+    progress: Progress | None,
+) -> None:
+    """Copy exactly `size` bytes from `read` to `write`, reading at most `size` + 1;
+    `StoreError` when the source has fewer or more."""
+    left = size + 1
+    while left > 0 and (chunk := read(min(left, 1 << 20))):
+        left -= len(chunk)
+        if left <= 0:
+            raise StoreError(f"{key}: more bytes than its manifest's {size}")
+        write(chunk)
+        if progress is not None:
+            progress(len(chunk))
+    if left != 1:
+        raise StoreError(f"{key}: {size + 1 - left} bytes, manifest says {size}")
 
 
 def _copy(src: Path, dst: Path, progress: Progress | None) -> None:
@@ -185,6 +261,8 @@ class S3Backend:
 
         try:
             return fn()
+        except StoreError:
+            raise
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "error")
             raise StoreError(f"{what}: refused by the store ({code})") from exc
@@ -252,6 +330,24 @@ class S3Backend:
             ),
         )
 
+    def read_into(
+        self, key: str, write: Callable[[bytes], object], size: int,
+        progress: Progress | None = None,
+    ) -> None:  # fmt: skip
+        # The first size + 1 bytes at most: a larger object is refused by its listed size
+        # before (`sync.download_tree`) and, if it grew since, by this read's count.
+        ranged = {"Range": f"bytes=0-{size}"} if size > 0 else {}
+        reply = self._call(
+            f"reading {key}",
+            lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key), **ranged),
+        )
+        body = reply["Body"]
+        try:
+            self._call(f"reading {key}",
+                       lambda: _copy_bounded(key, body.read, write, size, progress))  # fmt: skip
+        finally:
+            body.close()
+
     def delete(self, keys: Iterable[str]) -> None:
         batch = [{"Key": self._key(k)} for k in keys]
         for start in range(0, len(batch), 1000):
@@ -273,5 +369,9 @@ def open_backend(url: StoreURL, installation: str, job_id: int) -> Backend:
 
 
 def remove_tree(path: Path) -> None:
-    """Remove a local directory if it is there."""
+    """Remove a local directory if it is there (a link in its place: the link, never
+    what it points to)."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+        return
     shutil.rmtree(path, ignore_errors=True)
