@@ -105,10 +105,12 @@ def assert_nothing_left(base: Path) -> None:
     assert [p.name for p in (base / "outside").iterdir()] == ["keep"]
 
 
-def cve_2025_4517_stream() -> bytes:
+def cve_2025_4517_stream(
+    escape_to: str = "../outside", file_name: str = "written", data: bytes = b"pwned\n"
+) -> bytes:
     """Google's CVE-2025-4517 shape: a chain of links whose resolved path passes PATH_MAX
     (where os.path.realpath of Python < 3.11.13 stops resolving), a link through them to
-    `../outside`, then a file written through that link."""
+    `escape_to` (relative to DEST), then a file written through that link."""
     comp, steps, path = "d" * 247, "abcdefghijklmnop", ""
     members = []
     for step in steps:
@@ -117,8 +119,8 @@ def cve_2025_4517_stream() -> bytes:
         path = os.path.join(path, comp)
     chain = os.path.join("/".join(steps), "l" * 254)
     members.append(entry(chain, tarfile.SYMTYPE, link="../" * len(steps)))
-    members.append(entry("escape", tarfile.SYMTYPE, link=chain + "/../outside"))
-    members.append(entry("escape/written", data=b"pwned\n"))
+    members.append(entry("escape", tarfile.SYMTYPE, link=f"{chain}/{escape_to}"))
+    members.append(entry(f"escape/{file_name}", data=data))
     return tar_of(*members)
 
 
