@@ -156,8 +156,8 @@ def vm_pull_escape_proof(env: dict[str, str], vm: SshdVM, vm_id: int, job_home: 
     os.mkfifo(own / "fifo")
     job = new_job(env, vm_id, own)
     result = pulled(env, job, root / "own")
-    assert_plain_tree(root / "own")
     assert_untouched(operator)
+    assert_plain_tree(root / "own")
     assert result["skipped"] == 19 and "escape" in result["skipped_names"], result
     assert (root / "own" / "adapter" / "adapter_config.json").read_text() == "{}"
     shown = rlfleet(env, "job", "pull", str(job), str(root / "own-text"))
@@ -181,8 +181,8 @@ def vm_pull_escape_proof(env: dict[str, str], vm: SshdVM, vm_id: int, job_home: 
             result = pulled(env, job, root / case)
         finally:
             bashrc.unlink()
-        assert_plain_tree(root / case)
         assert_untouched(operator)
+        assert_plain_tree(root / case)
         if job_home == vm.home and bash_reads_bashrc():
             assert (vm.home / ".bashrc-read").is_file(), "sshd's bash did not read ~/.bashrc"
         if case == "functions" and job_home == vm.home:
