@@ -28,9 +28,9 @@ def test_the_real_tar_runs_in_a_clean_environment_whatever_path_says(tmp_path: P
     (out / "model.bin").write_bytes(b"weights")
     hostile = tmp_path / "bin"
     hostile.mkdir()
-    (hostile / "tar").write_text("#!/bin/sh\necho hostile > \"$HOME/ran\"\nexit 0\n")
+    (hostile / "tar").write_text('#!/bin/sh\necho hostile > "$HOME/ran"\nexit 0\n')
     (hostile / "tar").chmod(0o755)
-    (hostile / "env").write_text("#!/bin/sh\necho hostile > \"$HOME/ran\"\nexit 0\n")
+    (hostile / "env").write_text('#!/bin/sh\necho hostile > "$HOME/ran"\nexit 0\n')
     (hostile / "env").chmod(0o755)
     done = run(tar_command("out dir", None), home, f"{hostile}:/usr/bin:/bin")
     assert done.returncode == 0, done.stderr
