@@ -65,7 +65,8 @@ def raw_header(name: bytes, kind: bytes = b"0", size: int = 0, mode: int = 0o644
     block[0 : len(name)] = name
     block[100:108] = b"%07o\0" % mode
     block[108:116] = block[116:124] = b"0000000\0"
-    block[124:136] = b"%011o\0" % size
+    # GNU's base-256 for a size past the 11 octal digits (8 GiB).
+    block[124:136] = b"%011o\0" % size if size < 8**11 else b"\x80" + size.to_bytes(11, "big")
     block[136:148] = b"00000000000\0"
     block[156:157] = kind
     block[257:265] = b"ustar\x0000"
@@ -264,3 +265,26 @@ def test_a_good_stream_lands_whole_in_dest_an_empty_directory_or_a_new_one(base:
         assert stat.S_IMODE((dest / "adapter").stat().st_mode) == 0o700
         assert stat.S_IMODE((dest / "adapter" / "config.json").stat().st_mode) == 0o600
     assert sorted(p.name for p in base.iterdir()) == ["empty", "new", "outside"]
+
+
+def test_a_file_larger_than_the_free_space_is_refused_before_it_is_written(base: Path) -> None:
+    """Within --max-size, a file whose declared size would fill DEST's disk is refused at
+    its header, before a byte of it is written."""
+    dest = base / "dest"
+    sink = TarSink(dest, max_size=1 << 62)
+    with pytest.raises(ExtractError, match="free space"):
+        sink.feed(body(entry("model.bin", data=b"w" * 10)))
+        sink.feed(raw_header(b"huge", size=1 << 50))
+    sink.abort()
+    assert_nothing_left(base)
+
+
+def test_dest_must_be_absent_or_an_empty_directory_never_a_link(base: Path) -> None:
+    (base / "link").symlink_to(base / "outside")
+    (base / "file").write_bytes(b"")
+    (base / "full").mkdir()
+    (base / "full" / "x").write_bytes(b"")
+    for name in ("link", "file", "full"):
+        with pytest.raises(ExtractError, match="exists and is not an empty directory"):
+            TarSink(base / name)
+    assert sorted(p.name for p in base.iterdir()) == ["file", "full", "link", "outside"]
