@@ -91,6 +91,11 @@ class FreshTree:
     def __init__(self, dest: Path, *, prefix: str = ".rlfleet-pull-") -> None:
         check_dest(dest)
         self.dest = dest
+        self._made: list[Path] = []  # the parents made here, removed again by `discard`
+        missing = dest.parent
+        while not missing.exists() and missing != missing.parent:
+            self._made.append(missing)
+            missing = missing.parent
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
             self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=dest.parent))
@@ -172,6 +177,10 @@ class FreshTree:
             os.close(self._root)
             self._root = -1
         shutil.rmtree(self.path, ignore_errors=True)
+        for parent in self._made:
+            with contextlib.suppress(OSError):
+                parent.rmdir()
+        self._made = []
 
 
 def write_all(fd: int, data: bytes | memoryview) -> None:
