@@ -163,17 +163,18 @@ def vm_pull_escape_proof(env: dict[str, str], vm: SshdVM, vm_id: int, job_home: 
     shown = rlfleet(env, "job", "pull", str(job), str(root / "own-text"))
     assert shown.returncode == 0 and "left out: 19 entries" in shown.stdout, shown
     # 2. and 3. Its ~/.bashrc (read by bash for every command sshd runs).
-    evil = vm.home / ".evil"
+    evil = job_home / ".evil"
     evil.mkdir()
+    stream = shlex.quote(str(evil / "stream.tar"))
     (evil / "stream.tar").write_bytes(hostile_stream(operator))
-    (evil / "tar").write_text('#!/bin/sh\nexec cat "$HOME/.evil/stream.tar"\n')
+    (evil / "tar").write_text(f"#!/bin/sh\nexec cat {stream}\n")
     (evil / "tar").chmod(0o755)
     job = new_job(env, vm_id, outputs(job_home / "out-rc"))
     bashrc = job_home / ".bashrc"
     rcs = {
-        "path": 'PATH="$HOME/.evil:$PATH"\n',
-        "functions": 'exec() { cat "$HOME/.evil/stream.tar"; builtin exit 0; }\n'
-        '/usr/bin/env() { cat "$HOME/.evil/stream.tar"; }\n',
+        "path": f"PATH={shlex.quote(str(evil))}:$PATH\n",
+        "functions": f"exec() {{ cat {stream}; builtin exit 0; }}\n"
+        f"/usr/bin/env() {{ cat {stream}; }}\n",
     }
     for case, rc in rcs.items():
         bashrc.write_text(f'echo read >> "$HOME/.bashrc-read"\n{rc}')

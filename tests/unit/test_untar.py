@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import os
 import stat
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -288,3 +289,26 @@ def test_dest_must_be_absent_or_an_empty_directory_never_a_link(base: Path) -> N
         with pytest.raises(ExtractError, match="exists and is not an empty directory"):
             TarSink(base / name)
     assert sorted(p.name for p in base.iterdir()) == ["file", "full", "link", "outside"]
+
+
+def test_long_names_come_through_gnu_and_pax_headers_and_the_system_tar(base: Path) -> None:
+    """Names past the header's 100 bytes: GNU long-name entries, pax `path` records, and
+    what the system's tar writes for a real directory (the VM side runs it)."""
+    long = "/".join(["directory-" + "x" * 40] * 4) + "/model.safetensors"
+    for fmt in (tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+            info = tarfile.TarInfo(long)
+            info.size = 5
+            tar.addfile(info, io.BytesIO(b"12345"))
+        dest = base / f"fmt{fmt}"
+        assert extract(buf.getvalue(), dest).skipped == []
+        assert (dest / long).read_bytes() == b"12345"
+    src = base / "src"
+    (src / long).parent.mkdir(parents=True)
+    (src / long).write_bytes(b"weights")
+    (src / "link").symlink_to("directory-" + "x" * 40)
+    made = subprocess.run(["tar", "-cf", "-", "-C", str(src), "."], capture_output=True)
+    dest = base / "system"
+    assert extract(made.stdout, dest, chunk=1000).skipped == ["link"]
+    assert (dest / long).read_bytes() == b"weights"
