@@ -65,13 +65,13 @@ def _pax(data: bytes) -> dict[bytes, bytes]:
     """The records of a pax header (`LEN key=value\\n`); `ExtractError` when malformed."""
     records, pos = {}, 0
     while pos < len(data):
-        space = data.find(b" ", pos)
+        space = data.find(b" ", pos, pos + 21)
         try:
-            length = int(data[pos:space])
+            length = int(data[pos:space]) if space > pos else 0
         except ValueError:
-            raise ExtractError("corrupt archive (a pax header)") from None
+            length = 0
         record = data[space + 1 : pos + length]
-        if length <= 0 or not record.endswith(b"\n") or b"=" not in record:
+        if not 0 < length <= len(data) - pos or not record.endswith(b"\n") or b"=" not in record:
             raise ExtractError("corrupt archive (a pax header)")
         key, value = record[:-1].split(b"=", 1)
         records[key] = value

@@ -241,6 +241,15 @@ def test_a_truncated_or_corrupt_stream_leaves_nothing(base: Path) -> None:
     with pytest.raises(ExtractError):
         extract(bytes(corrupt), dest)
     assert_nothing_left(base)
+    for pax in (b"garbage", b"99 path=x\n", b"5 a\n", b"30 size=-1\n" + b" " * 19):
+        bad = raw_header(b"pax", b"x", len(pax)) + padded(pax) + whole
+        with pytest.raises(ExtractError, match="pax"):
+            extract(bad, dest)
+        assert_nothing_left(base)
+    too_big = raw_header(b"long", b"L", 1 << 20)
+    with pytest.raises(ExtractError, match="too big"):
+        extract(too_big + END, dest)
+    assert_nothing_left(base)
 
 
 def test_a_good_stream_lands_whole_in_dest_an_empty_directory_or_a_new_one(base: Path) -> None:
