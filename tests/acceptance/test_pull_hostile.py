@@ -186,7 +186,9 @@ def vm_pull_escape_proof(env: dict[str, str], vm: SshdVM, vm_id: int, job_home: 
         assert_plain_tree(root / case)
         if job_home == vm.home and bash_reads_bashrc():
             assert (vm.home / ".bashrc-read").is_file(), "sshd's bash did not read ~/.bashrc"
-        if case == "functions" and job_home == vm.home:
+        if case == "path":  # tar by absolute path in a clean environment: the real one ran
+            assert result["skipped"] == 0 and (root / case / "model.safetensors").is_file()
+        if case == "functions" and job_home == vm.home:  # the stream reached the reader
             assert result["skipped"] >= 5 and "l" in result["skipped_names"], result
     # 4. A sparse file far past --max-size: refused, one line, nothing left.
     big = outputs(job_home / "out-big")
@@ -199,6 +201,9 @@ def vm_pull_escape_proof(env: dict[str, str], vm: SshdVM, vm_id: int, job_home: 
     assert sorted(p.name for p in root.iterdir()) == before
     assert_one_line(rlfleet(env, "job", "pull", str(job), str(root / "big"), "--max-size",
                             "12X"), 2, "is not a size")  # fmt: skip
+    (root / "link-dest").symlink_to(operator)  # DEST may be an empty directory, not a link
+    assert_one_line(rlfleet(env, "job", "pull", str(job), str(root / "link-dest")), 2,
+                    "exists and is not an empty directory")  # fmt: skip
     assert_untouched(operator)
 
 
