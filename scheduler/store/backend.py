@@ -15,7 +15,9 @@ import os
 import re
 import shutil
 import stat
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -330,21 +332,64 @@ class S3Backend:
             ),
         )
 
+    PART = 16 << 20
+    """An object past this size comes in ranged parts of this size, `PARALLEL` at once."""
+    PARALLEL = 8
+
     def read_into(
         self, key: str, write: Callable[[bytes], object], size: int,
         progress: Progress | None = None,
     ) -> None:  # fmt: skip
-        # The first size + 1 bytes at most: a larger object is refused by its listed size
-        # before (`sync.download_tree`) and, if it grew since, by this read's count.
-        ranged = {"Range": f"bytes=0-{size}"} if size > 0 else {}
+        # A larger object is refused by its listed size before (`sync.download_tree`) and,
+        # if it grew since, here: a single read takes at most size + 1 bytes, a part no
+        # more than its range, and every part's Content-Range must give the object's size
+        # as the manifest's.
+        if size <= self.PART:
+            self._read_range(key, 0, size, size, write, progress)
+            return
+        starts = range(0, size, self.PART)
+        with ThreadPoolExecutor(self.PARALLEL) as pool:
+            window: deque[Future[bytes]] = deque()
+            for start in starts:
+                window.append(pool.submit(self._part, key, start, size))
+                if len(window) >= self.PARALLEL:
+                    self._hand_over(window.popleft(), write, progress)
+            while window:
+                self._hand_over(window.popleft(), write, progress)
+
+    @staticmethod
+    def _hand_over(part: Future[bytes], write: Callable[[bytes], object],
+                   progress: Progress | None) -> None:  # fmt: skip
+        data = part.result()
+        write(data)
+        if progress is not None:
+            progress(len(data))
+
+    def _part(self, key: str, start: int, size: int) -> bytes:
+        chunks: list[bytes] = []
+        self._read_range(key, start, min(self.PART, size - start), size, chunks.append, None)
+        return b"".join(chunks)
+
+    def _read_range(
+        self, key: str, start: int, length: int, size: int,
+        write: Callable[[bytes], object], progress: Progress | None,
+    ) -> None:  # fmt: skip
+        """`length` bytes of `key` from `start` (the whole object when it fits in one read:
+        `length` + 1 asked, so that a larger one shows)."""
+        whole = start == 0 and length == size
+        end = start + length if whole else start + length - 1
+        ranged = {"Range": f"bytes={start}-{end}"} if size > 0 else {}
         reply = self._call(
             f"reading {key}",
             lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key), **ranged),
         )
         body = reply["Body"]
         try:
+            total = str(reply.get("ContentRange", "")).rpartition("/")[2]
+            if ranged and total != str(size):
+                raise StoreError(f"{key}: {total or '?'} bytes, manifest says {size}")
             self._call(f"reading {key}",
-                       lambda: _copy_bounded(key, body.read, write, size, progress))  # fmt: skip
+                       lambda: _copy_bounded(key, body.read, write, length, progress))  # fmt: skip
         finally:
             body.close()
 

@@ -138,3 +138,25 @@ def test_a_restore_writes_nowhere_but_its_checkpoint_whatever_the_output_dir_hol
         restored = b / "checkpoint-4"
         assert not restored.is_symlink() and (restored / "sub" / "optimizer.pt").is_file()
         assert sorted(p.name for p in b.iterdir()) == sorted({planted, "checkpoint-4"})
+
+
+def test_an_object_that_grew_after_its_listing_is_refused_by_the_read_itself(
+    backend: Backend, tmp_path: Path
+) -> None:
+    """Between the listing and the read the job can replace an object: the read takes no
+    more than the manifest's size + 1 bytes of it (S3: each ranged part's Content-Range
+    must give the manifest's size), and fails. Large objects come in parallel parts, in
+    order."""
+    data = os.urandom((5 << 20) + 12345)
+    backend.put_bytes(data, "final/model.bin")
+    if not isinstance(backend, FileBackend):
+        backend.PART = 1 << 20  # type: ignore[attr-defined]
+    for claimed in (10, 3 << 20):
+        got: list[bytes] = []
+        with pytest.raises(StoreError, match=f"manifest('s)? (says )?{claimed}"):
+            backend.read_into("final/model.bin", got.append, claimed)
+        assert sum(map(len, got)) <= claimed
+    got = []
+    moved: list[int] = []
+    backend.read_into("final/model.bin", got.append, len(data), moved.append)
+    assert b"".join(got) == data and sum(moved) == len(data)
