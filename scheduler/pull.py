@@ -5,21 +5,21 @@ for a job without one, over SSH from the VM that ran its last attempt."""
 from __future__ import annotations
 
 import asyncio
-import os
-import tarfile
-import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scheduler import fresh_tree
 from scheduler.control import place_of
 from scheduler.db import Database, installation_id
 from scheduler.errors import BadInput, ServiceUnavailable
+from scheduler.fresh_tree import shown as one_line
 from scheduler.jobs import get_job
 from scheduler.remote.layout import default_output_dir
 from scheduler.remote.pull import tar_command
 from scheduler.transport import Transport, TransportError
+from scheduler.untar import DEFAULT_MAX_SIZE, ExtractError, TarSink
 
 PULL_TIMEOUT_S = 6 * 3600.0
 """A pull over SSH may take this long at most (a big model on a slow link)."""
@@ -32,7 +32,9 @@ class PullProgress:
     done: int = 0
     total: int | None = None
     skipped: int = 0
-    """Entries left out (a link pointing outside the destination, a device)."""
+    """Entries left out (a link, a device, a name that is not plain: `scheduler.untar`)."""
+    skipped_names: list[str] = field(default_factory=list)
+    """The first of them, by name."""
     on_change: Callable[[PullProgress], None] | None = None
 
     def add(self, count: int) -> None:
@@ -47,9 +49,12 @@ class PullProgress:
 
 
 def check_dest(dest: Path) -> None:
-    """A destination that exists must be an empty directory (nothing is overwritten)."""
-    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise BadInput(f"{dest}: exists and is not an empty directory")
+    """A destination that exists must be an empty directory, not a link (nothing is
+    overwritten; the pull is renamed into its place once whole)."""
+    try:
+        fresh_tree.check_dest(dest)
+    except fresh_tree.TreeError as exc:
+        raise BadInput(str(exc)) from None
 
 
 async def pull_job(
@@ -60,8 +65,10 @@ async def pull_job(
     *,
     checkpoint: int | None = None,
     progress: PullProgress | None = None,
+    max_size: int = DEFAULT_MAX_SIZE,
 ) -> dict[str, Any]:
-    """Download the job's outputs into `dest`; what was fetched, from where."""
+    """Download the job's outputs into `dest`; what was fetched, from where. At most
+    `max_size` bytes come; a pull that fails leaves nothing in `dest`'s place."""
     progress = progress or PullProgress()
     check_dest(dest)
     async with db.transaction() as session:
@@ -77,17 +84,18 @@ async def pull_job(
         )
     if store is not None:
         source = await asyncio.to_thread(
-            _from_store, store, installation, job_id, dest, checkpoint, progress
+            _from_store, store, installation, job_id, dest, checkpoint, progress, max_size
         )
         what = "final" if checkpoint is None else f"checkpoint-{int(checkpoint)}"
         return {"job": job_id, "from": source, "what": what, "dest": str(dest),
                 "bytes": progress.done}  # fmt: skip
     if place.target is None:
         raise ServiceUnavailable(f"job {job_id} never ran on a VM: nothing to pull")
-    await _from_vm(transport, place.target, output_dir, checkpoint, dest, progress)
+    await _from_vm(transport, place.target, output_dir, checkpoint, dest, progress, max_size)
     what = "final" if checkpoint is None else f"checkpoint-{int(checkpoint)}"
     return {"job": job_id, "from": f"{place.target.name}:{output_dir}", "what": what,
-            "dest": str(dest), "bytes": progress.done, "skipped": progress.skipped}  # fmt: skip
+            "dest": str(dest), "bytes": progress.done, "skipped": progress.skipped,
+            "skipped_names": progress.skipped_names}  # fmt: skip
 
 
 def _from_store(
@@ -97,6 +105,7 @@ def _from_store(
     dest: Path,
     checkpoint: int | None,
     progress: PullProgress,
+    max_size: int = DEFAULT_MAX_SIZE,
 ) -> str:
     from scheduler.store import parse_store_url
     from scheduler.store.backend import StoreError, open_backend
@@ -105,7 +114,7 @@ def _from_store(
     try:
         url = parse_store_url(store)
         backend = open_backend(url, installation, job_id)
-        pull(backend, dest, checkpoint, progress.add, progress.size)
+        pull(backend, dest, checkpoint, progress.add, progress.size, max_size=max_size)
     except ValueError as exc:
         raise ServiceUnavailable(f"job {job_id}: stored store URL unusable: {exc}") from None
     except StoreError as exc:
@@ -120,39 +129,35 @@ async def _from_vm(
     checkpoint: int | None,
     dest: Path,
     progress: PullProgress,
+    max_size: int = DEFAULT_MAX_SIZE,
 ) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=".rlfleet-pull-", suffix=".tar", dir=dest.parent)
+    """The VM's tar stream, extracted as it comes by `scheduler.untar` (which trusts
+    nothing in it: the job may have chosen what ran as `tar`)."""
     try:
-        with os.fdopen(fd, "wb") as out:
+        out = TarSink(dest, max_size=max_size)
+    except ExtractError as exc:
+        raise BadInput(str(exc)) from None
 
-            def sink(chunk: bytes) -> None:
-                out.write(chunk)
-                progress.add(len(chunk))
+    def sink(chunk: bytes) -> None:
+        out.feed(chunk)
+        progress.add(len(chunk))
 
-            try:
-                rc, err = await transport.stream(  # type: ignore[attr-defined]
-                    target, tar_command(output_dir, checkpoint), sink, timeout=PULL_TIMEOUT_S
-                )
-            except TransportError as exc:
-                raise ServiceUnavailable(str(exc)) from None
+    try:
+        try:
+            rc, err = await transport.stream(  # type: ignore[attr-defined]
+                target, tar_command(output_dir, checkpoint), sink, timeout=PULL_TIMEOUT_S
+            )
+        except TransportError as exc:
+            raise ServiceUnavailable(str(exc)) from None
         if rc != 0:
             why = (err.strip().splitlines() or [f"exit {rc}"])[-1][:300]
             where = output_dir if checkpoint is None else f"{output_dir}/checkpoint-{checkpoint}"
-            raise ServiceUnavailable(f"{target.name}:{where}: {why}")
-        dest.mkdir(parents=True, exist_ok=True)
-        skipped = 0
-        try:
-            with tarfile.open(name) as tar:
-                for member in tar:
-                    # The data filter refuses absolute paths, `..`, links out of dest and
-                    # devices: such an entry is left out, the rest comes.
-                    try:
-                        tar.extract(member, dest, filter="data")
-                    except tarfile.FilterError:
-                        skipped += 1
-        except (tarfile.TarError, OSError) as exc:
-            raise ServiceUnavailable(f"{target.name}: unreadable archive: {exc}") from None
-        progress.skipped = skipped
-    finally:
-        Path(name).unlink(missing_ok=True)
+            raise ServiceUnavailable(f"{target.name}:{where}: {one_line(why)}")
+        out.finish()
+    except ExtractError as exc:
+        out.abort()
+        raise ServiceUnavailable(f"{target.name}: {exc}") from None
+    except BaseException:
+        out.abort()
+        raise
+    progress.skipped, progress.skipped_names = out.skipped_count, out.skipped

@@ -4,6 +4,7 @@ several commands take."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import unicodedata
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -236,6 +237,33 @@ class Seconds(click.ParamType):
             self.fail(f"{shown(str(value))} is not a number", param, ctx)
         except BadInput as exc:
             self.fail(str(exc).removeprefix("it "), param, ctx)
+
+
+_SIZE_RE = re.compile(r"([0-9]{1,19})(?:\.([0-9]{1,6}))?\s*([KMGTkmgt](?:i?[Bb])?)?")
+
+
+class ByteSize(click.ParamType):
+    """`--max-size`: bytes, or a number with K/M/G/T (KiB…, binary) or KB/MB/GB/TB
+    (decimal); at least 1 byte, at most 2**62."""
+
+    name = "size"
+    _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+              "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        """Parse one size."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        text = str(value).strip()
+        match = _SIZE_RE.fullmatch(text)
+        unit = (match.group(3) or "").lower().replace("ib", "") if match else ""
+        if match is None or unit not in self._UNITS:
+            self.fail(f"{shown(text)} is not a size (e.g. 500M, 10G, 1000000)", param, ctx)
+        whole, frac = match.group(1), match.group(2) or "0"
+        size = (int(whole) * self._UNITS[unit]) + int(frac) * self._UNITS[unit] // 10 ** len(frac)
+        if not 1 <= size <= 1 << 62:
+            self.fail(f"{shown(text)} is out of range (1 byte to 4 EiB)", param, ctx)
+        return size
 
 
 def one_line(message: str) -> str:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from scheduler.cli._common import (
+    ByteSize,
     CliContext,
     ColumnInt,
     ColumnText,
@@ -490,13 +491,30 @@ def _progress_line(progress: dict[str, Any]) -> str:
     type=ColumnInt(lo=0, bounds=INT4),
     help="Pull checkpoint-N instead of the final model.",
 )
+@click.option(
+    "--max-size",
+    type=ByteSize(),
+    default="200G",
+    show_default=True,
+    help="Refuse, leaving nothing, a pull of more bytes than this (500M, 10G, 2T: binary "
+    "units; 500MB: decimal; or bytes).",
+)
 @json_flag("Print what was pulled as JSON.")
 @pass_cli
-def pull(ctx: CliContext, job_id: int, dest: str | None, checkpoint: int | None, as_json: bool):
+def pull(
+    ctx: CliContext,
+    job_id: int,
+    dest: str | None,
+    checkpoint: int | None,
+    max_size: int,
+    as_json: bool,
+):
     """Download a job's final model and tokenizer (or --checkpoint N) into DEST (default
     ./job-ID, or ./job-ID-checkpoint-N; it must not exist or be empty): from the job's
     store with this machine's AWS configuration, or without a store over SSH from the VM
-    that ran its last attempt. A progress bar goes to stderr on a terminal."""
+    that ran its last attempt. A progress bar goes to stderr on a terminal. Only regular
+    files and directories come: links, devices and odd names are left out and counted
+    (named with --json)."""
     from pathlib import Path
 
     from scheduler.pull import PullProgress, check_dest, pull_job
@@ -512,8 +530,9 @@ def pull(ctx: CliContext, job_id: int, dest: str | None, checkpoint: int | None,
         transport = make_transport()
         try:
             return await pull_job(
-                db, transport, job_id, target, checkpoint=checkpoint, progress=progress
-            )
+                db, transport, job_id, target, checkpoint=checkpoint, progress=progress,
+                max_size=max_size,
+            )  # fmt: skip
         finally:
             await transport.close()
 
@@ -527,6 +546,9 @@ def pull(ctx: CliContext, job_id: int, dest: str | None, checkpoint: int | None,
     else:
         click.echo(f"{result['what']} of job {job_id} from {result['from']} in {result['dest']}"
                    f" ({_size(result['bytes'])})")  # fmt: skip
+        if result.get("skipped"):
+            click.echo(f"left out: {result['skipped']} entries that are not regular files or"
+                       " directories with plain names (--json names them)")  # fmt: skip
 
 
 def _size(count: int) -> str:

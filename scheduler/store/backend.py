@@ -10,10 +10,14 @@ module never takes, prints or logs one. Every failure is a `StoreError` with one
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
+import stat
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -58,6 +62,13 @@ class Backend(Protocol):
 
     def get_file(self, key: str, path: Path, progress: Progress | None = None) -> None:
         """Copy `key` to a local file."""
+
+    def read_into(
+        self, key: str, write: Callable[[bytes], object], size: int,
+        progress: Progress | None = None,
+    ) -> None:  # fmt: skip
+        """Hand the `size` bytes of `key` to `write`, reading at most `size` + 1 of it;
+        `StoreError` when it is not a regular object of exactly that size."""
 
     def delete(self, keys: Iterable[str]) -> None:
         """Remove these keys (missing ones are fine)."""
@@ -135,12 +146,79 @@ class FileBackend:
         except OSError as exc:
             raise StoreError(f"reading {key}: {one_line(exc)}") from exc
 
+    def read_into(
+        self, key: str, write: Callable[[bytes], object], size: int,
+        progress: Progress | None = None,
+    ) -> None:  # fmt: skip
+        try:
+            fd = _open_regular(self.root, check_key(key))
+        except OSError as exc:
+            raise StoreError(f"reading {key}: {one_line(exc)}") from exc
+        with os.fdopen(fd, "rb") as f:
+            have = os.fstat(fd).st_size
+            if have != size:
+                raise StoreError(f"{key}: {have} bytes, manifest says {size}")
+            _copy_bounded(key, f.read, write, size, progress)
+
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:
             try:
                 self._path(key).unlink(missing_ok=True)
             except OSError as exc:
                 raise StoreError(f"deleting {key}: {one_line(exc)}") from exc
+
+
+def _open_regular(root: Path, key: str) -> int:
+    """An fd of the regular file `key` under `root`, opened without following a link at any
+    part of the key and without blocking (a FIFO); `StoreError` for anything else."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    parts = key.split("/")
+    fd = os.open(root, flags | os.O_DIRECTORY)
+    try:
+        for part in parts[:-1]:
+            try:
+                inner = os.open(part, flags | os.O_DIRECTORY, dir_fd=fd)
+            except NotADirectoryError:
+                raise StoreError(f"{key}: not a regular file") from None
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise StoreError(f"{key}: not a regular file") from None
+                raise
+            os.close(fd)
+            fd = inner
+        try:
+            found = os.open(parts[-1], flags | os.O_NONBLOCK, dir_fd=fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise StoreError(f"{key}: not a regular file") from None
+            raise
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(os.fstat(found).st_mode):
+        os.close(found)
+        raise StoreError(f"{key}: not a regular file")
+    return found
+
+
+def _copy_bounded(
+    key: str,
+    read: Callable[[int], bytes],
+    write: Callable[[bytes], object],
+    size: int,
+    progress: Progress | None,
+) -> None:
+    """Copy exactly `size` bytes from `read` to `write`, reading at most `size` + 1;
+    `StoreError` when the source has fewer or more."""
+    left = size + 1
+    while left > 0 and (chunk := read(min(left, 1 << 20))):
+        left -= len(chunk)
+        if left <= 0:
+            raise StoreError(f"{key}: more bytes than its manifest's {size}")
+        write(chunk)
+        if progress is not None:
+            progress(len(chunk))
+    if left != 1:
+        raise StoreError(f"{key}: {size + 1 - left} bytes, manifest says {size}")
 
 
 def _copy(src: Path, dst: Path, progress: Progress | None) -> None:
@@ -188,6 +266,8 @@ class S3Backend:
 
         try:
             return fn()
+        except StoreError:
+            raise
         except ClientError as exc:
             code = exc.response.get("Error", {}).get("Code", "error")
             raise StoreError(f"{what}: refused by the store ({code})") from exc
@@ -255,6 +335,67 @@ class S3Backend:
             ),
         )
 
+    PART = 16 << 20
+    """An object past this size comes in ranged parts of this size, `PARALLEL` at once."""
+    PARALLEL = 8
+
+    def read_into(
+        self, key: str, write: Callable[[bytes], object], size: int,
+        progress: Progress | None = None,
+    ) -> None:  # fmt: skip
+        # A larger object is refused by its listed size before (`sync.download_tree`) and,
+        # if it grew since, here: a single read takes at most size + 1 bytes, a part no
+        # more than its range, and every part's Content-Range must give the object's size
+        # as the manifest's.
+        if size <= self.PART:
+            self._read_range(key, 0, size, size, write, progress)
+            return
+        starts = range(0, size, self.PART)
+        with ThreadPoolExecutor(self.PARALLEL) as pool:
+            window: deque[Future[bytes]] = deque()
+            for start in starts:
+                window.append(pool.submit(self._part, key, start, size))
+                if len(window) >= self.PARALLEL:
+                    self._hand_over(window.popleft(), write, progress)
+            while window:
+                self._hand_over(window.popleft(), write, progress)
+
+    @staticmethod
+    def _hand_over(part: Future[bytes], write: Callable[[bytes], object],
+                   progress: Progress | None) -> None:  # fmt: skip
+        data = part.result()
+        write(data)
+        if progress is not None:
+            progress(len(data))
+
+    def _part(self, key: str, start: int, size: int) -> bytes:
+        chunks: list[bytes] = []
+        self._read_range(key, start, min(self.PART, size - start), size, chunks.append, None)
+        return b"".join(chunks)
+
+    def _read_range(
+        self, key: str, start: int, length: int, size: int,
+        write: Callable[[bytes], object], progress: Progress | None,
+    ) -> None:  # fmt: skip
+        """`length` bytes of `key` from `start` (the whole object when it fits in one read:
+        `length` + 1 asked, so that a larger one shows)."""
+        whole = start == 0 and length == size
+        end = start + length if whole else start + length - 1
+        ranged = {"Range": f"bytes={start}-{end}"} if size > 0 else {}
+        reply = self._call(
+            f"reading {key}",
+            lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key), **ranged),
+        )
+        body = reply["Body"]
+        try:
+            total = str(reply.get("ContentRange", "")).rpartition("/")[2]
+            if ranged and total != str(size):
+                raise StoreError(f"{key}: {total or '?'} bytes, manifest says {size}")
+            self._call(f"reading {key}",
+                       lambda: _copy_bounded(key, body.read, write, length, progress))  # fmt: skip
+        finally:
+            body.close()
+
     def delete(self, keys: Iterable[str]) -> None:
         batch = [{"Key": self._key(k)} for k in keys]
         for start in range(0, len(batch), 1000):
@@ -276,5 +417,9 @@ def open_backend(url: StoreURL, installation: str, job_id: int) -> Backend:
 
 
 def remove_tree(path: Path) -> None:
-    """Remove a local directory if it is there."""
+    """Remove a local directory if it is there (a link in its place: the link, never
+    what it points to)."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+        return
     shutil.rmtree(path, ignore_errors=True)

@@ -19,6 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from scheduler.fresh_tree import (
+    FREE_SPACE_RESERVE,
+    FreshTree,
+    TreeError,
+    free_bytes,
+    split_name,
+    write_all,
+)
 from scheduler.store.backend import Backend, Progress, StoreError, check_key, remove_tree
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d{1,9})$")
@@ -176,16 +184,67 @@ def download_tree(
     prefix: str,
     dest: Path,
     progress: Progress | None = None,
+    *,
+    max_size: int | None = None,
+    tmp_prefix: str = ".rlfleet-pull-",
 ) -> None:
-    """Fetch every file of a manifest from `prefix/…` into `dest` (made here), each one's
-    size checked; `StoreError` when one is missing or differs."""
-    dest.mkdir(parents=True, exist_ok=True)
+    """Fetch every file of a manifest from `prefix/…` into `dest` (absent, or an empty
+    directory), trusting nothing of the store: the total is checked against `max_size` and
+    the free space, and every object's listed size against its manifest entry, before a
+    byte is copied; no more than its manifest's size + 1 bytes of any object are read.
+    Files are created by `FreshTree` (no link followed, none made) in a fresh directory
+    beside `dest`, renamed into place once whole. `StoreError` (and nothing left) when one
+    is missing, differs, or the bounds are passed."""
+    total = sum(manifest["files"].values())
+    if max_size is not None and total > max_size:
+        raise StoreError(f"{prefix}: {total} bytes in the store, more than --max-size ({max_size})")
+    if total > free_bytes(_existing(dest.parent)) - FREE_SPACE_RESERVE:
+        raise StoreError(f"{prefix}: {total} bytes, more than the free space at {dest.parent}")
+    listed = backend.list(f"{prefix}/")
     for rel, size in sorted(manifest["files"].items()):
-        target = dest / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        backend.get_file(f"{prefix}/{rel}", target, progress)
-        if target.stat().st_size != size:
-            raise StoreError(f"{prefix}/{rel}: {target.stat().st_size} bytes, manifest says {size}")
+        have = listed.get(f"{prefix}/{rel}")
+        if have is None:
+            raise StoreError(f"{prefix}/{rel}: missing from the store")
+        if have != size:
+            raise StoreError(f"{prefix}/{rel}: {have} bytes, manifest says {size}")
+    try:
+        tree = FreshTree(dest, prefix=tmp_prefix)
+    except TreeError as exc:
+        raise StoreError(str(exc)) from None
+    try:
+        for rel, size in sorted(manifest["files"].items()):
+            _fetch(backend, tree, f"{prefix}/{rel}", rel, size, progress)
+        tree.commit()
+    except TreeError as exc:
+        tree.discard()
+        raise StoreError(str(exc)) from None
+    except OSError as exc:
+        tree.discard()
+        raise StoreError(f"writing into {dest}: {exc.strerror or exc}") from None
+    except BaseException:
+        tree.discard()
+        raise
+
+
+def _existing(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _fetch(
+    backend: Backend, tree: FreshTree, key: str, rel: str, size: int, progress: Progress | None
+) -> None:
+    """One object into a new file of `tree` (exactly its manifest's size)."""
+    parts = split_name(rel.encode())
+    fd = tree.create_file(parts, 0o644) if parts is not None else None
+    if fd is None:
+        raise StoreError(f"{key}: its name is taken in the manifest or not a plain name")
+    try:
+        backend.read_into(key, lambda chunk: write_all(fd, chunk), size, progress)
+    finally:
+        os.close(fd)
 
 
 def restore_newest(
@@ -194,8 +253,9 @@ def restore_newest(
     """Put the store's newest complete checkpoint into `output_dir` (unless a complete
     one as new is already there); its step, or None when the store has none.
 
-    It is fetched into a temporary directory beside it and renamed into place only once
-    every file is in and of its manifest's size: `--resume auto` never sees half of it."""
+    It is fetched into a fresh directory beside it (`download_tree`) and renamed into
+    place only once every file is in and of its manifest's size: `--resume auto` never
+    sees half of it, and a link the job left in its place is removed, never followed."""
     stored = stored_checkpoints(backend)
     if not stored:
         return None
@@ -205,12 +265,10 @@ def restore_newest(
     manifest = read_manifest(backend, f"checkpoints/checkpoint-{step}.json")
     if manifest is None:
         raise StoreError(f"checkpoint-{step}: its manifest went away while restoring")
-    tmp = output_dir / f"{RESTORE_TMP}-{step}"
-    remove_tree(tmp)
-    download_tree(backend, manifest, f"checkpoints/checkpoint-{step}", tmp, progress)
     final = output_dir / f"checkpoint-{step}"
     remove_tree(final)  # an incomplete one of the same step left by a crash
-    os.replace(tmp, final)
+    download_tree(backend, manifest, f"checkpoints/checkpoint-{step}", final, progress,
+                  tmp_prefix=f"{RESTORE_TMP}-{step}-")  # fmt: skip
     return step
 
 
@@ -237,9 +295,12 @@ def pull(
     checkpoint: int | None = None,
     progress: Progress | None = None,
     on_size: Callable[[int], None] | None = None,
+    *,
+    max_size: int | None = None,
 ) -> str:
-    """Download the final outputs (or checkpoint `checkpoint`) into `dest`; what was
-    fetched (`final` or `checkpoint-N`). `StoreError` when it is not in the store."""
+    """Download the final outputs (or checkpoint `checkpoint`) into `dest` (absent or an
+    empty directory), at most `max_size` bytes (`download_tree`); what was fetched
+    (`final` or `checkpoint-N`). `StoreError` when it is not in the store, or refused."""
     if checkpoint is None:
         manifest = read_manifest(backend, FINAL_MARKER)
         if manifest is None:
@@ -255,5 +316,5 @@ def pull(
         what = f"checkpoint-{int(checkpoint)}"
     if on_size is not None:
         on_size(manifest["bytes"])
-    download_tree(backend, manifest, prefix, dest, progress)
+    download_tree(backend, manifest, prefix, dest, progress, max_size=max_size)
     return what
