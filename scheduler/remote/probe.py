@@ -29,6 +29,7 @@ from scheduler.remote.store import (
     STORE_STATUS_BYTES,
     STORE_STATUS_FILE,
 )
+from scheduler.store.binding import reported
 from scheduler.remote.watchdog import fenced_lines, lease_touch_lines, parse_fenced
 
 STATUS_MARK = "rlfleet-job"
@@ -69,6 +70,9 @@ class RemoteJobState:
     """The wrapper could not use the job's store (`STORE_ERROR_FILE`)."""
     store: dict[str, object] | None = None
     """The attempt's store status (`parse_store_status`); None: none, or unreadable."""
+    store_digests: tuple[tuple[str, int, str], ...] = ()
+    """The manifests its store agent reported writing, (kind, step, digest), checked
+    (`scheduler.store.binding.reported`): recorded in Postgres by the poller."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +209,7 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
     cannot_start: set[tuple[int, int]] = set()
     store_error: set[tuple[int, int]] = set()
     store: dict[tuple[int, int], dict[str, object]] = {}
+    digests: dict[tuple[int, int], tuple[tuple[str, int, str], ...]] = {}
     marked = {CANNOT_START_MARK: cannot_start, STORE_ERROR_MARK: store_error}
     for line in output_lines(stdout):
         mark = line.split(" ", 1)[0]
@@ -219,6 +224,7 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
             status = parse_store_status(parts[3]) if len(parts) == 4 else None
             if key[0] is not None and key[1] is not None and status is not None:
                 store[(key[0], key[1])] = status
+                digests[(key[0], key[1])] = tuple(reported(load_json(parts[3])))
             continue
         if line.startswith(PROGRESS_MARK + " "):
             parts = line.split(" ", 3)
@@ -257,6 +263,7 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
             key in cannot_start,
             key in store_error,
             store.get(key),
+            digests.get(key, ()),
         )
         for key, (state, code) in states.items()
     }

@@ -12,7 +12,9 @@ wrapper, store agent, poller, dispatcher and requeue manager on the SSH test fle
 
 from __future__ import annotations
 
+import asyncio
 import shutil
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.errors import RlfleetError
 from scheduler.gpu_poller import GpuPoller
+from scheduler.models import Job
 from scheduler.pull import pull_job
 from scheduler.transport import Transport
 from tests.fleet import SimFleet
@@ -53,6 +56,26 @@ def attempt_logs(home: Path, inst: str, job_id: int) -> str:
     """Every attempt's train.log of a job on a VM whose home is `home`."""
     logs = sorted(home.glob(f".rlfleet/{inst}/jobs/{job_id}/*/train.log"))
     return "\n".join(p.read_text(errors="replace") for p in logs)
+
+
+async def run_until_given_up(
+    db: Database, nats: EmbeddedNats, transport: Transport, poller: GpuPoller, job_id: int
+) -> Job:
+    """Schedule until the job is failed for good (or completed); never past attempt 2 (the
+    jobs here have max_retries 1: an uncounted retry would go on)."""
+    deadline = time.monotonic() + 150
+    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
+        while True:
+            job = await job_row(db, job_id)
+            assert job.attempt <= 2, (job.attempt, job.failure_reason, job.status_reason)
+            if job.status == "completed" or (
+                job.status == "failed" and job.retry_decision == "give_up"
+            ):
+                return job
+            assert time.monotonic() < deadline, f"job {job_id} is still {job.status}"
+            await poller.sweep()
+            await requeue.tick()
+            await asyncio.sleep(0.3)
 
 
 async def test_a_job_cannot_complete_restore_or_pull_from_what_another_job_left_in_its_place(
@@ -87,10 +110,7 @@ async def test_a_job_cannot_complete_restore_or_pull_from_what_another_job_left_
     (place_b / "checkpoints").mkdir()
     shutil.copy(place_a / "checkpoints/checkpoint-5.json", place_b / "checkpoints")
     shutil.copytree(place_a / "checkpoints/checkpoint-5", place_b / "checkpoints/checkpoint-5")
-    job = await run_to_the_end(db, nats.url, transport, poller, b, CONFIG, timeout_s=120)
-    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
-        await requeue.tick()
-    job = await job_row(db, b)
+    job = await run_until_given_up(db, nats, transport, poller, b)
     log = attempt_logs(fleet[0].home, inst, b)
     assert job.status == "failed", (job.status, job.status_reason, log[-2000:])
     assert job.failure_reason == "exit_nonzero" and job.attempt == 2, job.status_reason
@@ -131,23 +151,16 @@ async def test_a_final_upload_the_job_makes_fail_after_exit_0_is_counted_to_its_
     store = tmp_path / "store"
     extra = ("--fake_block_final", str(store / inst))
     job_id = await new_job(db, 1, extra, store=f"file://{store}", max_retries=1)
-    import asyncio
-    import time
-
-    deadline = time.monotonic() + 150
-    async with scheduling(db, nats.url, transport, CONFIG) as requeue:
-        while True:
-            job = await job_row(db, job_id)
-            # Uncounted store_error retries would go on past attempt 2.
-            assert job.attempt <= 2, (job.attempt, job.failure_reason, job.status_reason)
-            if job.status == "failed" and job.retry_decision == "give_up":
-                break
-            assert job.status != "completed", job.status_reason
-            assert time.monotonic() < deadline, f"job is still {job.status}"
-            await poller.sweep()
-            await requeue.tick()
-            await asyncio.sleep(0.3)
+    job = await run_until_given_up(db, nats, transport, poller, job_id)
     assert job.attempt == 2 and job.retry_count == 1, (job.attempt, job.retry_count)
     assert job.failure_reason == "exit_nonzero", job.status_reason
-    reason = job.status_reason or ""
-    assert "final outputs" in reason and "store answered" in reason, reason
+    # Each attempt's failure says why (the give-up reason then names the class).
+    async with db.transaction() as session:
+        found = await session.execute(
+            text("SELECT reason FROM job_events WHERE job_id = :j AND to_status = 'failed'"
+                 " AND actor = 'poller' ORDER BY id"), {"j": job_id})  # fmt: skip
+        reasons = [str(r) for (r,) in found.all()]
+    assert len(reasons) == 2, reasons
+    for reason in reasons:
+        assert reason.startswith("exited 0, but the final outputs could not be uploaded"), reason
+        assert "store answered" in reason and "writing final/" in reason, reason
