@@ -29,8 +29,8 @@ from scheduler.remote.store import (
     STORE_STATUS_BYTES,
     STORE_STATUS_FILE,
 )
-from scheduler.store.binding import reported
 from scheduler.remote.watchdog import fenced_lines, lease_touch_lines, parse_fenced
+from scheduler.store.binding import reported
 
 STATUS_MARK = "rlfleet-job"
 LOG_MARK = "rlfleet-log"

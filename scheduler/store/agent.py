@@ -142,7 +142,7 @@ def restore(backend: Backend, output_dir: Path, status: Status, accepted: Accept
     ignored = [s for s in manifest_steps(backend) if s not in accepted.checkpoints]
     if ignored:
         steps = ", ".join(map(str, ignored[-6:]))
-        say(f"checkpoints in the store that are not one this job's attempts reported, ignored: {steps}")
+        say(f"checkpoints in the store that no attempt of this job reported, ignored: {steps}")
     step = restore_newest(
         backend, output_dir, accepted_digests=accepted.checkpoints, on_refused=say
     )

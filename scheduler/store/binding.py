@@ -127,7 +127,9 @@ def reported(data: object) -> list[tuple[str, int, str]]:
     found: list[tuple[str, int, str]] = []
     entries = data.get("checkpoints")
     for entry in entries[-6:] if isinstance(entries, list) else []:
-        if isinstance(entry, dict) and is_step(entry.get("step")) and is_digest(entry.get("digest")):
+        if not isinstance(entry, dict):
+            continue
+        if is_step(entry.get("step")) and is_digest(entry.get("digest")):
             found.append(("checkpoint", entry["step"], entry["digest"]))
     if is_digest(data.get("final_digest")):
         found.append(("final", FINAL_STEP, data["final_digest"]))

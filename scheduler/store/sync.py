@@ -148,7 +148,9 @@ def parse_manifest(raw: bytes) -> dict[str, Any] | None:
         return None
     if any(size < 0 for size in files.values()):
         return None
-    if sha256 is not None and (set(sha256) != set(files) or not all(map(is_digest, sha256.values()))):
+    if sha256 is not None and (
+        set(sha256) != set(files) or not all(map(is_digest, sha256.values()))
+    ):
         return None
     return {"files": files, "bytes": sum(files.values()), "at": at, "sha256": sha256}
 
@@ -267,7 +269,7 @@ def restore_newest(
         remove_tree(tmp)
         if manifest is not None:
             download_tree(backend, manifest, f"checkpoints/checkpoint-{step}", tmp, progress)
-        problem = "its manifest is not one this job's attempts reported"
+        problem: str | None = "its manifest is not one this job's attempts reported"
         if manifest is not None:
             problem = None if accepted is None else check_files(manifest, tmp)
         if problem is not None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.db import Database
+from scheduler.store_records import record
 from tests.acceptance.test_cli_input import (
     SUBMIT,
     add_polled_vm,
@@ -22,7 +23,6 @@ from tests.acceptance.test_cli_input import (
     sql,
 )
 from tests.fleet import SimFleet
-from scheduler.store_records import record
 from tests.s3server import S3Server, aws_env
 from tests.workloads.support import installation
 
@@ -110,8 +110,8 @@ async def test_job_pull_brings_the_final_model_back_from_the_store(
         upload_checkpoint(backend, out, 4, four.append)
         upload_final(backend, out, on_digest=final.append)
     # In the store, but no attempt of the job reported writing it: not the job's.
-    assert_one_line(rlfleet(user, "job", "pull", str(job_id), str(dest)), 1,
-                    f"job {job_id}: final.json in the store is not one this job's attempts")  # fmt: skip
+    said = f"job {job_id}: final.json in the store is not one this job's attempts reported"
+    assert_one_line(rlfleet(user, "job", "pull", str(job_id), str(dest)), 1, said)
     assert not dest.exists() or not any(dest.iterdir())
     async with db.transaction() as session:  # what the poller records of its attempt
         await record(session, [(job_id, 0, "final", 0, final[-1]),

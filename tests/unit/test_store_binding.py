@@ -10,13 +10,13 @@ import subprocess
 
 import pytest
 
+from scheduler.remote.launch import wrapper_script
 from scheduler.remote.probe import RemoteJobState, parse_status
 from scheduler.remote.store import FINAL_REFUSED_EXIT
 from scheduler.states import FailureReason, JobStatus
 from scheduler.store import agent
 from scheduler.store.binding import Accepted, reported
 from scheduler.verdicts import LiveJob, job_verdict
-from scheduler.remote.launch import wrapper_script
 from tests.unit.test_store import _spec
 
 D1, D2, D3 = "a" * 64, "0123456789abcdef" * 4, "f" * 64
