@@ -175,10 +175,14 @@ class Watcher:
         self.seen: dict[int, tuple[Any, float]] = {}
         self.failures = 0
         self.retry_at = 0.0
+        self.started = False
+        """Whether the job's own checkpoints in the store are known (`bound_steps`): no
+        upload (and so no pruning) before."""
 
     def start(self) -> None:
         try:
             self.uploaded = bound_steps(self.backend, self.accepted)
+            self.started = True
         except StoreError as exc:
             self._failed(str(exc))
 
@@ -187,6 +191,10 @@ class Watcher:
         `stop` set: no further upload starts."""
         if time.monotonic() < self.retry_at:
             return
+        if not self.started:
+            self.start()
+            if not self.started:
+                return
         now = time.monotonic()
         for step in local_steps(self.output_dir):
             if step in self.uploaded:
@@ -209,8 +217,7 @@ class Watcher:
                     continue
                 self.uploaded.add(step)
                 self.status.add_checkpoint(step, size, digests[-1] if digests else None)
-                for old in prune(self.backend):
-                    self.uploaded.add(old)
+                prune(self.backend, ours=self.uploaded)  # the job's own: what it uploaded
                 self.failures = 0
                 if self.status.data["last_error"]:
                     self.status.error(None)

@@ -206,13 +206,20 @@ def upload_checkpoint(
     )  # fmt: skip
 
 
-def prune(backend: Backend, keep: int = KEEP_CHECKPOINTS) -> list[int]:
+def prune(
+    backend: Backend, keep: int = KEEP_CHECKPOINTS, ours: Collection[int] | None = None
+) -> list[int]:
     """Delete every checkpoint of the store but the newest `keep` complete ones (the
     manifest first, so a reader never takes a checkpoint whose files are going); their
-    steps."""
+    steps. Given `ours` (the steps the job's attempts wrote), the newest `keep` of those
+    stay and every other goes: what another job put in the place never pushes out the
+    job's own."""
     listed = backend.list("checkpoints/")
     steps = sorted(int(m.group(1)) for k in listed if (m := _MANIFEST.match(k)))
-    old = steps[:-keep] if keep > 0 else steps
+    mine = steps if ours is None else [s for s in steps if s in ours]
+    old = mine[:-keep] if keep > 0 else mine
+    if ours is not None:
+        old = sorted({*old, *(s for s in steps if s not in ours)})
     for step in old:
         backend.delete([f"checkpoints/checkpoint-{step}.json"])
         inside = f"checkpoints/checkpoint-{step}/"

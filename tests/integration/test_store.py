@@ -283,3 +283,24 @@ def test_pull_takes_only_what_the_job_reported(backend: Backend, tmp_path: Path)
     with pytest.raises(NotReported, match="model.safetensors: its sha256"):
         pull(backend, dest, accepted_digests=frozenset(digests))
     assert not dest.exists() or not any(dest.iterdir())
+
+
+def test_checkpoints_another_job_put_in_the_place_never_push_out_the_jobs_own(
+    backend: Backend, tmp_path: Path
+):
+    # Three checkpoints of higher steps than the job will reach, put in its place by
+    # another job (their manifests and files as rlfleet writes them).
+    forged = tmp_path / "forged"
+    for step in (900, 901, 902):
+        checkpoint(forged, step)
+        upload_checkpoint(backend, forged, step)
+    out = tmp_path / "out"
+    watcher = Watcher(backend, out, Status(tmp_path / "store.json", "s3://x"), settle_s=0.0)
+    watcher.start()
+    for step in (2, 4):
+        checkpoint(out, step)
+        watcher.scan()
+        watcher.scan()
+    assert sorted(stored_checkpoints(backend)) == [2, 4]  # the others' are gone, not its own
+    shown = json.loads((tmp_path / "store.json").read_text())
+    assert [c["step"] for c in shown["checkpoints"] if c.get("digest")] == [2, 4]
