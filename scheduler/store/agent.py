@@ -100,7 +100,10 @@ class Status:
         self.write()
 
     def error(self, text: str | None) -> None:
-        self.data["last_error"] = text[:300] if text else None
+        # Printable ASCII only: the whole file, digests included, stays well within what
+        # a poll reads (`remote.store.STORE_STATUS_BYTES`), whatever a file name held.
+        text = "".join(c if " " <= c <= "~" else "?" for c in text[:300]) if text else None
+        self.data["last_error"] = text
         self.data["error_at"] = _now() if text else None
         self.write()
 

@@ -94,3 +94,18 @@ def test_a_final_upload_refused_by_a_store_that_answered_is_the_jobs_failure_cou
     # The same exit without the agent's line is the job's own exit 73.
     plain = job_verdict(job, RemoteJobState("exited", FINAL_REFUSED_EXIT, "boom"))
     assert plain is not None and plain.reason == "exited 73"
+
+
+def test_a_full_status_file_stays_within_what_a_poll_reads(tmp_path):
+    from scheduler.remote.store import STORE_STATUS_BYTES
+
+    url = "s3://bucket/" + "p" * 1000  # the longest URL a store may have
+    status = agent.Status(tmp_path / "store.json", url)
+    for step in range(999_999_990, 999_999_996):
+        status.add_checkpoint(step, 10**15, D1)
+    status.update(final=True, final_digest=D2, restored=999_999_990)
+    status.error("\x01" * 400)  # each one 6 bytes as JSON writes it
+    raw = (tmp_path / "store.json").read_bytes()
+    assert len(raw) <= STORE_STATUS_BYTES, len(raw)
+    state = parse_status(f"rlfleet-job 3 2 running\nrlfleet-store 3 2 {raw.decode()}\n")[(3, 2)]
+    assert len(state.store_digests) == 7 and ("final", 0, D2) in state.store_digests
