@@ -269,25 +269,38 @@ def restore_newest(
         if any(s >= step for s in local_steps(output_dir)):
             return step
         accepted = None if accepted_digests is None else accepted_digests[step]
-        manifest = read_manifest(backend, f"checkpoints/checkpoint-{step}.json", accepted)
-        if manifest is None and accepted is None:
+        problem = _restore(backend, output_dir, step, accepted, progress)
+        if problem is None:
+            return step
+        if on_refused is not None:
+            on_refused(f"checkpoint-{step} in the store passed over: {problem}")
+    return None
+
+
+def _restore(
+    backend: Backend,
+    output_dir: Path,
+    step: int,
+    accepted: Collection[str] | None,
+    progress: Progress | None,
+) -> str | None:
+    """Fetch checkpoint `step` into place through a temporary directory: None once it is
+    there, else (given `accepted`) why it was not taken."""
+    manifest = read_manifest(backend, f"checkpoints/checkpoint-{step}.json", accepted)
+    if manifest is None:
+        if accepted is None:
             raise StoreError(f"checkpoint-{step}: its manifest went away while restoring")
-        tmp = output_dir / f"{RESTORE_TMP}-{step}"
+        return "its manifest is not one this job's attempts reported"
+    tmp = output_dir / f"{RESTORE_TMP}-{step}"
+    remove_tree(tmp)
+    download_tree(backend, manifest, f"checkpoints/checkpoint-{step}", tmp, progress)
+    problem = None if accepted is None else check_files(manifest, tmp)
+    if problem is not None:
         remove_tree(tmp)
-        if manifest is not None:
-            download_tree(backend, manifest, f"checkpoints/checkpoint-{step}", tmp, progress)
-        problem: str | None = "its manifest is not one this job's attempts reported"
-        if manifest is not None:
-            problem = None if accepted is None else check_files(manifest, tmp)
-        if problem is not None:
-            remove_tree(tmp)
-            if on_refused is not None:
-                on_refused(f"checkpoint-{step} in the store passed over: {problem}")
-            continue
-        final = output_dir / f"checkpoint-{step}"
-        remove_tree(final)  # an incomplete one of the same step left by a crash
-        os.replace(tmp, final)
-        return step
+        return problem
+    final = output_dir / f"checkpoint-{step}"
+    remove_tree(final)  # an incomplete one of the same step left by a crash
+    os.replace(tmp, final)
     return None
 
 
