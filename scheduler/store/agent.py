@@ -149,7 +149,8 @@ def restore(backend: Backend, output_dir: Path, status: Status, accepted: Accept
     step = restore_newest(
         backend, output_dir, accepted_digests=accepted.checkpoints, on_refused=say
     )
-    status.set_checkpoints(stored_checkpoints(backend))
+    stored = stored_checkpoints(backend)  # shown: the job's own only
+    status.set_checkpoints({s: m for s, m in stored.items() if s in accepted.checkpoints})
     if step is None:
         say("no checkpoint of this job's in the store: training starts fresh")
     else:

@@ -119,6 +119,7 @@ async def test_a_job_cannot_complete_restore_or_pull_from_what_another_job_left_
     assert log.count("fake_train: args=") == 2
     assert not (fleet[0].home / f".rlfleet/{inst}/outputs/{b}/checkpoint-5").exists()
     assert await records(db, b) == []
+    assert (job.store_status or {}).get("checkpoints") == [], job.store_status  # not shown
 
     # `job pull B` refuses A's files, naming the job and what did not match.
     dest = tmp_path / "pulled-b"
