@@ -626,3 +626,8 @@ class JobDiagnostics(Base):
     captured_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
 
     __table_args__ = (UniqueConstraint("job_id", "attempt"),)
+
+
+# Models kept in modules of their own (this one is long enough), imported here so that
+# `Base.metadata` (migrations, the schema check) always has them.
+from scheduler import store_records as _store_records  # noqa: E402,F401

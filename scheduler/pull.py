@@ -1,6 +1,10 @@
 """`rlfleet job pull`: a job's final outputs (or one checkpoint) brought to this machine,
 from its store (the store's own client here, with this machine's AWS configuration) or,
-for a job without one, over SSH from the VM that ran its last attempt."""
+for a job without one, over SSH from the VM that ran its last attempt.
+
+From a store, only what the job's own attempts reported writing is taken
+(`scheduler.store_records`): a final marker or checkpoint of another's in its place is
+refused, with a line naming the job and what did not match."""
 
 from __future__ import annotations
 
@@ -13,11 +17,12 @@ from typing import Any
 from scheduler import fresh_tree
 from scheduler.control import place_of
 from scheduler.db import Database, installation_id
-from scheduler.errors import BadInput, ServiceUnavailable
+from scheduler.errors import BadInput, RlfleetError, ServiceUnavailable
 from scheduler.fresh_tree import shown as one_line
 from scheduler.jobs import get_job
 from scheduler.remote.layout import default_output_dir
 from scheduler.remote.pull import tar_command
+from scheduler.store_records import accepted
 from scheduler.transport import Transport, TransportError
 from scheduler.untar import DEFAULT_MAX_SIZE, ExtractError, TarSink
 
@@ -77,15 +82,19 @@ async def pull_job(
         place = place_of(job, installation)
         store, status = job.store, job.status
         output_dir = job.output_dir or default_output_dir(installation, job_id)
+        reported = await accepted(session, job_id) if store is not None else None
     if checkpoint is None and status != "completed" and store is None:
         raise ServiceUnavailable(
             f"job {job_id} is {status}: it has no final model yet (--checkpoint N takes a "
             "checkpoint)"
         )
     if store is not None:
+        assert reported is not None
+        digests = reported.final if checkpoint is None else reported.checkpoints.get(checkpoint)
         source = await asyncio.to_thread(
-            _from_store, store, installation, job_id, dest, checkpoint, progress, max_size
-        )
+            _from_store, store, installation, job_id, dest, checkpoint, progress, max_size,
+            digests or frozenset(),
+        )  # fmt: skip
         what = "final" if checkpoint is None else f"checkpoint-{int(checkpoint)}"
         return {"job": job_id, "from": source, "what": what, "dest": str(dest),
                 "bytes": progress.done}  # fmt: skip
@@ -106,17 +115,22 @@ def _from_store(
     checkpoint: int | None,
     progress: PullProgress,
     max_size: int = DEFAULT_MAX_SIZE,
+    accepted_digests: frozenset[str] = frozenset(),
 ) -> str:
     from scheduler.store import parse_store_url
     from scheduler.store.backend import StoreError, open_backend
+    from scheduler.store.binding import NotReported
     from scheduler.store.sync import pull
 
     try:
         url = parse_store_url(store)
         backend = open_backend(url, installation, job_id)
-        pull(backend, dest, checkpoint, progress.add, progress.size, max_size=max_size)
+        pull(backend, dest, checkpoint, progress.add, progress.size, max_size=max_size,
+             accepted_digests=accepted_digests)  # fmt: skip
     except ValueError as exc:
         raise ServiceUnavailable(f"job {job_id}: stored store URL unusable: {exc}") from None
+    except NotReported as exc:
+        raise RlfleetError(f"job {job_id}: {exc}: not pulled") from None
     except StoreError as exc:
         raise ServiceUnavailable(f"{store}: {exc}") from None
     return str(url)

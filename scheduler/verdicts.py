@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from scheduler.remote.launch import ENTRY_BROKEN_MARK
 from scheduler.remote.layout import Attempt
 from scheduler.remote.probe import RemoteJobState
-from scheduler.remote.store import STORE_ERROR_EXIT
+from scheduler.remote.store import FINAL_REFUSED_EXIT, STORE_ERROR_EXIT
 from scheduler.remote.watchdog import FENCED_FILE, is_fence_note
 from scheduler.retry import VM_FAULT_EXITS
 from scheduler.states import FailureReason, JobStatus
@@ -172,9 +172,13 @@ def job_verdict(job: LiveJob, state: RemoteJobState | None) -> JobVerdict | None
             why = f"{failure.value}: exit {code}: {line}"
             return JobVerdict(job, JobStatus.FAILED, code, failure, why, line)
         if failure == FailureReason.STORE_ERROR:
-            said = [ln.strip() for ln in state.log_tail.splitlines() if "rlfleet-store:" in ln]
-            line = said[-1].split("rlfleet-store:", 1)[1].strip()[:300] if said else ""
+            line = store_line(state.log_tail)
             why = f"store_error: {line or 'the store could not be used'}"
+            return JobVerdict(job, JobStatus.FAILED, code, failure, why)
+        if code == FINAL_REFUSED_EXIT and _FINAL_REFUSED in (line := store_line(state.log_tail)):
+            # The training exited 0; its final upload failed on a store that answered: the
+            # job's failure (a file it made unreadable, a place it blocked), counted.
+            why = f"exited 0, but {line}"
             return JobVerdict(job, JobStatus.FAILED, code, failure, why)
         why = f"exited {code}"
         if code != state.exit_code:
@@ -207,6 +211,16 @@ def bad_control_file(state: RemoteJobState) -> str | None:
             " is not a line its watchdog writes"
         )
     return None
+
+
+_FINAL_REFUSED = "the final outputs could not be uploaded and the store answered"
+"""What the store agent says when `finish --final` ends with `FINAL_REFUSED_EXIT`."""
+
+
+def store_line(log_tail: str) -> str:
+    """The store agent's last line in the log (`rlfleet-store: …`), without its prefix."""
+    said = [ln.strip() for ln in log_tail.splitlines() if "rlfleet-store:" in ln]
+    return said[-1].split("rlfleet-store:", 1)[1].strip()[:300] if said else ""
 
 
 def untracked_verdict(job: LiveJob) -> JobVerdict | None:

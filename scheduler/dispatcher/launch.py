@@ -53,6 +53,7 @@ from scheduler.remote.rendezvous import (
     parse_free_ports,
 )
 from scheduler.remote.workdir import has_script, parse_has, parse_ready, receive_script
+from scheduler.store_records import accepted
 from scheduler.transport import Transport, TransportError, VMTarget
 
 from .consumer import TransientError, db_error
@@ -164,8 +165,11 @@ class Launcher:
         nodes, secret = planned
         # One read of the workdir for every node of the attempt that lacks it.
         payload = WorkdirPayload(self, claim.workdir) if claim.workdir is not None else None
+        accept = await self.store_accept(claim)
+        if isinstance(accept, str):
+            return accept
         outcomes = await asyncio.gather(
-            *(self.launch_node(claim, n, secret, payload) for n in nodes)
+            *(self.launch_node(claim, n, secret, payload, accept) for n in nodes)
         )
         return await self.settle(claim, nodes, list(outcomes))
 
@@ -299,6 +303,7 @@ class Launcher:
         node: NodeLaunch,
         secret_env: Secret = (),
         payload: WorkdirPayload | None = None,
+        store_accept: tuple[str, ...] = (),
     ) -> LaunchResult | str:
         """Start one node of the claimed attempt: its pid and directory, or why it did not
         start. `secret_env` (a group's token) goes with the job's own variables into
@@ -326,6 +331,7 @@ class Launcher:
             group=node.group,
             workdir=claim.workdir,
             store=claim.store if node.group is None else None,
+            store_accept=store_accept,
         )
         try:
             result = await self.transport.run(
@@ -385,6 +391,21 @@ class Launcher:
         log.info("workdir_sent", job_id=claim.job_id, vm=target.name, digest=digest,
                  bytes=size)  # fmt: skip
         return None
+
+    async def store_accept(self, claim: Claim) -> tuple[str, ...] | str:
+        """For a job with a store: what its attempts reported writing there
+        (`store_records.accepted`, a short transaction of its own), as the store agent's
+        `--accept` words; or why it could not be read."""
+        if claim.store is None:
+            return ()
+        try:
+            async with self.db.transaction() as session:
+                found = await accepted(session, claim.job_id)
+        except Exception as exc:
+            if not is_unavailable(exc):
+                raise
+            return db_error(exc)
+        return found.words()
 
     async def _workdir_bytes(self, digest: str) -> bytes | str:
         """The packed workdir `digest`, checked against its digest; or why not."""

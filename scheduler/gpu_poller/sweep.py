@@ -36,6 +36,7 @@ from scheduler.logging import get_logger
 from scheduler.models import GPU, VM
 from scheduler.poll import parse_poll, poll_command
 from scheduler.remote.launch import entry_check_words
+from scheduler.store_records import record_reports
 from scheduler.transport import Transport, TransportError, VMTarget
 from scheduler.verdicts import LiveJob
 
@@ -247,8 +248,10 @@ class GpuPoller:
                 self._failing.add(outcome.vm.target.id)
             else:
                 self._failing.discard(outcome.vm.target.id)
-        # Before the attempts that ended are finished: their last restarts go first.
+        # Before the attempts that ended are finished: their last restarts go first, and
+        # what their store agents reported writing.
         await record_restarts(self.db, outcomes, self._restarts)
+        await record_reports(self.db, outcomes)
         stats.jobs_finished += await finish_jobs(self.db, outcomes)
         for outcome, job, verdict in stalls(outcomes, self._watches):
             self._stop(outcome, job, verdict)

@@ -97,6 +97,9 @@ class LaunchSpec:
     store: str | None = None
     """The job's store URL (`scheduler.store`): checkpoints are restored before training
     and uploaded beside it (`scheduler.remote.store`); None: no store."""
+    store_accept: Sequence[str] = ()
+    """The store content the job's attempts reported (`scheduler.store.binding.Accepted.
+    words`, from Postgres): all the store agents take for the job's."""
 
     @property
     def uploads(self) -> bool:
@@ -304,11 +307,12 @@ def _store_before(spec: LaunchSpec) -> list[str]:
     only when `rlfleet_skip` is unset (it is wrapped in an `if` here)."""
     if spec.store is None:
         return []
-    lines = restore_lines(spec.python, spec.store, spec.run, spec.output_dir)
+    accept = spec.store_accept
+    lines = restore_lines(spec.python, spec.store, spec.run, spec.output_dir, accept)
     if spec.uploads:
         lines += [
             'if [ -z "${rlfleet_skip:-}" ]; then',
-            *watch_start_lines(spec.python, spec.store, spec.run, spec.output_dir),
+            *watch_start_lines(spec.python, spec.store, spec.run, spec.output_dir, accept),
             "fi",
         ]
     return [*lines, 'if [ -z "${rlfleet_skip:-}" ]; then']
@@ -321,7 +325,8 @@ def _store_after(spec: LaunchSpec) -> list[str]:
         return []
     if not spec.uploads:
         return ["fi"]
-    return [*finish_lines(spec.python, spec.store, spec.run, spec.output_dir), "fi"]
+    accept = spec.store_accept
+    return [*finish_lines(spec.python, spec.store, spec.run, spec.output_dir, accept), "fi"]
 
 
 SUPERVISOR_FILE = "supervisor.py"

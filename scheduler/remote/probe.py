@@ -31,6 +31,7 @@ from scheduler.remote.store import (
     STORE_STATUS_FILE,
 )
 from scheduler.remote.watchdog import fenced_lines, lease_touch_lines, parse_fenced
+from scheduler.store.binding import reported
 
 STATUS_MARK = "rlfleet-job"
 LOG_MARK = "rlfleet-log"
@@ -73,6 +74,9 @@ class RemoteJobState:
     bad_exit_code: bool = False
     """`exited` with an `exit_code` file that holds no exit code a wrapper writes (0-255):
     the job's doing (`verdicts.job_verdict` fails it, counted)."""
+    store_digests: tuple[tuple[str, int, str], ...] = ()
+    """The manifests its store agent reported writing, (kind, step, digest), checked
+    (`scheduler.store.binding.reported`): recorded in Postgres by the poller."""
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,7 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
     cannot_start: set[tuple[int, int]] = set()
     store_error: set[tuple[int, int]] = set()
     store: dict[tuple[int, int], dict[str, object]] = {}
+    digests: dict[tuple[int, int], tuple[tuple[str, int, str], ...]] = {}
     marked = {CANNOT_START_MARK: cannot_start, STORE_ERROR_MARK: store_error}
     for line in output_lines(stdout):
         mark = line.split(" ", 1)[0]
@@ -224,6 +229,7 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
             status = parse_store_status(parts[3]) if len(parts) == 4 else None
             if key[0] is not None and key[1] is not None and status is not None:
                 store[(key[0], key[1])] = status
+                digests[(key[0], key[1])] = tuple(reported(load_json(parts[3])))
             continue
         if line.startswith(PROGRESS_MARK + " "):
             parts = line.split(" ", 3)
@@ -263,6 +269,7 @@ def parse_status(stdout: str) -> dict[tuple[int, int], RemoteJobState]:
             key in store_error,
             store.get(key),
             bad_exit_code=state == "exited" and code is None,
+            store_digests=digests.get(key, ()),
         )
         for key, (state, code) in states.items()
     }

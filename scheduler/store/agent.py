@@ -4,7 +4,10 @@
 - `restore` (before training): exit 0 once the store's newest complete checkpoint is in
   the output directory (or the store has none), `FINAL_FOUND_EXIT` when the job's final
   marker is already there (an earlier attempt finished: nothing to train),
-  `STORE_ERROR_EXIT` when the store is unreachable or refuses.
+  `STORE_ERROR_EXIT` when the store is unreachable or refuses. Only a marker or a
+  checkpoint whose manifest digest is one of the `--accept` values (what the job's own
+  attempts reported, from Postgres through the launch; `scheduler.store.binding`) counts:
+  anything else in the job's place is passed over, and said so in the log.
 - `watch` (beside training, in the background): uploads each complete checkpoint soon
   after it stops changing (a scan every `--interval` seconds; a checkpoint is taken once
   two scans `--settle` seconds apart see the same files), then keeps the newest
@@ -12,11 +15,15 @@
   file; it never stops training. The training process is never slowed by it beyond
   the disk and network it shares.
 - `finish` (after training): uploads what `watch` had not yet, and with `--final` the
-  final outputs and marker (`STORE_ERROR_EXIT` if that fails).
+  final outputs and marker. If that fails: `STORE_ERROR_EXIT` when the store does not
+  answer (an outage, not the job's doing), `FINAL_REFUSED_EXIT` when it answers (it
+  refused, or a file of the job's could not be read): a failure of the job's.
 
 Each writes the attempt's status file (`--status`, JSON, a few hundred bytes, written
-whole and renamed) that the poller reads: the checkpoints in the store (step, bytes, time)
-and the last error. Credentials come from the VM's AWS configuration only.
+whole and renamed) that the poller reads: the checkpoints in the store (step, bytes, time,
+and the digest of each manifest this attempt wrote), the final marker's digest once this
+attempt wrote it, and the last error. Credentials come from the VM's AWS configuration
+only.
 """
 
 from __future__ import annotations
@@ -34,10 +41,13 @@ from typing import Any
 from scheduler.redact import scrub_urls
 from scheduler.store import parse_store_url
 from scheduler.store.backend import Backend, StoreError, open_backend
+from scheduler.store.binding import Accepted
 from scheduler.store.sync import (
-    has_final,
+    final_digest,
     local_steps,
+    manifest_steps,
     prune,
+    read_manifest,
     restore_newest,
     snapshot,
     stored_checkpoints,
@@ -48,6 +58,9 @@ from scheduler.store.sync import (
 FINAL_FOUND_EXIT = 3
 STORE_ERROR_EXIT = 74
 """Exit status of `restore`/`finish` when the store cannot be used (EX_IOERR)."""
+FINAL_REFUSED_EXIT = 73
+"""Exit status of `finish --final` when the final upload failed on a store that answers
+(EX_CANTCREAT): the attempt fails, counted."""
 STATUS_ENTRIES = 6
 """At most this many checkpoints are listed in the status file (the newest)."""
 
@@ -62,6 +75,7 @@ class Status:
             "checkpoints": [],
             "restored": None,
             "final": False,
+            "final_digest": None,
             "last_error": None,
             "error_at": None,
         }
@@ -80,14 +94,19 @@ class Status:
         ][-STATUS_ENTRIES:]
         self.write()
 
-    def add_checkpoint(self, step: int, size: int) -> None:
+    def add_checkpoint(self, step: int, size: int, digest: str | None = None) -> None:
         entries = [c for c in self.data["checkpoints"] if c.get("step") != step]
-        entries.append({"step": step, "bytes": size, "at": _now()})
+        entries.append({"step": step, "bytes": size, "at": _now(), "digest": digest})
         self.data["checkpoints"] = sorted(entries, key=lambda c: c["step"])[-STATUS_ENTRIES:]
         self.write()
 
     def error(self, text: str | None) -> None:
-        self.data["last_error"] = scrub_urls(text)[:300] if text else None
+        # No credentials of a URL (scrubbed), and printable ASCII only: the whole file,
+        # digests included, stays well within what a poll reads
+        # (`remote.store.STORE_STATUS_BYTES`), whatever a file name held.
+        if text:
+            text = "".join(c if " " <= c <= "~" else "?" for c in scrub_urls(text)[:300])
+        self.data["last_error"] = text or None
         self.data["error_at"] = _now() if text else None
         self.write()
 
@@ -116,18 +135,28 @@ def say(text: str) -> None:
     print(f"rlfleet-store: {scrub_urls(text)}", file=sys.stderr, flush=True)
 
 
-def restore(backend: Backend, output_dir: Path, status: Status) -> int:
+def restore(backend: Backend, output_dir: Path, status: Status, accepted: Accepted) -> int:
     backend.check()
-    if has_final(backend):
-        status.update(final=True)
+    found = final_digest(backend)
+    if found is not None and found in accepted.final:
+        status.update(final=True, final_digest=found)
         say("the job's final outputs are already in the store: nothing to train")
         return FINAL_FOUND_EXIT
+    if found is not None:
+        say("a final marker in the store is not one this job's attempts reported: ignored")
     output_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    step = restore_newest(backend, output_dir)
-    status.set_checkpoints(stored_checkpoints(backend))
+    ignored = [s for s in manifest_steps(backend) if s not in accepted.checkpoints]
+    if ignored:
+        steps = ", ".join(map(str, ignored[-6:]))
+        say(f"checkpoints in the store that no attempt of this job reported, ignored: {steps}")
+    step = restore_newest(
+        backend, output_dir, accepted_digests=accepted.checkpoints, on_refused=say
+    )
+    stored = stored_checkpoints(backend)  # shown: the job's own only
+    status.set_checkpoints({s: m for s, m in stored.items() if s in accepted.checkpoints})
     if step is None:
-        say("no checkpoint in the store: training starts fresh")
+        say("no checkpoint of this job's in the store: training starts fresh")
     else:
         status.update(restored=step)
         say(f"restored checkpoint-{step} in {time.monotonic() - started:.1f}s")
@@ -137,8 +166,16 @@ def restore(backend: Backend, output_dir: Path, status: Status) -> int:
 class Watcher:
     """Uploads each complete checkpoint once its files stop changing."""
 
-    def __init__(self, backend: Backend, output_dir: Path, status: Status, settle_s: float):
+    def __init__(
+        self,
+        backend: Backend,
+        output_dir: Path,
+        status: Status,
+        settle_s: float,
+        accepted: Accepted | None = None,
+    ):
         self.backend = backend
+        self.accepted = accepted or Accepted()
         self.output_dir = output_dir
         self.status = status
         self.settle_s = settle_s
@@ -146,10 +183,14 @@ class Watcher:
         self.seen: dict[int, tuple[Any, float]] = {}
         self.failures = 0
         self.retry_at = 0.0
+        self.started = False
+        """Whether the job's own checkpoints in the store are known (`bound_steps`): no
+        upload (and so no pruning) before."""
 
     def start(self) -> None:
         try:
-            self.uploaded = set(stored_checkpoints(self.backend))
+            self.uploaded = bound_steps(self.backend, self.accepted)
+            self.started = True
         except StoreError as exc:
             self._failed(str(exc))
 
@@ -158,6 +199,10 @@ class Watcher:
         `stop` set: no further upload starts."""
         if time.monotonic() < self.retry_at:
             return
+        if not self.started:
+            self.start()
+            if not self.started:
+                return
         now = time.monotonic()
         for step in local_steps(self.output_dir):
             if step in self.uploaded:
@@ -173,14 +218,14 @@ class Watcher:
             if not settled and now - previous[1] < self.settle_s:  # type: ignore[index]
                 continue
             try:
-                size = upload_checkpoint(self.backend, self.output_dir, step)
+                digests: list[str] = []
+                size = upload_checkpoint(self.backend, self.output_dir, step, digests.append)
                 if size is None:
                     self.seen.pop(step, None)
                     continue
                 self.uploaded.add(step)
-                self.status.add_checkpoint(step, size)
-                for old in prune(self.backend):
-                    self.uploaded.add(old)
+                self.status.add_checkpoint(step, size, digests[-1] if digests else None)
+                prune(self.backend, ours=self.uploaded)  # the job's own: what it uploaded
                 self.failures = 0
                 if self.status.data["last_error"]:
                     self.status.error(None)
@@ -198,6 +243,46 @@ class Watcher:
         self.status.error(text)
 
 
+def bound_steps(backend: Backend, accepted: Accepted) -> set[int]:
+    """The steps in the store whose manifest is one this job's attempts reported (what
+    need not be uploaded again; anything else there is overwritten by this attempt's)."""
+    return {
+        step
+        for step in manifest_steps(backend)
+        if step in accepted.checkpoints
+        and read_manifest(backend, f"checkpoints/checkpoint-{step}.json",
+                          accepted.checkpoints[step]) is not None
+    }  # fmt: skip
+
+
+def finish_final(backend: Backend, output_dir: Path, status: Status) -> int:
+    """Upload the final outputs and marker (a few tries); 0, or why not by the exit
+    status: `STORE_ERROR_EXIT` when the store does not answer (`Backend.check`),
+    `FINAL_REFUSED_EXIT` when it does (the job's failure, counted)."""
+    failure: BaseException | None = None
+    for attempt in range(4):
+        try:
+            digests: list[str] = []
+            size = upload_final(backend, output_dir, on_digest=digests.append)
+            status.update(final=True, final_digest=digests[-1] if digests else None)
+            status.error(None)
+            say(f"final outputs in the store ({size} bytes)")
+            return 0
+        except (StoreError, OSError) as exc:
+            failure = exc
+            say(f"uploading the final outputs failed: {exc}")
+            status.error(f"final outputs: {exc}")
+            if attempt < 3:
+                time.sleep(2.0**attempt)
+    try:
+        backend.check()
+    except StoreError as exc:
+        say(f"the store does not answer: {exc}")
+        return STORE_ERROR_EXIT
+    say(f"the final outputs could not be uploaded and the store answered: {failure}")
+    return FINAL_REFUSED_EXIT
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scheduler.store.agent")
     parser.add_argument("command", choices=("restore", "watch", "finish"))
@@ -209,10 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--settle", type=float, default=1.0)
     parser.add_argument("--final", action="store_true")
+    parser.add_argument("--accept", action="append", default=[])
     args = parser.parse_args(argv)
     os.umask(0o077)  # what it restores or writes is the VM account's alone
     try:
         url = parse_store_url(args.store)
+        accepted = Accepted.parse(args.accept)
         backend = open_backend(url, args.installation, args.job_id)
     except (ValueError, StoreError) as exc:
         say(f"store unusable: {exc}")
@@ -221,12 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = Path(args.output_dir)
     if args.command == "restore":
         try:
-            return restore(backend, output_dir, status)
+            return restore(backend, output_dir, status, accepted)
         except (StoreError, OSError) as exc:
             say(f"store error: {exc}")
             status.error(str(exc))
             return STORE_ERROR_EXIT
-    watcher = Watcher(backend, output_dir, status, args.settle)
+    watcher = Watcher(backend, output_dir, status, args.settle, accepted)
     if args.command == "watch":
         # TERM (training ended, or the attempt is being killed) stops it between uploads:
         # an upload under way completes, so `finish` need not send it again.
@@ -242,18 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     watcher.scan(settled=True)
     if not args.final:
         return 0
-    for attempt in range(4):
-        try:
-            size = upload_final(backend, output_dir)
-            status.update(final=True)
-            status.error(None)
-            say(f"final outputs in the store ({size} bytes)")
-            return 0
-        except (StoreError, OSError) as exc:
-            say(f"uploading the final outputs failed: {exc}")
-            status.error(f"final outputs: {exc}")
-            time.sleep(2.0**attempt)
-    return STORE_ERROR_EXIT
+    return finish_final(backend, output_dir, status)
 
 
 if __name__ == "__main__":

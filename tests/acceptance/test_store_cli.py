@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.db import Database
+from scheduler.store_records import record
 from tests.acceptance.test_cli_input import (
     SUBMIT,
     add_polled_vm,
@@ -101,11 +102,20 @@ async def test_job_pull_brings_the_final_model_back_from_the_store(
     (out / "checkpoint-4" / "trainer_state.json").write_text("{}")
     (out / "model.safetensors").write_bytes(os.urandom(3000))
     (out / "tokenizer.json").write_text("{}")
+    four: list[str] = []
+    final: list[str] = []
     with aws_env(s3):
         backend = open_backend(parse_store_url(f"s3://{s3.bucket}/runs"), await installation(db),
                                job_id)  # fmt: skip
-        upload_checkpoint(backend, out, 4)
-        upload_final(backend, out)
+        upload_checkpoint(backend, out, 4, four.append)
+        upload_final(backend, out, on_digest=final.append)
+    # In the store, but no attempt of the job reported writing it: not the job's.
+    said = f"job {job_id}: final.json in the store is not one this job's attempts reported"
+    assert_one_line(rlfleet(user, "job", "pull", str(job_id), str(dest)), 1, said)
+    assert not dest.exists() or not any(dest.iterdir())
+    async with db.transaction() as session:  # what the poller records of its attempt
+        await record(session, [(job_id, 0, "final", 0, final[-1]),
+                               (job_id, 0, "checkpoint", 4, four[-1])])  # fmt: skip
     pulled = rlfleet(user, "job", "pull", str(job_id), str(dest), "--json")
     assert pulled.returncode == 0, pulled.stderr
     assert json.loads(pulled.stdout)["what"] == "final"

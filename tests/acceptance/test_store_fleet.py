@@ -2,9 +2,9 @@
 loopback, with the real poller, dispatcher, requeue manager and train_grpo.py on the tiny
 model (only the GPU is simulated; each VM has a home of its own: no shared disk).
 
-- VM A saves checkpoints, crashes; the retry on VM B restores the newest complete one and
-  continues from its step (docs/invariants.md, invariant 10); the final model is in the
-  store, `job pull` brings it back and it loads.
+- VM A saves checkpoints, crashes; the retry on VM B restores the newest complete one A's
+  agent reported (and the poller recorded) and continues from its step (docs/invariants.md,
+  invariant 10); the final model is in the store, `job pull` brings it back and it loads.
 - The store down when an attempt starts: `store_error`, retried without using up a retry;
   success once it is back.
 """
@@ -134,21 +134,23 @@ async def crash_resume_proof(
     inst = await installation(db)
     deadline = time.monotonic() + 400
     async with scheduling(db, nats.url, transport, CONFIG) as requeue:
-        while True:  # until VM A has a complete checkpoint in the store
+        while True:  # until VM A has a complete checkpoint in the store, reported and recorded
             await poller.sweep()
             await requeue.tick()
             first = await job_row(db, job_id)
             assert first.status in ("queued", "starting", "running"), first.status_reason
-            if first.status == "running" and stored_steps(s3):
+            if first.status == "running" and stored_steps(s3) and await recorded_steps(db, job_id):
                 break
             assert time.monotonic() < deadline, "no checkpoint reached the store"
             await asyncio.sleep(0.2)
         vm_ids = {name: vm_id for name, vm_id in (await _vm_ids(db)).items()}
         lost_name = next(n for n, i in vm_ids.items() if i == first.vm_id)
         await crash(lost_name)  # VM A crashes
-        saved = max(stored_steps(s3))
-        assert saved < MAX_STEPS, "the run ended before the crash: make it longer"
         await sweep_until(poller, db, first.vm_id, "unreachable")
+        # The newest checkpoint VM A's agent wrote and a poll recorded: what a retry may
+        # restore (one it wrote after the last poll is not the job's until reported).
+        saved = max(await recorded_steps(db, job_id))
+        assert saved < MAX_STEPS, "the run ended before the crash: make it longer"
         await age_outages(db, CONFIG.node_lost_timeout_s + 1)
         while (job := await job_row(db, job_id)).status not in ("completed", "failed"):
             assert time.monotonic() < deadline, f"job is still {job.status}"
@@ -194,6 +196,14 @@ async def crash_resume_proof(
     model = AutoModelForCausalLM.from_pretrained(dest)
     assert model.config.model_type == "qwen2"
     return job_id
+
+
+async def recorded_steps(db: Database, job_id: int) -> list[int]:
+    """The checkpoint steps the job's attempts reported writing (`job_store_records`)."""
+    from scheduler.store_records import accepted
+
+    async with db.transaction() as session:
+        return sorted((await accepted(session, job_id)).checkpoints)
 
 
 async def _vm_ids(db: Database) -> dict[str, int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -194,9 +195,16 @@ def test_the_agent_says_by_its_exit_code_what_the_wrapper_must_do(s3: S3Server, 
     (out / "tokenizer.json").write_text("{}")
     done = _agent("finish", store, job, out, "--final")
     assert done.returncode == 0, done.stderr
+    # What the poller reads of the attempt and records: the digests of what it wrote.
+    reported = json.loads((out.parent / "store.json").read_text())
+    final = reported["final_digest"]
+    assert re.fullmatch(r"[0-9a-f]{64}", final), reported
     other = tmp_path / "b" / "out"
     other.parent.mkdir()  # the attempt directory, where the status file goes
-    found = _agent("restore", store, job, other)
+    unbound = _agent("restore", store, job, other)
+    assert unbound.returncode == 0, unbound.stderr  # not reported: it trains
+    assert "final marker in the store is not one this job's attempts reported" in unbound.stderr
+    found = _agent("restore", store, job, other, "--accept", f"final={final}")
     assert found.returncode == FINAL_FOUND_EXIT, found.stderr
     assert "already in the store" in found.stderr
     s3.stop()
@@ -231,3 +239,68 @@ def test_pull_brings_back_the_final_outputs_or_a_checkpoint(backend: Backend, tm
     assert (tmp_path / "c5" / "trainer_state.json").is_file()
     with pytest.raises(StoreError, match=r"no complete checkpoint 7 in the store \(steps: 5\)"):
         pull(backend, tmp_path / "c7", checkpoint=7)
+
+
+def test_only_a_checkpoint_the_job_reported_is_restored_and_each_file_is_checked(
+    backend: Backend, tmp_path: Path
+):
+    out = tmp_path / "a"
+    checkpoint(out, 2)
+    digests: list[str] = []
+    upload_checkpoint(backend, out, 2, digests.append)
+    own = digests[-1]
+    # Another job's checkpoint-4 put into this job's place: a manifest rlfleet could have
+    # written, with files that match it, but no attempt of this job reported it.
+    checkpoint(out, 4)
+    upload_checkpoint(backend, out, 4)
+    said: list[str] = []
+    b = tmp_path / "b"
+    assert restore_newest(backend, b, accepted_digests={2: {own}}, on_refused=said.append) == 2
+    assert sorted(p.name for p in b.iterdir()) == ["checkpoint-2"]
+    assert restore_newest(backend, tmp_path / "c", accepted_digests={}) is None
+    # A file swapped under the reported manifest (same size): passed over, never in place.
+    backend.put_bytes(b"x" * 1000, "checkpoints/checkpoint-2/model.safetensors")
+    d = tmp_path / "d"
+    assert restore_newest(backend, d, accepted_digests={2: {own}}, on_refused=said.append) is None
+    assert not (d / "checkpoint-2").exists()
+    assert said and "model.safetensors: its sha256 is not the one its manifest lists" in said[-1]
+
+
+def test_pull_takes_only_what_the_job_reported(backend: Backend, tmp_path: Path):
+    from scheduler.store.binding import NotReported
+
+    out = tmp_path / "out"
+    (out / "model.safetensors").parent.mkdir(parents=True)
+    (out / "model.safetensors").write_bytes(b"w" * 50)
+    digests: list[str] = []
+    upload_final(backend, out, on_digest=digests.append)
+    with pytest.raises(NotReported, match="final.json in the store is not one this job's"):
+        pull(backend, tmp_path / "none", accepted_digests=frozenset())
+    assert not (tmp_path / "none").exists() or not any((tmp_path / "none").iterdir())
+    assert pull(backend, tmp_path / "ok", accepted_digests=frozenset(digests)) == "final"
+    backend.put_bytes(b"v" * 50, "final/model.safetensors")
+    dest = tmp_path / "swapped"
+    with pytest.raises(NotReported, match="model.safetensors: its sha256"):
+        pull(backend, dest, accepted_digests=frozenset(digests))
+    assert not dest.exists() or not any(dest.iterdir())
+
+
+def test_checkpoints_another_job_put_in_the_place_never_push_out_the_jobs_own(
+    backend: Backend, tmp_path: Path
+):
+    # Three checkpoints of higher steps than the job will reach, put in its place by
+    # another job (their manifests and files as rlfleet writes them).
+    forged = tmp_path / "forged"
+    for step in (900, 901, 902):
+        checkpoint(forged, step)
+        upload_checkpoint(backend, forged, step)
+    out = tmp_path / "out"
+    watcher = Watcher(backend, out, Status(tmp_path / "store.json", "s3://x"), settle_s=0.0)
+    watcher.start()
+    for step in (2, 4):
+        checkpoint(out, step)
+        watcher.scan()
+        watcher.scan()
+    assert sorted(stored_checkpoints(backend)) == [2, 4]  # the others' are gone, not its own
+    shown = json.loads((tmp_path / "store.json").read_text())
+    assert [c["step"] for c in shown["checkpoints"] if c.get("digest")] == [2, 4]

@@ -6,6 +6,7 @@ without training."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -18,6 +19,7 @@ from scheduler.control import cancel_job
 from scheduler.db import Database
 from scheduler.embedded import EmbeddedNats
 from scheduler.gpu_poller import GpuPoller
+from scheduler.store_records import accepted, record
 from scheduler.transport import Transport
 from tests.fleet import SimFleet
 from tests.integration.test_groups_fleet import CONFIG
@@ -59,13 +61,21 @@ async def test_the_final_outputs_reach_a_directory_store_and_a_marker_skips_trai
     assert marker["files"] == {"model.safetensors": 7}
     assert (base / "final" / "model.safetensors").read_bytes() == b"weights"
     assert (job.store_status or {}).get("final") is True
+    # The poller recorded the digest of the marker the attempt wrote (nothing else).
+    async with db.transaction() as session:
+        bound = await accepted(session, first)
+    assert bound.final == {hashlib.sha256((base / "final.json").read_bytes()).hexdigest()}
 
     # A job whose final marker is already in the store (its last attempt finished
-    # during a partition that hid it): the attempt exits 0 without training.
+    # during a partition that hid it, after the poll that recorded its marker): the
+    # attempt exits 0 without training.
     second = await new_job(db, 1, store=url)
     done = store / inst / str(second)
     done.mkdir(parents=True)
-    (done / "final.json").write_text(json.dumps({"files": {}, "at": "2026-11-25T18:00:00Z"}))
+    marker = json.dumps({"files": {}, "sha256": {}, "at": "2026-11-25T18:00:00Z"}).encode()
+    (done / "final.json").write_bytes(marker)
+    async with db.transaction() as session:
+        await record(session, [(second, 0, "final", 0, hashlib.sha256(marker).hexdigest())])
     job = await run_to_the_end(db, nats.url, transport, poller, second, CONFIG, timeout_s=120)
     log = (Path(job.attempt_dir or "") / "train.log").read_text()
     assert job.status == "completed", (job.status_reason, log[-2000:])

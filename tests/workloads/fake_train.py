@@ -13,9 +13,13 @@ starts a `sleep` in a session of its own (outside the attempt's process group) a
 its pid to `setsid_child.pid` in `--output_dir`; `--fake_hang_at N` stops advancing after
 step N (0: before the first) and waits for ever (`--fake_hang_once`: on the first attempt
 only); `--fake_step_seconds S` takes S seconds per step; `--fake_checkpoints` writes a
-`checkpoint-<step>` directory in `--output_dir` at each step, and with `--resume auto`
-starts after the newest one; `--fake_fence_note BYTES` writes that much garbage into its
-attempt's `fenced_reason` (the watchdog's note) before it trains. It writes
+`checkpoint-<step>` directory (with a `trainer_state.json`) in `--output_dir` at each step,
+and with `--resume auto` starts after the newest one; `--fake_fence_note BYTES` writes that
+much garbage into its attempt's `fenced_reason` (the watchdog's note) before it trains;
+`--fake_block_final DIR` puts a file
+named `final` at `DIR/<job id>/` (its place in a `file://` store whose installation
+directory is DIR), and a model file in `--output_dir`: the store then refuses its final
+upload. It writes
 progress.json to $RLFLEET_PROGRESS_FILE and, when `RLFLEET_FAKE_RECORD` names a
 directory, one JSON line per run there saying where, as which rank and on which GPUs it
 ran, so tests can prove that no GPU was shared.
@@ -49,6 +53,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fake_checkpoints", action="store_true")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--fake_fence_note", type=int, default=None)
+    parser.add_argument("--fake_block_final", default=None)
     args, _unknown = parser.parse_known_args(argv)
     rank = os.environ.get("RLFLEET_NODE_RANK")
     if args.fake_fail_rank is None:
@@ -170,6 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         note = Path(os.environ["RLFLEET_PROGRESS_FILE"]).parent / "fenced_reason"
         garbage = b"garbage \xff\x00 " * (args.fake_fence_note // 13 + 1)
         note.write_bytes(garbage[: args.fake_fence_note])
+    if args.fake_block_final:
+        place = Path(args.fake_block_final) / os.environ.get("RLFLEET_JOB_ID", "0")
+        place.mkdir(parents=True, exist_ok=True)
+        (place / "final").write_text("not a directory\n")
+        (out / "model.safetensors").write_bytes(b"weights")
     if args.fake_hostile:
         hostile(seconds)
         record("end", exit_code=args.fake_exit)
@@ -195,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         write_progress(step, steps, "running")
         if args.fake_checkpoints:
             (out / f"checkpoint-{step}").mkdir(exist_ok=True)
+            (out / f"checkpoint-{step}" / "trainer_state.json").write_text(
+                json.dumps({"global_step": step})
+            )
         print(f"fake_train: step {step}/{steps} loss=0.{step}", flush=True)
         if step == hang_at:
             hang()
