@@ -7,6 +7,7 @@ import os
 from alembic import context
 from sqlalchemy import create_engine, pool
 
+import scheduler.store_records  # noqa: F401  (its model is in Base.metadata)
 from scheduler.models import Base
 from scheduler.settings import DATABASE_URL_ENV, DEFAULT_DATABASE_URL, normalize_database_url
 

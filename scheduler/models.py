@@ -19,7 +19,6 @@ from sqlalchemy import (
     Index,
     Integer,
     LargeBinary,
-    MetaData,
     SmallInteger,
     String,
     Text,
@@ -29,8 +28,9 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import Mapped, mapped_column, relationship
 
+from scheduler.model_base import Base
 from scheduler.states import JobStatus, RetryDecision
 from scheduler.validate import (
     DEFAULT_HANG_TIMEOUT_S,
@@ -42,15 +42,6 @@ from scheduler.validate import (
     MAX_TIMEOUT_S,
 )
 
-NAMING_CONVENTION = {
-    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-    "ck": "ck_%(table_name)s_%(constraint_name)s",
-    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-    "pk": "pk_%(table_name)s",
-}
-
-
 # The limits (MAX_GPUS…, JOB_NAME_MAX) are `scheduler.validate`'s, where the command line
 # checks values without loading SQLAlchemy; the columns and constraints are sized from them.
 _JOB_STATUSES = ", ".join(f"'{s.value}'" for s in JobStatus)
@@ -58,12 +49,6 @@ _RETRY_DECISIONS = ", ".join(f"'{d.value}'" for d in RetryDecision)
 
 DEFAULT_ENTRYPOINT = "training.train_grpo"
 """What a VM runs to train when it names nothing else: `python -m training.train_grpo`."""
-
-
-class Base(DeclarativeBase):
-    """Declarative base with stable constraint names, so migrations diff cleanly."""
-
-    metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
 def _now() -> DateTime:
@@ -626,8 +611,3 @@ class JobDiagnostics(Base):
     captured_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
 
     __table_args__ = (UniqueConstraint("job_id", "attempt"),)
-
-
-# Models kept in modules of their own (this one is long enough), imported here so that
-# `Base.metadata` (migrations, the schema check) always has them.
-from scheduler import store_records as _store_records  # noqa: E402,F401

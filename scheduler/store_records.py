@@ -31,7 +31,7 @@ from sqlalchemy import (
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
-from scheduler.models import Base
+from scheduler.model_base import Base
 from scheduler.store.binding import (
     ACCEPTED_CHECKPOINTS,
     ACCEPTED_FINALS,

@@ -57,7 +57,11 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_job_store_records")),
         sa.UniqueConstraint(
-            "job_id", "kind", "step", "digest", name=op.f("uq_job_store_records_job_id_kind_step_digest")
+            "job_id",
+            "kind",
+            "step",
+            "digest",
+            name=op.f("uq_job_store_records_job_id_kind_step_digest"),
         ),
     )
 

@@ -6,6 +6,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, pool, text
 
+import scheduler.store_records  # noqa: F401  (its model is in Base.metadata)
 from scheduler import migrate
 from scheduler.embedded import EmbeddedPostgres
 from scheduler.models import Base

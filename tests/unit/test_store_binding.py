@@ -75,7 +75,11 @@ def test_the_wrapper_hands_every_agent_the_accepted_digests_quoted():
     words = Accepted.of([("final", 0, D1), ("checkpoint", 4, D2)]).words()
     script = wrapper_script(_spec(store="s3://bucket/runs", store_accept=words))
     for command in ("restore", "watch", "finish"):
-        line = next(ln for ln in script.splitlines() if f"agent {command}" in ln)
+        line = next(
+            ln
+            for ln in script.splitlines()
+            if "scheduler.store.agent" in ln and f' "${{PYTHONPATH:-}}" {command} ' in ln
+        )
         assert f"--accept final={D1} --accept 4={D2}" in line, line
     checked = subprocess.run(["sh", "-n"], input=script, text=True, capture_output=True)
     assert checked.returncode == 0, checked.stderr
