@@ -35,6 +35,7 @@ from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM
 from scheduler.poll import parse_poll, poll_command
+from scheduler.remote.jobuser import ready_check
 from scheduler.remote.launch import entry_check_words
 from scheduler.transport import Transport, TransportError, VMTarget
 from scheduler.verdicts import LiveJob
@@ -311,6 +312,7 @@ class GpuPoller:
         if vm.launch_error is not None:
             # Until its python and entrypoint work again, every poll checks them.
             check = " ".join(entry_check_words(vm.target.python, vm.target.entrypoint))
+            check = ready_check(vm.target, check)
         command = poll_command([j.attempt for j in vm.jobs if j.attempt is not None], check)
         try:
             # persistent: a poll every few seconds is worth a shell kept open on the VM.

@@ -14,6 +14,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from scheduler.remote import jobuser
 from scheduler.remote.env import (
     JOB_ENV_FILE,
     VM_ENV_FILE,
@@ -96,6 +97,9 @@ class LaunchSpec:
     store: str | None = None
     """The job's store URL (`scheduler.store`): checkpoints are restored before training
     and uploaded beside it (`scheduler.remote.store`); None: no store."""
+    job_user: str | None = None
+    """The VM's job user (`scheduler.remote.jobuser`): the training runs as this account;
+    None: as the VM account the scheduler logs in as."""
 
     @property
     def uploads(self) -> bool:
@@ -223,15 +227,16 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "trap 'rlfleet_sig=TERM' TERM",
             "trap 'rlfleet_sig=INT' INT",
             "trap 'rlfleet_sig=HUP' HUP",
-            *watchdog_lines(spec.fence_after_s, spec.fence_grace_s, spec.run),
+            *watchdog_lines(spec.fence_after_s, spec.fence_grace_s, spec.run, spec.job_user),
+            *jobuser.setup_lines(spec.job_user, home_path(spec.output_dir)),
             *_cd_lines(spec),
-            f"mkdir -p {home_path(spec.output_dir)}",
             'echo "rlfleet: attempt started on $(hostname) at $(date -u +%FT%TZ)'
             f' CUDA_VISIBLE_DEVICES="{shlex.quote(visible_devices(spec))}',
             # A python or entrypoint the VM cannot run ends the attempt with 127 and one
             # line saying why, before training starts (the poller marks the VM). The check
             # sees the VM's env file (a PATH set there), never the job's own variables.
             "rlfleet_check=$(",
+            *jobuser.failed_lines(spec.job_user),
             *load_env_lines([home_path(VM_ENV_FILE)]),
             f"  {' '.join(_check_words(spec))} 2>&1",
             ")",
@@ -252,13 +257,14 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "  set -- " + " ".join(command),
             f"  export CUDA_VISIBLE_DEVICES={shlex.quote(visible_devices(spec))}",
             f"  export CUDA_DEVICE_ORDER={DEVICE_ORDER}",
-            '  export RLFLEET_PROGRESS_FILE="$d/progress.json"',
+            f"  export RLFLEET_PROGRESS_FILE={jobuser.progress_dir(spec.job_user)}/progress.json",
             f"  export RLFLEET_JOB_ID={int(spec.job_id)} RLFLEET_ATTEMPT={int(spec.attempt)}",
             *("  " + line for line in rendezvous_lines(spec)),
+            *("  " + line for line in jobuser.env_lines(spec.job_user)),
             *("  " + line for line in workdir_env_lines(spec, before_env=True)),
             *load_env_lines([home_path(VM_ENV_FILE), f'"$d/{JOB_ENV_FILE}"']),
             *("  " + line for line in workdir_env_lines(spec, before_env=False)),
-            '  exec "$@"',
+            *jobuser.exec_lines(spec.job_user, spec.python),
             "  )",
             "  rc=$?",
             *("  " + line for line in _store_after(spec)),
@@ -277,7 +283,7 @@ def wrapper_script(spec: LaunchSpec) -> str:
 def _cd_lines(spec: LaunchSpec) -> list[str]:
     """Where the attempt runs: its copy of the job's workdir, or the VM user's home."""
     if spec.workdir is None:
-        return ['cd "$HOME" || exit 1']
+        return jobuser.cd_lines(spec.job_user)
     return [f'cd "$d/{WORK_DIR}" || exit 1']
 
 
