@@ -1,0 +1,237 @@
+"""Jobs under their own Unix account (`vm add --job-user`, scheduler/remote/jobuser.py) on
+OpenSSH VMs: the scheduler logs in as S, a fresh non-root account, and the job runs as J
+(tests/sshd.py `JobUserAccounts`). The job plays the attacker: from inside it, it tries to
+reach what is the scheduler's on its VM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from scheduler.kill import kill_attempt
+from scheduler.remote.jobuser import JOB_DIR
+from scheduler.remote.launch import LaunchSpec, launch_input, launch_script, parse_launch
+from scheduler.remote.layout import Attempt, default_output_dir, new_token
+from scheduler.remote.pull import tar_command
+from scheduler.transport import SSHTransport
+from tests.fleet import FAKE_TRAIN
+from tests.sshd import JobUserAccounts, SshdFleet, SshdVM, searchable_root
+
+pytestmark = pytest.mark.slow
+
+INSTALLATION = "00000000-0000-4000-8000-00000000beef"
+VM_PYTHON = "/usr/bin/python3"
+"""The VM's python: one S and J may run (this venv's is under root's 0700 home)."""
+SECRET = "aws_secret_access_key = rlfleet-test-secret\n"
+
+ATTACKER = r'''
+"""A hostile job: tries what docs/security.md says a job with a job user cannot do."""
+import json, os, signal, sys
+
+out = sys.argv[sys.argv.index("--output_dir") + 1]
+d = os.path.dirname(os.path.dirname(os.environ["RLFLEET_PROGRESS_FILE"]))
+s_home = os.environ["ATTACK_S_HOME"]
+tried = {"uid": os.getuid()}
+
+def attempt(name, action):
+    try:
+        action()
+        tried[name] = "done"
+    except OSError as exc:
+        tried[name] = type(exc).__name__
+
+def write(path):
+    def go():
+        with open(path, "a") as f:
+            f.write("PATH=/tmp/evil:$PATH\n")
+    return go
+
+def replace(path):
+    def go():
+        with open(path + ".evil", "w") as f:
+            f.write("0\n")
+        os.replace(path + ".evil", path)
+    return go
+
+for startup in (".bashrc", ".profile", ".bash_profile", ".ssh/rc"):
+    attempt("write " + startup, write(os.path.join(s_home, startup)))
+attempt("mkdir in S home", lambda: os.mkdir(os.path.join(s_home, "evil")))
+for name in ("exit_code", "pid", "lease", "fenced_reason", "store.json", "launch.sh",
+             "cannot_start"):
+    attempt("write " + name, write(os.path.join(d, name)))
+    attempt("replace " + name, replace(os.path.join(d, name)))
+attempt("unlink progress.json link", lambda: os.unlink(os.path.join(d, "progress.json")))
+attempt("read credentials", lambda: open(os.path.join(s_home, ".aws", "credentials")).read())
+attempt("read vm env", lambda: open(os.path.join(s_home, ".rlfleet", "env")).read())
+with open(os.path.join(d, "pid")) as f:
+    wrapper = int(f.read())
+attempt("signal wrapper", lambda: os.kill(wrapper, signal.SIGTERM))
+attempt("write own output", write(os.path.join(out, "own.txt")))
+attempt("write progress", write(os.environ["RLFLEET_PROGRESS_FILE"]))
+attempt("write tmpdir", write(os.path.join(os.environ["TMPDIR"], "t")))
+with open(os.path.join(out, "attack.json"), "w") as f:
+    json.dump(tried, f)
+'''
+
+
+@pytest.fixture
+def accounts() -> Iterator[JobUserAccounts]:
+    made = JobUserAccounts()
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.fixture
+def vm(accounts: JobUserAccounts) -> Iterator[SshdVM]:
+    root = searchable_root("rlfleet-jobuser-")
+    fleet = SshdFleet(root / "fleet", accounts)
+    (root / "fleet").chmod(0o711)
+    try:
+        made = fleet.add_vm("ju")
+        home = made.home
+        # What the scheduler keeps from the job: its credentials and the VM's env file.
+        for path, text in ((".aws/credentials", SECRET), (".rlfleet/env", "X=1\n")):
+            (home / path).parent.mkdir(mode=0o700, exist_ok=True)
+            (home / path).write_text(text)
+            (home / path).chmod(0o600)
+        (home / ".bashrc").write_text("# S's own\n")
+        (home / ".bashrc").chmod(0o644)
+        for path in home.rglob("*"):
+            os.chown(path, accounts.login_uid, accounts.login_uid)
+        (root / "attacker.py").write_text(ATTACKER)
+        yield made
+    finally:
+        fleet.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+async def transport() -> AsyncIterator[SSHTransport]:
+    made = SSHTransport()
+    try:
+        yield made
+    finally:
+        await made.close()
+
+
+def _spec(
+    vm: SshdVM, job_user: str | None, entrypoint: str, *args: str, **kw: object
+) -> LaunchSpec:
+    run = Attempt(INSTALLATION, 7, 1, new_token())
+    return LaunchSpec(
+        run=run,
+        python=VM_PYTHON,
+        entrypoint=entrypoint,
+        gpu_indices=[0],
+        model="m",
+        dataset="d",
+        reward_functions=["format"],
+        output_dir=default_output_dir(INSTALLATION, 7),
+        extra_args=list(args),
+        job_user=job_user,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+async def _launch(transport: SSHTransport, vm: SshdVM, spec: LaunchSpec) -> Path:
+    result = await transport.run(
+        vm.target, launch_script(spec), timeout=30, input=launch_input(spec)
+    )
+    launched = parse_launch(result.stdout, spec.run)
+    assert launched is not None and launched.path is not None, result.stdout + result.stderr
+    return Path(launched.path)
+
+
+async def _exit_code(d: Path, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while not (d / "exit_code").exists() or not (d / "exit_code").read_text().strip():
+        assert time.monotonic() < deadline, (d / "train.log").read_text()
+        await asyncio.sleep(0.1)
+    return (d / "exit_code").read_text().strip()
+
+
+CONTROL = ("exit_code", "pid", "lease", "fenced_reason", "store.json", "launch.sh", "cannot_start")
+
+
+async def test_a_job_user_cannot_reach_what_is_the_schedulers(
+    vm: SshdVM, accounts: JobUserAccounts, transport: SSHTransport
+) -> None:
+    # Given a VM whose jobs run as J, and a job that tries everything from inside
+    spec = _spec(
+        vm,
+        accounts.job,
+        str(vm.root.parent.parent / "attacker.py"),
+        env=[("ATTACK_S_HOME", str(vm.home))],
+    )
+    d = await _launch(transport, vm, spec)
+    # When it has run
+    assert await _exit_code(d) == "0", (d / "train.log").read_text()
+    outputs = vm.home / default_output_dir(INSTALLATION, 7).removeprefix("~/")
+    tried = json.loads((outputs / "attack.json").read_text())
+    # Then it ran as J, wrote its own outputs, progress and temp files
+    assert tried.pop("uid") == accounts.job_uid
+    for own in ("write own output", "write progress", "write tmpdir"):
+        assert tried.pop(own) == "done", own
+    # And everything of the scheduler's was refused: S's startup files (nothing it can
+    # change runs for S's commands, `job pull`'s tar included), the attempt's control
+    # files, the store credentials and the VM's env file, a signal to the wrapper
+    assert {what: how for what, how in tried.items() if how == "done"} == {}
+    assert (vm.home / ".bashrc").read_text() == "# S's own\n"
+    assert not (vm.home / "evil").exists()
+    for name in CONTROL:
+        assert not (d / f"{name}.evil").exists()
+    assert (d / "exit_code").read_text() == "0\n"
+    assert (d / "progress.json").is_symlink()
+    # And the scheduler's account reads what the job made (what `job pull` sends)
+    pulled = await transport.run(
+        vm.target, f"{tar_command(spec.output_dir, None)} | tar -tf -", timeout=20
+    )
+    assert pulled.exit_status == 0, pulled.stderr
+    assert {"./attack.json", "./own.txt"} <= set(pulled.stdout.split())
+    read = await transport.run(vm.target, f'cat "{d}/{JOB_DIR}/tmp/t"', timeout=20)
+    assert read.exit_status == 0 and "evil" in read.stdout, read.stderr
+
+
+def _live(uid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+async def test_cancel_stops_every_process_of_a_job_user_attempt(
+    vm: SshdVM, accounts: JobUserAccounts, transport: SSHTransport
+) -> None:
+    # Given a job running as J that also left its process group (a child in a session
+    # of its own, as a careless or hostile job may)
+    spec = _spec(vm, accounts.job, str(FAKE_TRAIN), "--fake_seconds", "120", "--fake_setsid_child")
+    d = await _launch(transport, vm, spec)
+    outputs = vm.home / default_output_dir(INSTALLATION, 7).removeprefix("~/")
+    deadline = time.monotonic() + 20
+    while not (outputs / "setsid_child.pid").exists():
+        assert time.monotonic() < deadline, (d / "train.log").read_text()
+        await asyncio.sleep(0.1)
+    assert _live(accounts.job_uid), "the job does not run as J"
+    # When the scheduler cancels it (the kill every cancel, fence and sweep uses)
+    target = vm.target.__class__(**{**vm.target.__dict__, "job_user": accounts.job})
+    result = await kill_attempt(transport, target, spec.run.located(str(d)), grace_s=5)
+    # Then every process of J's is gone, the one outside the group too
+    assert result.dead, result
+    deadline = time.monotonic() + 10
+    while _live(accounts.job_uid):
+        assert time.monotonic() < deadline, f"J's processes outlived the cancel: {result}"
+        await asyncio.sleep(0.1)
