@@ -71,10 +71,10 @@ class VMSpec:
             raise BadInput("--host must not be empty")
         if any(c.isspace() for c in self.host):
             raise BadInput(f"invalid host {self.host!r}: it contains whitespace")
-        if self.internal_address is not None:
-            check_text(self.internal_address, "--internal-address", column=VM.internal_address)
         if self.job_user is not None:
             check_job_user_input(self.job_user)
+        if self.internal_address is not None:
+            check_text(self.internal_address, "--internal-address", column=VM.internal_address)
             if not self.internal_address.strip() or any(c.isspace() for c in self.internal_address):
                 raise BadInput(
                     f"invalid internal address {self.internal_address!r}: it must be a "
