@@ -151,6 +151,38 @@ def setup_lines(job_user: str | None, output_dir: str) -> list[str]:
     ]
 
 
+ROLE_NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+"""A group role's name as `scheduler.remote.logs` accepts one (`<role>.log`)."""
+
+
+def group_lines(job_user: str | None, config: dict[str, Any] | None, group_file: str) -> list[str]:
+    """For a job group's attempt with a job user: the supervisor runs as J, so it gets its
+    own copy of `group_file` (the name of the attempt's `group.json`) in `$d/job`, where
+    it writes `roles.json` and each role's log; `$d/roles.json` and `$d/<role>.log` are
+    S's links to them, which the poll and `job logs` read (bounded) as before."""
+    if job_user is None or config is None:
+        return []
+    lines = [
+        '[ -n "$rlfleet_jerr" ] || {',
+        f'  cp "$d/{group_file}" "$d/{JOB_DIR}/{group_file}"',
+        f'  ln -sfn {JOB_DIR}/roles.json "$d/roles.json"',
+    ]
+    for role in config.get("roles", []):
+        name = role.get("name") if isinstance(role, dict) else None
+        if isinstance(name, str) and ROLE_NAME_RE.fullmatch(name):
+            log = shlex.quote(f"{name}.log")
+            lines.append(f'  ln -sfn {JOB_DIR}/{log} "$d"/{log}')
+    return [*lines, "}"]
+
+
+def group_file_word(job_user: str | None, group_file: str) -> str:
+    """The shell word of the `group.json` the supervisor reads (its directory is where
+    it writes): the attempt's, or J's copy of it."""
+    if job_user is None:
+        return f'"$d/{group_file}"'
+    return f'"$d/{JOB_DIR}/{group_file}"'
+
+
 def failed_lines(job_user: str | None) -> list[str]:
     """First lines of the wrapper's check of the VM (a subshell): it fails (exit 127,
     saying why) when `setup_lines` could not set the job user up."""

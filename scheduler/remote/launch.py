@@ -229,6 +229,9 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "trap 'rlfleet_sig=HUP' HUP",
             *watchdog_lines(spec.fence_after_s, spec.fence_grace_s, spec.run, spec.job_user),
             *jobuser.setup_lines(spec.job_user, home_path(spec.output_dir)),
+            *jobuser.group_lines(
+                spec.job_user, spec.group.config if spec.group else None, GROUP_FILE
+            ),
             *_cd_lines(spec),
             'echo "rlfleet: attempt started on $(hostname) at $(date -u +%FT%TZ)'
             f' CUDA_VISIBLE_DEVICES="{shlex.quote(visible_devices(spec))}',
@@ -336,7 +339,8 @@ def _check_words(spec: LaunchSpec) -> list[str]:
 
 def supervisor_words(spec: LaunchSpec) -> list[str]:
     """The command of a job group's attempt: the supervisor with its `group.json`."""
-    return [shlex.quote(spec.python), "-u", f'"$d/{SUPERVISOR_FILE}"', f'"$d/{GROUP_FILE}"']
+    group = jobuser.group_file_word(spec.job_user, GROUP_FILE)
+    return [shlex.quote(spec.python), "-u", f'"$d/{SUPERVISOR_FILE}"', group]
 
 
 def supervisor_source() -> str:

@@ -20,6 +20,7 @@ from scheduler.remote.jobuser import JOB_DIR
 from scheduler.remote.launch import LaunchSpec, launch_input, launch_script, parse_launch
 from scheduler.remote.layout import Attempt, default_output_dir, new_token
 from scheduler.remote.pull import tar_command
+from scheduler.remote.rendezvous import GroupLaunch
 from scheduler.transport import SSHTransport
 from tests.fleet import FAKE_TRAIN
 from tests.sshd import JobUserAccounts, SshdFleet, SshdVM, searchable_root
@@ -235,3 +236,46 @@ async def test_cancel_stops_every_process_of_a_job_user_attempt(
     while _live(accounts.job_uid):
         assert time.monotonic() < deadline, f"J's processes outlived the cancel: {result}"
         await asyncio.sleep(0.1)
+
+
+ROLE = r"""
+import os, sys
+with open(os.path.join(sys.argv[1], "role.txt"), "w") as f:
+    f.write(str(os.getuid()))
+print("role done")
+"""
+
+
+async def test_a_group_supervisor_and_its_roles_run_as_the_job_user(
+    vm: SshdVM, accounts: JobUserAccounts, transport: SSHTransport
+) -> None:
+    # Given a job group's attempt (its supervisor and one role) on a VM with a job user
+    role = vm.root.parent.parent / "role.py"
+    role.write_text(ROLE)
+    outputs = vm.home / default_output_dir(INSTALLATION, 7).removeprefix("~/")
+    config = {
+        "roles": [
+            {
+                "name": "work",
+                "argv": [VM_PYTHON, str(role), str(outputs)],
+                "env": {},
+                "primary": True,
+                "depends_on": [],
+                "live": False,
+            }
+        ],
+        "checks": {},
+        "env": {},
+        "grace_s": 2,
+        "stop_grace_s": 2,
+    }
+    spec = _spec(vm, accounts.job, str(FAKE_TRAIN), group=GroupLaunch(config, False))
+    d = await _launch(transport, vm, spec)
+    # Then it ends well, its role ran as J, and what the supervisor wrote (as J) is read
+    # by the scheduler's account through S's links
+    assert await _exit_code(d) == "0", (d / "train.log").read_text()
+    assert (outputs / "role.txt").read_text() == str(accounts.job_uid)
+    read = await transport.run(vm.target, f'cat "{d}/roles.json" "{d}/work.log"', timeout=20)
+    assert read.exit_status == 0, read.stderr
+    assert '"work"' in read.stdout and "role done" in read.stdout
+    assert (d / "roles.json").is_symlink() and (d / "work.log").is_symlink()
