@@ -121,7 +121,7 @@ def progress_dir(job_user: str | None) -> str:
     return '"$d"' if job_user is None else f'"$d/{JOB_DIR}"'
 
 
-def setup_lines(job_user: str | None, output_dir: str) -> list[str]:
+def setup_lines(job_user: str | None, output_dir: str, work_dir: str | None = None) -> list[str]:
     """Wrapper lines (as S, before training) that make `$d/job` and the output directory
     (a shell word) J's to write, and the attempt's directories J's to search. They check
     first that S is not J and that sudo to J works: otherwise `rlfleet_jerr` says why, and
@@ -147,7 +147,23 @@ def setup_lines(job_user: str | None, output_dir: str) -> list[str]:
         "  done",
         f"  chgrp {j} {output_dir}/.. 2>/dev/null && chmod g+x,g-w {output_dir}/.. 2>/dev/null",
         f'  ln -sfn {JOB_DIR}/progress.json "$d/progress.json"',
+        *_work_lines(j, work_dir),
         "fi",
+    ]
+
+
+def _work_lines(j: str, work_dir: str | None) -> list[str]:
+    """The attempt's copy of the job's workdir (`work_dir`, relative to `$d`), made by
+    the launch as S, becomes J's to write: moved into `$d/job` (S's link to it stays where
+    the wrapper and the job look for it), group J, group-writable."""
+    if work_dir is None:
+        return []
+    w = shlex.quote(work_dir)
+    return [
+        f'  if [ -d "$d"/{w} ] && [ ! -L "$d"/{w} ]; then',
+        f'    mv "$d"/{w} "$d/{JOB_DIR}"/{w} && ln -s {JOB_DIR}/{w} "$d"/{w}',
+        f'    chgrp -R {j} "$d/{JOB_DIR}"/{w} && chmod -R g+rwX "$d/{JOB_DIR}"/{w}',
+        "  fi",
     ]
 
 

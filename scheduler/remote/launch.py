@@ -228,7 +228,9 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "trap 'rlfleet_sig=INT' INT",
             "trap 'rlfleet_sig=HUP' HUP",
             *watchdog_lines(spec.fence_after_s, spec.fence_grace_s, spec.run, spec.job_user),
-            *jobuser.setup_lines(spec.job_user, home_path(spec.output_dir)),
+            *jobuser.setup_lines(
+                spec.job_user, home_path(spec.output_dir), WORK_DIR if spec.workdir else None
+            ),
             *jobuser.group_lines(
                 spec.job_user, spec.group.config if spec.group else None, GROUP_FILE
             ),

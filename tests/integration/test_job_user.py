@@ -21,6 +21,7 @@ from scheduler.remote.launch import LaunchSpec, launch_input, launch_script, par
 from scheduler.remote.layout import Attempt, default_output_dir, new_token
 from scheduler.remote.pull import tar_command
 from scheduler.remote.rendezvous import GroupLaunch
+from scheduler.remote.workdir import cache_dir
 from scheduler.transport import SSHTransport
 from tests.fleet import FAKE_TRAIN
 from tests.sshd import JobUserAccounts, SshdFleet, SshdVM, searchable_root
@@ -279,3 +280,39 @@ async def test_a_group_supervisor_and_its_roles_run_as_the_job_user(
     assert read.exit_status == 0, read.stderr
     assert '"work"' in read.stdout and "role done" in read.stdout
     assert (d / "roles.json").is_symlink() and (d / "work.log").is_symlink()
+
+
+WORKER = r"""
+import os, sys
+import helper  # from the job's workdir, first on PYTHONPATH
+with open("helper.py", "a") as f:  # its working copy: the job's to change
+    f.write("# changed by the job\n")
+out = sys.argv[sys.argv.index("--output_dir") + 1]
+with open(os.path.join(out, "cwd.txt"), "w") as f:
+    f.write(os.getcwd() + "\n" + helper.NAME)
+"""
+
+
+async def test_a_job_user_writes_its_own_working_copy_of_the_workdir(
+    vm: SshdVM, accounts: JobUserAccounts, transport: SSHTransport
+) -> None:
+    # Given a workdir cached on the VM (S's, as `ensure_workdir` leaves it)
+    digest = "ab" * 32
+    cache = vm.home / cache_dir(INSTALLATION, digest)
+    cache.mkdir(parents=True)
+    (cache / "helper.py").write_text("NAME = 'from the workdir'\n")
+    (cache / "worker.py").write_text(WORKER)
+    for path in [*cache.parents, cache, *cache.rglob("*")]:
+        if path.is_relative_to(vm.home) and path != vm.home:
+            os.chown(path, accounts.login_uid, accounts.login_uid)
+    # When a job with that workdir runs as J
+    spec = _spec(vm, accounts.job, "worker.py", workdir=digest)
+    d = await _launch(transport, vm, spec)
+    assert await _exit_code(d) == "0", (d / "train.log").read_text()
+    # Then it ran in its own copy, and changed it; the cache is untouched
+    outputs = vm.home / default_output_dir(INSTALLATION, 7).removeprefix("~/")
+    cwd, name = (outputs / "cwd.txt").read_text().split("\n")
+    assert name == "from the workdir"
+    assert Path(cwd).resolve() == (d / JOB_DIR / "work").resolve()
+    assert (d / JOB_DIR / "work" / "helper.py").read_text().endswith("# changed by the job\n")
+    assert "changed" not in (cache / "helper.py").read_text()
