@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from scheduler.kill import kill_attempt
-from scheduler.remote.jobuser import JOB_DIR
+from scheduler.remote.jobuser import JOB_DIR, ready_check
 from scheduler.remote.launch import LaunchSpec, launch_input, launch_script, parse_launch
 from scheduler.remote.layout import Attempt, default_output_dir, new_token
 from scheduler.remote.pull import tar_command
@@ -316,3 +316,24 @@ async def test_a_job_user_writes_its_own_working_copy_of_the_workdir(
     assert Path(cwd).resolve() == (d / JOB_DIR / "work").resolve()
     assert (d / JOB_DIR / "work" / "helper.py").read_text().endswith("# changed by the job\n")
     assert "changed" not in (cache / "helper.py").read_text()
+
+
+async def test_a_vm_where_sudo_to_the_job_user_fails_cannot_start_training(
+    vm: SshdVM, accounts: JobUserAccounts, transport: SSHTransport
+) -> None:
+    # Given a VM whose job user S has no sudo rule for (`nobody`)
+    spec = _spec(vm, "nobody", str(FAKE_TRAIN))
+    # When an attempt is launched there
+    d = await _launch(transport, vm, spec)
+    # Then training never starts: the wrapper's own check says the VM cannot start it
+    # (127 and `cannot_start`, the VM's fault, not the job's) and why
+    assert await _exit_code(d) == "127"
+    assert (d / "cannot_start").read_text().strip() == "127"
+    assert "sudo -n -u nobody does not work" in (d / "train.log").read_text()
+    assert not (d / JOB_DIR).exists()
+    # And the poll's readiness check fails the same way until sudo works
+    target = vm.target.__class__(**{**vm.target.__dict__, "job_user": "nobody"})
+    checked = await transport.run(target, ready_check(target, "true"), timeout=20)
+    assert checked.exit_status == 127 and "does not work" in checked.stdout
+    good = vm.target.__class__(**{**vm.target.__dict__, "job_user": accounts.job})
+    assert (await transport.run(good, ready_check(good, "true"), timeout=20)).exit_status == 0
