@@ -337,3 +337,29 @@ async def test_a_vm_where_sudo_to_the_job_user_fails_cannot_start_training(
     assert checked.exit_status == 127 and "does not work" in checked.stdout
     good = vm.target.__class__(**{**vm.target.__dict__, "job_user": accounts.job})
     assert (await transport.run(good, ready_check(good, "true"), timeout=20)).exit_status == 0
+
+
+async def test_a_fence_stops_every_process_of_a_job_user_attempt(
+    vm: SshdVM, accounts: JobUserAccounts, transport: SSHTransport
+) -> None:
+    # Given a job running as J, with a child outside its process group, whose lease is
+    # never renewed (the scheduler lost contact with the VM)
+    spec = _spec(
+        vm,
+        accounts.job,
+        str(FAKE_TRAIN),
+        "--fake_seconds",
+        "120",
+        "--fake_setsid_child",
+        fence_after_s=2,
+        fence_grace_s=2,
+    )
+    d = await _launch(transport, vm, spec)
+    # When the watchdog fences it
+    await _exit_code(d, timeout=40)
+    assert (d / "fenced_reason").is_file(), (d / "train.log").read_text()
+    # Then none of J's processes is left, the one outside the group included
+    deadline = time.monotonic() + 15
+    while _live(accounts.job_uid):
+        assert time.monotonic() < deadline, (d / "train.log").read_text()
+        await asyncio.sleep(0.2)
