@@ -199,6 +199,15 @@ def group_file_word(job_user: str | None, group_file: str) -> str:
     return f'"$d/{JOB_DIR}/{group_file}"'
 
 
+def restored_lines(job_user: str | None, store: str | None, output_dir: str) -> list[str]:
+    """After the store agent (as S) restored a checkpoint into the output directory (a
+    shell word): what it wrote becomes J's to change too (group J by the directory's
+    setgid; here group-writable), so training can resume from it and rotate it away."""
+    if job_user is None or store is None:
+        return []
+    return [f"  chmod -R g+rwX {output_dir} 2>/dev/null"]
+
+
 def failed_lines(job_user: str | None) -> list[str]:
     """First lines of the wrapper's check of the VM (a subshell): it fails (exit 127,
     saying why) when `setup_lines` could not set the job user up."""

@@ -256,6 +256,7 @@ def wrapper_script(spec: LaunchSpec) -> str:
             f'  echo "$rc" > "$d/{CANNOT_START_FILE}"',
             'elif [ "$rc" -eq 0 ]; then',
             *("  " + line for line in _store_before(spec)),
+            *jobuser.restored_lines(spec.job_user, spec.store, home_path(spec.output_dir)),
             # The training in a subshell: the command and the scheduler's variables first
             # (the loader skips their names), then the job's environment, then exec.
             "  (",

@@ -363,3 +363,30 @@ async def test_a_fence_stops_every_process_of_a_job_user_attempt(
     while _live(accounts.job_uid):
         assert time.monotonic() < deadline, (d / "train.log").read_text()
         await asyncio.sleep(0.2)
+
+
+async def test_a_job_users_outputs_reach_its_store_through_the_schedulers_agent(
+    vm: SshdVM, accounts: JobUserAccounts, transport: SSHTransport
+) -> None:
+    # Given a store only S can write (its agent runs as S, with S's credentials)
+    store = vm.root / "store"
+    store.mkdir(mode=0o700)
+    os.chown(store, accounts.login_uid, accounts.login_uid)
+    env_file = vm.home / ".rlfleet" / "env"
+    env_file.write_text(f"PYTHONPATH={Path(__file__).resolve().parents[2]}\n")  # the agent
+    # When a job runs to its end as J (the attacker: it writes two output files)
+    spec = _spec(
+        vm,
+        accounts.job,
+        str(vm.root.parent.parent / "attacker.py"),
+        env=[("ATTACK_S_HOME", str(vm.home))],
+        store=f"file://{store}",
+    )
+    d = await _launch(transport, vm, spec)
+    assert await _exit_code(d, timeout=60) == "0", (d / "train.log").read_text()
+    # Then S's agent read J's output directory and made the final upload; its status file
+    # is S's
+    names = {p.name for p in store.rglob("*")}
+    assert {"final.json", "attack.json", "own.txt"} <= names, sorted(names)
+    assert not (d / "store_error").exists(), (d / "train.log").read_text()
+    assert (d / "store.json").stat().st_uid == accounts.login_uid
