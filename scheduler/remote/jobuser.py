@@ -201,11 +201,13 @@ def group_file_word(job_user: str | None, group_file: str) -> str:
 
 def restored_lines(job_user: str | None, store: str | None, output_dir: str) -> list[str]:
     """After the store agent (as S) restored a checkpoint into the output directory (a
-    shell word): what it wrote becomes J's to change too (group J by the directory's
-    setgid; here group-writable), so training can resume from it and rotate it away."""
+    shell word): what it wrote becomes J's to change too (group J, group-writable; what
+    S does not own, J's own files, is left as it is), so training can resume from it and
+    rotate it away."""
     if job_user is None or store is None:
         return []
-    return [f"  chmod -R g+rwX {output_dir} 2>/dev/null"]
+    j = shlex.quote(check_job_user(job_user))
+    return [f"  {{ chgrp -R {j} {output_dir}; chmod -R g+rwX {output_dir}; }} 2>/dev/null"]
 
 
 def failed_lines(job_user: str | None) -> list[str]:

@@ -390,3 +390,34 @@ async def test_a_job_users_outputs_reach_its_store_through_the_schedulers_agent(
     assert {"final.json", "attack.json", "own.txt"} <= names, sorted(names)
     assert not (d / "store_error").exists(), (d / "train.log").read_text()
     assert (d / "store.json").stat().st_uid == accounts.login_uid
+
+
+ROTATE = r"""
+import os, shutil, sys
+out = sys.argv[sys.argv.index("--output_dir") + 1]
+shutil.rmtree(os.path.join(out, "checkpoint-1"))  # as a trainer's save_total_limit does
+"""
+
+
+async def test_a_job_user_may_rotate_away_a_checkpoint_its_agent_restored(
+    vm: SshdVM, accounts: JobUserAccounts, transport: SSHTransport
+) -> None:
+    # Given a job with a store whose output directory holds a checkpoint S's agent wrote
+    # (a restore runs as S, before training)
+    store = vm.root / "store"
+    store.mkdir(mode=0o700)
+    os.chown(store, accounts.login_uid, accounts.login_uid)
+    (vm.home / ".rlfleet" / "env").write_text(f"PYTHONPATH={Path(__file__).resolve().parents[2]}\n")
+    outputs = vm.home / default_output_dir(INSTALLATION, 7).removeprefix("~/")
+    (outputs / "checkpoint-1").mkdir(parents=True)
+    (outputs / "checkpoint-1" / "weights.bin").write_bytes(b"w" * 100)
+    for path in (vm.home / ".rlfleet").rglob("*"):
+        os.chown(path, accounts.login_uid, accounts.login_uid)
+    rotate = vm.root.parent.parent / "rotate.py"
+    rotate.write_text(ROTATE)
+    # When the job, as J, removes that checkpoint (a trainer's rotation)
+    spec = _spec(vm, accounts.job, str(rotate), store=f"file://{store}")
+    d = await _launch(transport, vm, spec)
+    # Then it may: what S restored is the job's to change
+    assert await _exit_code(d, timeout=60) == "0", (d / "train.log").read_text()
+    assert not (outputs / "checkpoint-1").exists()
