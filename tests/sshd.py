@@ -308,7 +308,10 @@ class JobUserAccounts:
             # '*': no password, yet not locked (sshd without PAM refuses a locked account).
             _run("useradd", "-M", "-d", "/nonexistent", "-s", "/bin/sh", "-p", "*", "-U", self.job)
             self._made.append(self.job)
-            _run("useradd", "-M", "-d", "/nonexistent", "-s", "/bin/sh", "-p", "*", "-U",
+            # S's shell is bash, which reads ~/.bashrc for the commands sshd runs: what a
+            # job would have to change to make S's commands (`job pull`'s tar) its own.
+            shell = "/bin/bash" if Path("/bin/bash").exists() else "/bin/sh"
+            _run("useradd", "-M", "-d", "/nonexistent", "-s", shell, "-p", "*", "-U",
                  "-G", self.job, self.login)  # fmt: skip
             self._made.append(self.login)
             draft = self.sudoers.with_name(f"draft-{tag}")  # sudo skips names with a '.'

@@ -32,6 +32,8 @@ INSTALLATION = "00000000-0000-4000-8000-00000000beef"
 VM_PYTHON = "/usr/bin/python3"
 """The VM's python: one S and J may run (this venv's is under root's 0700 home)."""
 SECRET = "aws_secret_access_key = rlfleet-test-secret\n"
+BASHRC = 'echo read >> "$HOME/.bashrc-read"\n'
+"""S's own ~/.bashrc: it notes that bash read it (for the commands sshd runs)."""
 
 ATTACKER = r'''
 """A hostile job: tries what docs/security.md says a job with a job user cannot do."""
@@ -105,7 +107,7 @@ def vm(accounts: JobUserAccounts) -> Iterator[SshdVM]:
             (home / path).parent.mkdir(mode=0o700, exist_ok=True)
             (home / path).write_text(text)
             (home / path).chmod(0o600)
-        (home / ".bashrc").write_text("# S's own\n")
+        (home / ".bashrc").write_text(BASHRC)
         (home / ".bashrc").chmod(0o644)
         for path in home.rglob("*"):
             os.chown(path, accounts.login_uid, accounts.login_uid)
@@ -187,7 +189,7 @@ async def test_a_job_user_cannot_reach_what_is_the_schedulers(
     # change runs for S's commands, `job pull`'s tar included), the attempt's control
     # files, the store credentials and the VM's env file, a signal to the wrapper
     assert {what: how for what, how in tried.items() if how == "done"} == {}
-    assert (vm.home / ".bashrc").read_text() == "# S's own\n"
+    assert (vm.home / ".bashrc").read_text() == BASHRC
     assert not (vm.home / "evil").exists()
     for name in CONTROL:
         assert not (d / f"{name}.evil").exists()
@@ -199,6 +201,8 @@ async def test_a_job_user_cannot_reach_what_is_the_schedulers(
     )
     assert pulled.exit_status == 0, pulled.stderr
     assert {"./attack.json", "./own.txt"} <= set(pulled.stdout.split())
+    if Path("/bin/bash").exists():  # S's commands read S's ~/.bashrc, which J cannot change
+        assert (vm.home / ".bashrc-read").is_file()
     read = await transport.run(vm.target, f'cat "{d}/{JOB_DIR}/tmp/t"', timeout=20)
     assert read.exit_status == 0 and "evil" in read.stdout, read.stderr
 
