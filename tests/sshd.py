@@ -292,9 +292,12 @@ class JobUserAccounts:
     scheduler logs in as, a member of J's group; J (`job`), the jobs' account, with no
     home (its jobs get `$d/job`); and the sudoers drop-in `S ALL=(J) NOPASSWD: ALL`,
     checked with `visudo -c`. Needs root (useradd); `close` kills what runs as either
-    account (only they ever ran as these fresh uids), deletes both and the drop-in."""
+    account (only they ever ran as these fresh uids), deletes both and the drop-in.
 
-    def __init__(self) -> None:
+    `by_bootstrap`: only S is made, with sudo to root, for deploy/bootstrap-vm.sh
+    `--job-user` to make J and its rule itself (`close` deletes what it made too)."""
+
+    def __init__(self, *, by_bootstrap: bool = False) -> None:
         if os.geteuid() != 0:
             pytest.skip("creating the accounts of a job user needs root")
         require_program(SUDO, "sudo", "sudo")
@@ -304,35 +307,50 @@ class JobUserAccounts:
         self.login, self.job = f"rls{tag}", f"rlj{tag}"
         self.sudoers = Path(f"/etc/sudoers.d/rlfleet-test-{tag}")
         self._made: list[str] = []
+        self.by_bootstrap = by_bootstrap
         try:
             # '*': no password, yet not locked (sshd without PAM refuses a locked account).
-            _run("useradd", "-M", "-d", "/nonexistent", "-s", "/bin/sh", "-p", "*", "-U", self.job)
+            if not by_bootstrap:
+                _run("useradd", "-M", "-d", "/nonexistent", "-s", "/bin/sh", "-p", "*", "-U",
+                     self.job)  # fmt: skip
             self._made.append(self.job)
             # S's shell is bash, which reads ~/.bashrc for the commands sshd runs: what a
             # job would have to change to make S's commands (`job pull`'s tar) its own.
             shell = "/bin/bash" if Path("/bin/bash").exists() else "/bin/sh"
+            groups = [] if by_bootstrap else ["-G", self.job]
             _run("useradd", "-M", "-d", "/nonexistent", "-s", shell, "-p", "*", "-U",
-                 "-G", self.job, self.login)  # fmt: skip
+                 *groups, self.login)  # fmt: skip
             self._made.append(self.login)
-            draft = self.sudoers.with_name(f"draft-{tag}")  # sudo skips names with a '.'
-            draft.write_text(f"{self.login} ALL=({self.job}) NOPASSWD: ALL\n")
+            draft = self.sudoers.with_name(f"rlfleet-test-{tag}.draft")  # sudo skips '.'
+            runas = "root" if by_bootstrap else self.job
+            draft.write_text(f"{self.login} ALL=({runas}) NOPASSWD: ALL\n")
             draft.chmod(0o440)
             _run("visudo", "-c", "-q", "-f", str(draft))
             draft.rename(self.sudoers)
         except BaseException:
             self.close()
             raise
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the accounts' uids and J's group (J: once it exists)."""
         import pwd
 
         self.login_uid = pwd.getpwnam(self.login).pw_uid
-        self.job_uid = pwd.getpwnam(self.job).pw_uid
-        self.job_gid = pwd.getpwnam(self.job).pw_gid
+        try:
+            self.job_uid = pwd.getpwnam(self.job).pw_uid
+            self.job_gid = pwd.getpwnam(self.job).pw_gid
+        except KeyError:
+            self.job_uid = self.job_gid = -1
 
     def own_home(self, home: Path) -> None:
         """Make `home` S's home: S's, group J, mode 0710 (J may search it, as
         bootstrap-vm.sh sets it; nothing more); each directory above must be searchable."""
-        os.chown(home, self.login_uid, self.job_gid)
-        home.chmod(0o710)
+        if self.job_gid >= 0:
+            os.chown(home, self.login_uid, self.job_gid)
+            home.chmod(0o710)
+        else:  # bootstrap-vm.sh --job-user sets its group and mode
+            os.chown(home, self.login_uid, self.login_uid)
         usermod = ["usermod", "-d", str(home), self.login]
         _run(*usermod)
 
@@ -352,12 +370,16 @@ class JobUserAccounts:
     def close(self) -> None:
         """Kill what runs as S or J, delete both accounts and the sudoers drop-in."""
         self.sudoers.unlink(missing_ok=True)
+        Path(f"/etc/sudoers.d/rlfleet-job-user-{self.login}").unlink(missing_ok=True)
         for _ in range(3):
             for pid in self.processes():
                 _safe_kill(pid, signal.SIGKILL)
             time.sleep(0.1)
         for name in reversed(self._made):
-            subprocess.run(["userdel", name], capture_output=True, stdin=subprocess.DEVNULL)
+            remove = ["-r"] if self.by_bootstrap and name == self.job else []  # its /home
+            subprocess.run(
+                ["userdel", *remove, name], capture_output=True, stdin=subprocess.DEVNULL
+            )
         self._made.clear()
 
 

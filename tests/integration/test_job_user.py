@@ -425,3 +425,57 @@ async def test_a_job_user_may_rotate_away_a_checkpoint_its_agent_restored(
     # Then it may: what S restored is the job's to change
     assert await _exit_code(d, timeout=60) == "0", (d / "train.log").read_text()
     assert not (outputs / "checkpoint-1").exists()
+
+
+async def test_bootstrap_sets_a_job_user_up_and_jobs_then_run_as_it(
+    transport: SSHTransport,
+) -> None:
+    # Given a VM whose login S may sudo to root (once), and no job user yet
+    accounts = JobUserAccounts(by_bootstrap=True)
+    root = searchable_root("rlfleet-bootstrap-")
+    fleet = SshdFleet(root / "fleet", accounts)
+    (root / "fleet").chmod(0o711)
+    try:
+        vm = fleet.add_vm("boot")
+        (vm.home / ".aws").mkdir()
+        (vm.home / ".aws" / "credentials").write_text(SECRET)
+        for path in [vm.home / ".aws", vm.home / ".aws" / "credentials"]:
+            os.chown(path, accounts.login_uid, accounts.login_uid)
+        (vm.home / ".aws" / "credentials").chmod(0o644)  # too open: the script tightens it
+        public = vm.known_hosts_path.read_text().split()[1:3]
+        (root / "host_key.pub").write_text(" ".join(public) + "\n")
+        script = (Path(__file__).resolve().parents[2] / "deploy" / "bootstrap-vm.sh").read_text()
+        args = (
+            f"--venv rlfleet-venv --no-install --allow-no-gpu --python {VM_PYTHON}"
+            f" --host-key {root / 'host_key.pub'} --hostname 127.0.0.1 --port {vm.port}"
+            f" --job-user {accounts.job}"
+        )
+        # When bootstrap-vm.sh --job-user runs there as S
+        result = await transport.run(vm.target, f"bash -s -- {args}", timeout=120, input=script)
+        assert result.exit_status == 0, result.stdout + result.stderr
+        accounts.refresh()
+        # Then J exists, S may start anything as J without a password (and no more), S's home
+        # is searchable (only) by group J, and the credentials are S's alone
+        assert accounts.job_uid > 0
+        assert f"--job-user {accounts.job}" in result.stdout
+        rule = Path(f"/etc/sudoers.d/rlfleet-job-user-{accounts.login}")
+        assert f"{accounts.login} ALL=({accounts.job}) NOPASSWD: ALL" in rule.read_text()
+        assert rule.stat().st_mode & 0o777 == 0o440 and rule.stat().st_uid == 0
+        home = vm.home.stat()
+        assert home.st_gid == accounts.job_gid and home.st_mode & 0o070 == 0o010
+        assert (vm.home / ".aws" / "credentials").stat().st_mode & 0o777 == 0o600
+        # And a job launched there (over a new login, with S now in group J) runs as J
+        await transport.close()
+        spec = _spec(vm, accounts.job, str(FAKE_TRAIN), "--max_steps", "2")
+        d = await _launch(transport, vm, spec)
+        assert await _exit_code(d) == "0", (d / "train.log").read_text()
+        assert (d / JOB_DIR / "progress.json").stat().st_uid == accounts.job_uid
+        # And a bad --job-user is a usage error (exit 2), before anything changes
+        bad = await transport.run(
+            vm.target, "bash -s -- --no-install --job-user 'Bad Name'", timeout=60, input=script
+        )
+        assert bad.exit_status == 2 and "POSIX user name" in bad.stderr
+    finally:
+        fleet.close()
+        accounts.close()
+        shutil.rmtree(root, ignore_errors=True)
