@@ -347,10 +347,18 @@ def check_job_user_input(name: str) -> str:
 
 async def set_job_user(session: AsyncSession, name: str, job_user: str | None) -> VM:
     """Set (or, with None, clear) the job user of VM `name`: the next launches and kills
-    on it use it; attempts running now go on as they were started."""
+    on it use it. Refused (`BadInput`) while a job runs on the VM."""
     if job_user is not None:
         check_job_user_input(job_user)
     vm = await get_vm(session, name)
+    running = await live_job_count(session, vm.id) if vm.job_user != job_user else 0
+    if running:
+        # A kill signals J's processes as the VM's job user at the time: changing it under
+        # a running attempt would leave some of that attempt's processes out of reach.
+        raise BadInput(
+            f"VM {name!r} runs {running} job(s): drain it (`rlfleet vm drain {name}`) and "
+            "change its job user once they have ended"
+        )
     vm.job_user = job_user
     await session.flush()
     return vm

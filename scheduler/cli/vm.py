@@ -162,8 +162,8 @@ def add(
 def set_(
     ctx: CliContext, name: str, job_user: str | None, no_job_user: bool, as_json: bool
 ) -> None:
-    """Change VM NAME without removing it. Attempts running now go on as they were
-    started; change the job user of a drained VM with no job."""
+    """Change VM NAME without removing it. Its job user changes only while no job runs
+    there: drain it first."""
     if job_user is not None and no_job_user:
         raise BadInput("give --job-user NAME or --no-job-user, not both")
     if job_user is None and not no_job_user:
