@@ -9,14 +9,7 @@ import json
 import pytest
 
 from tests.acceptance.test_cli import snapshot
-from tests.acceptance.test_cli_input import (
-    SUBMIT,
-    add_polled_vm,
-    assert_one_line,
-    env,
-    rlfleet,
-    sql,
-)
+from tests.acceptance.test_cli_input import assert_one_line, env, rlfleet
 
 __all__ = ["env"]  # the fixture, imported for this module's tests
 
@@ -66,4 +59,3 @@ def test_a_bad_job_user_is_exit_2_one_line_and_changes_nothing(
     before = snapshot(env["RLFLEET_DATABASE_URL"])
     assert_one_line(rlfleet(env, *args), 2, message)
     assert snapshot(env["RLFLEET_DATABASE_URL"]) == before
-
