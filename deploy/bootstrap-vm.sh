@@ -156,8 +156,9 @@ if [ -n "$JOB_USER" ]; then
   $AS_ROOT usermod -a -G "$JOB_USER" "$ME" || die "could not add $ME to the group $JOB_USER"
   RULE="/etc/sudoers.d/rlfleet-job-user-$ME"  # sudo skips drop-ins whose name has a '.'
   DRAFT="$(mktemp)"
-  printf '# rlfleet: %s starts jobs as %s (deploy/bootstrap-vm.sh --job-user)\n%s ALL=(%s) NOPASSWD: ALL\n' \
-    "$ME" "$JOB_USER" "$ME" "$JOB_USER" > "$DRAFT"
+  # No tty: the scheduler's commands run without one (some distributions require one).
+  printf '# rlfleet: %s starts jobs as %s (deploy/bootstrap-vm.sh --job-user)\nDefaults:%s !requiretty\n%s ALL=(%s) NOPASSWD: ALL\n' \
+    "$ME" "$JOB_USER" "$ME" "$ME" "$JOB_USER" > "$DRAFT"
   $AS_ROOT "$VISUDO" -c -q -f "$DRAFT" || { rm -f "$DRAFT"; die "visudo refused the rule for $JOB_USER"; }
   $AS_ROOT install -m 0440 -o root -g root "$DRAFT" "$RULE" || { rm -f "$DRAFT"; die "could not install $RULE"; }
   rm -f "$DRAFT"
