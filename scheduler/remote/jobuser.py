@@ -11,9 +11,12 @@ it over on a pipe, never on a command line).
 
 What J writes is `$d/job/` (`JOB_DIR`): owned by S, group J, mode 2770 (setgid, so what J
 creates there is group J) and the job runs with umask 027, so S (a member of group J) reads
-it for uploads, pulls and logs, and nobody else does. Its progress.json is there
-(`$d/progress.json` is S's link to it), its TMPDIR, and its working directory; the output
-directory gets the same group and mode. J reaches `$d/job` through the attempt's
+it for uploads, pulls and logs, and nobody else does. Its progress.json is there, its
+TMPDIR, its working directory, its working copy of the workdir (`work/`) and a group
+supervisor's `roles.json` and role logs: `$d/progress.json`, `$d/work`, `$d/roles.json`
+and `$d/<role>.log` are S's links to them, which J cannot change. The output directory
+gets the same group and mode; a checkpoint S's store agent restored there is made J's to
+change too. J reaches `$d/job` through the attempt's
 directories, which get group J and `g+x` (search only, no listing beyond what their mode
 already gives, never write).
 
