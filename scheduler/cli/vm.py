@@ -25,6 +25,12 @@ from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM
 
 vm_name_argument = click.argument("name", type=ColumnText(VM.name))
 """The NAME argument of the commands about one VM."""
+job_user_option = click.option(
+    "--job-user",
+    help="Run this VM's jobs as this Unix account, started through sudo by the SSH login "
+    "(deploy/bootstrap-vm.sh --job-user sets it up; docs/security.md).",
+)
+"""`--job-user` of `vm add` and `vm set`: checked by `fleet.check_job_user_input`."""
 
 
 @click.group("vm")
@@ -92,11 +98,7 @@ def group() -> None:
     help="Address the other nodes of a multi-node job reach this VM at (training traffic), "
     "when it differs from --host (default: --host).",
 )
-@click.option(
-    "--job-user",
-    help="Run this VM's jobs as this Unix account, started through sudo by --user "
-    "(deploy/bootstrap-vm.sh --job-user sets it up; docs/security.md).",
-)
+@job_user_option
 @json_option
 @pass_cli
 def add(
@@ -148,10 +150,7 @@ def add(
 
 @group.command("set")
 @vm_name_argument
-@click.option(
-    "--job-user",
-    help="Run the VM's jobs as this Unix account (through sudo; see `vm add --job-user`).",
-)
+@job_user_option
 @click.option(
     "--no-job-user",
     is_flag=True,
