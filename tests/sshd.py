@@ -14,6 +14,12 @@ simulated (scheduler/sim_gpu.py). `make test` installs openssh-server when it is
     fleet[0].start()        # up again: same port, same host key
     fleet.close()           # every VM stopped, every process started on it killed
 
+`SshdFleet(root, JobUserAccounts())` makes VMs whose sessions log in as a fresh non-root
+account S (their HOME is S's) beside a fresh job user J, with the sudo rule that
+deploy/bootstrap-vm.sh --job-user installs; `root` must be searchable by both
+(`searchable_root`). Creating the accounts needs root (the tests skip otherwise) and sudo
+(`make sshd` installs it); `JobUserAccounts.close` deletes them and the rule.
+
 A VM's processes are told apart by the `RLFLEET_SIM_VM`/`RLFLEET_SIM_FLEET` pair in their
 environment (tests/fleet.py `sim_processes`), so a crash only ever touches processes that
 were started on that VM, never this process and never pid 1.
