@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -132,6 +133,11 @@ class SshdVM:
         self.known_hosts_path.write_text(f"[127.0.0.1]:{self.port} {public}\n")
         if accounts is not None:
             accounts.own_home(self.home)
+            # S cannot run this process's python (under root's home): the system's runs
+            # the simulated nvidia-smi (a script of the standard library only).
+            smi = self.bin_dir / "nvidia-smi"
+            smi.write_text(smi.read_text().replace(shlex.quote(sys.executable), SYSTEM_PYTHON))
+            (root / "sim.json").chmod(0o644)
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -284,6 +290,8 @@ class SshdVM:
 
 
 SUDO = find_program("sudo", "/usr/bin/sudo")
+SYSTEM_PYTHON = "/usr/bin/python3"
+"""The python of VMs whose accounts are not this process's (`JobUserAccounts`)."""
 VISUDO = find_program("visudo", "/usr/sbin/visudo")
 USERADD = find_program("useradd", "/usr/sbin/useradd")
 

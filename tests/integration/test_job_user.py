@@ -6,6 +6,7 @@ reach what is the scheduler's on its VM."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -15,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from scheduler.db import Database
+from scheduler.fleet import add_vm, get_vm, set_job_user, vm_to_dict
+from scheduler.gpu_poller import GpuPoller
 from scheduler.kill import kill_attempt
 from scheduler.remote.jobuser import JOB_DIR, ready_check
 from scheduler.remote.launch import LaunchSpec, launch_input, launch_script, parse_launch
@@ -479,3 +483,33 @@ async def test_bootstrap_sets_a_job_user_up_and_jobs_then_run_as_it(
         fleet.close()
         accounts.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_the_poller_says_whether_sudo_to_the_job_user_works(
+    vm: SshdVM, accounts: JobUserAccounts, db: Database
+) -> None:
+    # Given the VM registered with a job user S has no sudo rule for
+    async with db.transaction() as session:
+        row = await add_vm(
+            session, dataclasses.replace(vm.spec(python=VM_PYTHON), job_user="nobody")
+        )
+        vm_id = row.id
+    transport = SSHTransport()
+    try:
+        poller = GpuPoller(db, transport)
+        # When the poller polls it, then it is unhealthy, and `vm show` says why
+        await poller.sweep()
+        async with db.transaction() as session:
+            shown = vm_to_dict(await get_vm(session, vm.name), gpus=False)
+        assert shown["status"] == "unhealthy", shown
+        assert "sudo -n -u nobody does not work" in (shown["launch_error"] or ""), shown
+        # When its job user is the one S may start jobs as, then the next poll clears it
+        async with db.transaction() as session:
+            await set_job_user(session, vm.name, accounts.job)
+        await poller.sweep()
+        async with db.transaction() as session:
+            shown = vm_to_dict(await get_vm(session, vm.name), gpus=False)
+        assert (shown["status"], shown["launch_error"]) == ("healthy", None), shown
+        assert shown["id"] == vm_id
+    finally:
+        await transport.close()
