@@ -19,16 +19,20 @@ import pytest
 from scheduler.db import Database
 from scheduler.fleet import add_vm, get_vm, set_job_user, vm_to_dict
 from scheduler.gpu_poller import GpuPoller
+from scheduler.jobs import JobSpec, insert_job, transition
 from scheduler.kill import kill_attempt
+from scheduler.pull import pull_job
 from scheduler.remote.jobuser import JOB_DIR, ready_check
 from scheduler.remote.launch import LaunchSpec, launch_input, launch_script, parse_launch
 from scheduler.remote.layout import Attempt, default_output_dir, new_token
 from scheduler.remote.pull import tar_command
 from scheduler.remote.rendezvous import GroupLaunch
 from scheduler.remote.workdir import cache_dir
+from scheduler.states import JobStatus
 from scheduler.transport import SSHTransport
 from tests.fleet import FAKE_TRAIN
 from tests.sshd import JobUserAccounts, SshdFleet, SshdVM, searchable_root
+from tests.workloads.support import current_attempt, place_rank0
 
 pytestmark = pytest.mark.slow
 
@@ -513,3 +517,46 @@ async def test_the_poller_says_whether_sudo_to_the_job_user_works(
         assert shown["id"] == vm_id
     finally:
         await transport.close()
+
+
+SAVER = r"""
+import os, sys
+out = sys.argv[sys.argv.index("--output_dir") + 1]
+os.makedirs(os.path.join(out, "checkpoint-1"))
+with open(os.path.join(out, "checkpoint-1", "model.bin"), "wb") as f:
+    f.write(b"weights of J" * 100)
+"""
+
+
+async def test_job_pull_brings_back_what_a_job_user_wrote(
+    vm: SshdVM, accounts: JobUserAccounts, db: Database, transport: SSHTransport, tmp_path: Path
+) -> None:
+    # Given a job on a VM with a job user, whose attempt (as J) saved a checkpoint
+    async with db.transaction() as session:
+        row = await add_vm(
+            session, dataclasses.replace(vm.spec(python=VM_PYTHON), job_user=accounts.job)
+        )
+        vm_id = row.id
+        job = await insert_job(session, JobSpec("m", "d", ("format",)), actor="test")
+        values = {"vm_id": vm_id, "attempt": 1, "gpu_indices": [0], "launch_token": new_token()}
+        await transition(
+            session, job.id, expected=JobStatus.QUEUED, to=JobStatus.STARTING,
+            reason="claimed", actor="test", values=values,
+        )  # fmt: skip
+        await place_rank0(session, job.id)
+        job_id = job.id
+    run = await current_attempt(db, job_id)
+    saver = vm.root.parent.parent / "saver.py"
+    saver.write_text(SAVER)
+    spec = dataclasses.replace(
+        _spec(vm, accounts.job, str(saver)),
+        run=run,
+        output_dir=default_output_dir(run.installation, job_id),
+    )
+    d = await _launch(transport, vm, spec)
+    assert await _exit_code(d) == "0", (d / "train.log").read_text()
+    # When `job pull` fetches that checkpoint (over SSH, as S)
+    dest = tmp_path / "pulled"
+    got = await pull_job(db, transport, job_id, dest, checkpoint=1)
+    # Then what J wrote came back whole
+    assert (dest / "model.bin").read_bytes() == b"weights of J" * 100, got
