@@ -170,6 +170,8 @@ def _work_lines(j: str, work_dir: str | None) -> list[str]:
     ]
 
 
+SUPERVISOR = "supervisor.py"
+"""`scheduler.remote.launch.SUPERVISOR_FILE`: the group supervisor in the attempt directory."""
 ROLE_NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 """A group role's name as `scheduler.remote.logs` accepts one (`<role>.log`)."""
 
@@ -181,9 +183,14 @@ def group_lines(job_user: str | None, config: dict[str, Any] | None, group_file:
     S's links to them, which the poll and `job logs` read (bounded) as before."""
     if job_user is None or config is None:
         return []
+    j = shlex.quote(check_job_user(job_user))
     lines = [
         '[ -n "$rlfleet_jerr" ] || {',
+        # J reads the supervisor (S's: J cannot change it) and its own copy of group.json,
+        # whatever umask made them.
+        f'  chgrp {j} "$d/{SUPERVISOR}" && chmod 0640 "$d/{SUPERVISOR}"',
         f'  cp "$d/{group_file}" "$d/{JOB_DIR}/{group_file}"',
+        f'  chmod 0640 "$d/{JOB_DIR}/{group_file}"',
         f'  ln -sfn {JOB_DIR}/roles.json "$d/roles.json"',
     ]
     for role in config.get("roles", []):

@@ -82,9 +82,14 @@ for name in ("exit_code", "pid", "lease", "fenced_reason", "store.json", "launch
 attempt("unlink progress.json link", lambda: os.unlink(os.path.join(d, "progress.json")))
 attempt("read credentials", lambda: open(os.path.join(s_home, ".aws", "credentials")).read())
 attempt("read vm env", lambda: open(os.path.join(s_home, ".rlfleet", "env")).read())
-with open(os.path.join(d, "pid")) as f:
-    wrapper = int(f.read())
+try:
+    with open(os.path.join(d, "pid")) as f:
+        wrapper = int(f.read())
+except OSError:  # not even readable (a VM tree made with umask 077): S's shell above sudo
+    with open(f"/proc/{os.getppid()}/stat") as f:
+        wrapper = int(f.read().rsplit(")", 1)[1].split()[1])
 attempt("signal wrapper", lambda: os.kill(wrapper, signal.SIGTERM))
+attempt("signal sudo", lambda: os.kill(os.getppid(), signal.SIGTERM))
 attempt("write own output", write(os.path.join(out, "own.txt")))
 attempt("write progress", write(os.environ["RLFLEET_PROGRESS_FILE"]))
 attempt("write tmpdir", write(os.path.join(os.environ["TMPDIR"], "t")))
@@ -154,9 +159,13 @@ def _spec(
     )
 
 
-async def _launch(transport: SSHTransport, vm: SshdVM, spec: LaunchSpec) -> Path:
+async def _launch(
+    transport: SSHTransport, vm: SshdVM, spec: LaunchSpec, *, umask: str = "022"
+) -> Path:
+    """Launch `spec` as the dispatcher does; `umask`: S's (077 as a VM tree kept from
+    other accounts has it)."""
     result = await transport.run(
-        vm.target, launch_script(spec), timeout=30, input=launch_input(spec)
+        vm.target, f"umask {umask}\n{launch_script(spec)}", timeout=30, input=launch_input(spec)
     )
     launched = parse_launch(result.stdout, spec.run)
     assert launched is not None and launched.path is not None, result.stdout + result.stderr
@@ -174,8 +183,9 @@ async def _exit_code(d: Path, timeout: float = 30) -> str:
 CONTROL = ("exit_code", "pid", "lease", "fenced_reason", "store.json", "launch.sh", "cannot_start")
 
 
+@pytest.mark.parametrize("umask", ["022", "077"])
 async def test_a_job_user_cannot_reach_what_is_the_schedulers(
-    vm: SshdVM, accounts: JobUserAccounts, transport: SSHTransport
+    vm: SshdVM, accounts: JobUserAccounts, transport: SSHTransport, umask: str
 ) -> None:
     # Given a VM whose jobs run as J, and a job that tries everything from inside
     spec = _spec(
@@ -184,7 +194,7 @@ async def test_a_job_user_cannot_reach_what_is_the_schedulers(
         str(vm.root.parent.parent / "attacker.py"),
         env=[("ATTACK_S_HOME", str(vm.home))],
     )
-    d = await _launch(transport, vm, spec)
+    d = await _launch(transport, vm, spec, umask=umask)
     # When it has run
     assert await _exit_code(d) == "0", (d / "train.log").read_text()
     outputs = vm.home / default_output_dir(INSTALLATION, 7).removeprefix("~/")
@@ -259,8 +269,9 @@ print("role done")
 """
 
 
+@pytest.mark.parametrize("umask", ["022", "077"])
 async def test_a_group_supervisor_and_its_roles_run_as_the_job_user(
-    vm: SshdVM, accounts: JobUserAccounts, transport: SSHTransport
+    vm: SshdVM, accounts: JobUserAccounts, transport: SSHTransport, umask: str
 ) -> None:
     # Given a job group's attempt (its supervisor and one role) on a VM with a job user
     role = vm.root.parent.parent / "role.py"
@@ -283,7 +294,7 @@ async def test_a_group_supervisor_and_its_roles_run_as_the_job_user(
         "stop_grace_s": 2,
     }
     spec = _spec(vm, accounts.job, str(FAKE_TRAIN), group=GroupLaunch(config, False))
-    d = await _launch(transport, vm, spec)
+    d = await _launch(transport, vm, spec, umask=umask)
     # Then it ends well, its role ran as J, and what the supervisor wrote (as J) is read
     # by the scheduler's account through S's links
     assert await _exit_code(d) == "0", (d / "train.log").read_text()

@@ -56,3 +56,10 @@ async def test_a_bad_row_fails_the_vms_kills_and_checks_without_running_anything
 
 def test_without_a_job_user_the_check_is_unchanged() -> None:
     assert ready_check(_target(None), "python3 -c pass") == "python3 -c pass"
+
+
+def test_the_supervisors_name_is_the_launchs() -> None:
+    from scheduler.remote import jobuser
+    from scheduler.remote.launch import SUPERVISOR_FILE
+
+    assert jobuser.SUPERVISOR == SUPERVISOR_FILE
