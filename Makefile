@@ -24,7 +24,8 @@ $(STAMP): pyproject.toml
 
 # The programs the tests run for real: OpenSSH's sshd (the server users run),
 # systemd-analyze (package systemd, absent from minimal Debian images), for the unit
-# checks, and a headless Chromium with its driver, for the dashboard's browser tests.
+# checks, a headless Chromium with its driver, for the dashboard's browser tests, and sudo,
+# for the VMs whose jobs run under their own account (`vm add --job-user`).
 # Without them those tests are skipped, or fail when CI=true (tests/requires.py).
 sshd:
 	@missing=""; \
@@ -32,6 +33,8 @@ sshd:
 	  command -v systemd-analyze >/dev/null 2>&1 || missing="$$missing systemd"; \
 	  command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	  command -v chromedriver >/dev/null 2>&1 || missing="$$missing chromium-driver"; \
+	  { command -v sudo >/dev/null 2>&1 && { command -v visudo >/dev/null 2>&1 || test -x /usr/sbin/visudo; }; } \
+	    || missing="$$missing sudo"; \
 	  if [ -n "$$missing" ]; then \
 	    echo "installing$$missing"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \

@@ -18,6 +18,14 @@
 #                      /etc/ssh/ssh_host_{ed25519,ecdsa,rsa}_key.pub)
 #   --hostname NAME    the name the control host uses for this VM (default: hostname -f)
 #   --port N           the SSH port the control host uses (default: 22)
+#   --job-user NAME    run this VM's jobs as the Unix account NAME, not as this one (see
+#                      deploy/README.md, "Jobs under their own account"): creates NAME
+#                      when missing (with a home of its own), adds this account to NAME's
+#                      group, installs /etc/sudoers.d/rlfleet-job-user-<this account>
+#                      (`<this account> ALL=(NAME) NOPASSWD: ALL`, checked with visudo -c),
+#                      lets group NAME search (only) this account's home, and keeps ~/.aws
+#                      and ~/.rlfleet/env to this account (0700/0600). Needs root, or sudo
+#                      to root, once; then `rlfleet vm add ... --job-user NAME`.
 #
 # Exit codes: 0 ready; 1 a check failed (the message says which); 2 bad usage.
 set -euo pipefail
@@ -30,6 +38,7 @@ ALLOW_NO_GPU=0
 HOST_KEY=""
 HOSTNAME_FOR_KEY=""
 PORT=22
+JOB_USER=""
 
 die() { echo "bootstrap-vm: error: $*" >&2; exit 1; }
 usage() { echo "bootstrap-vm: $*" >&2; echo "see the header of deploy/bootstrap-vm.sh for options" >&2; exit 2; }
@@ -45,6 +54,7 @@ while [ $# -gt 0 ]; do
     --host-key) HOST_KEY="${2:?--host-key needs a file}"; shift 2 ;;
     --hostname) HOSTNAME_FOR_KEY="${2:?--hostname needs a name}"; shift 2 ;;
     --port) PORT="${2:?--port needs a number}"; shift 2 ;;
+    --job-user) JOB_USER="${2:?--job-user needs a user name}"; shift 2 ;;
     -h|--help)
       if [ -f "$0" ]; then sed -n '2,/^set -euo/p' "$0" | sed '$d'; else echo "options: see the header of deploy/bootstrap-vm.sh"; fi
       exit 0 ;;
@@ -53,6 +63,13 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$PORT" in ''|*[!0-9]*) usage "--port must be a number, not '$PORT'" ;; esac
+if [ -n "$JOB_USER" ]; then
+  # The same rule as `rlfleet vm add --job-user` (scheduler/remote/jobuser.py).
+  printf '%s' "$JOB_USER" | grep -qxE '[a-z_][a-z0-9_-]{0,31}' \
+    || usage "--job-user must be a POSIX user name (lowercase letters, digits, '_' or '-'), not '$JOB_USER'"
+  [ "$JOB_USER" != root ] || usage "--job-user cannot be root"
+  [ "$JOB_USER" != "$(id -un)" ] || usage "--job-user must not be the account the scheduler logs in as"
+fi
 
 # 1. The Python environment.
 command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found: install Python >= 3.11"
@@ -124,7 +141,40 @@ ENVEOF
   )
 fi
 
-# 5. The host key line for the control host's known_hosts.
+# 5. The job user: jobs run as JOB_USER, started by this account through one sudo rule.
+ADD_JOB_USER=""
+if [ -n "$JOB_USER" ]; then
+  ME="$(id -un)"
+  step "setting up the job user $JOB_USER (jobs run as $JOB_USER, the scheduler as $ME)"
+  if [ "$(id -u)" = 0 ]; then AS_ROOT=""; else AS_ROOT="sudo -n"; fi
+  command -v sudo >/dev/null 2>&1 || die "sudo not found: install it (apt install sudo)"
+  VISUDO="$(command -v visudo || echo /usr/sbin/visudo)"
+  [ -z "$AS_ROOT" ] || sudo -n true 2>/dev/null || die "--job-user needs root once: run this as root, or as an account with sudo to root"
+  if ! getent passwd "$JOB_USER" >/dev/null; then
+    $AS_ROOT useradd --create-home --shell /bin/sh --user-group "$JOB_USER" || die "could not create $JOB_USER"
+  fi
+  $AS_ROOT usermod -a -G "$JOB_USER" "$ME" || die "could not add $ME to the group $JOB_USER"
+  RULE="/etc/sudoers.d/rlfleet-job-user-$ME"  # sudo skips drop-ins whose name has a '.'
+  DRAFT="$(mktemp)"
+  # No tty: the scheduler's commands run without one (some distributions require one).
+  printf '# rlfleet: %s starts jobs as %s (deploy/bootstrap-vm.sh --job-user)\nDefaults:%s !requiretty\n%s ALL=(%s) NOPASSWD: ALL\n' \
+    "$ME" "$JOB_USER" "$ME" "$ME" "$JOB_USER" > "$DRAFT"
+  $AS_ROOT "$VISUDO" -c -q -f "$DRAFT" || { rm -f "$DRAFT"; die "visudo refused the rule for $JOB_USER"; }
+  $AS_ROOT install -m 0440 -o root -g root "$DRAFT" "$RULE" || { rm -f "$DRAFT"; die "could not install $RULE"; }
+  rm -f "$DRAFT"
+  $AS_ROOT "$VISUDO" -c -q || { $AS_ROOT rm -f "$RULE"; die "sudoers no longer parses with $RULE: removed it"; }
+  # J may pass through this home to its attempts' directories, nothing more; what it must
+  # never read stays this account's alone.
+  $AS_ROOT chgrp "$JOB_USER" "$HOME" && chmod g=x,o-w "$HOME" || die "could not give $HOME to group $JOB_USER"
+  [ ! -d "$HOME/.aws" ] || chmod 0700 "$HOME/.aws"
+  [ ! -e "$HOME/.aws/credentials" ] || chmod 0600 "$HOME/.aws/credentials"
+  chmod 0600 "$ENV_FILE"
+  sudo -n -u "$JOB_USER" -- /bin/true </dev/null || die "sudo -n -u $JOB_USER does not work"
+  step "jobs run as $JOB_USER: sudo -n -u $JOB_USER works"
+  ADD_JOB_USER=" --job-user $JOB_USER"
+fi
+
+# 6. The host key line for the control host's known_hosts.
 if [ -z "$HOST_KEY" ]; then
   for kind in ed25519 ecdsa rsa; do
     if [ -r "/etc/ssh/ssh_host_${kind}_key.pub" ]; then HOST_KEY="/etc/ssh/ssh_host_${kind}_key.pub"; break; fi
@@ -139,5 +189,5 @@ step "ready. On the control host, trust this VM's host key:"
 echo "    echo '$KEY_LINE' >> ~/.ssh/known_hosts"
 echo "  (or compare it with: ssh-keyscan -p $PORT $NAME)"
 step "and register it:"
-echo "    rlfleet vm add $(printf '%s' "$NAME" | tr -c 'A-Za-z0-9._\n-' '-') --host $NAME --port $PORT --user $(id -un) --python $VPY"
+echo "    rlfleet vm add $(printf '%s' "$NAME" | tr -c 'A-Za-z0-9._\n-' '-') --host $NAME --port $PORT --user $(id -un) --python $VPY$ADD_JOB_USER"
 echo "known_hosts: $KEY_LINE"

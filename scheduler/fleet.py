@@ -20,6 +20,7 @@ from scheduler.leftovers import (
     open_leftover_on_vm,
 )
 from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM, GpuEvent, Job, JobNode
+from scheduler.remote.jobuser import job_user_problem
 from scheduler.states import LIVE_STATES, FailureReason, JobStatus
 from scheduler.validate import check_text
 
@@ -44,6 +45,8 @@ class VMSpec:
     entrypoint: str = DEFAULT_ENTRYPOINT
     internal_address: str | None = None
     """Where the other nodes of a multi-node job reach this VM; None: `host`."""
+    job_user: str | None = None
+    """The Unix account its jobs run as (`scheduler.remote.jobuser`); None: `user`."""
 
     def validate(self) -> None:
         """Raise `BadInput` for a spec no VM row may hold."""
@@ -68,6 +71,8 @@ class VMSpec:
             raise BadInput("--host must not be empty")
         if any(c.isspace() for c in self.host):
             raise BadInput(f"invalid host {self.host!r}: it contains whitespace")
+        if self.job_user is not None:
+            check_job_user_input(self.job_user)
         if self.internal_address is not None:
             check_text(self.internal_address, "--internal-address", column=VM.internal_address)
             if not self.internal_address.strip() or any(c.isspace() for c in self.internal_address):
@@ -332,6 +337,33 @@ async def delete_removed_vms(session: AsyncSession, *, actor: str) -> list[str]:
     return list(deleted.scalars())
 
 
+def check_job_user_input(name: str) -> str:
+    """`name` if it can be a job user (`jobuser.job_user_problem`); else `BadInput`."""
+    problem = job_user_problem(name)
+    if problem is not None:
+        raise BadInput(problem)
+    return name
+
+
+async def set_job_user(session: AsyncSession, name: str, job_user: str | None) -> VM:
+    """Set (or, with None, clear) the job user of VM `name`: the next launches and kills
+    on it use it. Refused (`BadInput`) while a job runs on the VM."""
+    if job_user is not None:
+        check_job_user_input(job_user)
+    vm = await get_vm(session, name)
+    running = await live_job_count(session, vm.id) if vm.job_user != job_user else 0
+    if running:
+        # A kill signals J's processes as the VM's job user at the time: changing it under
+        # a running attempt would leave some of that attempt's processes out of reach.
+        raise BadInput(
+            f"VM {name!r} runs {running} job(s): drain it (`rlfleet vm drain {name}`) and "
+            "change its job user once they have ended"
+        )
+    vm.job_user = job_user
+    await session.flush()
+    return vm
+
+
 async def set_draining(session: AsyncSession, name: str, draining: bool) -> VM:
     """Drain (no new jobs) or undrain a VM; a VM being removed stays drained."""
     vm = await get_vm(session, name)
@@ -367,6 +399,7 @@ def vm_to_dict(vm: VM, *, gpus: bool = True) -> dict[str, Any]:
         "verify_host_key": vm.verify_host_key,
         "python": vm.python,
         "entrypoint": vm.entrypoint,
+        "job_user": vm.job_user,
     }
     if gpus:
         data["gpus"] = [gpu_to_dict(g) for g in vm.gpus]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.remote.jobuser import JobUserProblem, checked_job_user
 from scheduler.remote.kill import DEAD_KILL_OUTCOMES, PID_WAIT_S, kill_script, parse_kill
 from scheduler.remote.layout import Attempt, parse_dir
 from scheduler.remote.output import parse_exit
@@ -57,7 +58,10 @@ async def kill_attempt(
     reported as `missing` (see `remote.kill.kill_script`).
 
     Never raises for the VM's sake: an SSH failure is a result with `error` set."""
-    script = kill_script(run, grace_s, launched=launched)
+    job_user = checked_job_user(target)
+    if isinstance(job_user, JobUserProblem):
+        return KillResult(None, job_user.why)
+    script = kill_script(run, grace_s, launched=launched, job_user=job_user)
     try:
         result = await transport.run(target, script, timeout=grace_s + PID_WAIT_S + SSH_MARGIN_S)
     except TransportError as exc:

@@ -150,6 +150,9 @@ class VM(Base):
     """The poller that holds this VM (polls it, alone) while that `pollers` row lives;
     NULL or an id with no row: free, the next poller with room takes it. No foreign key:
     its checks would lock poller rows from every sweep's writes (deadlocks with renewals)."""
+    job_user: Mapped[str | None] = mapped_column(String(32))
+    """The Unix account the VM's jobs run as (`scheduler.remote.jobuser`), started through
+    sudo by `user`; NULL: they run as `user` itself (docs/security.md)."""
 
     gpus: Mapped[list[GPU]] = relationship(
         back_populates="vm", cascade="all, delete-orphan", order_by="GPU.index"
@@ -158,7 +161,13 @@ class VM(Base):
         primaryjoin="foreign(VM.poller_id) == Poller.id", lazy="raise", viewonly=True
     )
 
-    __table_args__ = (CheckConstraint("port BETWEEN 1 AND 65535", name="port_range"),)
+    __table_args__ = (
+        CheckConstraint("port BETWEEN 1 AND 65535", name="port_range"),
+        CheckConstraint(
+            "job_user IS NULL OR (job_user ~ '^[a-z_][a-z0-9_-]{0,31}$' AND job_user <> 'root')",
+            name="job_user_name",
+        ),
+    )
 
 
 class GPU(Base):

@@ -53,6 +53,9 @@ class VMTarget:
     entrypoint: str = DEFAULT_ENTRYPOINT
     internal_address: str | None = None
     """Where the other nodes of a multi-node job reach this VM; None: `host`."""
+    job_user: str | None = None
+    """The account its jobs run as (`scheduler.remote.jobuser`), as the row holds it:
+    checked (`check_job_user`) by whatever puts it into shell text."""
 
     @property
     def training_address(self) -> str:

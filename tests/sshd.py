@@ -14,6 +14,12 @@ simulated (scheduler/sim_gpu.py). `make test` installs openssh-server when it is
     fleet[0].start()        # up again: same port, same host key
     fleet.close()           # every VM stopped, every process started on it killed
 
+`SshdFleet(root, JobUserAccounts())` makes VMs whose sessions log in as a fresh non-root
+account S (their HOME is S's) beside a fresh job user J, with the sudo rule that
+deploy/bootstrap-vm.sh --job-user installs; `root` must be searchable by both
+(`searchable_root`). Creating the accounts needs root (the tests skip otherwise) and sudo
+(`make sshd` installs it); `JobUserAccounts.close` deletes them and the rule.
+
 A VM's processes are told apart by the `RLFLEET_SIM_VM`/`RLFLEET_SIM_FLEET` pair in their
 environment (tests/fleet.py `sim_processes`), so a crash only ever touches processes that
 were started on that VM, never this process and never pid 1.
@@ -24,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -79,8 +86,12 @@ class SshdVM:
         gpus: int = 1,
         gpu_name: str = "NVIDIA L4",
         memory_mb: int = 23034,
+        accounts: JobUserAccounts | None = None,
     ) -> None:
         self.name = name
+        self.accounts = accounts
+        """With accounts: sessions log in as `accounts.login` (S), whose home this VM's
+        HOME is, and jobs may run as `accounts.job` (J)."""
         self.root = root
         self.fleet_token = fleet_token
         self.sshd_path = sshd_path
@@ -120,6 +131,13 @@ class SshdVM:
         )
         public = host_key.export_public_key("openssh").decode().strip()
         self.known_hosts_path.write_text(f"[127.0.0.1]:{self.port} {public}\n")
+        if accounts is not None:
+            accounts.own_home(self.home)
+            # S cannot run this process's python (under root's home): the system's runs
+            # the simulated nvidia-smi (a script of the standard library only).
+            smi = self.bin_dir / "nvidia-smi"
+            smi.write_text(smi.read_text().replace(shlex.quote(sys.executable), SYSTEM_PYTHON))
+            (root / "sim.json").chmod(0o644)
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -134,6 +152,11 @@ class SshdVM:
         return self.proc is not None and self.proc.poll() is None
 
     @property
+    def login(self) -> str:
+        """The account its sessions log in as."""
+        return self.accounts.login if self.accounts is not None else getpass.getuser()
+
+    @property
     def target(self) -> VMTarget:
         """A `VMTarget` for this VM without a database row (for transport tests)."""
         return VMTarget(
@@ -141,7 +164,7 @@ class SshdVM:
             name=self.name,
             host="127.0.0.1",
             port=self.port,
-            user=getpass.getuser(),
+            user=self.login,
             ssh_key_path=str(self.client_key_path),
             known_hosts=str(self.known_hosts_path),
         )
@@ -256,7 +279,7 @@ class SshdVM:
             name=self.name,
             host="127.0.0.1",
             port=self.port,
-            user=getpass.getuser(),
+            user=self.login,
             ssh_key_path=str(self.client_key_path),
             known_hosts=str(self.known_hosts_path),
             verify_host_key=True,
@@ -266,10 +289,129 @@ class SshdVM:
         )
 
 
+SUDO = find_program("sudo", "/usr/bin/sudo")
+SYSTEM_PYTHON = "/usr/bin/python3"
+"""The python of VMs whose accounts are not this process's (`JobUserAccounts`)."""
+VISUDO = find_program("visudo", "/usr/sbin/visudo")
+USERADD = find_program("useradd", "/usr/sbin/useradd")
+
+
+def _run(*argv: str) -> None:
+    subprocess.run(argv, check=True, stdin=subprocess.DEVNULL, capture_output=True)
+
+
+class JobUserAccounts:
+    """Two fresh Unix accounts for OpenSSH VMs with a job user, as
+    `deploy/bootstrap-vm.sh --job-user` sets them up: S (`login`), the account the
+    scheduler logs in as, a member of J's group; J (`job`), the jobs' account, with no
+    home (its jobs get `$d/job`); and the sudoers drop-in `S ALL=(J) NOPASSWD: ALL`,
+    checked with `visudo -c`. Needs root (useradd); `close` kills what runs as either
+    account (only they ever ran as these fresh uids), deletes both and the drop-in.
+
+    `by_bootstrap`: only S is made, with sudo to root, for deploy/bootstrap-vm.sh
+    `--job-user` to make J and its rule itself (`close` deletes what it made too)."""
+
+    def __init__(self, *, by_bootstrap: bool = False) -> None:
+        if os.geteuid() != 0:
+            pytest.skip("creating the accounts of a job user needs root")
+        require_program(SUDO, "sudo", "sudo")
+        require_program(VISUDO, "visudo", "sudo")
+        require_program(USERADD, "useradd", "passwd")
+        tag = uuid.uuid4().hex[:8]
+        self.login, self.job = f"rls{tag}", f"rlj{tag}"
+        self.sudoers = Path(f"/etc/sudoers.d/rlfleet-test-{tag}")
+        self._made: list[str] = []
+        self.by_bootstrap = by_bootstrap
+        try:
+            # '*': no password, yet not locked (sshd without PAM refuses a locked account).
+            if not by_bootstrap:
+                _run("useradd", "-M", "-d", "/nonexistent", "-s", "/bin/sh", "-p", "*", "-U",
+                     self.job)  # fmt: skip
+            self._made.append(self.job)
+            # S's shell is bash, which reads ~/.bashrc for the commands sshd runs: what a
+            # job would have to change to make S's commands (`job pull`'s tar) its own.
+            shell = "/bin/bash" if Path("/bin/bash").exists() else "/bin/sh"
+            groups = [] if by_bootstrap else ["-G", self.job]
+            _run("useradd", "-M", "-d", "/nonexistent", "-s", shell, "-p", "*", "-U",
+                 *groups, self.login)  # fmt: skip
+            self._made.append(self.login)
+            draft = self.sudoers.with_name(f"rlfleet-test-{tag}.draft")  # sudo skips '.'
+            runas = "root" if by_bootstrap else self.job
+            draft.write_text(f"{self.login} ALL=({runas}) NOPASSWD: ALL\n")
+            draft.chmod(0o440)
+            _run("visudo", "-c", "-q", "-f", str(draft))
+            draft.rename(self.sudoers)
+        except BaseException:
+            self.close()
+            raise
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the accounts' uids and J's group (J: once it exists)."""
+        import pwd
+
+        self.login_uid = pwd.getpwnam(self.login).pw_uid
+        try:
+            self.job_uid = pwd.getpwnam(self.job).pw_uid
+            self.job_gid = pwd.getpwnam(self.job).pw_gid
+        except KeyError:
+            self.job_uid = self.job_gid = -1
+
+    def own_home(self, home: Path) -> None:
+        """Make `home` S's home: S's, group J, mode 0710 (J may search it, as
+        bootstrap-vm.sh sets it; nothing more); each directory above must be searchable."""
+        if self.job_gid >= 0:
+            os.chown(home, self.login_uid, self.job_gid)
+            home.chmod(0o710)
+        else:  # bootstrap-vm.sh --job-user sets its group and mode
+            os.chown(home, self.login_uid, self.login_uid)
+        usermod = ["usermod", "-d", str(home), self.login]
+        _run(*usermod)
+
+    def processes(self) -> list[int]:
+        """Pids of live processes running as S or J."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    uid = entry.stat().st_uid
+                except OSError:
+                    continue
+                if uid in (getattr(self, "login_uid", -1), getattr(self, "job_uid", -1)):
+                    pids.append(int(entry.name))
+        return pids
+
+    def close(self) -> None:
+        """Kill what runs as S or J, delete both accounts and the sudoers drop-in."""
+        self.sudoers.unlink(missing_ok=True)
+        Path(f"/etc/sudoers.d/rlfleet-job-user-{self.login}").unlink(missing_ok=True)
+        for _ in range(3):
+            for pid in self.processes():
+                _safe_kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+        for name in reversed(self._made):
+            remove = ["-r"] if self.by_bootstrap and name == self.job else []  # its /home
+            subprocess.run(
+                ["userdel", *remove, name], capture_output=True, stdin=subprocess.DEVNULL
+            )
+        self._made.clear()
+
+
+def searchable_root(prefix: str) -> Path:
+    """A fresh directory under /tmp that any account may search (0711), for VMs whose
+    accounts are not this process's (pytest's own temp directories are 0700)."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    root.chmod(0o711)
+    return root
+
+
 class SshdFleet:
     """A set of `SshdVM`s sharing one client key; index it or iterate it."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, accounts: JobUserAccounts | None = None) -> None:
+        self.accounts = accounts
         self.sshd_path = require_program(SSHD, "OpenSSH sshd", "openssh-server")
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
@@ -291,6 +433,7 @@ class SshdFleet:
             authorized_keys=self._authorized,
             fleet_token=self.token,
             gpus=gpus,
+            accounts=self.accounts,
             **gpu,
         )
         self.vms.append(vm)

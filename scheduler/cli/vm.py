@@ -20,10 +20,17 @@ from scheduler.cli._common import (
     warn,
 )
 from scheduler.db import Database
+from scheduler.errors import BadInput
 from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM
 
 vm_name_argument = click.argument("name", type=ColumnText(VM.name))
 """The NAME argument of the commands about one VM."""
+job_user_option = click.option(
+    "--job-user",
+    help="Run this VM's jobs as this Unix account, started through sudo by the SSH login "
+    "(deploy/bootstrap-vm.sh --job-user sets it up; docs/security.md).",
+)
+"""`--job-user` of `vm add` and `vm set`: checked by `fleet.check_job_user_input`."""
 
 
 @click.group("vm")
@@ -91,6 +98,7 @@ def group() -> None:
     help="Address the other nodes of a multi-node job reach this VM at (training traffic), "
     "when it differs from --host (default: --host).",
 )
+@job_user_option
 @json_option
 @pass_cli
 def add(
@@ -106,6 +114,7 @@ def add(
     python: str,
     entrypoint: str,
     internal_address: str | None,
+    job_user: str | None,
     as_json: bool,
 ) -> None:
     """Register VM NAME, reachable at --host. The poller finds its GPUs."""
@@ -121,6 +130,7 @@ def add(
         python=python,
         entrypoint=entrypoint,
         internal_address=internal_address,
+        job_user=job_user,
     )
     spec.validate()
     if insecure_no_host_key_check:
@@ -136,6 +146,40 @@ def add(
         echo_json(data)
     else:
         click.echo(f"added VM {name} ({host}:{port}); the poller will discover its GPUs")
+
+
+@group.command("set")
+@vm_name_argument
+@job_user_option
+@click.option(
+    "--no-job-user",
+    is_flag=True,
+    help="Run the VM's jobs as its SSH login again (one trust domain with the scheduler).",
+)
+@json_option
+@pass_cli
+def set_(
+    ctx: CliContext, name: str, job_user: str | None, no_job_user: bool, as_json: bool
+) -> None:
+    """Change VM NAME without removing it. Its job user changes only while no job runs
+    there: drain it first."""
+    if job_user is not None and no_job_user:
+        raise BadInput("give --job-user NAME or --no-job-user, not both")
+    if job_user is None and not no_job_user:
+        raise BadInput("nothing to change: give --job-user NAME or --no-job-user")
+    if job_user is not None:
+        fleet.check_job_user_input(job_user)
+
+    async def go(db: Database) -> dict[str, Any]:
+        async with db.transaction() as session:
+            vm = await fleet.set_job_user(session, name, job_user)
+            return fleet.vm_to_dict(vm, gpus=False)
+
+    data = ctx.run(go)
+    if as_json:
+        echo_json(data)
+    else:
+        click.echo(f"VM {name}: jobs run as {job_user or 'its SSH login'}")
 
 
 @group.command("list")

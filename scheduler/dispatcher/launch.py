@@ -37,6 +37,7 @@ from scheduler.groups import (
 from scheduler.jobspec import parse_data
 from scheduler.logging import get_logger
 from scheduler.models import Workdir
+from scheduler.remote.jobuser import JobUserProblem, checked_job_user
 from scheduler.remote.launch import (
     LaunchResult,
     LaunchSpec,
@@ -313,7 +314,11 @@ class Launcher:
             problem = await self.ensure_workdir(claim, node.target, payload)
             if problem is not None:
                 return problem
+        job_user = checked_job_user(node.target)
+        if isinstance(job_user, JobUserProblem):
+            return job_user.why
         spec = LaunchSpec(
+            job_user=job_user,
             run=claim.attempt_ref,
             python=node.target.python,
             entrypoint=node.target.entrypoint,

@@ -34,7 +34,8 @@ from scheduler.history import PRUNE_EVERY_S, GpuReading, ProgressRow, prune
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM
-from scheduler.poll import parse_poll, poll_command
+from scheduler.poll import PollResult, parse_poll, poll_command
+from scheduler.remote.jobuser import ready_check
 from scheduler.remote.launch import entry_check_words
 from scheduler.store_records import record_reports
 from scheduler.transport import Transport, TransportError, VMTarget
@@ -96,6 +97,8 @@ class GpuPoller:
         self._targets: dict[int, VMTarget] = {}
         """Each VM this poller loaded, by id: its connection is closed once the VM is no
         longer this poller's."""
+        self._job_users: dict[int, str | None] = {}
+        """Each VM's job user as last seen to work (None: none needs checking)."""
         self._failing: set[int] = set()
         """VMs whose latest poll failed."""
         self._landed: asyncio.Queue[Outcome] = asyncio.Queue()
@@ -314,18 +317,34 @@ class GpuPoller:
         if vm.launch_error is not None:
             # Until its python and entrypoint work again, every poll checks them.
             check = " ".join(entry_check_words(vm.target.python, vm.target.entrypoint))
+            check = ready_check(vm.target, check)
+        elif self._job_users.get(vm.target.id) != vm.target.job_user:
+            # A job user not yet seen to work (`sudo -n -u J`): checked once.
+            check = ready_check(vm.target, "true")
         command = poll_command([j.attempt for j in vm.jobs if j.attempt is not None], check)
         try:
             # persistent: a poll every few seconds is worth a shell kept open on the VM.
             result = await self.transport.run(
                 vm.target, command, timeout=self.command_timeout, persistent=True
             )
-            return Outcome(vm, result=parse_poll(result.stdout))
+            return self._job_user_outcome(vm, parse_poll(result.stdout))
         except TransportError as exc:
             return Outcome(vm, error=str(exc))
         except Exception as exc:  # a bug or an odd answer must not stop the sweep
             log.exception("poll_probe_crashed", vm=vm.target.name)
             return Outcome(vm, error=f"poll failed: {type(exc).__name__}: {exc}")
+
+    def _job_user_outcome(self, vm: VMState, result: PollResult) -> Outcome:
+        """The outcome of a poll that (for a VM not marked) checked its job user alone:
+        when sudo to it fails, the VM cannot start training (`launch_error`, shown by
+        `vm show`, until the check passes); when it works, it is not asked again."""
+        if vm.launch_error is not None or result.check is None:
+            return Outcome(vm, result=result)
+        rc, line = result.check
+        if rc == 0:
+            self._job_users[vm.target.id] = vm.target.job_user
+            return Outcome(vm, result=result)
+        return Outcome(vm, result=result, launch_error=f"job user: {line}"[:500])
 
     async def _apply(self, outcomes: Sequence[Outcome], stats: SweepStats) -> None:
         """Write what these polls saw (`inventory.apply`), with this poller's thresholds."""

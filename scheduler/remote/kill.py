@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import shlex
 
+from scheduler.remote import jobuser
 from scheduler.remote.layout import DIR_MARK, PRIVATE_TREE, Attempt
 from scheduler.remote.output import (
     EXIT_CODE_BYTES,
@@ -54,14 +55,25 @@ def _marked_lines(run: Attempt, indent: str) -> list[str]:
 
 
 def marked_kill_lines(
-    run: Attempt, signal: str, indent: str = "", *, outside: str | None = None
+    run: Attempt,
+    signal: str,
+    indent: str = "",
+    *,
+    outside: str | None = None,
+    job_user: str | None = None,
 ) -> list[str]:
     """Send `signal` to every process of this VM account whose environment carries the
     attempt's marker (`marker_pattern`) for this VM's directory `$d` (`_marked_lines`):
     what the job started that left its process group (`setsid`, a daemon). With `outside`
     (a shell word: a process group id), members of that group are left alone (they get the
     group's own signal, once). Only the account's own processes are readable; a process
-    that cleared its environment is not found, and no /proc (not Linux) finds nothing."""
+    that cleared its environment is not found, and no /proc (not Linux) finds nothing.
+    With a `job_user`, the same loop runs again as J (`jobuser.marked_as_job_user`): only
+    J reads and signals J's processes."""
+    if job_user is not None:
+        own = marked_kill_lines(run, signal, indent, outside=outside)
+        theirs = marked_kill_lines(run, signal, outside=None if outside is None else '"$o"')
+        return [*own, *jobuser.marked_as_job_user(job_user, theirs, indent, outside)]
     skip = []
     if outside is not None:
         # /proc/N/stat: "pid (comm) state ppid pgrp …"; comm may hold spaces and ")".
@@ -77,11 +89,16 @@ def marked_kill_lines(
     ]
 
 
-def marked_alive(run: Attempt) -> str:
-    """A shell condition: some process carrying the attempt's marker for `$d` still runs."""
+def marked_alive(run: Attempt, job_user: str | None = None) -> str:
+    """A shell condition: some process carrying the attempt's marker for `$d` still runs
+    (with a `job_user`: one of S's, or one of J's, looked for as J)."""
     first, *body = _marked_lines(run, "")
     loop = "; ".join([*(line.strip() for line in body), "rlfleet_a=1; break; done"])
-    return f'{{ rlfleet_a=; {first} {loop}; [ -n "$rlfleet_a" ]; }}'
+    own = f'{{ rlfleet_a=; {first} {loop}; [ -n "$rlfleet_a" ]; }}'
+    if job_user is None:
+        return own
+    theirs = jobuser.marked_as_job_user(job_user, [own], "")[0]
+    return f"{{ {own} || {theirs}; }}"
 
 
 def kill_script(
@@ -90,6 +107,7 @@ def kill_script(
     *,
     pid_wait_s: float = PID_WAIT_S,
     launched: bool = False,
+    job_user: str | None = None,
 ) -> str:
     """TERM the attempt's process group, KILL it after `grace_s`; idempotent.
 
@@ -107,8 +125,11 @@ def kill_script(
     (`marked_kill_lines`) and signalled with the group. The pid file is the job's to write:
     a pid that is not a plausible one (`pid_check_lines`: never `-1`, `0`, `1`) is not
     signalled; an `exit_code` beside a live wrapper (written by someone else) does not stop
-    the kill.
+    the kill. With a `job_user` (`scheduler.remote.jobuser`), every signal and liveness
+    check of the group and of the marked processes is made as J too.
     """
+    ju = job_user
+    term, alive0, kill9 = (jobuser.group_signal(s, '"$pid"', ju) for s in ("TERM", "0", "KILL"))
     polls = max(1, int(grace_s / 0.1))
     pid_polls = max(1, int(pid_wait_s / 0.05))
     missing = [f'  echo "{KILL_MARK} missing"; exit 0'] if launched else []
@@ -135,21 +156,22 @@ def kill_script(
             # The attempt ended (its wrapper is gone): its pid may be someone else's by now.
             # An exit code beside a live wrapper was written by someone else: kill on.
             f'if [ -s "$d/exit_code" ] && ! {{ {wrapper_alive(run)}; }}; then',
-            *marked_kill_lines(run, "KILL", "  "),
+            *marked_kill_lines(run, "KILL", "  ", job_user=ju),
             f'  echo "{KILL_MARK} gone";'
             f' echo "{EXITED_MARK} $(head -c {EXIT_CODE_BYTES} "$d/exit_code" | tr -d "\\n")";'
             f' echo "{DIR_MARK} $(cd "$d" && pwd)"; exit 0',
             "fi",
-            'if [ -n "$pid" ] && kill -TERM -"$pid" 2>/dev/null; then g=1; else g=; fi',
+            f'if [ -n "$pid" ] && {term}; then g=1; else g=; fi',
             # What left the group gets its TERM too (the group's members only the group's).
-            *marked_kill_lines(run, "TERM", outside='"$pid"'),
-            f'if [ -z "$g" ] && ! {marked_alive(run)}; then echo "{KILL_MARK} gone"; exit 0; fi',
+            *marked_kill_lines(run, "TERM", outside='"$pid"', job_user=ju),
+            f'if [ -z "$g" ] && ! {marked_alive(run, ju)}; then'
+            f' echo "{KILL_MARK} gone"; exit 0; fi',
             "n=0",
-            f'while {{ [ -n "$g" ] && kill -0 -"$pid" 2>/dev/null; }} || {marked_alive(run)}; do',
+            f'while {{ [ -n "$g" ] && {alive0}; }} || {marked_alive(run, ju)}; do',
             "  n=$((n + 1))",
             f'  if [ "$n" -gt {polls} ]; then',
-            '    [ -z "$g" ] || kill -KILL -"$pid" 2>/dev/null',
-            *marked_kill_lines(run, "KILL", "    "),
+            f'    [ -z "$g" ] || {kill9}',
+            *marked_kill_lines(run, "KILL", "    ", job_user=ju),
             '    [ -e "$d/exit_code" ] || echo 137 > "$d/exit_code"',
             f'    echo "{KILL_MARK} killed"; exit 0',
             "  fi",

@@ -14,6 +14,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from scheduler.remote import jobuser
 from scheduler.remote.env import (
     JOB_ENV_FILE,
     VM_ENV_FILE,
@@ -100,6 +101,9 @@ class LaunchSpec:
     store_accept: Sequence[str] = ()
     """The store content the job's attempts reported (`scheduler.store.binding.Accepted.
     words`, from Postgres): all the store agents take for the job's."""
+    job_user: str | None = None
+    """The VM's job user (`scheduler.remote.jobuser`): the training runs as this account;
+    None: as the VM account the scheduler logs in as."""
 
     @property
     def uploads(self) -> bool:
@@ -225,11 +229,16 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "trap 'rlfleet_sig=TERM' TERM",
             "trap 'rlfleet_sig=INT' INT",
             "trap 'rlfleet_sig=HUP' HUP",
-            *watchdog_lines(spec.fence_after_s, spec.fence_grace_s, spec.run),
+            *watchdog_lines(spec.fence_after_s, spec.fence_grace_s, spec.run, spec.job_user),
+            *jobuser.setup_lines(
+                spec.job_user, home_path(spec.output_dir), WORK_DIR if spec.workdir else None
+            ),
+            *jobuser.group_lines(
+                spec.job_user, spec.group.config if spec.group else None, GROUP_FILE
+            ),
             # The wrapper and its helpers run in the attempt directory, never in the job's
             # workdir (and isolated: `remote.isolated`); only the training goes there.
             'cd "$d" || exit 1',
-            f"mkdir -p {home_path(spec.output_dir)}",
             'echo "rlfleet: attempt started on $(hostname) at $(date -u +%FT%TZ)'
             f' CUDA_VISIBLE_DEVICES="{shlex.quote(visible_devices(spec))}',
             # A python or entrypoint the VM cannot run ends the attempt with 127 and one
@@ -237,6 +246,7 @@ def wrapper_script(spec: LaunchSpec) -> str:
             # sees the VM's env file (a PATH, a PYTHONPATH set there), never the job's own
             # variables, and runs isolated: it imports nothing of the job's workdir.
             "rlfleet_check=$(",
+            *jobuser.failed_lines(spec.job_user),
             *load_env_lines([home_path(VM_ENV_FILE)]),
             f"  {' '.join(_check_words(spec))} 2>&1",
             ")",
@@ -251,20 +261,22 @@ def wrapper_script(spec: LaunchSpec) -> str:
             f'  echo "$rc" > "$d/{CANNOT_START_FILE}"',
             'elif [ "$rc" -eq 0 ]; then',
             *("  " + line for line in _store_before(spec)),
+            *jobuser.restored_lines(spec.job_user, spec.store, home_path(spec.output_dir)),
             # The training in a subshell: the command and the scheduler's variables first
             # (the loader skips their names), then the job's environment, then exec.
             "  (",
             "  set -- " + " ".join(command),
             f"  export CUDA_VISIBLE_DEVICES={shlex.quote(visible_devices(spec))}",
             f"  export CUDA_DEVICE_ORDER={DEVICE_ORDER}",
-            '  export RLFLEET_PROGRESS_FILE="$d/progress.json"',
+            f"  export RLFLEET_PROGRESS_FILE={jobuser.progress_dir(spec.job_user)}/progress.json",
             f"  export RLFLEET_JOB_ID={int(spec.job_id)} RLFLEET_ATTEMPT={int(spec.attempt)}",
             *("  " + line for line in rendezvous_lines(spec)),
+            *("  " + line for line in jobuser.env_lines(spec.job_user)),
             *("  " + line for line in workdir_env_lines(spec, before_env=True)),
             *load_env_lines([home_path(VM_ENV_FILE), f'"$d/{JOB_ENV_FILE}"']),
             *("  " + line for line in workdir_env_lines(spec, before_env=False)),
             *("  " + line for line in _cd_lines(spec)),
-            '  exec "$@"',
+            *jobuser.exec_lines(spec.job_user, spec.python),
             "  )",
             "  rc=$?",
             *("  " + line for line in _store_after(spec)),
@@ -288,7 +300,7 @@ def _cd_lines(spec: LaunchSpec) -> list[str]:
     if spec.group is not None:
         return []
     if spec.workdir is None:
-        return ['cd "$HOME" || exit 1']
+        return jobuser.cd_lines(spec.job_user)
     return [f'cd "$d/{WORK_DIR}" || exit 1']
 
 
@@ -346,9 +358,8 @@ def _check_words(spec: LaunchSpec) -> list[str]:
 def supervisor_words(spec: LaunchSpec) -> list[str]:
     """The command of a job group's attempt: the supervisor with its `group.json`, isolated
     (standard library only: it needs no PYTHONPATH, and the job's is ignored)."""
-    return [
-        shlex.quote(spec.python), "-I", "-u", f'"$d/{SUPERVISOR_FILE}"', f'"$d/{GROUP_FILE}"',
-    ]  # fmt: skip
+    group = jobuser.group_file_word(spec.job_user, GROUP_FILE)
+    return [shlex.quote(spec.python), "-I", "-u", f'"$d/{SUPERVISOR_FILE}"', group]
 
 
 def supervisor_source() -> str:

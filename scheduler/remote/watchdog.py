@@ -9,6 +9,7 @@ import math
 import re
 
 from scheduler.liveness import WATCHDOG_PERIOD_S, Liveness
+from scheduler.remote.jobuser import group_signal
 from scheduler.remote.kill import marked_kill_lines
 from scheduler.remote.layout import Attempt
 from scheduler.remote.output import as_int, output_lines, printable
@@ -28,7 +29,12 @@ DEFAULT_FENCE_AFTER_S = Liveness.fence_after_s
 DEFAULT_FENCE_GRACE_S = Liveness.fence_grace_s
 
 
-def watchdog_lines(fence_after_s: float, grace_s: float, run: Attempt | None = None) -> list[str]:
+def watchdog_lines(
+    fence_after_s: float,
+    grace_s: float,
+    run: Attempt | None = None,
+    job_user: str | None = None,
+) -> list[str]:
     """Start the attempt's watchdog in the background (POSIX sh, run by the wrapper).
 
     Every `WATCHDOG_PERIOD_S` it takes the lease file the poller creates on each successful
@@ -41,14 +47,18 @@ def watchdog_lines(fence_after_s: float, grace_s: float, run: Attempt | None = N
     when the wrapper is gone, and `watchdog_stop_lines` ends it with the training; it costs
     one `sleep` a second. `fence_after_s <= 0` starts no watchdog. With `run`, the fence
     also stops what the job started outside its process group (`marked_kill_lines`): TERM
-    with the group, KILL once the group has ended or its grace has passed.
+    with the group, KILL once the group has ended or its grace has passed. With a
+    `job_user`, every signal is sent as J too (`scheduler.remote.jobuser`).
     """
     if fence_after_s <= 0:
         return ["rlfleet_wd="]
     after = max(1, math.ceil(fence_after_s))
     grace = max(0, math.ceil(grace_s))
     period = int(WATCHDOG_PERIOD_S)
-    leftovers = marked_kill_lines(run, "KILL", "  ") if run is not None else ["  :"]
+    term, kill9 = (group_signal(s, '"$w"', job_user) for s in ("TERM", "KILL"))
+    leftovers = (
+        marked_kill_lines(run, "KILL", "  ", job_user=job_user) if run is not None else ["  :"]
+    )
     return [
         "if [ -r /proc/uptime ]; then rlfleet_now() { read -r t _ </proc/uptime; t=${t%%.*}; }",
         "else rlfleet_now() { t=$(date +%s); }; fi",
@@ -74,8 +84,12 @@ def watchdog_lines(fence_after_s: float, grace_s: float, run: Attempt | None = N
         f'  printf "%s\\n" "$why" > "$d/{FENCED_FILE}.tmp"'
         f' && mv -f "$d/{FENCED_FILE}.tmp" "$d/{FENCED_FILE}"',
         f'  echo "rlfleet: fenced: $why; stopping the attempt (TERM, KILL after {grace}s)"',
-        '  f=1; kill -TERM -"$w" 2>/dev/null',
-        *(marked_kill_lines(run, "TERM", "  ", outside='"$w"') if run is not None else []),
+        f"  f=1; {term}",
+        *(
+            marked_kill_lines(run, "TERM", "  ", outside='"$w"', job_user=job_user)
+            if run is not None
+            else []
+        ),
         "  n=0",
         f'  while [ "$n" -lt {grace} ]; do',
         f'    sleep {period} & s=$!; wait "$s"',
@@ -85,7 +99,7 @@ def watchdog_lines(fence_after_s: float, grace_s: float, run: Attempt | None = N
         "  done",
         f'  echo "rlfleet: fenced: still running {grace}s after TERM: KILL"',
         '  [ -e "$d/exit_code" ] || echo 137 > "$d/exit_code"',
-        '  kill -KILL -"$w" 2>/dev/null',
+        f"  {kill9}",
         "  rlfleet_leftovers",
         ") 2>/dev/null &",  # its messages go to stdout (train.log); the shell's own, nowhere
         "rlfleet_wd=$!",

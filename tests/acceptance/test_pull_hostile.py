@@ -10,6 +10,7 @@ writes into, so that a `--job-user` variant can run them with the job's own acco
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -254,6 +255,21 @@ async def job_writes(transport: Transport, vm: SshdVM, url: str, inst: str, job:
     assert done.exit_status == 0, done.stderr
 
 
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def reported(env: dict[str, str], job_id: int, manifest: str) -> None:
+    """Record `manifest` (the bytes of a final.json) as one the job's attempt reported, as
+    the poller does with what the attempt's store status says."""
+    digest = _sha(manifest.encode())
+    sql(
+        env["RLFLEET_DATABASE_URL"],
+        "INSERT INTO job_store_records (job_id, attempt, kind, step, digest) VALUES "
+        f"({int(job_id)}, 0, 'final', 0, '{digest}') ON CONFLICT DO NOTHING",
+    )
+
+
 async def store_pull_escape_proof(env: dict[str, str], transport: Transport, vm: SshdVM,
                                   inst: str, url: str, root: Path) -> None:  # fmt: skip
     """A job with a store, on `vm`, fills its place in the store with hostile content:
@@ -263,10 +279,18 @@ async def store_pull_escape_proof(env: dict[str, str], transport: Transport, vm:
     final output still comes."""
     operator = operator_dir(root)
     job = int(json.loads(rlfleet(env, *SUBMIT, "--store", url, "--json").stdout)["id"])
-    manifest = {"files": {"model.bin": 10, "tokenizer.json": 2}, "at": "T"}
+    sums = {"model.bin": _sha(b"w" * 10), "tokenizer.json": _sha(b"{}")}
+    manifest = {"files": {"model.bin": 10, "tokenizer.json": 2}, "at": "T", "sha256": sums}
     honest = {"final/model.bin": "w" * 10, "final/tokenizer.json": "{}",
               "final.json": json.dumps(manifest)}  # fmt: skip
     await job_writes(transport, vm, url, inst, job, {"put": honest})
+    # Not reported by any attempt of the job: refused before its sizes are even looked at.
+    assert_one_line(rlfleet(env, "job", "pull", str(job), str(root / "unreported")), 1,
+                    "not one this job's attempts reported")  # fmt: skip
+    # A job can make its own attempt report whatever it wrote (its store.json is its own
+    # without --job-user): every manifest below is recorded as the job's, so what stops
+    # each case is the puller's own checks of sizes, names and kinds.
+    reported(env, job, honest["final.json"])
     assert pulled(env, job, root / "honest")["bytes"] == 12
     cases: list[tuple[dict, str]] = [
         ({"grow": {"final/model.bin": 256 << 20}}, "manifest says 10"),
@@ -283,6 +307,8 @@ async def store_pull_escape_proof(env: dict[str, str], transport: Transport, vm:
     for n, (plan, says) in enumerate(cases):
         await job_writes(transport, vm, url, inst, job, {"put": honest})
         await job_writes(transport, vm, url, inst, job, plan)
+        if "final.json" in plan.get("put", {}):
+            reported(env, job, plan["put"]["final.json"])
         before = sorted(p.name for p in root.iterdir())
         refused = rlfleet(env, "job", "pull", str(job), str(root / f"case{n}" / "dest"))
         assert_one_line(refused, 1, says)
