@@ -34,7 +34,7 @@ from scheduler.history import PRUNE_EVERY_S, GpuReading, ProgressRow, prune
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM
-from scheduler.poll import parse_poll, poll_command
+from scheduler.poll import cut_poll, parse_poll, poll_command, poll_output_limit
 from scheduler.remote.launch import entry_check_words
 from scheduler.transport import Transport, TransportError, VMTarget
 from scheduler.verdicts import LiveJob
@@ -311,12 +311,17 @@ class GpuPoller:
         if vm.launch_error is not None:
             # Until its python and entrypoint work again, every poll checks them.
             check = " ".join(entry_check_words(vm.target.python, vm.target.entrypoint))
-        command = poll_command([j.attempt for j in vm.jobs if j.attempt is not None], check)
+        attempts = [j.attempt for j in vm.jobs if j.attempt is not None]
+        command = poll_command(attempts, check)
+        limit = poll_output_limit(len(attempts))
         try:
             # persistent: a poll every few seconds is worth a shell kept open on the VM.
             result = await self.transport.run(
-                vm.target, command, timeout=self.command_timeout, persistent=True
-            )
+                vm.target, command, timeout=self.command_timeout, persistent=True,
+                max_output=limit,
+            )  # fmt: skip
+            if result.stdout_dropped:
+                return Outcome(vm, result=cut_poll(limit, result.stdout_dropped))
             return Outcome(vm, result=parse_poll(result.stdout))
         except TransportError as exc:
             return Outcome(vm, error=str(exc))
