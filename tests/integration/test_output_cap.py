@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 
 from scheduler.output_cap import OUTPUT_LIMIT, Tail
+from scheduler.poll import parse_poll, poll_command, poll_output_limit
+from scheduler.remote.layout import Attempt, new_token
 from scheduler.transport import CommandResult, LocalTransport, SSHTransport, Transport, VMTarget
 from tests.sshd import SshdFleet
 
+INSTALLATION = "8ecee215-6897-4b04-b858-5f093b6805ac"
 HUGE = 256 * 1024 * 1024
 """Bytes the command prints on each of stdout and stderr: unbounded, the reader would hold
 them (and a decoded copy) several times over."""
@@ -143,3 +146,30 @@ def test_tail_keeps_the_last_bytes_and_counts_the_rest() -> None:
     short = Tail(8)
     short.add(b"abc")
     assert (short.value(), short.dropped) == (b"abc", 0)
+
+
+async def test_a_poll_of_many_exited_attempts_with_full_log_tails_is_read_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given 24 exited attempts on a VM, each log's last 4 KB all newlines (each line
+    printed with its prefix: ~75 KB of poll answer per attempt, past the transport's
+    default cap in all), when the poll runs with the cap the poller asks for, then every
+    attempt's exit is read: nothing of the answer is dropped."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    attempts = [Attempt(INSTALLATION, job, 1, new_token()) for job in range(1, 25)]
+    for run in attempts:
+        directory = tmp_path / run.relative
+        directory.mkdir(parents=True)
+        (directory / "pid").write_text("999999999\n")  # past any pid_max: not running
+        (directory / "exit_code").write_text("0\n")
+        (directory / "train.log").write_bytes(b"\n" * 8192)
+    target = VMTarget(id=1, name="local", host="localhost", transport="local")
+    limit = poll_output_limit(len(attempts))
+    result = await LocalTransport().run(
+        target, poll_command(attempts), timeout=60, max_output=limit
+    )
+    assert result.stdout_dropped == 0 and len(result.stdout) > OUTPUT_LIMIT
+    jobs = parse_poll(result.stdout).jobs
+    assert {key: (s.state, s.exit_code) for key, s in jobs.items()} == {
+        (run.job_id, 1): ("exited", 0) for run in attempts
+    }
