@@ -25,7 +25,7 @@ from scheduler.nvidia_smi import (
 )
 from scheduler.output_cap import OUTPUT_LIMIT
 from scheduler.remote.layout import Attempt
-from scheduler.remote.output import as_int, output_lines
+from scheduler.remote.output import NONBLOCK_LINES, as_int, output_lines
 from scheduler.remote.probe import RemoteJobState, parse_status, status_probe
 from scheduler.remote.restarts import RoleRestarts, parse_restarts
 
@@ -118,6 +118,7 @@ def poll_command(jobs: Sequence[Attempt], check: str | None = None) -> str:
     """
     return "\n".join(
         [
+            *NONBLOCK_LINES,
             f"echo {JOBS}",
             status_probe(jobs),
             f"echo {GPUS}",
