@@ -75,6 +75,7 @@ async def _run_capped(transport: Transport, target: VMTarget, persistent: bool) 
             lambda: transport.run(target, COMMAND, timeout=120, persistent=persistent)
         )
         check_bounded(result, growth)
+        print(f"{target.name} persistent={persistent}: peak grew {growth / 2**20:.1f} MiB")
         # The session (or connection) still serves the next command, whole.
         small = await transport.run(target, "echo next", timeout=30, persistent=persistent)
         assert (small.stdout, small.stdout_dropped) == ("next\n", 0)
