@@ -174,3 +174,22 @@ async def test_a_poll_of_many_exited_attempts_with_full_log_tails_is_read_whole(
     assert {key: (s.state, s.exit_code) for key, s in jobs.items()} == {
         (run.job_id, 1): ("exited", 0) for run in attempts
     }
+
+
+@pytest.mark.parametrize("where", ["local", "ssh"])
+async def test_a_streamed_command_with_much_stderr_does_not_stall(sim_fleet, where: str) -> None:
+    """`stream` (job pull) reads the command's stderr while its stdout streams: a command
+    that writes 4 MB of errors before its output ends at once, its stderr's end kept."""
+    transport = LocalTransport() if where == "local" else SSHTransport()
+    if where == "local":
+        target = VMTarget(id=1, name="local", host="localhost", transport="local")
+    else:
+        target = (await sim_fleet(1))[0].target()
+    got: list[bytes] = []
+    command = "head -c 4000000 /dev/zero | tr '\\0' e >&2; echo out; echo last >&2"
+    try:
+        rc, err = await transport.stream(target, command, got.append, timeout=20)
+    finally:
+        await transport.close()
+    assert (rc, b"".join(got)) == (0, b"out\n")
+    assert err.endswith("eeelast\n") and len(err) <= 2000
