@@ -417,6 +417,8 @@ async def read_attempt_file(
             place.target,
             read_file_script(run, name, offset=offset, hex=True, limit=limit),
             timeout=timeout,
+            # `od` prints each byte as 3 characters, and a newline every 16 bytes.
+            max_output=4 * max(0, limit) + 4096,
         )
     except TransportError as exc:
         raise ServiceUnavailable(f"cannot read {name} of job {place.job_id}: {exc}") from exc

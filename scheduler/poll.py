@@ -23,9 +23,10 @@ from scheduler.nvidia_smi import (
     parse_gpus,
     parse_loads,
 )
+from scheduler.output_cap import OUTPUT_LIMIT
 from scheduler.remote.env import VM_ENV_FILE, load_env_lines
 from scheduler.remote.layout import Attempt, home_path
-from scheduler.remote.output import as_int, output_lines
+from scheduler.remote.output import NONBLOCK_LINES, as_int, output_lines
 from scheduler.remote.probe import RemoteJobState, parse_status, status_probe
 from scheduler.remote.restarts import RoleRestarts, parse_restarts
 
@@ -40,6 +41,24 @@ GPUS, GPUS_RC, APPS, APPS_RC, JOBS, END = (
 )
 CHECK, CHECK_RC = f"{_MARK}-check", f"{_MARK}-check-rc"
 LOADS = f"{_MARK}-loads"
+ATTEMPT_BYTES = 256 * 1024
+"""Room in a poll's answer for one attempt's lines: each file of it is read bounded
+(`remote.probe.status_probe`), its log tail of 4 KB is at most ~200 KB once each of its
+lines carries its prefix."""
+CHECK_BYTES = 2048
+"""Most bytes of the python check's last lines printed in a poll."""
+
+
+def poll_output_limit(attempts: int) -> int:
+    """Most bytes of a poll's stdout kept (the transport's cap): `OUTPUT_LIMIT` for the
+    VM's own sections (nvidia-smi), and `ATTEMPT_BYTES` for each attempt probed. A longer
+    answer is cut, and the poller ignores it (`cut_poll`)."""
+    return OUTPUT_LIMIT + ATTEMPT_BYTES * max(0, attempts)
+
+
+def cut_poll(limit: int, dropped: int) -> PollResult:
+    """What a poll whose answer went past `limit` bytes learned: nothing to act on."""
+    return PollResult(error=f"poll answer past {limit} bytes ({dropped} more dropped): ignored")
 
 
 @dataclass(frozen=True)
@@ -87,7 +106,7 @@ def check_command(check: str) -> list[str]:
         *load_env_lines([home_path(VM_ENV_FILE)]),
         f"{check} 2>&1)",
         "rlfleet_rc=$?",
-        'printf "%s\\n" "$rlfleet_out" | tail -n 3',
+        f'printf "%s\\n" "$rlfleet_out" | tail -n 3 | tail -c {CHECK_BYTES}',
         f'echo "{CHECK_RC} $rlfleet_rc"',
     ]
 
@@ -103,6 +122,7 @@ def poll_command(jobs: Sequence[Attempt], check: str | None = None) -> str:
     """
     return "\n".join(
         [
+            *NONBLOCK_LINES,
             f"echo {JOBS}",
             status_probe(jobs),
             f"echo {GPUS}",

@@ -1,5 +1,5 @@
 """How one command travels over an open asyncssh connection, and how its answer is read:
-a one-shot channel (`run_once`, its `exit_status` and `text`), the limit the VM itself
+a one-shot channel (`run_once`, its `exit_status`), the limit the VM itself
 puts on a command (`remote_timeout_wrapper`), and what a failure means
 (`dead_connection`, `describe`). `transport.SSHTransport` pools the connections.
 """
@@ -11,6 +11,8 @@ import shlex
 import signal
 
 import asyncssh
+
+from scheduler.output_cap import Tail, both, drain
 
 
 def remote_timeout_wrapper(command: str, timeout: float) -> str:
@@ -28,13 +30,20 @@ def remote_timeout_wrapper(command: str, timeout: float) -> str:
 
 
 async def run_once(
-    conn: asyncssh.SSHClientConnection, command: str, input: str | None
-) -> asyncssh.SSHCompletedProcess:
-    # A log tail cut inside a multi-byte character must not be a protocol error that
-    # closes the VM's whole connection: undecodable bytes become U+FFFD.
-    process = await conn.create_process(command, input=input, errors="replace")
+    conn: asyncssh.SSHClientConnection, command: str, input: str | None, limit: int
+) -> tuple[int, Tail, Tail]:
+    """Run `command` on a channel of its own: its exit status, and the last `limit` bytes
+    of each of its stdout and stderr (`output_cap.Tail`), both read as they arrive. Bytes,
+    decoded only at the end: a log tail cut inside a multi-byte character must not be a
+    protocol error that closes the VM's whole connection."""
+    process = await conn.create_process(command, encoding=None)
     try:
-        return await process.wait(check=False)
+        if input is not None:
+            process.stdin.write(input.encode())
+            process.stdin.write_eof()
+        out, err = Tail(limit), Tail(limit)
+        await both(drain(process.stdout.read, out), drain(process.stderr.read, err))
+        return exit_status(await process.wait(check=False)), out, err
     finally:
         # On timeout or cancellation, close the channel rather than leave it half open.
         process.close()
@@ -53,12 +62,6 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, asyncssh.DisconnectError | asyncssh.ChannelOpenError):
         return exc.reason or type(exc).__name__
     return str(exc).strip() or type(exc).__name__
-
-
-def text(data: str | bytes | None) -> str:
-    if data is None:
-        return ""
-    return data.decode(errors="replace") if isinstance(data, bytes) else data
 
 
 def exit_status(result: asyncssh.SSHCompletedProcess) -> int:

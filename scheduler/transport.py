@@ -1,4 +1,5 @@
-"""How commands reach a VM: one small interface, an SSH implementation and a local one.
+"""How commands reach a VM: one small interface (`transport_types`), an SSH implementation
+and a local one (`local_transport`).
 
 Every caller goes through `Transport.run(target, command, timeout=…)`. Commands are
 built by the caller with `shlex.quote` on every user-supplied piece
@@ -10,199 +11,47 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
-import re
-import secrets
-import signal
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import asyncssh
 
 from scheduler.liveness import SSHDeadlines
+from scheduler.local_transport import LocalTransport
 from scheduler.logging import get_logger
-from scheduler.models import DEFAULT_ENTRYPOINT, VM
+from scheduler.output_cap import CHUNK_BYTES, Tail, both, drain
 from scheduler.ssh_channel import (
     dead_connection,
     describe,
     exit_status,
     remote_timeout_wrapper,
     run_once,
-    text,
+)
+from scheduler.ssh_session import Session
+from scheduler.transport_types import (
+    STREAM_ERR_BYTES,
+    CommandResult,
+    Transport,
+    TransportError,
+    VMTarget,
+    noted,
+    output_limit,
 )
 
+__all__ = [
+    "CommandResult",
+    "HostKeyMismatch",
+    "LocalTransport",
+    "RoutingTransport",
+    "SSHTransport",
+    "Transport",
+    "TransportError",
+    "VMTarget",
+    "make_transport",
+]
+
 log = get_logger("transport")
-
-
-@dataclass(frozen=True)
-class VMTarget:
-    """Everything needed to reach one VM, detached from any database session."""
-
-    id: int
-    name: str
-    host: str
-    port: int = 22
-    user: str | None = None
-    ssh_key_path: str | None = None
-    known_hosts: str | None = None
-    verify_host_key: bool = True
-    transport: str = "ssh"
-    python: str = "python3"
-    entrypoint: str = DEFAULT_ENTRYPOINT
-    internal_address: str | None = None
-    """Where the other nodes of a multi-node job reach this VM; None: `host`."""
-    job_user: str | None = None
-    """The account its jobs run as (`scheduler.remote.jobuser`), as the row holds it:
-    checked (`check_job_user`) by whatever puts it into shell text."""
-
-    @property
-    def training_address(self) -> str:
-        """The address for training traffic: `internal_address`, else `host`."""
-        return self.internal_address or self.host
-
-    @classmethod
-    def fields(cls) -> tuple[str, ...]:
-        """The names of the fields, which are also the VM columns they come from."""
-        return tuple(f.name for f in dataclasses.fields(cls))
-
-    @classmethod
-    def columns(cls) -> list[Any]:
-        """The VM columns to select for `from_row`: one query loads many targets."""
-        return [getattr(VM, name) for name in cls.fields()]
-
-    @classmethod
-    def from_row(cls, row: Sequence[Any]) -> VMTarget:
-        """A target from a row that starts with `columns()`, in that order."""
-        return cls(**dict(zip(cls.fields(), row, strict=False)))
-
-    @classmethod
-    def from_vm(cls, vm: VM) -> VMTarget:
-        """Copy the connection fields out of a VM row."""
-        return cls(**{name: getattr(vm, name) for name in cls.fields()})
-
-
-@dataclass(frozen=True)
-class CommandResult:
-    """What a remote command returned."""
-
-    exit_status: int
-    stdout: str
-    stderr: str
-
-    @property
-    def ok(self) -> bool:
-        """True when the command exited 0."""
-        return self.exit_status == 0
-
-
-class TransportError(Exception):
-    """The VM could not be reached, or the command did not finish in time."""
-
-
-class Transport(Protocol):
-    """Runs shell commands on VMs."""
-
-    async def run(
-        self,
-        target: VMTarget,
-        command: str,
-        *,
-        timeout: float,
-        input: str | None = None,
-        persistent: bool = False,
-    ) -> CommandResult:
-        """Run `command` in a POSIX shell on `target`; raise `TransportError` if unreachable.
-
-        `persistent` is a hint that the command is repeated often (the poll): a transport
-        may keep a shell open on the VM for it.
-        """
-        ...
-
-    async def close(self) -> None:
-        """Release every connection."""
-        ...
-
-
-class LocalTransport:
-    """Runs commands on this machine with `/bin/sh -c`, for a VM that is the machine itself."""
-
-    async def run(
-        self,
-        target: VMTarget,
-        command: str,
-        *,
-        timeout: float,
-        input: str | None = None,
-        persistent: bool = False,
-    ) -> CommandResult:
-        """Run `command` locally; its process group is killed on timeout or cancellation
-        (`persistent` is moot)."""
-        proc = await asyncio.create_subprocess_exec(
-            "/bin/sh",
-            "-c",
-            command,
-            stdin=asyncio.subprocess.PIPE if input is not None else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-        )
-        try:
-            out, err = await asyncio.wait_for(
-                proc.communicate(input.encode() if input is not None else None), timeout
-            )
-        except BaseException as exc:
-            # Timed out, or cancelled (a daemon stopping): never leave the group running.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-            if isinstance(exc, TimeoutError):
-                raise TransportError(
-                    f"{target.name}: command timed out after {timeout:.0f}s"
-                ) from exc
-            raise
-        # The shell's convention, as over SSH: 128 + N for a death by signal N.
-        rc = proc.returncode if proc.returncode is not None else 255
-        return CommandResult(
-            128 - rc if rc < 0 else rc, out.decode(errors="replace"), err.decode(errors="replace")
-        )
-
-    async def stream(
-        self, target: VMTarget, command: str, sink: Callable[[bytes], None], *, timeout: float
-    ) -> tuple[int, str]:
-        """Run `command` locally, its stdout's bytes handed to `sink` as they come; its
-        exit status and the end of its stderr."""
-        proc = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", command, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-        )  # fmt: skip
-        assert proc.stdout is not None and proc.stderr is not None
-
-        async def pump() -> bytes:
-            assert proc.stdout is not None and proc.stderr is not None
-            while chunk := await proc.stdout.read(1 << 20):
-                sink(chunk)
-            return await proc.stderr.read(1 << 16)
-
-        try:
-            err = await asyncio.wait_for(pump(), timeout)
-            rc = await proc.wait()
-        except BaseException as exc:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-            if isinstance(exc, TimeoutError):
-                raise TransportError(f"{target.name}: timed out after {timeout:.0f}s") from exc
-            raise
-        return (128 - rc if rc < 0 else rc), err.decode(errors="replace")[-2000:]
-
-    async def close(self) -> None:
-        """Nothing to release."""
-
-    def forget(self, target: VMTarget) -> None:
-        """Nothing is kept per VM."""
 
 
 # Fast, widely supported algorithms first (key exchange is the CPU-heavy part of a
@@ -273,7 +122,7 @@ class SSHTransport:
         self._keepalive_interval = keepalive_interval
         self._keepalive_count_max = keepalive_count_max
         self._remote_timeout = remote_timeout
-        self._sessions: dict[_ConnKey, _Session] = {}
+        self._sessions: dict[_ConnKey, Session] = {}
         self._session_locks: dict[_ConnKey, asyncio.Lock] = {}
         self._files: dict[tuple[str, Callable[[str], Any]], tuple[tuple[int, int], Any]] = {}
         self._kex = _prefer(_PREFERRED_KEX, asyncssh.kex.get_default_kex_algs())
@@ -406,6 +255,7 @@ class SSHTransport:
         timeout: float,
         input: str | None = None,
         persistent: bool = False,
+        max_output: int | None = None,
     ) -> CommandResult:
         """Run `command` on `target` over its pooled connection; `TransportError` on failure.
 
@@ -414,15 +264,16 @@ class SSHTransport:
         poll). The command runs in a subshell, so it cannot change the session's state.
         """
         wrapped = remote_timeout_wrapper(command, timeout) if self._remote_timeout else command
+        limit = output_limit(max_output)
         if persistent and input is None:
             async with self._sem:
-                return await self._run_in_session(target, wrapped, timeout)
+                return noted(target, await self._run_in_session(target, wrapped, timeout, limit))
         async with self._sem:
             stale = None
             for attempt in (1, 2):
                 conn = await self._connection(target, stale=stale)
                 try:
-                    result = await asyncio.wait_for(run_once(conn, wrapped, input), timeout)
+                    result = await asyncio.wait_for(run_once(conn, wrapped, input, limit), timeout)
                 except (asyncssh.ChannelOpenError, asyncssh.ConnectionLost) as exc:
                     # The pooled connection died under us (VM rebooted, network blip): the
                     # command never started, so reconnecting once and retrying is safe.
@@ -438,7 +289,7 @@ class SSHTransport:
                     ) from exc
                 except (OSError, asyncssh.Error) as exc:
                     raise TransportError(f"{target.name}: {describe(exc)}") from exc
-                return CommandResult(exit_status(result), text(result.stdout), text(result.stderr))
+                return noted(target, CommandResult.of(*result))
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def stream(
@@ -453,14 +304,14 @@ class SSHTransport:
                 process = await conn.create_process(command, encoding=None)
             except (OSError, asyncssh.Error) as exc:
                 raise TransportError(f"{target.name}: {describe(exc)}") from exc
+            err = Tail(STREAM_ERR_BYTES)
             try:
 
-                async def pump() -> bytes:
-                    while chunk := await process.stdout.read(1 << 20):
+                async def pump() -> None:
+                    while chunk := await process.stdout.read(CHUNK_BYTES):
                         sink(chunk)
-                    return await process.stderr.read(1 << 16)
 
-                err = await asyncio.wait_for(pump(), timeout)
+                await asyncio.wait_for(both(pump(), drain(process.stderr.read, err)), timeout)
                 result = await asyncio.wait_for(process.wait(check=False), timeout)
             except TimeoutError as exc:
                 raise TransportError(f"{target.name}: timed out after {timeout:g}s") from exc
@@ -468,7 +319,7 @@ class SSHTransport:
                 raise TransportError(f"{target.name}: {describe(exc)}") from exc
             finally:
                 process.close()
-            return exit_status(result), bytes(err).decode(errors="replace")[-2000:]
+            return exit_status(result), err.text()
 
     def _abandon(self, target: VMTarget, conn: asyncssh.SSHClientConnection, why: str) -> None:
         """Drop `conn` (and its shell) from the pool and abort it, without waiting on the VM:
@@ -486,7 +337,7 @@ class SSHTransport:
         conn.abort()
 
     async def _run_in_session(
-        self, target: VMTarget, command: str, timeout: float
+        self, target: VMTarget, command: str, timeout: float, limit: int
     ) -> CommandResult:
         key = self._key(target)
         stale = None
@@ -502,9 +353,9 @@ class SSHTransport:
                     try:
                         # Opening a channel waits on the VM too: the command's deadline.
                         process = await asyncio.wait_for(
-                            conn.create_process("sh", encoding="utf-8", errors="replace"), timeout
+                            conn.create_process("sh", encoding=None), timeout
                         )
-                        session = _Session(conn, process)
+                        session = Session(conn, process)
                     except TimeoutError as exc:
                         self._abandon(target, conn, f"no shell within {timeout:g}s")
                         raise TransportError(
@@ -519,7 +370,7 @@ class SSHTransport:
                         raise TransportError(f"{target.name}: {describe(exc)}") from exc
                     self._sessions[key] = session
             try:
-                return await session.run(command, timeout)
+                return CommandResult.of(*await session.run(command, timeout, limit))
             except TimeoutError as exc:
                 self._abandon(target, conn, f"command timed out after {timeout:g}s")
                 raise TransportError(
@@ -548,75 +399,6 @@ class SSHTransport:
             conn.abort()
 
 
-SESSION_END = "__rlfleet_end_"
-_TOKEN_HEX = 16
-# Any request's end marker, compiled once: a separator string would be compiled into a new
-# regex by every read (each request's token is new, so never from re's cache), about a
-# quarter of a poll's CPU. A match whose token is not this request's is output, read on.
-_OUT_END = re.compile(rf"\n{SESSION_END}[0-9a-f]{{{_TOKEN_HEX}}} ")
-_ERR_END = re.compile(rf"\n{SESSION_END}[0-9a-f]{{{_TOKEN_HEX}}}\n")
-_END_LEN = len(SESSION_END) + _TOKEN_HEX + 2
-
-
-class _Session:
-    """A long-lived `sh` on a VM that runs one framed command at a time.
-
-    Each request runs the command in a subshell with stdin from /dev/null, then prints an
-    end marker carrying a fresh token and the exit status on stdout, and the marker on
-    stderr, so both streams can be read up to exactly this command's end. Any error or
-    timeout closes the session; the next command starts a new one.
-    """
-
-    def __init__(
-        self, conn: asyncssh.SSHClientConnection, process: asyncssh.SSHClientProcess[str]
-    ) -> None:
-        self.conn = conn
-        self.process = process
-        self.lock = asyncio.Lock()
-        self.closed = False
-
-    async def run(self, command: str, timeout: float) -> CommandResult:
-        """Run one command; the session is closed if it fails or times out."""
-        end = f"{SESSION_END}{secrets.token_hex(_TOKEN_HEX // 2)}"
-        request = (
-            f"( {command}\n) </dev/null; rlfleet_rc=$?; "
-            f"printf '\\n%s %d\\n' {end} \"$rlfleet_rc\"; printf '\\n%s\\n' {end} >&2\n"
-        )
-        async with self.lock:
-            try:
-                return await asyncio.wait_for(self._exchange(request, end), timeout)
-            except BaseException:
-                self.close()
-                raise
-
-    async def _exchange(self, request: str, end: str) -> CommandResult:
-        self.process.stdin.write(request)
-        out = await _read_to_end(self.process.stdout, _OUT_END, f"\n{end} ")
-        rc = (await self.process.stdout.readline()).strip()
-        err = await _read_to_end(self.process.stderr, _ERR_END, f"\n{end}\n")
-        return CommandResult(
-            int(rc) if rc.lstrip("-").isdigit() else 255,
-            out[: -len(end) - 2],
-            err[: -len(end) - 2],
-        )
-
-    def close(self) -> None:
-        """End the remote shell's channel."""
-        self.closed = True
-        self.process.close()
-
-
-async def _read_to_end(stream: asyncssh.SSHReader[str], any_end: re.Pattern[str], end: str) -> str:
-    """Read `stream` up to and including `end` (this request's marker), with `any_end`
-    (every marker's shape, compiled once) as the separator."""
-    parts = []
-    while True:
-        part = await stream.readuntil(any_end, _END_LEN)
-        parts.append(part)
-        if part.endswith(end):
-            return "".join(parts)
-
-
 class RoutingTransport:
     """Sends `transport == "local"` targets to a `LocalTransport`, the rest over SSH."""
 
@@ -635,11 +417,13 @@ class RoutingTransport:
         timeout: float,
         input: str | None = None,
         persistent: bool = False,
+        max_output: int | None = None,
     ) -> CommandResult:
         """Run `command` on `target` with the transport its VM row names."""
         return await self._pick(target).run(
-            target, command, timeout=timeout, input=input, persistent=persistent
-        )
+            target, command, timeout=timeout, input=input, persistent=persistent,
+            max_output=max_output,
+        )  # fmt: skip
 
     async def stream(
         self, target: VMTarget, command: str, sink: Callable[[bytes], None], *, timeout: float

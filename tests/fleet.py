@@ -429,6 +429,7 @@ class SimVM:
 async def _pump(reader: asyncio.StreamReader, writer: asyncssh.SSHWriter[bytes]) -> None:
     while chunk := await reader.read(65536):
         writer.write(chunk)
+        await writer.drain()  # SSH flow control, as sshd: a slow client is not buffered for
 
 
 async def _feed(reader: asyncssh.SSHReader[bytes], writer: asyncio.StreamWriter | None) -> None:

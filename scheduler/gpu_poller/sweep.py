@@ -34,7 +34,7 @@ from scheduler.history import PRUNE_EVERY_S, GpuReading, ProgressRow, prune
 from scheduler.liveness import UNREACHABLE_AFTER_POLLS, Liveness
 from scheduler.logging import get_logger
 from scheduler.models import GPU, VM
-from scheduler.poll import PollResult, parse_poll, poll_command
+from scheduler.poll import PollResult, cut_poll, parse_poll, poll_command, poll_output_limit
 from scheduler.remote.jobuser import ready_check
 from scheduler.remote.launch import entry_check_words
 from scheduler.store_records import record_reports
@@ -321,12 +321,17 @@ class GpuPoller:
         elif self._job_users.get(vm.target.id) != vm.target.job_user:
             # A job user not yet seen to work (`sudo -n -u J`): checked once.
             check = ready_check(vm.target, "true")
-        command = poll_command([j.attempt for j in vm.jobs if j.attempt is not None], check)
+        attempts = [j.attempt for j in vm.jobs if j.attempt is not None]
+        command = poll_command(attempts, check)
+        limit = poll_output_limit(len(attempts))
         try:
             # persistent: a poll every few seconds is worth a shell kept open on the VM.
             result = await self.transport.run(
-                vm.target, command, timeout=self.command_timeout, persistent=True
-            )
+                vm.target, command, timeout=self.command_timeout, persistent=True,
+                max_output=limit,
+            )  # fmt: skip
+            if result.stdout_dropped:
+                return Outcome(vm, result=cut_poll(limit, result.stdout_dropped))
             return self._job_user_outcome(vm, parse_poll(result.stdout))
         except TransportError as exc:
             return Outcome(vm, error=str(exc))

@@ -1,6 +1,13 @@
 """What the poller captures of an attempt before it stops it as hung or stuck starting
-(`scheduler.hang`): one command over SSH that writes `diagnostics.txt` into the attempt
-directory and prints it back, both bounded (`DIAGNOSTICS_BYTES`).
+(`scheduler.hang`): one command over SSH that prints what it gathered and saves it as
+`diagnostics.txt` in the attempt directory, both bounded (`DIAGNOSTICS_BYTES`).
+
+The attempt directory is the job's to write (docs/invariants.md, invariant 9): every file
+of it is read with a byte bound (`head -c`, `tail -c`) and, where `timeout` exists, a time
+bound; what is printed comes from the capture's own pipeline, never read back from a path
+there; the saved copy is written into a file `mktemp` made and renamed into place
+(`_save_lines`). A link or FIFO the job left at `diagnostics.txt` is replaced, never
+followed.
 
 It holds, in this order: a header (VM, the VM's clock, why, the attempt's GPUs),
 `nvidia-smi` of the attempt's GPUs and the VM's compute processes, the end of train.log,
@@ -19,7 +26,7 @@ from collections.abc import Sequence
 
 from scheduler.remote.kill import _marked_lines
 from scheduler.remote.layout import Attempt
-from scheduler.remote.output import printable, read_pid_lines
+from scheduler.remote.output import PID_BYTES, pid_check_lines, printable
 
 DIAGNOSTICS_FILE = "diagnostics.txt"
 DIAGNOSTICS_BYTES = 256 * 1024
@@ -34,6 +41,8 @@ SMI_BYTES = 16 * 1024
 """Most bytes of each nvidia-smi view."""
 STEP_TIMEOUT_S = 15
 """Most seconds one py-spy or nvidia-smi may take (where `timeout` exists)."""
+TEMP_PREFIX = ".diagnostics."
+"""The name `mktemp` gives the file the capture writes, before it becomes `DIAGNOSTICS_FILE`."""
 BEGIN, END, NODIR = "rlfleet-diag-begin", "rlfleet-diag-end", "rlfleet-diag-nodir"
 
 
@@ -53,8 +62,11 @@ def diagnostics_script(run: Attempt, python: str, why: str, gpus: Sequence[str] 
         [
             f"d={run.word()}",
             f'if [ ! -d "$d" ]; then echo {NODIR}; exit 0; fi',
-            *read_pid_lines("pid"),
             f'if command -v timeout >/dev/null 2>&1; then t="{limit}"; else t=; fi',
+            # Every read of a file the job can write is bounded in bytes and, where
+            # `timeout` exists, in time (a FIFO swapped in after a test holds no read).
+            'pid=; [ -f "$d/pid" ] && pid=$($t head -c ' + f'{PID_BYTES} "$d/pid" 2>/dev/null)',
+            *pid_check_lines("pid"),
             "spy=$(command -v py-spy 2>/dev/null)",
             'if [ -z "$spy" ]; then',
             f"  py=$(command -v {shlex.quote(python)} 2>/dev/null)",
@@ -74,7 +86,9 @@ def diagnostics_script(run: Attempt, python: str, why: str, gpus: Sequence[str] 
             '  case " $pids " in *" $rlfleet_m "*) ;; *) pids="$pids $rlfleet_m";; esac',
             "  done",
             f'f="$d/{DIAGNOSTICS_FILE}"',
-            "{",
+            # Kept in a variable (bounded), printed from there: nothing is read back from
+            # a path in the attempt directory, which the job could have placed.
+            "rlfleet_diag=$({",
             '  echo "rlfleet diagnostics: $(hostname 2>/dev/null),'
             " $(date -u '+%Y-%m-%dT%H:%M:%SZ' 2>/dev/null) by the VM's clock\"",
             f"  echo {shlex.quote(header)}",
@@ -86,7 +100,7 @@ def diagnostics_script(run: Attempt, python: str, why: str, gpus: Sequence[str] 
             "  $t nvidia-smi --query-compute-apps=gpu_uuid,pid,used_memory --format=csv 2>&1"
             f" | head -c {SMI_BYTES}",
             "  echo; echo '== end of train.log'",
-            f'  if [ -f "$d/train.log" ]; then tail -c {LOG_TAIL_BYTES} "$d/train.log"; fi',
+            f'  if [ -f "$d/train.log" ]; then $t tail -c {LOG_TAIL_BYTES} "$d/train.log"; fi',
             "  echo; n=0",
             "  for q in $pids; do",
             '    [ -r "/proc/$q/cmdline" ] || continue  # ended meanwhile',
@@ -104,12 +118,31 @@ def diagnostics_script(run: Attempt, python: str, why: str, gpus: Sequence[str] 
             '    if [ -z "$spy" ]; then echo "py-spy not found on the VM (pip install py-spy)";'
             f' else RUST_BACKTRACE=0 $t "$spy" dump --pid "$q" 2>&1 | head -c {STACK_BYTES}; fi',
             "  done",
-            f'}} 2>&1 | head -c {DIAGNOSTICS_BYTES} > "$f.tmp"',
-            'mv -f "$f.tmp" "$f"',
-            f'echo {BEGIN}; cat "$f"; echo; echo {END}',
+            f"}} 2>&1 | head -c {DIAGNOSTICS_BYTES}; echo x)",
+            "rlfleet_diag=${rlfleet_diag%x}",
+            f'echo {BEGIN}; printf "%s\\n" "$rlfleet_diag"; echo {END}',
+            *_save_lines(),
             "",
         ]
     )
+
+
+def _save_lines() -> list[str]:
+    """Shell lines saving `$rlfleet_diag` as `$f`: written into a file the capture made
+    itself (`mktemp`: a new name, created exclusively), only while that is still a regular
+    file and no link, in bounded time, then renamed onto `$f` (a link the job left there is
+    removed first, so the rename never lands through it)."""
+    return [
+        f'c=$(mktemp "$d/{TEMP_PREFIX}XXXXXX" 2>/dev/null) || c=',
+        'if [ -n "$c" ] && [ -f "$c" ] && [ ! -L "$c" ]; then',
+        '  printf "%s" "$rlfleet_diag" | $t sh -c \'cat > "$1"\' sh "$c" 2>/dev/null',
+        '  if [ -f "$c" ] && [ ! -L "$c" ]; then',
+        '    if [ -L "$f" ]; then rm -f "$f"; fi',
+        '    mv -f "$c" "$f" 2>/dev/null',
+        "  fi",
+        '  rm -f "$c" 2>/dev/null',
+        "fi",
+    ]
 
 
 def parse_diagnostics(stdout: str) -> str | None:

@@ -68,12 +68,39 @@ def parse_exit(stdout: str) -> int | None:
     return None
 
 
+NONBLOCK_LINES = [
+    "rlfleet_nb=; dd if=/dev/null iflag=nonblock 2>/dev/null && rlfleet_nb=iflag=nonblock"
+]
+"""Set `$rlfleet_nb` for `head_bytes` and `tail_bytes`: GNU dd's `iflag=nonblock` where the
+VM's dd has it, else empty (a plain, blocking read, as `head -c` was)."""
+
+
+def head_bytes(nbytes: int, path: str) -> str:
+    """Shell text printing the first `nbytes` bytes of the file at `path` (a shell word).
+    After `NONBLOCK_LINES`, opened non-blocking: a FIFO the job swapped in after the caller's
+    `[ -f ]` test holds no read (no writer, or one that writes nothing: nothing is read)."""
+    return f"dd if={path} $rlfleet_nb bs={int(nbytes)} count=1 2>/dev/null"
+
+
+def tail_bytes(nbytes: int, path: str) -> str:
+    """Shell text printing the last `nbytes` bytes of the file at `path`, as `head_bytes`
+    reads: its size from `ls` (which opens nothing), then at most its last two blocks."""
+    n = int(nbytes)
+    return (
+        f"{{ set -- $(ls -lnLd {path} 2>/dev/null); rlfleet_s=${{5:-0}};"
+        ' case "$rlfleet_s" in ""|*[!0-9]*) rlfleet_s=0;; esac;'
+        f' rlfleet_k=$((rlfleet_s / {n})); [ "$rlfleet_k" -gt 0 ] && rlfleet_k=$((rlfleet_k - 1));'
+        f' dd if={path} $rlfleet_nb bs={n} skip="$rlfleet_k" count=2 2>/dev/null | tail -c {n}; }}'
+    )
+
+
 def read_pid_lines(variable: str = "pid") -> list[str]:
     """Set `$variable` to the attempt's pid (in `$d`), or empty when its pid file holds no
     plausible pid (`pid_check_lines`)."""
+    read = head_bytes(PID_BYTES, '"$d/pid"')
     return [
         # One process, as `cat` was (the substitution drops the trailing newline).
-        f'{variable}=$(head -c {PID_BYTES} "$d/pid" 2>/dev/null)',
+        f"{variable}=$({read})",
         *pid_check_lines(variable),
     ]
 

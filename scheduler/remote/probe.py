@@ -17,10 +17,12 @@ from scheduler.remote.layout import Attempt
 from scheduler.remote.output import (
     EXIT_CODE_BYTES,
     as_int,
+    head_bytes,
     load_json,
     output_lines,
     printable,
     read_pid_lines,
+    tail_bytes,
 )
 from scheduler.remote.restarts import restart_lines
 from scheduler.remote.store import (
@@ -153,15 +155,20 @@ def status_probe(jobs: Sequence[Attempt]) -> str:
     reports a fenced attempt with a `rlfleet-fenced` line.
 
     Every file here is the job's to write (docs/invariants.md, invariant 9), so each is
-    read with a byte bound (`head -c`, `tail -c`: a sparse 10 GB log without newlines costs
-    what 4 KB does), only when it is a regular file (a FIFO would block the read), and
-    nothing in them is trusted: the attempt runs while its wrapper (the pid in `pid`, a
-    live process whose command line is this attempt's `launch.sh`) runs, whatever
+    read with a byte bound (`output.head_bytes`, `tail_bytes`: a sparse 10 GB log without
+    newlines costs what 4 KB does), only when it is a regular file, and opened non-blocking
+    where the VM's dd can (`output.NONBLOCK_LINES`: a FIFO swapped in after the test holds
+    no read), and nothing in them is trusted: the attempt runs while its wrapper (the pid
+    in `pid`, a live process whose command line is this attempt's `launch.sh`) runs, whatever
     `exit_code` says, so an exit code written by someone else beside a live wrapper is
     not taken. Only once the wrapper is gone is `exit_code` read; the wrapper writes it
     just before it exits, so it is there by then. A job group's `roles.json` (its restarts
     in place) is printed on one line too (`remote.restarts`).
     """
+    read_code = head_bytes(EXIT_CODE_BYTES, '"$d/exit_code"')
+    read_log = tail_bytes(LOG_TAIL_BYTES, '"$d/train.log"')
+    read_progress = head_bytes(PROGRESS_BYTES, '"$d/progress.json"')
+    read_store = head_bytes(STORE_STATUS_BYTES, f'"$d/{STORE_STATUS_FILE}"')
     lines = []
     for run in jobs:
         j, a = int(run.job_id), int(run.attempt)
@@ -183,22 +190,20 @@ def status_probe(jobs: Sequence[Attempt]) -> str:
             'elif [ -e "$d/pid" ]; then s=vanished',
             "fi",
             'if [ "$s" = exited ]; then',
-            f'  echo "{STATUS_MARK} {j} {a} exited'
-            f' $(head -c {EXIT_CODE_BYTES} "$d/exit_code" 2>/dev/null | tr -d "\\n")"',
+            f'  echo "{STATUS_MARK} {j} {a} exited $({read_code} | tr -d "\\n")"',
             f'  if [ -e "$d/{CANNOT_START_FILE}" ]; then echo "{CANNOT_START_MARK} {j} {a}"; fi',
             f'  if [ -e "$d/{STORE_ERROR_FILE}" ]; then echo "{STORE_ERROR_MARK} {j} {a}"; fi',
-            f'  if [ -f "$d/train.log" ]; then tail -c {LOG_TAIL_BYTES} "$d/train.log"'
-            f' | sed "s/^/{LOG_MARK} {j} {a} /"; fi',
+            f'  if [ -f "$d/train.log" ]; then {read_log} | sed "s/^/{LOG_MARK} {j} {a} /"; fi',
             "  echo",
             f'else echo "{STATUS_MARK} {j} {a} $s"; fi',
             # One line: the JSON's own newlines are only whitespace between its tokens.
             f'if [ -f "$d/progress.json" ] && [ -s "$d/progress.json" ]; then'
             f' printf "%s " "{PROGRESS_MARK} {j} {a}";'
-            f' head -c {PROGRESS_BYTES} "$d/progress.json" 2>/dev/null | tr -d "\\n\\r"; echo; fi',
+            f' {read_progress} | tr -d "\\n\\r"; echo; fi',
             *restart_lines(j, a),
             f'if [ -f "$d/{STORE_STATUS_FILE}" ] && [ -s "$d/{STORE_STATUS_FILE}" ]; then'
             f' printf "%s " "{STORE_MARK} {j} {a}";'
-            f' head -c {STORE_STATUS_BYTES} "$d/{STORE_STATUS_FILE}" 2>/dev/null'
+            f" {read_store}"
             ' | tr -d "\\n\\r"; echo; fi',
         ]
     return "\n".join(lines) + "\n"

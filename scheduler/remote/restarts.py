@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.remote.output import as_int, load_json, output_lines
+from scheduler.remote.output import as_int, head_bytes, load_json, output_lines
 
 ROLES_MARK = "rlfleet-roles"
 ROLES_BYTES = 4096
@@ -45,10 +45,11 @@ def restart_lines(job_id: int, attempt: int) -> list[str]:
     """Shell lines (with `$d` the attempt's directory) printing its roles.json on one line
     after `rlfleet-roles <id> <attempt> `, when there is one."""
     j, a = int(job_id), int(attempt)
+    read = head_bytes(ROLES_BYTES, '"$d/roles.json"')
     return [
         f'if [ -f "$d/roles.json" ] && [ -s "$d/roles.json" ]; then'
         f' printf "%s " "{ROLES_MARK} {j} {a}";'
-        f' head -c {ROLES_BYTES} "$d/roles.json" 2>/dev/null | tr -d "\\n\\r"; echo; fi',
+        f' {read} | tr -d "\\n\\r"; echo; fi',
     ]
 
 

@@ -12,7 +12,7 @@ from scheduler.liveness import WATCHDOG_PERIOD_S, Liveness
 from scheduler.remote.jobuser import group_signal
 from scheduler.remote.kill import marked_kill_lines
 from scheduler.remote.layout import Attempt
-from scheduler.remote.output import as_int, output_lines, printable
+from scheduler.remote.output import as_int, head_bytes, output_lines, printable
 
 FENCED_MARK = "rlfleet-fenced"
 LEASE_FILE = "lease"
@@ -140,10 +140,11 @@ def lease_touch_lines() -> list[str]:
 def fenced_lines(job_id: int, attempt: int) -> list[str]:
     """Print `rlfleet-fenced <id> <attempt> <why>` if the attempt in `$d` was fenced."""
     j, a = int(job_id), int(attempt)
+    read = head_bytes(FENCED_REASON_BYTES, f'"$d/{FENCED_FILE}"')
     return [
         f'if [ -f "$d/{FENCED_FILE}" ] && [ -s "$d/{FENCED_FILE}" ]; then'
         f' echo "{FENCED_MARK} {j} {a}'
-        f' $(head -c {FENCED_REASON_BYTES} "$d/{FENCED_FILE}" | tr -d "\\n")"; fi'
+        f' $({read} | tr -d "\\n")"; fi'
     ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 from sqlalchemy import update
@@ -64,3 +65,31 @@ async def test_following_a_log_written_mid_line_and_mid_character_loses_nothing(
     finally:
         await transport.close()
     assert b"".join(out) == b"".join(pieces)
+
+
+async def test_a_log_larger_than_the_transport_cap_comes_back_whole(
+    sim_fleet, db: Database
+) -> None:
+    """Given a train.log of 3.5 MB of random bytes (past the transport's default output
+    cap, and sent as hex: 4 times as many characters), `job logs` writes every byte of it:
+    the log reader asks the transport for the output it needs."""
+    fleet: SimFleet = await sim_fleet(1)
+    vm_id = (await fleet.register(db))["vm0"]
+    job_id = await new_job(db)
+    async with db.transaction() as session:
+        await session.execute(
+            update(Job)
+            .where(Job.id == job_id)
+            .values(status="completed", vm_id=vm_id, attempt=1, launch_token=new_token())
+        )
+    log = fleet[0].home / (await current_attempt(db, job_id)).relative / "train.log"
+    log.parent.mkdir(parents=True)
+    data = os.urandom(3_500_000)
+    log.write_bytes(data)
+    out: list[bytes] = []
+    transport = make_transport()
+    try:
+        await asyncio.wait_for(stream_log(db, transport, job_id, out.append), 60)
+    finally:
+        await transport.close()
+    assert b"".join(out) == data

@@ -71,12 +71,14 @@ class Counting:
         timeout: float,
         input: str | None = None,
         persistent: bool = False,
+        max_output: int | None = None,
     ) -> CommandResult:
         if RECEIVE_CODE.strip().splitlines()[0] in command and input is not None:
             self.sent[target.name] += 1
         return await self.inner.run(
-            target, command, timeout=timeout, input=input, persistent=persistent
-        )
+            target, command, timeout=timeout, input=input, persistent=persistent,
+            max_output=max_output,
+        )  # fmt: skip
 
     async def close(self) -> None:
         await self.inner.close()
