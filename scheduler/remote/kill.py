@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import shlex
 
+from scheduler.remote import cgroup
 from scheduler.remote.layout import DIR_MARK, Attempt
 from scheduler.remote.output import (
     EXIT_CODE_BYTES,
@@ -115,6 +116,7 @@ def kill_script(
     return "\n".join(
         [
             f"d={run.word()}",
+            *cgroup.read_lines(run),
             'if [ ! -s "$d/pid" ]; then',
             *missing,
             f'  if [ -e "$d/fenced" ]; then echo "{KILL_MARK} fenced"; exit 0; fi',
@@ -135,6 +137,7 @@ def kill_script(
             # An exit code beside a live wrapper was written by someone else: kill on.
             f'if [ -s "$d/exit_code" ] && ! {{ {wrapper_alive(run)}; }}; then',
             *marked_kill_lines(run, "KILL", "  "),
+            "  rlfleet_cg_kill",
             f'  echo "{KILL_MARK} gone";'
             f' echo "{EXITED_MARK} $(head -c {EXIT_CODE_BYTES} "$d/exit_code" | tr -d "\\n")";'
             f' echo "{DIR_MARK} $(cd "$d" && pwd)"; exit 0',
@@ -142,18 +145,25 @@ def kill_script(
             'if [ -n "$pid" ] && kill -TERM -"$pid" 2>/dev/null; then g=1; else g=; fi',
             # What left the group gets its TERM too (the group's members only the group's).
             *marked_kill_lines(run, "TERM", outside='"$pid"'),
-            f'if [ -z "$g" ] && ! {marked_alive(run)}; then echo "{KILL_MARK} gone"; exit 0; fi',
+            # Everything in the attempt's cgroup, wherever it went, gets its TERM too.
+            "rlfleet_cg_signal TERM",
+            f'if [ -z "$g" ] && ! rlfleet_cg_busy && ! {marked_alive(run)}; then',
+            f'  rlfleet_cg_kill; echo "{KILL_MARK} gone"; exit 0',
+            "fi",
             "n=0",
-            f'while {{ [ -n "$g" ] && kill -0 -"$pid" 2>/dev/null; }} || {marked_alive(run)}; do',
+            f'while {{ [ -n "$g" ] && kill -0 -"$pid" 2>/dev/null; }} || rlfleet_cg_busy'
+            f" || {marked_alive(run)}; do",
             "  n=$((n + 1))",
             f'  if [ "$n" -gt {polls} ]; then',
             '    [ -z "$g" ] || kill -KILL -"$pid" 2>/dev/null',
             *marked_kill_lines(run, "KILL", "    "),
+            "    rlfleet_cg_kill",
             '    [ -e "$d/exit_code" ] || echo 137 > "$d/exit_code"',
             f'    echo "{KILL_MARK} killed"; exit 0',
             "  fi",
             "  sleep 0.1",
             "done",
+            "rlfleet_cg_kill",  # empty by now: removed
             f'echo "{KILL_MARK} terminated"',
             "",
         ]

@@ -14,6 +14,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from scheduler.remote import cgroup
 from scheduler.remote.env import (
     JOB_ENV_FILE,
     VM_ENV_FILE,
@@ -223,7 +224,11 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "trap 'rlfleet_sig=TERM' TERM",
             "trap 'rlfleet_sig=INT' INT",
             "trap 'rlfleet_sig=HUP' HUP",
+            # The attempt's cgroup (`remote.cgroup`): made first, entered once the watchdog
+            # (which must stay outside to stop it) runs, before anything else starts.
+            *cgroup.setup_lines(spec.run),
             *watchdog_lines(spec.fence_after_s, spec.fence_grace_s, spec.run),
+            *cgroup.enter_lines(),
             *_cd_lines(spec),
             f"mkdir -p {home_path(spec.output_dir)}",
             'echo "rlfleet: attempt started on $(hostname) at $(date -u +%FT%TZ)'
@@ -266,6 +271,7 @@ def wrapper_script(spec: LaunchSpec) -> str:
             f'  rm -f "$d/{CANNOT_START_FILE}"',
             "fi",
             *watchdog_stop_lines(),
+            *cgroup.leave_lines(),
             *(store_error_lines() if spec.store is not None else []),
             'echo "$rc" > "$d/exit_code.tmp" && mv -f "$d/exit_code.tmp" "$d/exit_code"',
             'echo "rlfleet: attempt ended with exit code $rc"',

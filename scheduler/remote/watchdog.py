@@ -35,7 +35,9 @@ def watchdog_lines(fence_after_s: float, grace_s: float, run: Attempt | None = N
     when the wrapper is gone, and `watchdog_stop_lines` ends it with the training; it costs
     one `sleep` a second. `fence_after_s <= 0` starts no watchdog. With `run`, the fence
     also stops what the job started outside its process group (`marked_kill_lines`): TERM
-    with the group, KILL once the group has ended or its grace has passed.
+    with the group, KILL once the group has ended or its grace has passed; and, in a
+    wrapper that made the attempt's cgroup (`$rlfleet_cg`, `remote.cgroup`), everything in
+    it: TERM with the group, the whole cgroup killed and removed once the wrapper is gone.
     """
     if fence_after_s <= 0:
         return ["rlfleet_wd="]
@@ -43,6 +45,9 @@ def watchdog_lines(fence_after_s: float, grace_s: float, run: Attempt | None = N
     grace = max(0, math.ceil(grace_s))
     period = int(WATCHDOG_PERIOD_S)
     leftovers = marked_kill_lines(run, "KILL", "  ") if run is not None else ["  :"]
+    # With `all` (the wrapper is gone or killed): the attempt's cgroup too, whole
+    # (`remote.cgroup`; the wrapper's own pass at its end does it otherwise).
+    leftovers += ['  if [ -n "${1:-}" ] && [ -n "${rlfleet_cg:-}" ]; then rlfleet_cg_kill; fi']
     return [
         "if [ -r /proc/uptime ]; then rlfleet_now() { read -r t _ </proc/uptime; t=${t%%.*}; }",
         "else rlfleet_now() { t=$(date +%s); }; fi",
@@ -70,17 +75,19 @@ def watchdog_lines(fence_after_s: float, grace_s: float, run: Attempt | None = N
         f'  echo "rlfleet: fenced: $why; stopping the attempt (TERM, KILL after {grace}s)"',
         '  f=1; kill -TERM -"$w" 2>/dev/null',
         *(marked_kill_lines(run, "TERM", "  ", outside='"$w"') if run is not None else []),
+        '  [ -z "${rlfleet_cg:-}" ] || rlfleet_cg_signal TERM',
         "  n=0",
         f'  while [ "$n" -lt {grace} ]; do',
         f'    sleep {period} & s=$!; wait "$s"',
         '    if [ -s "$d/exit_code" ] || ! kill -0 "$w" 2>/dev/null; then'
-        " rlfleet_leftovers; exit 0; fi",
+        " rlfleet_leftovers all; exit 0; fi",
         f"    n=$((n + {period}))",
         "  done",
         f'  echo "rlfleet: fenced: still running {grace}s after TERM: KILL"',
         '  [ -e "$d/exit_code" ] || echo 137 > "$d/exit_code"',
+        # The leftovers first: the group's KILL is this watchdog's end too (it is in it).
+        "  rlfleet_leftovers all",
         '  kill -KILL -"$w" 2>/dev/null',
-        "  rlfleet_leftovers",
         ") 2>/dev/null &",  # its messages go to stdout (train.log); the shell's own, nowhere
         "rlfleet_wd=$!",
     ]
