@@ -116,7 +116,6 @@ def kill_script(
     return "\n".join(
         [
             f"d={run.word()}",
-            *cgroup.read_lines(run),
             'if [ ! -s "$d/pid" ]; then',
             *missing,
             f'  if [ -e "$d/fenced" ]; then echo "{KILL_MARK} fenced"; exit 0; fi',
@@ -133,6 +132,7 @@ def kill_script(
             "  done",
             "fi",
             *read_pid_lines(),
+            *cgroup.read_lines(run),
             # The attempt ended (its wrapper is gone): its pid may be someone else's by now.
             # An exit code beside a live wrapper was written by someone else: kill on.
             f'if [ -s "$d/exit_code" ] && ! {{ {wrapper_alive(run)}; }}; then',
