@@ -88,7 +88,10 @@ def cgroup_root() -> Iterator[Path]:
 
 
 def kill_pid(pid: int) -> None:
-    """SIGKILL `pid` if it still runs (a process a test let escape)."""
+    """SIGKILL `pid` if it still runs (a process a test let escape); 0 or less: none (never
+    a process group)."""
+    if pid <= 1:
+        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGKILL)
 

@@ -133,7 +133,7 @@ def root_lines() -> list[str]:
         "rlfleet_cgr=; rlfleet_cgw=; rlfleet_v=",
         f"if [ -f {env} ]; then {read}; fi",
         # `=` in front: set (perhaps to nothing); one pair of quotes stripped, as the loader does.
-        'if [ -n "$rlfleet_v" ]; then rlfleet_set=1; rlfleet_v=${rlfleet_v#=}; else rlfleet_set=; fi',
+        'rlfleet_set=; if [ -n "$rlfleet_v" ]; then rlfleet_set=1; rlfleet_v=${rlfleet_v#=}; fi',
         'case "$rlfleet_v" in',
         '  \\"*\\") rlfleet_v=${rlfleet_v#\\"}; rlfleet_v=${rlfleet_v%\\"} ;;',
         "  \\'*\\') rlfleet_v=${rlfleet_v#\\'}; rlfleet_v=${rlfleet_v%\\'} ;;",
@@ -233,11 +233,12 @@ def probe_lines() -> list[str]:
         '  rlfleet_pt="$rlfleet_cgr/rlfleet-probe-$$"; rlfleet_how=',
         '  if mkdir "$rlfleet_pt" 2>/dev/null; then',
         f'    if sh -c {move} sh "$rlfleet_pt" 2>/dev/null; then',
-        '      if [ -e "$rlfleet_pt/cgroup.kill" ]; then rlfleet_how=kill; else rlfleet_how=freeze; fi',
+        '      rlfleet_how=freeze; [ ! -e "$rlfleet_pt/cgroup.kill" ] || rlfleet_how=kill',
         "    fi",
         '    rmdir "$rlfleet_pt" 2>/dev/null || { sleep 0.1; rmdir "$rlfleet_pt" 2>/dev/null; }',
         "  fi",
-        f'  if [ -n "$rlfleet_how" ]; then echo "{TRACKING_MARK} cgroup2 $rlfleet_how $rlfleet_cgr"',
+        '  if [ -n "$rlfleet_how" ]; then',
+        f'    echo "{TRACKING_MARK} cgroup2 $rlfleet_how $rlfleet_cgr"',
         f'  else echo "{TRACKING_MARK} marker cannot move a process into a cgroup under'
         ' $rlfleet_cgr"; fi',
         f'else echo "{TRACKING_MARK} marker $rlfleet_cgw"; fi',

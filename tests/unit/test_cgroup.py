@@ -34,9 +34,9 @@ def cg_root(home: Path) -> Iterator[Path]:  # noqa: F811 - the fixture
         yield root
 
 
-def vm_env(home: Path, line: str) -> None:
+def vm_env(vm_home: Path, line: str) -> None:
     """Write the VM's `~/.rlfleet/env` as deploy/bootstrap-vm.sh does."""
-    path = home / ".rlfleet" / "env"
+    path = vm_home / ".rlfleet" / "env"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"HF_HOME=/tmp/hf\n{line}\n")
 
