@@ -18,6 +18,11 @@
 #                      /etc/ssh/ssh_host_{ed25519,ecdsa,rsa}_key.pub)
 #   --hostname NAME    the name the control host uses for this VM (default: hostname -f)
 #   --port N           the SSH port the control host uses (default: 22)
+#   --cgroup-root DIR  the cgroup v2 directory under which each attempt gets a cgroup of its
+#                      own (so that every process it starts stops with it), written to
+#                      ~/.rlfleet/env as RLFLEET_CGROUP_ROOT; `none`: no cgroups (the
+#                      environment marker only). Default: the cgroup the account's shell is
+#                      in, when it may write it. See docs/security.md, "Stopping an attempt".
 #
 # Exit codes: 0 ready; 1 a check failed (the message says which); 2 bad usage.
 set -euo pipefail
@@ -30,6 +35,7 @@ ALLOW_NO_GPU=0
 HOST_KEY=""
 HOSTNAME_FOR_KEY=""
 PORT=22
+CGROUP_ROOT=""
 
 die() { echo "bootstrap-vm: error: $*" >&2; exit 1; }
 usage() { echo "bootstrap-vm: $*" >&2; echo "see the header of deploy/bootstrap-vm.sh for options" >&2; exit 2; }
@@ -45,6 +51,7 @@ while [ $# -gt 0 ]; do
     --host-key) HOST_KEY="${2:?--host-key needs a file}"; shift 2 ;;
     --hostname) HOSTNAME_FOR_KEY="${2:?--hostname needs a name}"; shift 2 ;;
     --port) PORT="${2:?--port needs a number}"; shift 2 ;;
+    --cgroup-root) CGROUP_ROOT="${2:?--cgroup-root needs a directory or none}"; shift 2 ;;
     -h|--help)
       if [ -f "$0" ]; then sed -n '2,/^set -euo/p' "$0" | sed '$d'; else echo "options: see the header of deploy/bootstrap-vm.sh"; fi
       exit 0 ;;
@@ -53,6 +60,11 @@ while [ $# -gt 0 ]; do
   esac
 done
 case "$PORT" in ''|*[!0-9]*) usage "--port must be a number, not '$PORT'" ;; esac
+case "$CGROUP_ROOT" in
+  ""|none) ;;
+  *[!A-Za-z0-9_./@:+=,-]*|*/../*|*/..|*/./*|*//*|[!/]*)
+    usage "--cgroup-root must be an absolute plain path (or none), not '$CGROUP_ROOT'" ;;
+esac
 
 # 1. The Python environment.
 command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found: install Python >= 3.11"
@@ -122,6 +134,17 @@ else
 #HF_HUB_OFFLINE=1
 ENVEOF
   )
+fi
+
+# 4b. Where each attempt's cgroup is made (RLFLEET_CGROUP_ROOT in ~/.rlfleet/env).
+if [ -n "$CGROUP_ROOT" ]; then
+  ( umask 077 && { grep -v '^\(export \)\{0,1\}RLFLEET_CGROUP_ROOT=' "$ENV_FILE" || true; } > "$ENV_FILE.tmp" \
+    && echo "RLFLEET_CGROUP_ROOT=$CGROUP_ROOT" >> "$ENV_FILE.tmp" && mv -f "$ENV_FILE.tmp" "$ENV_FILE" )
+  step "attempts' cgroups: RLFLEET_CGROUP_ROOT=$CGROUP_ROOT in $ENV_FILE"
+  if [ "$CGROUP_ROOT" != none ] && { [ ! -d "$CGROUP_ROOT" ] || [ ! -w "$CGROUP_ROOT/cgroup.procs" ]; }; then
+    echo "bootstrap-vm: warning: $CGROUP_ROOT is not a cgroup v2 directory this account may write;" \
+      "attempts fall back to the environment marker (rlfleet vm show says which a VM uses)" >&2
+  fi
 fi
 
 # 5. The host key line for the control host's known_hosts.

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -243,3 +245,38 @@ def test_a_tracking_line_is_read_without_trusting_it() -> None:
     assert parse_tracking([f"{mark} cgroup2 freeze /sys/fs/cgroup/x"]) == (
         "cgroup v2 (/sys/fs/cgroup/x, freeze)"
     )
+
+
+# --- deploy/bootstrap-vm.sh --cgroup-root ------------------------------------------------------
+
+BOOTSTRAP = Path(__file__).parents[2] / "deploy" / "bootstrap-vm.sh"
+
+
+def bootstrap(vm_home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The bootstrap script run locally as the VM's account, installing nothing."""
+    key = vm_home / "host_key.pub"
+    key.write_text("ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample test\n")
+    base = ["--venv", str(vm_home / "venv"), "--no-install", "--allow-no-gpu"]
+    base += ["--host-key", str(key), "--hostname", "vm"]
+    env = {"HOME": str(vm_home), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    return subprocess.run(
+        ["bash", str(BOOTSTRAP), *base, *args], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_bootstrap_names_the_cgroup_root_in_the_vm_env(tmp_path: Path) -> None:
+    """`--cgroup-root DIR` writes `RLFLEET_CGROUP_ROOT=DIR` to `~/.rlfleet/env` (once, a
+    second run replaces it), warning when DIR is no cgroup the account may write; a path
+    that is not plain is refused (exit 2) before anything is done."""
+    first = bootstrap(tmp_path, "--cgroup-root", "/sys/fs/cgroup/nowhere")
+    assert first.returncode == 0, first.stderr
+    assert "is not a cgroup v2 directory this account may write" in first.stderr
+    again = bootstrap(tmp_path, "--cgroup-root", "none")
+    assert again.returncode == 0, again.stderr
+    lines = (tmp_path / ".rlfleet" / "env").read_text().splitlines()
+    assert [line for line in lines if "RLFLEET_CGROUP_ROOT=" in line] == [
+        "RLFLEET_CGROUP_ROOT=none"
+    ]
+    assert "HF_TOKEN" in "\n".join(lines)
+    bad = bootstrap(tmp_path, "--cgroup-root", "/sys/fs/cgroup/a/../b")
+    assert bad.returncode == 2 and "--cgroup-root must be" in bad.stderr
