@@ -104,8 +104,10 @@ def kill_script(
     script writes 137 (128 + SIGKILL) for it. `gone` after an exit is followed by
     `rlfleet-exited <code>` and `rlfleet-dir <absolute directory>`.
 
-    What the job started outside its process group (`setsid`) is found by its environment
-    (`marked_kill_lines`) and signalled with the group. The pid file is the job's to write:
+    What the job started outside its process group (`setsid`) is found by the attempt's
+    cgroup where it has one (`remote.cgroup`: TERM to each process in it with the group's,
+    the whole cgroup killed with the KILL, then removed) and by its environment
+    (`marked_kill_lines`), and signalled with the group. The pid file is the job's to write:
     a pid that is not a plausible one (`pid_check_lines`: never `-1`, `0`, `1`) is not
     signalled; an `exit_code` beside a live wrapper (written by someone else) does not stop
     the kill.

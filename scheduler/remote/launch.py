@@ -202,7 +202,9 @@ def wrapper_script(spec: LaunchSpec) -> str:
     kill script signals. The traps keep the wrapper alive long enough to write `exit_code`
     when the group is sent TERM/INT/HUP; the training process itself still gets the default
     action because a trapped (not ignored) signal is reset on exec. A watchdog runs beside
-    the training (`watchdog_lines`) and is stopped the moment the training ends.
+    the training (`watchdog_lines`) and is stopped the moment the training ends. Where the
+    VM gives one, the wrapper moves into a cgroup of the attempt's own before it starts
+    anything, and kills what is left in it when the training ends (`remote.cgroup`).
 
     The job's environment (the VM's env file, then the job's `job.env`) is loaded only in
     the subshell that execs the training, after the scheduler's variables and the training
