@@ -44,10 +44,11 @@ def watchdog_lines(fence_after_s: float, grace_s: float, run: Attempt | None = N
     after = max(1, math.ceil(fence_after_s))
     grace = max(0, math.ceil(grace_s))
     period = int(WATCHDOG_PERIOD_S)
-    leftovers = marked_kill_lines(run, "KILL", "  ") if run is not None else ["  :"]
-    # With `all` (the wrapper is gone or killed): the attempt's cgroup too, whole
-    # (`remote.cgroup`; the wrapper's own pass at its end does it otherwise).
-    leftovers += ['  if [ -n "${1:-}" ] && [ -n "${rlfleet_cg:-}" ]; then rlfleet_cg_kill; fi']
+    # With `all` (the wrapper is gone or being killed): the attempt's cgroup first, whole
+    # (`remote.cgroup`: the wrapper and all in it at once; the wrapper's own pass at its
+    # end does it otherwise), then what carries the marker.
+    leftovers = ['  if [ -n "${1:-}" ] && [ -n "${rlfleet_cg:-}" ]; then rlfleet_cg_kill; fi']
+    leftovers += marked_kill_lines(run, "KILL", "  ") if run is not None else ["  :"]
     return [
         "if [ -r /proc/uptime ]; then rlfleet_now() { read -r t _ </proc/uptime; t=${t%%.*}; }",
         "else rlfleet_now() { t=$(date +%s); }; fi",
@@ -80,13 +81,14 @@ def watchdog_lines(fence_after_s: float, grace_s: float, run: Attempt | None = N
         f'  while [ "$n" -lt {grace} ]; do',
         f'    sleep {period} & s=$!; wait "$s"',
         '    if [ -s "$d/exit_code" ] || ! kill -0 "$w" 2>/dev/null; then'
-        " rlfleet_leftovers all; exit 0; fi",
+        " trap '' USR1; rlfleet_leftovers all; exit 0; fi",
         f"    n=$((n + {period}))",
         "  done",
         f'  echo "rlfleet: fenced: still running {grace}s after TERM: KILL"',
         '  [ -e "$d/exit_code" ] || echo 137 > "$d/exit_code"',
         # The leftovers first: the group's KILL is this watchdog's end too (it is in it).
-        "  rlfleet_leftovers all",
+        # No USR1 from here (a wrapper that saw its training die): the stop is finished.
+        "  trap '' USR1; rlfleet_leftovers all",
         '  kill -KILL -"$w" 2>/dev/null',
         ") 2>/dev/null &",  # its messages go to stdout (train.log); the shell's own, nowhere
         "rlfleet_wd=$!",
