@@ -9,6 +9,7 @@ falls back to the marker, which does not find such a process (docs/security.md).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -56,14 +57,19 @@ def cg_root() -> Iterator[Path]:
         yield root
 
 
-def vm_show(db: Database, name: str) -> str:
-    """`rlfleet vm show NAME`, as a user runs it."""
+def rlfleet(db: Database, *args: str) -> str:
+    """The real CLI's output, as a user runs it."""
     env = dict(os.environ, RLFLEET_DATABASE_URL=db.url)
     done = subprocess.run(
-        [str(RLFLEET), "vm", "show", name], env=env, capture_output=True, text=True, timeout=60
+        [str(RLFLEET), *args], env=env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def vm_show(db: Database, name: str) -> str:
+    """`rlfleet vm show NAME`."""
+    return rlfleet(db, "vm", "show", name)
 
 
 async def tracking(db: Database, name: str, timeout: float = 30) -> str:
@@ -202,6 +208,8 @@ async def test_a_vm_without_a_writable_cgroup_falls_back_to_the_marker(
         async with daemons(db, nats.url, CONFIG) as transport:
             assert await tracking(db, "vm0") == why
             assert f"process_tracking:     {why}" in vm_show(db, "vm0")
+            listed = json.loads(rlfleet(db, "vm", "list", "--json"))
+            assert [vm["process_tracking"] for vm in listed] == [why]
             job_id = await new_job(db, 1, ("--fake_seconds", "60", *ESCAPE))
             await wait_status(db, job_id, "running", 30)
             escaped = await escaped_pid(vm.home, db, job_id)
