@@ -45,6 +45,8 @@ KILL_WAIT_POLLS = 100
 """How many times (0.05 s apart) a stop waits for its cgroup to empty."""
 _PATH_CHARS = "A-Za-z0-9_./@:+=,-"
 _PATH_RE = re.compile(rf"/[{_PATH_CHARS}]{{0,400}}")
+STALE_MINUTES = 2
+"""An empty attempt cgroup this old is a crash's leftover: the poll's probe removes it."""
 MARKER = "marker"
 CGROUP = "cgroup v2"
 
@@ -224,12 +226,19 @@ def read_lines(run: Attempt) -> list[str]:
 def probe_lines() -> list[str]:
     """Poll lines printing `rlfleet-tracking cgroup2 <kill|freeze> <root>` when a launch
     now would get a cgroup (tried for real: a cgroup made, a process moved in, removed),
-    else `rlfleet-tracking marker <why>`."""
+    else `rlfleet-tracking marker <why>`; they also remove the empty attempt cgroups a
+    crash left under the root (`STALE_MINUTES`)."""
     move = shlex.quote('echo "$$" > "$1/cgroup.procs"')
+    names = r"\( -name 'rlfleet-[0-9]*' -o -name 'rlfleet-probe-*' \)"
     return [
         *functions_lines(),
         *root_lines(),
         'if [ -n "$rlfleet_cgr" ]; then',
+        # What a crash left (a wrapper killed outright, a poll cut short): attempt and
+        # probe cgroups older than STALE_MINUTES and empty (rmdir removes nothing else; a
+        # live attempt's wrapper is in its cgroup from seconds after it is made).
+        f'  find "$rlfleet_cgr" -mindepth 1 -maxdepth 1 -type d {names}'
+        f" -mmin +{STALE_MINUTES} -exec rmdir {{}} + 2>/dev/null",
         '  rlfleet_pt="$rlfleet_cgr/rlfleet-probe-$$"; rlfleet_how=',
         '  if mkdir "$rlfleet_pt" 2>/dev/null; then',
         f'    if sh -c {move} sh "$rlfleet_pt" 2>/dev/null; then',

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.remote.cgroup import CGROUP_FILE, parse_tracking, probe_lines
+from scheduler.remote.cgroup import CGROUP_FILE, STALE_MINUTES, parse_tracking, probe_lines
 from scheduler.remote.kill import kill_script, parse_kill
 from scheduler.remote.launch import launch_script, parse_launch
 from scheduler.remote.layout import default_output_dir
@@ -280,3 +280,35 @@ def test_bootstrap_names_the_cgroup_root_in_the_vm_env(tmp_path: Path) -> None:
     assert "HF_TOKEN" in "\n".join(lines)
     bad = bootstrap(tmp_path, "--cgroup-root", "/sys/fs/cgroup/a/../b")
     assert bad.returncode == 2 and "--cgroup-root must be" in bad.stderr
+
+
+async def test_the_probe_removes_the_empty_cgroups_a_crash_left_and_nothing_else(
+    home: Path,  # noqa: F811 - the fixture
+    cg_root: Path,
+) -> None:
+    """Given, under the root, an empty attempt cgroup and a probe's, both older than
+    STALE_MINUTES (a wrapper killed outright, a poll cut short), a fresh empty one (a
+    launch between making its cgroup and moving in), an old one with a process in it and
+    an old one not of rlfleet's naming, a poll's probe removes the first two only."""
+    old = time.time() - (STALE_MINUTES + 1) * 60
+    dirs = {
+        name: cg_root / name
+        for name in ("rlfleet-3-1-00000000000000aa-77", "rlfleet-probe-12", "rlfleet-4-1-bb-9")
+    }
+    dirs["busy"] = cg_root / "rlfleet-5-1-00000000000000cc-78"
+    dirs["other"] = cg_root / "someone-else"
+    for path in dirs.values():
+        path.mkdir()
+    sleeper = await asyncio.create_subprocess_exec("sleep", "60")
+    try:
+        (dirs["busy"] / "cgroup.procs").write_text(str(sleeper.pid))
+        for key in ("rlfleet-3-1-00000000000000aa-77", "rlfleet-probe-12", "busy", "other"):
+            os.utime(dirs[key], (old, old))
+        code, out, err = await sh("\n".join(probe_lines()))
+        assert code == 0, err
+        left = sorted(p.name for p in cg_root.iterdir() if p.is_dir())
+        assert left == sorted(["rlfleet-4-1-bb-9", dirs["busy"].name, "someone-else"])
+        assert alive(sleeper.pid)
+    finally:
+        sleeper.kill()
+        await sleeper.wait()
