@@ -26,6 +26,11 @@
 #                      lets group NAME search (only) this account's home, and keeps ~/.aws
 #                      and ~/.rlfleet/env to this account (0700/0600). Needs root, or sudo
 #                      to root, once; then `rlfleet vm add ... --job-user NAME`.
+#   --cgroup-root DIR  the cgroup v2 directory under which each attempt gets a cgroup of its
+#                      own (so that every process it starts stops with it), written to
+#                      ~/.rlfleet/env as RLFLEET_CGROUP_ROOT; `none`: no cgroups (the
+#                      environment marker only). Default: the cgroup the account's shell is
+#                      in, when it may write it. See docs/security.md, "Stopping an attempt".
 #
 # Exit codes: 0 ready; 1 a check failed (the message says which); 2 bad usage.
 set -euo pipefail
@@ -39,6 +44,7 @@ HOST_KEY=""
 HOSTNAME_FOR_KEY=""
 PORT=22
 JOB_USER=""
+CGROUP_ROOT=""
 
 die() { echo "bootstrap-vm: error: $*" >&2; exit 1; }
 usage() { echo "bootstrap-vm: $*" >&2; echo "see the header of deploy/bootstrap-vm.sh for options" >&2; exit 2; }
@@ -55,6 +61,7 @@ while [ $# -gt 0 ]; do
     --hostname) HOSTNAME_FOR_KEY="${2:?--hostname needs a name}"; shift 2 ;;
     --port) PORT="${2:?--port needs a number}"; shift 2 ;;
     --job-user) JOB_USER="${2:?--job-user needs a user name}"; shift 2 ;;
+    --cgroup-root) CGROUP_ROOT="${2:?--cgroup-root needs a directory or none}"; shift 2 ;;
     -h|--help)
       if [ -f "$0" ]; then sed -n '2,/^set -euo/p' "$0" | sed '$d'; else echo "options: see the header of deploy/bootstrap-vm.sh"; fi
       exit 0 ;;
@@ -70,6 +77,11 @@ if [ -n "$JOB_USER" ]; then
   [ "$JOB_USER" != root ] || usage "--job-user cannot be root"
   [ "$JOB_USER" != "$(id -un)" ] || usage "--job-user must not be the account the scheduler logs in as"
 fi
+case "$CGROUP_ROOT" in
+  ""|none) ;;
+  *[!A-Za-z0-9_./@:+=,-]*|*/../*|*/..|*/./*|*//*|[!/]*)
+    usage "--cgroup-root must be an absolute plain path (or none), not '$CGROUP_ROOT'" ;;
+esac
 
 # 1. The Python environment.
 command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found: install Python >= 3.11"
@@ -139,6 +151,17 @@ else
 #HF_HUB_OFFLINE=1
 ENVEOF
   )
+fi
+
+# 4b. Where each attempt's cgroup is made (RLFLEET_CGROUP_ROOT in ~/.rlfleet/env).
+if [ -n "$CGROUP_ROOT" ]; then
+  ( umask 077 && { grep -v '^\(export \)\{0,1\}RLFLEET_CGROUP_ROOT=' "$ENV_FILE" || true; } > "$ENV_FILE.tmp" \
+    && echo "RLFLEET_CGROUP_ROOT=$CGROUP_ROOT" >> "$ENV_FILE.tmp" && mv -f "$ENV_FILE.tmp" "$ENV_FILE" )
+  step "attempts' cgroups: RLFLEET_CGROUP_ROOT=$CGROUP_ROOT in $ENV_FILE"
+  if [ "$CGROUP_ROOT" != none ] && { [ ! -d "$CGROUP_ROOT" ] || [ ! -w "$CGROUP_ROOT/cgroup.procs" ]; }; then
+    echo "bootstrap-vm: warning: $CGROUP_ROOT is not a cgroup v2 directory this account may write;" \
+      "attempts fall back to the environment marker (rlfleet vm show says which a VM uses)" >&2
+  fi
 fi
 
 # 5. The job user: jobs run as JOB_USER, started by this account through one sudo rule.

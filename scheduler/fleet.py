@@ -393,6 +393,7 @@ def vm_to_dict(vm: VM, *, gpus: bool = True) -> dict[str, Any]:
         "last_seen_at": vm.last_seen_at,
         "last_error": vm.last_error,
         "launch_error": vm.launch_error,
+        "process_tracking": vm.process_tracking,
         "removing": vm.removing,
         "ssh_key_path": vm.ssh_key_path,
         "known_hosts": vm.known_hosts,

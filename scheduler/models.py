@@ -136,6 +136,10 @@ class VM(Base):
     check of its python and entrypoint passes. NULL: no such trouble."""
     removing: Mapped[bool] = mapped_column(Boolean, default=False, server_default="false")
     """`vm remove --force` failed its jobs: the row goes once their processes are killed."""
+    process_tracking: Mapped[str | None] = mapped_column(Text)
+    """How the VM tracks an attempt's processes, as its last poll found
+    (`remote.cgroup.parse_tracking`): `cgroup v2 (<root>, …)` or `marker (<why>)`; NULL:
+    not polled yet."""
     available_gpus: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     consecutive_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     last_polled_at: Mapped[datetime | None] = mapped_column(_now())

@@ -24,6 +24,7 @@ from scheduler.nvidia_smi import (
     parse_loads,
 )
 from scheduler.output_cap import OUTPUT_LIMIT
+from scheduler.remote.cgroup import parse_tracking, probe_lines
 from scheduler.remote.env import VM_ENV_FILE, load_env_lines
 from scheduler.remote.layout import Attempt, home_path
 from scheduler.remote.output import NONBLOCK_LINES, as_int, output_lines
@@ -41,6 +42,7 @@ GPUS, GPUS_RC, APPS, APPS_RC, JOBS, END = (
 )
 CHECK, CHECK_RC = f"{_MARK}-check", f"{_MARK}-check-rc"
 LOADS = f"{_MARK}-loads"
+TRACKING = f"{_MARK}-tracking"
 ATTEMPT_BYTES = 256 * 1024
 """Room in a poll's answer for one attempt's lines: each file of it is read bounded
 (`remote.probe.status_probe`), its log tail of 4 KB is at most ~200 KB once each of its
@@ -79,6 +81,9 @@ class PollResult:
     loads: dict[str, GpuLoad] = field(default_factory=dict)
     """GPU UUID → how hard it works (utilization, power), asked only of a VM that runs
     attempts: the hang check's GPU signal (`scheduler.hang`)."""
+    tracking: str | None = None
+    """How the VM tracks an attempt's processes (`remote.cgroup.parse_tracking`): a cgroup
+    v2 per attempt, or the environment marker; None: the answer was cut off or unreadable."""
 
     def busy_uuids(self) -> set[str]:
         """UUIDs of the GPUs some process is using.
@@ -134,6 +139,11 @@ def poll_command(jobs: Sequence[Attempt], check: str | None = None) -> str:
             *(check_command(check) if check is not None else []),
             # Only a VM running attempts is asked how hard its GPUs work (the hang check).
             *([f"echo {LOADS}", f"{LOAD_COMMAND} 2>/dev/null"] if jobs else []),
+            # Whether a launch now would get a cgroup (`remote.cgroup`), in a subshell.
+            f"echo {TRACKING}",
+            "(",
+            *probe_lines(),
+            ") 2>/dev/null",
             f"echo {END}",
         ]
     )
@@ -145,7 +155,7 @@ def _sections(stdout: str) -> tuple[dict[str, list[str]], dict[str, int | None]]
     current: str | None = None
     for line in output_lines(stdout):
         head = line.strip()
-        if head in (GPUS, APPS, JOBS, CHECK, LOADS, END):
+        if head in (GPUS, APPS, JOBS, CHECK, LOADS, TRACKING, END):
             current = head
             sections.setdefault(head, [])
             continue
@@ -168,12 +178,14 @@ def parse_poll(stdout: str) -> PollResult:
     check = _check(sections, rcs) if END in sections else None
     restarts = parse_restarts("\n".join(sections.get(JOBS, []))) if END in sections else {}
     loads = parse_loads(sections.get(LOADS, [])) if END in sections else {}
+    tracking = parse_tracking(sections.get(TRACKING, [])) if END in sections else None
     if GPUS not in sections:
         return PollResult(
             error="poll output has no GPU section (truncated?)",
             jobs=jobs,
             check=check,
             restarts=restarts,
+            tracking=tracking,
         )
     gpus, error = parse_gpus(sections[GPUS], rcs.get(GPUS_RC))
     if error is None:
@@ -183,6 +195,7 @@ def parse_poll(stdout: str) -> PollResult:
                 jobs=jobs,
                 check=check,
                 restarts=restarts,
+                tracking=tracking,
             )
         apps, error = parse_apps(sections[APPS], rcs.get(APPS_RC))
     else:
@@ -195,6 +208,7 @@ def parse_poll(stdout: str) -> PollResult:
         check=check,
         restarts=restarts,
         loads=loads,
+        tracking=tracking,
     )
 
 

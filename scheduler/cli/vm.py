@@ -216,7 +216,8 @@ def list_(ctx: CliContext, as_json: bool) -> None:
 @json_option
 @pass_cli
 def show(ctx: CliContext, name: str, as_json: bool) -> None:
-    """Show one VM and each of its GPUs."""
+    """Show one VM (its state, and `process_tracking`: how it stops all an attempt
+    started, a cgroup v2 per attempt or the environment marker) and each of its GPUs."""
 
     async def go(db: Database) -> dict[str, Any]:
         async with db.transaction() as session:

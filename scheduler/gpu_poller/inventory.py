@@ -43,11 +43,14 @@ UPDATE vms SET
     last_error = CASE WHEN NOT t.decides AND vms.launch_error IS NOT NULL THEN vms.last_error
                       ELSE t.error END,
     launch_error = CASE WHEN t.decides THEN t.launch_error ELSE vms.launch_error END,
+    -- How the VM tracks an attempt's processes (remote.cgroup); kept when cut off.
+    process_tracking = COALESCE(t.tracking, vms.process_tracking),
     consecutive_failures = 0, unreachable_since = NULL, last_polled_at = now(),
     last_seen_at = now()
 FROM unnest(CAST(:ids AS int[]), CAST(:statuses AS text[]), CAST(:errors AS text[]),
-            CAST(:launch_errors AS text[]), CAST(:decides AS boolean[]))
-    AS t(id, status, error, launch_error, decides)
+            CAST(:launch_errors AS text[]), CAST(:decides AS boolean[]),
+            CAST(:trackings AS text[]))
+    AS t(id, status, error, launch_error, decides, tracking)
 WHERE vms.id = t.id
 """
 )
@@ -280,6 +283,7 @@ def _collect(outcome: Outcome, result: PollResult, writes: _Writes, stats: Sweep
                 "error": result.error,
                 "launch_error": launch_error,
                 "decides": decides,
+                "tracking": result.tracking,
             }
         )
         writes.lost_gpus += [{"vm_id": vm.target.id, "uuid": u} for u in vm.gpus]
@@ -295,6 +299,7 @@ def _collect(outcome: Outcome, result: PollResult, writes: _Writes, stats: Sweep
             "error": launch_line,
             "launch_error": launch_error,
             "decides": decides,
+            "tracking": result.tracking,
         }
     )
     if launch_error is not None:
@@ -339,6 +344,7 @@ async def _write(
                 errors="error",
                 launch_errors="launch_error",
                 decides="decides",
+                trackings="tracking",
             ),
         )
     if writes.failed:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from scheduler.remote import jobuser
+from scheduler.remote import cgroup, jobuser
 from scheduler.remote.layout import DIR_MARK, PRIVATE_TREE, Attempt
 from scheduler.remote.output import (
     EXIT_CODE_BYTES,
@@ -121,8 +121,10 @@ def kill_script(
     script writes 137 (128 + SIGKILL) for it. `gone` after an exit is followed by
     `rlfleet-exited <code>` and `rlfleet-dir <absolute directory>`.
 
-    What the job started outside its process group (`setsid`) is found by its environment
-    (`marked_kill_lines`) and signalled with the group. The pid file is the job's to write:
+    What the job started outside its process group (`setsid`) is found by the attempt's
+    cgroup where it has one (`remote.cgroup`: TERM to each process in it with the group's,
+    the whole cgroup killed with the KILL, then removed) and by its environment
+    (`marked_kill_lines`), and signalled with the group. The pid file is the job's to write:
     a pid that is not a plausible one (`pid_check_lines`: never `-1`, `0`, `1`) is not
     signalled; an `exit_code` beside a live wrapper (written by someone else) does not stop
     the kill. With a `job_user` (`scheduler.remote.jobuser`), every signal and liveness
@@ -153,10 +155,12 @@ def kill_script(
             "  done",
             "fi",
             *read_pid_lines(),
+            *cgroup.read_lines(run),
             # The attempt ended (its wrapper is gone): its pid may be someone else's by now.
             # An exit code beside a live wrapper was written by someone else: kill on.
             f'if [ -s "$d/exit_code" ] && ! {{ {wrapper_alive(run)}; }}; then',
             *marked_kill_lines(run, "KILL", "  ", job_user=ju),
+            "  rlfleet_cg_kill",
             f'  echo "{KILL_MARK} gone";'
             f' echo "{EXITED_MARK} $(head -c {EXIT_CODE_BYTES} "$d/exit_code" | tr -d "\\n")";'
             f' echo "{DIR_MARK} $(cd "$d" && pwd)"; exit 0',
@@ -164,19 +168,25 @@ def kill_script(
             f'if [ -n "$pid" ] && {term}; then g=1; else g=; fi',
             # What left the group gets its TERM too (the group's members only the group's).
             *marked_kill_lines(run, "TERM", outside='"$pid"', job_user=ju),
-            f'if [ -z "$g" ] && ! {marked_alive(run, ju)}; then'
-            f' echo "{KILL_MARK} gone"; exit 0; fi',
+            # Everything in the attempt's cgroup, wherever it went, gets its TERM too.
+            "rlfleet_cg_signal TERM",
+            f'if [ -z "$g" ] && ! rlfleet_cg_busy && ! {marked_alive(run, ju)}; then',
+            f'  rlfleet_cg_kill; echo "{KILL_MARK} gone"; exit 0',
+            "fi",
             "n=0",
-            f'while {{ [ -n "$g" ] && {alive0}; }} || {marked_alive(run, ju)}; do',
+            f'while {{ [ -n "$g" ] && {alive0}; }} || rlfleet_cg_busy'
+            f" || {marked_alive(run, ju)}; do",
             "  n=$((n + 1))",
             f'  if [ "$n" -gt {polls} ]; then',
             f'    [ -z "$g" ] || {kill9}',
             *marked_kill_lines(run, "KILL", "    ", job_user=ju),
+            "    rlfleet_cg_kill",
             '    [ -e "$d/exit_code" ] || echo 137 > "$d/exit_code"',
             f'    echo "{KILL_MARK} killed"; exit 0',
             "  fi",
             "  sleep 0.1",
             "done",
+            "rlfleet_cg_kill",  # empty by now: removed
             f'echo "{KILL_MARK} terminated"',
             "",
         ]

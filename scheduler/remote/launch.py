@@ -14,7 +14,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.remote import jobuser
+from scheduler.remote import cgroup, jobuser
 from scheduler.remote.env import (
     JOB_ENV_FILE,
     VM_ENV_FILE,
@@ -204,7 +204,9 @@ def wrapper_script(spec: LaunchSpec) -> str:
     kill script signals. The traps keep the wrapper alive long enough to write `exit_code`
     when the group is sent TERM/INT/HUP; the training process itself still gets the default
     action because a trapped (not ignored) signal is reset on exec. A watchdog runs beside
-    the training (`watchdog_lines`) and is stopped the moment the training ends.
+    the training (`watchdog_lines`) and is stopped the moment the training ends. Where the
+    VM gives one, the wrapper moves into a cgroup of the attempt's own before it starts
+    anything, and kills what is left in it when the training ends (`remote.cgroup`).
 
     The job's environment (the VM's env file, then the job's `job.env`) is loaded only in
     the subshell that execs the training, after the scheduler's variables and the training
@@ -229,7 +231,13 @@ def wrapper_script(spec: LaunchSpec) -> str:
             "trap 'rlfleet_sig=TERM' TERM",
             "trap 'rlfleet_sig=INT' INT",
             "trap 'rlfleet_sig=HUP' HUP",
+            # The attempt's cgroup (`remote.cgroup`): made first, entered once the watchdog
+            # (which must stay outside to stop it) runs, before anything else starts; a
+            # job user's processes (started by sudo from here) are in it too, and the
+            # cgroup stays the scheduler account's.
+            *cgroup.setup_lines(spec.run),
             *watchdog_lines(spec.fence_after_s, spec.fence_grace_s, spec.run, spec.job_user),
+            *cgroup.enter_lines(),
             *jobuser.setup_lines(
                 spec.job_user, home_path(spec.output_dir), WORK_DIR if spec.workdir else None
             ),
@@ -284,6 +292,7 @@ def wrapper_script(spec: LaunchSpec) -> str:
             f'  rm -f "$d/{CANNOT_START_FILE}"',
             "fi",
             *watchdog_stop_lines(),
+            *cgroup.leave_lines(),
             *(store_error_lines() if spec.store is not None else []),
             'echo "$rc" > "$d/exit_code.tmp" && mv -f "$d/exit_code.tmp" "$d/exit_code"',
             'echo "rlfleet: attempt ended with exit code $rc"',

@@ -47,8 +47,10 @@ def watchdog_lines(
     when the wrapper is gone, and `watchdog_stop_lines` ends it with the training; it costs
     one `sleep` a second. `fence_after_s <= 0` starts no watchdog. With `run`, the fence
     also stops what the job started outside its process group (`marked_kill_lines`): TERM
-    with the group, KILL once the group has ended or its grace has passed. With a
-    `job_user`, every signal is sent as J too (`scheduler.remote.jobuser`).
+    with the group, KILL once the group has ended or its grace has passed; and, in a
+    wrapper that made the attempt's cgroup (`$rlfleet_cg`, `remote.cgroup`), everything in
+    it: TERM with the group, the whole cgroup killed and removed once the wrapper is gone.
+    With a `job_user`, every signal is sent as J too (`scheduler.remote.jobuser`).
     """
     if fence_after_s <= 0:
         return ["rlfleet_wd="]
@@ -56,7 +58,11 @@ def watchdog_lines(
     grace = max(0, math.ceil(grace_s))
     period = int(WATCHDOG_PERIOD_S)
     term, kill9 = (group_signal(s, '"$w"', job_user) for s in ("TERM", "KILL"))
-    leftovers = (
+    # With `all` (the wrapper is gone or being killed): the attempt's cgroup first, whole
+    # (`remote.cgroup`: the wrapper and all in it at once; the wrapper's own pass at its
+    # end does it otherwise), then what carries the marker.
+    leftovers = ['  if [ -n "${1:-}" ] && [ -n "${rlfleet_cg:-}" ]; then rlfleet_cg_kill; fi']
+    leftovers += (
         marked_kill_lines(run, "KILL", "  ", job_user=job_user) if run is not None else ["  :"]
     )
     return [
@@ -90,17 +96,20 @@ def watchdog_lines(
             if run is not None
             else []
         ),
+        '  [ -z "${rlfleet_cg:-}" ] || rlfleet_cg_signal TERM',
         "  n=0",
         f'  while [ "$n" -lt {grace} ]; do',
         f'    sleep {period} & s=$!; wait "$s"',
         '    if [ -s "$d/exit_code" ] || ! kill -0 "$w" 2>/dev/null; then'
-        " rlfleet_leftovers; exit 0; fi",
+        " trap '' USR1; rlfleet_leftovers all; exit 0; fi",
         f"    n=$((n + {period}))",
         "  done",
         f'  echo "rlfleet: fenced: still running {grace}s after TERM: KILL"',
         '  [ -e "$d/exit_code" ] || echo 137 > "$d/exit_code"',
+        # The leftovers first: the group's KILL is this watchdog's end too (it is in it).
+        # No USR1 from here (a wrapper that saw its training die): the stop is finished.
+        "  trap '' USR1; rlfleet_leftovers all",
         f"  {kill9}",
-        "  rlfleet_leftovers",
         ") 2>/dev/null &",  # its messages go to stdout (train.log); the shell's own, nowhere
         "rlfleet_wd=$!",
     ]

@@ -418,8 +418,11 @@ async def test_a_setsid_child_of_the_job_is_killed_with_it(home: Path) -> None:
 
 @pytest.mark.slow
 async def test_a_setsid_child_is_killed_even_after_the_job_ended(home: Path) -> None:
-    """Given a job that ended (exit code written) leaving a setsid child behind, a kill of
-    the attempt (cancel, leftover sweep) reports it gone and kills the child."""
+    """Given a job that ended (exit code written) leaving a setsid child behind (a VM
+    without a cgroup for it: with one, the wrapper's end kills it, tests/unit/test_cgroup.py),
+    a kill of the attempt (cancel, leftover sweep) reports it gone and kills the child."""
+    (home / ".rlfleet").mkdir(exist_ok=True)
+    (home / ".rlfleet" / "env").write_text("RLFLEET_CGROUP_ROOT=none\n")
     launch = spec(7, extra_args=["--fake_setsid_child"])
     exit_code, _, _ = await attempt_of(home, launch)
     assert exit_code == "0"

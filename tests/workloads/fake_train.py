@@ -10,7 +10,10 @@ a multi-node job only, at once (no sleep), the other ranks running normally;
 `--fake_hostile` writes hostile files into its attempt directory instead of its progress
 (`hostile`: what a job may write there must cost only that job); `--fake_setsid_child`
 starts a `sleep` in a session of its own (outside the attempt's process group) and writes
-its pid to `setsid_child.pid` in `--output_dir`; `--fake_hang_at N` stops advancing after
+its pid to `setsid_child.pid` in `--output_dir`; `--fake_escape_child` starts one that
+double-forks, calls setsid, clears its environment (`env -i`) and ignores TERM, pid in
+`escape_child.pid`; `--fake_ignore_term` ignores SIGTERM (only a KILL stops it);
+`--fake_hang_at N` stops advancing after
 step N (0: before the first) and waits for ever (`--fake_hang_once`: on the first attempt
 only); `--fake_step_seconds S` takes S seconds per step; `--fake_checkpoints` writes a
 `checkpoint-<step>` directory (with a `trainer_state.json`) in `--output_dir` at each step,
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -47,6 +51,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max_steps", type=int, default=10)
     parser.add_argument("--fake_hostile", action="store_true")
     parser.add_argument("--fake_setsid_child", action="store_true")
+    parser.add_argument("--fake_escape_child", action="store_true")
+    parser.add_argument("--fake_ignore_term", action="store_true")
     parser.add_argument("--fake_hang_at", type=int, default=None)
     parser.add_argument("--fake_hang_once", action="store_true")
     parser.add_argument("--fake_step_seconds", type=float, default=None)
@@ -120,6 +126,21 @@ def setsid_child(output_dir: Path) -> None:
     (output_dir / "setsid_child.pid").write_text(f"{child.pid}\n")
 
 
+def escape_child(output_dir: Path) -> None:
+    """Start a `sleep` that does all a process can to leave its attempt: a double fork, a
+    session of its own, an empty environment (no marker), TERM ignored; its pid in
+    `escape_child.pid`."""
+    import subprocess
+
+    pid_file = output_dir / "escape_child.pid"
+    inner = 'trap "" TERM; echo "$$" > "$1.tmp" && mv "$1.tmp" "$1"; exec /bin/sleep 1000'
+    outer = f'(setsid env -i /bin/sh -c {shlex.quote(inner)} sh "$1" </dev/null >/dev/null 2>&1 &)'
+    subprocess.run(["/bin/sh", "-c", outer, "sh", str(pid_file)], check=True)
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def hang() -> None:
     """Stop advancing, alive, as a trainer stuck in a collective does."""
     print("fake_train: waiting for a peer that never comes", flush=True)
@@ -180,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         place.mkdir(parents=True, exist_ok=True)
         (place / "final").write_text("not a directory\n")
         (out / "model.safetensors").write_bytes(b"weights")
+    if args.fake_escape_child:
+        escape_child(out)
+    if args.fake_ignore_term:
+        import signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args.fake_hostile:
         hostile(seconds)
         record("end", exit_code=args.fake_exit)
