@@ -144,7 +144,8 @@ for op, path, *args in json.load(open(os.environ["JOB_PLAN"])):
         elif op == "write":
             with open(path, "wb") as f:
                 f.write(base64.b64decode(args[0]))
-            os.chmod(path, args[1])
+            if args[1] is not None:
+                os.chmod(path, args[1])
         elif op == "symlink":
             os.symlink(args[0], path)
         elif op == "link":
@@ -209,7 +210,7 @@ class SharedAccountJob:
         return result_of(done.stdout)
 
 
-def written(path: Path, data: bytes, mode: int = 0o644) -> Step:
+def written(path: Path, data: bytes, mode: int | None = None) -> Step:
     return ("write", str(path), base64.b64encode(data).decode(), mode)
 
 
