@@ -160,8 +160,12 @@ for op, path, *args in json.load(open(os.environ["JOB_PLAN"])):
             import urllib.request
             urllib.request.urlopen(urllib.request.Request(path, b"x", method="PUT"), timeout=20)
         done.append("done")
-    except OSError as exc:
-        done.append(type(exc).__name__)
+    except OSError as exc:  # an HTTP error: with its status and S3 error code
+        why = type(exc).__name__
+        if isinstance(getattr(exc, "code", None), int):
+            body = exc.read().decode(errors="replace")
+            why += f" {exc.code} " + body.partition("<Code>")[2].partition("</Code>")[0]
+        done.append(why)
 print("RESULT " + json.dumps(done))
 """
 
