@@ -102,14 +102,6 @@ def new_job(env: dict[str, str], vm_id: int, output_dir: Path, *extra: str) -> i
     return job_id
 
 
-def outputs(where: Path) -> Path:
-    where.mkdir(parents=True)
-    (where / "model.safetensors").write_bytes(b"weights" * 1000)
-    (where / "adapter").mkdir()
-    (where / "adapter" / "adapter_config.json").write_text("{}")
-    return where
-
-
 def hostile_stream(operator: Path) -> bytes:
     """Every shape that got past the `data` filter or that no filter should take: a link
     extracted before the chain it goes through then a file through it, an absolute name, a
@@ -177,7 +169,8 @@ class JobSide(Protocol):
     `JOB_PLAN` (the path of a JSON file) in its environment, and returns what it printed after
     `RESULT `. `home`: the VM account's home (whose `~/.bashrc` bash reads for the
     scheduler's commands); `outputs`: a directory the job writes its outputs under;
-    `own_account`: whether the job runs as an account of its own (`--job-user`)."""
+    `own_account`: whether the job runs as an account of its own (`--job-user`);
+    `bash_login`: whether the VM account's shell is bash (it reads `home`'s `~/.bashrc`)."""
 
     home: Path
     outputs: Path
@@ -287,6 +280,7 @@ async def vm_pull_escape_proof(env: dict[str, str], job: JobSide, vm_id: int,
         rc = f'echo read >> "$HOME/.bashrc-read"\n{rc}'
         try:
             tried = await job.run(_JOB_STEPS, [written(bashrc, rc.encode())])
+            (job.home / ".bashrc-read").unlink(missing_ok=True)  # what the pull's bash reads
             result = pulled(env, vm_job, root / case)
         finally:
             if not job.own_account:

@@ -14,13 +14,13 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from scheduler.db import Database
 from scheduler.remote.layout import Attempt, new_token
-from scheduler.transport import Transport
+from scheduler.transport import SSHTransport, Transport
 from tests.acceptance.test_cli_input import add_polled_vm, env, rlfleet
 from tests.acceptance.test_pull_hostile import (
     _JOB_STEPS,
@@ -76,7 +76,7 @@ class JobUserJob:
             run=Attempt(INSTALLATION, 7, self.attempts, new_token()),
             output_dir=str(self.outputs),
         )
-        d = await _launch(self.transport, self.vm, spec)
+        d = await _launch(cast(SSHTransport, self.transport), self.vm, spec)  # uses `run`
         log = d / "train.log"
         assert await _exit_code(d, timeout=60) == "0", log.read_text()
         assert f"UID {self.accounts.job_uid}\n" in log.read_text(), "not run as J"
@@ -87,8 +87,8 @@ def register(env: dict[str, str], vm: SshdVM, accounts: JobUserAccounts) -> int:
     """`rlfleet vm add` of the VM, its jobs run as J; its id."""
     t = vm.target
     added = rlfleet(
-        env, "vm", "add", vm.name, "--host", t.host, "--port", str(t.port), "--user", t.user,
-        "--ssh-key", str(t.ssh_key_path), "--known-hosts", str(t.known_hosts),
+        env, "vm", "add", vm.name, "--host", t.host, "--port", str(t.port), "--user", vm.login,
+        "--ssh-key", str(t.ssh_key_path), "--known-hosts", str(vm.known_hosts_path),
         "--python", VM_PYTHON, "--job-user", accounts.job, "--json",
     )  # fmt: skip
     assert added.returncode == 0, added.stderr
