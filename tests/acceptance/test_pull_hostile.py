@@ -3,13 +3,16 @@ real sshd; the account's shell is bash, as on most VMs) tries to write outside D
 machine that runs `rlfleet job pull`, through the real CLI, real Postgres and, for a job
 with a store, a directory store and the real S3 API of tests/s3server.py.
 
-What the job does is done here as the VM account would: files written into that account's
-home (its `~/.bashrc`, its output directory) and, for a store, a script run on the VM over
-SSH with the VM's python and AWS configuration. The proofs take the VM and the home the job
-writes into, so that a `--job-user` variant can run them with the job's own account."""
+What the job does is a script run as the job (`JobSide`): without a job user, run on the VM
+over SSH as its account (`SharedAccountJob`), writing into that account's home (its
+`~/.bashrc`, its output directories) and, for a store, with the VM's python and AWS
+configuration; with one, the training command of a real attempt launched as the job's own
+account (tests/acceptance/test_pull_hostile_job_user.py). The proofs take the `JobSide`, so
+each variant runs the same attack."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
@@ -21,6 +24,7 @@ import sys
 import tarfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, Protocol
 
 import pytest
 
@@ -98,14 +102,6 @@ def new_job(env: dict[str, str], vm_id: int, output_dir: Path, *extra: str) -> i
     return job_id
 
 
-def outputs(where: Path) -> Path:
-    where.mkdir(parents=True)
-    (where / "model.safetensors").write_bytes(b"weights" * 1000)
-    (where / "adapter").mkdir()
-    (where / "adapter" / "adapter_config.json").write_text("{}")
-    return where
-
-
 def hostile_stream(operator: Path) -> bytes:
     """Every shape that got past the `data` filter or that no filter should take: a link
     extracted before the chain it goes through then a file through it, an absolute name, a
@@ -129,11 +125,109 @@ def bash_reads_bashrc() -> bool:
     return pwd.getpwuid(os.getuid()).pw_shell.endswith("/bash")
 
 
-def vm_pull_escape_proof(env: dict[str, str], vm: SshdVM, vm_id: int, job_home: Path,
-                         root: Path) -> None:  # fmt: skip
-    """A job without a store, whose files are in `job_home` on `vm`, tries to write
-    outside DEST through `job pull` (`root` holds the destinations and the operator's
-    directory they must not reach):
+_JOB_STEPS = r"""
+import base64, json, os, sys
+
+done = []
+for op, path, *args in json.load(open(os.environ["JOB_PLAN"])):
+    try:
+        if op == "mkdir":
+            os.makedirs(path, exist_ok=True)
+        elif op == "write":
+            with open(path, "wb") as f:
+                f.write(base64.b64decode(args[0]))
+            if args[1] is not None:
+                os.chmod(path, args[1])
+        elif op == "symlink":
+            os.symlink(args[0], path)
+        elif op == "link":
+            os.link(args[0], path)
+        elif op == "fifo":
+            os.mkfifo(path)
+        elif op == "sparse":
+            os.truncate(path, args[0])
+        elif op == "read":
+            open(path, "rb").read()
+        elif op == "http_put":  # path: a URL
+            import urllib.request
+            urllib.request.urlopen(urllib.request.Request(path, b"x", method="PUT"), timeout=20)
+        done.append("done")
+    except OSError as exc:  # an HTTP error: with its status and S3 error code
+        why = type(exc).__name__
+        if isinstance(getattr(exc, "code", None), int):
+            body = exc.read().decode(errors="replace")
+            why += f" {exc.code} " + body.partition("<Code>")[2].partition("</Code>")[0]
+        done.append(why)
+print("RESULT " + json.dumps(done))
+"""
+
+Step = tuple[object, ...]
+
+
+class JobSide(Protocol):
+    """The job, on its VM: `run` runs a script (`_JOB_STEPS`, `_JOB_WRITES`) as the job,
+    `JOB_PLAN` (the path of a JSON file) in its environment, and returns what it printed after
+    `RESULT `. `home`: the VM account's home (whose `~/.bashrc` bash reads for the
+    scheduler's commands); `outputs`: a directory the job writes its outputs under;
+    `own_account`: whether the job runs as an account of its own (`--job-user`);
+    `bash_login`: whether the VM account's shell is bash (it reads `home`'s `~/.bashrc`)."""
+
+    home: Path
+    outputs: Path
+    own_account: bool
+    bash_login: bool
+
+    async def run(self, script: str, plan: object) -> Any: ...
+
+
+def result_of(text: str) -> Any:
+    lines = [line for line in text.splitlines() if line.startswith("RESULT ")]
+    assert lines, text
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+class SharedAccountJob:
+    """A job that shares the scheduler's VM account: its scripts run there over SSH."""
+
+    own_account = False
+
+    def __init__(self, transport: Transport, vm: SshdVM) -> None:
+        self.transport, self.vm = transport, vm
+        self.home = self.outputs = vm.home
+        self.bash_login = bash_reads_bashrc()
+
+    async def run(self, script: str, plan: object) -> Any:
+        path = self.vm.home / ".job-script.py"
+        path.write_text(script)
+        path.with_suffix(".json").write_text(json.dumps(plan))
+        plan_word = shlex.quote(f"JOB_PLAN={path.with_suffix('.json')}")
+        command = f"{plan_word} {shlex.join([sys.executable, str(path)])}"
+        done = await self.transport.run(self.vm.target, command, timeout=60)
+        assert done.exit_status == 0, done.stderr
+        return result_of(done.stdout)
+
+
+def written(path: Path, data: bytes, mode: int | None = None) -> Step:
+    return ("write", str(path), base64.b64encode(data).decode(), mode)
+
+
+def outputs_plan(where: Path) -> list[Step]:
+    return [
+        ("mkdir", str(where / "adapter")),
+        written(where / "model.safetensors", b"weights" * 1000),
+        written(where / "adapter" / "adapter_config.json", b"{}"),
+    ]
+
+
+def all_done(tried: list[str]) -> None:
+    assert set(tried) == {"done"}, tried
+
+
+async def vm_pull_escape_proof(env: dict[str, str], job: JobSide, vm_id: int,
+                               root: Path) -> None:  # fmt: skip
+    """A job without a store (`job`: on its VM, as its account) tries to write outside
+    DEST through `job pull` (`root` holds the destinations and the operator's directory
+    they must not reach):
 
     1. with nothing but its own output files: links (a link extracted before the chain it
        goes through, an absolute one out), a hard link, a FIFO;
@@ -144,66 +238,81 @@ def vm_pull_escape_proof(env: dict[str, str], vm: SshdVM, vm_id: int, job_home: 
     4. with a sparse file far past `--max-size`.
 
     Each pull leaves in DEST only directories and regular files, inside it, and nothing
-    outside DEST changes; a refused one leaves nothing."""
+    outside DEST changes; a refused one leaves nothing. A job with an account of its own
+    cannot write the VM account's `~/.bashrc` (the kernel refuses it), so 2. and 3. get
+    the real tar's stream."""
     operator = operator_dir(root)
     # 1. Its own output files.
-    own = outputs(job_home / "out-own")
+    own = job.outputs / "out-own"
+    steps = outputs_plan(own)
     for i in range(8):
-        (own / f"s{i}").mkdir()
-        (own / f"s{i}" / "up").symlink_to("..")
-        (own / f"l{i}").symlink_to(f"s{i}/up/..")
-    (own / "escape").symlink_to(operator)
-    os.link(own / "model.safetensors", own / "hard")
-    os.mkfifo(own / "fifo")
-    job = new_job(env, vm_id, own)
-    result = pulled(env, job, root / "own")
+        steps += [("mkdir", str(own / f"s{i}")), ("symlink", str(own / f"s{i}" / "up"), ".."),
+                  ("symlink", str(own / f"l{i}"), f"s{i}/up/..")]  # fmt: skip
+    steps += [("symlink", str(own / "escape"), str(operator)),
+              ("link", str(own / "hard"), str(own / "model.safetensors")),
+              ("fifo", str(own / "fifo"))]  # fmt: skip
+    all_done(await job.run(_JOB_STEPS, steps))
+    vm_job = new_job(env, vm_id, own)
+    result = pulled(env, vm_job, root / "own")
     assert_untouched(operator)
     assert_plain_tree(root / "own")
     assert result["skipped"] == 19 and "escape" in result["skipped_names"], result
     assert (root / "own" / "adapter" / "adapter_config.json").read_text() == "{}"
-    shown = rlfleet(env, "job", "pull", str(job), str(root / "own-text"))
+    shown = rlfleet(env, "job", "pull", str(vm_job), str(root / "own-text"))
     assert shown.returncode == 0 and "left out: 19 entries" in shown.stdout, shown
     # 2. and 3. Its ~/.bashrc (read by bash for every command sshd runs).
-    evil = job_home / ".evil"
-    evil.mkdir()
+    evil = job.outputs / ".evil"
     stream = shlex.quote(str(evil / "stream.tar"))
-    (evil / "stream.tar").write_bytes(hostile_stream(operator))
-    (evil / "tar").write_text(f"#!/bin/sh\nexec cat {stream}\n")
-    (evil / "tar").chmod(0o755)
-    job = new_job(env, vm_id, outputs(job_home / "out-rc"))
-    bashrc = job_home / ".bashrc"
+    all_done(await job.run(_JOB_STEPS, [
+        ("mkdir", str(evil)), written(evil / "stream.tar", hostile_stream(operator)),
+        written(evil / "tar", f"#!/bin/sh\nexec cat {stream}\n".encode(), 0o755),
+        *outputs_plan(job.outputs / "out-rc"),
+    ]))  # fmt: skip
+    vm_job = new_job(env, vm_id, job.outputs / "out-rc")
+    bashrc = job.home / ".bashrc"
+    before = bashrc.read_bytes() if bashrc.exists() else None
     rcs = {
         "path": f"PATH={shlex.quote(str(evil))}:$PATH\n",
         "functions": f"exec() {{ cat {stream}; builtin exit 0; }}\n"
         f"/usr/bin/env() {{ cat {stream}; }}\n",
     }
     for case, rc in rcs.items():
-        bashrc.write_text(f'echo read >> "$HOME/.bashrc-read"\n{rc}')
+        rc = f'echo read >> "$HOME/.bashrc-read"\n{rc}'
         try:
-            result = pulled(env, job, root / case)
+            tried = await job.run(_JOB_STEPS, [written(bashrc, rc.encode())])
+            (job.home / ".bashrc-read").unlink(missing_ok=True)  # what the pull's bash reads
+            result = pulled(env, vm_job, root / case)
         finally:
-            bashrc.unlink()
+            if not job.own_account:
+                bashrc.unlink(missing_ok=True)
+        if job.own_account:  # refused by the kernel: S's startup file is S's
+            assert tried == ["PermissionError"], tried
+            assert (bashrc.read_bytes() if bashrc.exists() else None) == before
+        else:
+            assert tried == ["done"], tried
         assert_untouched(operator)
         assert_plain_tree(root / case)
-        if job_home == vm.home and bash_reads_bashrc():
-            assert (vm.home / ".bashrc-read").is_file(), "sshd's bash did not read ~/.bashrc"
-        if case == "path":  # tar by absolute path in a clean environment: the real one ran
+        if job.bash_login:
+            assert (job.home / ".bashrc-read").is_file(), "sshd's bash did not read ~/.bashrc"
+        if case == "path" or job.own_account:  # tar by absolute path: the real one ran
             assert result["skipped"] == 0 and (root / case / "model.safetensors").is_file()
-        if case == "functions" and job_home == vm.home:  # the stream reached the reader
+        else:  # the stream reached the reader
             assert result["skipped"] >= 5 and "l" in result["skipped_names"], result
     # 4. A sparse file far past --max-size: refused, one line, nothing left.
-    big = outputs(job_home / "out-big")
-    with open(big / "sparse.bin", "wb") as f:
-        f.truncate(64 << 20)
-    job = new_job(env, vm_id, big)
-    before = sorted(p.name for p in root.iterdir())
-    refused = rlfleet(env, "job", "pull", str(job), str(root / "big"), "--max-size", "1M")
+    big = job.outputs / "out-big"
+    sparse = ("sparse", str(big / "sparse.bin"), 64 << 20)
+    all_done(
+        await job.run(_JOB_STEPS, [*outputs_plan(big), written(big / "sparse.bin", b""), sparse])
+    )
+    vm_job = new_job(env, vm_id, big)
+    before_dirs = sorted(p.name for p in root.iterdir())
+    refused = rlfleet(env, "job", "pull", str(vm_job), str(root / "big"), "--max-size", "1M")
     assert_one_line(refused, 1, "max-size")
-    assert sorted(p.name for p in root.iterdir()) == before
-    assert_one_line(rlfleet(env, "job", "pull", str(job), str(root / "big"), "--max-size",
+    assert sorted(p.name for p in root.iterdir()) == before_dirs
+    assert_one_line(rlfleet(env, "job", "pull", str(vm_job), str(root / "big"), "--max-size",
                             "12X"), 2, "is not a size")  # fmt: skip
     (root / "link-dest").symlink_to(operator)  # DEST may be an empty directory, not a link
-    assert_one_line(rlfleet(env, "job", "pull", str(job), str(root / "link-dest")), 2,
+    assert_one_line(rlfleet(env, "job", "pull", str(vm_job), str(root / "link-dest")), 2,
                     "exists and is not an empty directory")  # fmt: skip
     assert_untouched(operator)
 
@@ -212,6 +321,7 @@ async def test_a_job_without_a_store_cannot_write_outside_dest_through_job_pull(
     sshd_fleet: Callable[..., SshdFleet],  # noqa: F811
     db: Database,
     env: dict[str, str],
+    transport: Transport,
     tmp_path: Path,
 ) -> None:
     if not bash_reads_bashrc():
@@ -222,7 +332,7 @@ async def test_a_job_without_a_store_cannot_write_outside_dest_through_job_pull(
     vm = fleet[0]
     root = tmp_path / "puller"
     root.mkdir()
-    vm_pull_escape_proof(env, vm, ids[vm.name], vm.home, root)
+    await vm_pull_escape_proof(env, SharedAccountJob(transport, vm), ids[vm.name], root)
 
 
 _JOB_WRITES = """
@@ -230,29 +340,37 @@ import json, os, sys
 from scheduler.store import parse_store_url
 from scheduler.store.backend import open_backend
 
-url, inst, job, plan = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
-store = open_backend(parse_store_url(url), inst, job)
-for key, data in plan.get("put", {}).items():
-    store.put_bytes(data.encode(), key)
-for key, size in plan.get("grow", {}).items():
-    if hasattr(store, "root"):
-        os.truncate(store.root / key, size)  # sparse: a few KiB on disk
-    else:
-        store.put_bytes(bytes(size), key)
-for key, target in plan.get("link", {}).items():
-    (store.root / key).unlink()
-    (store.root / key).symlink_to(target)
+args = json.load(open(os.environ["JOB_PLAN"]))
+url, inst, job, plan = args["url"], args["inst"], int(args["job"]), args["plan"]
+try:
+    store = open_backend(parse_store_url(url), inst, job)
+    for key, data in plan.get("put", {}).items():
+        store.put_bytes(data.encode(), key)
+    for key, size in plan.get("grow", {}).items():
+        if hasattr(store, "root"):
+            os.truncate(store.root / key, size)  # sparse: a few KiB on disk
+        else:
+            store.put_bytes(bytes(size), key)
+    for key, target in plan.get("link", {}).items():
+        (store.root / key).unlink()
+        (store.root / key).symlink_to(target)
+except Exception as exc:
+    print("RESULT " + json.dumps(f"{type(exc).__name__}: {exc}"))
+else:
+    print("RESULT " + json.dumps("done"))
 """
 
 
-async def job_writes(transport: Transport, vm: SshdVM, url: str, inst: str, job: int,
-                     plan: dict) -> None:  # fmt: skip
-    """The job, on its VM, writes into its place in the store with the VM's configuration."""
-    script = vm.home / ".job-writes.py"
-    script.write_text(_JOB_WRITES)
-    args = [sys.executable, str(script), url, inst, str(job), json.dumps(plan)]
-    done = await transport.run(vm.target, shlex.join(args), timeout=60)
-    assert done.exit_status == 0, done.stderr
+async def job_writes(job: JobSide, url: str, inst: str, job_id: int, plan: dict) -> str:
+    """The job, on its VM, writes into its place in the store with the VM's configuration:
+    "done", or the error that stopped it."""
+    return str(await job.run(_JOB_WRITES, {"url": url, "inst": inst, "job": job_id,
+                                          "plan": plan}))  # fmt: skip
+
+
+async def job_put(job: JobSide, url: str, inst: str, job_id: int, plan: dict) -> None:
+    tried = await job_writes(job, url, inst, job_id, plan)
+    assert tried == "done", tried
 
 
 def _sha(data: bytes) -> str:
@@ -270,11 +388,12 @@ def reported(env: dict[str, str], job_id: int, manifest: str) -> None:
     )
 
 
-async def store_pull_escape_proof(env: dict[str, str], transport: Transport, vm: SshdVM,
-                                  inst: str, url: str, root: Path) -> None:  # fmt: skip
-    """A job with a store, on `vm`, fills its place in the store with hostile content:
-    an object far larger than its manifest entry, a manifest naming a path outside, a
-    link to the operator's file (a directory store), a total past --max-size. Each pull
+async def store_pull_escape_proof(env: dict[str, str], job_side: JobSide, inst: str,
+                                  url: str, root: Path) -> None:  # fmt: skip
+    """A job with a store (`job_side`: on its VM, as its account) fills its place in the
+    store with hostile content: an object far larger than its manifest entry, a manifest
+    naming a path outside, a link to the operator's file (a directory store), a total past
+    --max-size. Each pull
     is refused in one line before a byte of it is copied, leaving nothing; an honest
     final output still comes."""
     operator = operator_dir(root)
@@ -283,13 +402,14 @@ async def store_pull_escape_proof(env: dict[str, str], transport: Transport, vm:
     manifest = {"files": {"model.bin": 10, "tokenizer.json": 2}, "at": "T", "sha256": sums}
     honest = {"final/model.bin": "w" * 10, "final/tokenizer.json": "{}",
               "final.json": json.dumps(manifest)}  # fmt: skip
-    await job_writes(transport, vm, url, inst, job, {"put": honest})
+    await job_put(job_side, url, inst, job, {"put": honest})
     # Not reported by any attempt of the job: refused before its sizes are even looked at.
     assert_one_line(rlfleet(env, "job", "pull", str(job), str(root / "unreported")), 1,
                     "not one this job's attempts reported")  # fmt: skip
     # A job can make its own attempt report whatever it wrote (its store.json is its own
-    # without --job-user): every manifest below is recorded as the job's, so what stops
-    # each case is the puller's own checks of sizes, names and kinds.
+    # without --job-user; with one, assume it found a way): every manifest below is
+    # recorded as the job's, so what stops each case is the puller's own checks of sizes,
+    # names and kinds.
     reported(env, job, honest["final.json"])
     assert pulled(env, job, root / "honest")["bytes"] == 12
     cases: list[tuple[dict, str]] = [
@@ -305,8 +425,8 @@ async def store_pull_escape_proof(env: dict[str, str], transport: Transport, vm:
                        "link": {"final/model.bin": str(operator / "notes.txt")}},
                       "not a regular file"))  # fmt: skip
     for n, (plan, says) in enumerate(cases):
-        await job_writes(transport, vm, url, inst, job, {"put": honest})
-        await job_writes(transport, vm, url, inst, job, plan)
+        await job_put(job_side, url, inst, job, {"put": honest})
+        await job_put(job_side, url, inst, job, plan)
         if "final.json" in plan.get("put", {}):
             reported(env, job, plan["put"]["final.json"])
         before = sorted(p.name for p in root.iterdir())
@@ -315,7 +435,7 @@ async def store_pull_escape_proof(env: dict[str, str], transport: Transport, vm:
         assert sorted(p.name for p in root.iterdir() if p.name != f"case{n}") == before
         assert not (root / f"case{n}").exists() or not any((root / f"case{n}").iterdir())
         assert_untouched(operator)
-    await job_writes(transport, vm, url, inst, job, {"put": honest})
+    await job_put(job_side, url, inst, job, {"put": honest})
     refused = rlfleet(env, "job", "pull", str(job), str(root / "small"), "--max-size", "11")
     assert_one_line(refused, 1, "max-size")
     assert not (root / "small").exists()
@@ -335,10 +455,11 @@ async def test_a_job_with_a_store_cannot_write_outside_dest_through_job_pull(
     vm = fleet[0]
     s3.aws_files(vm.home)
     inst = await installation(db)
+    job = SharedAccountJob(transport, vm)
     for name, url, user_env in (
         ("file", f"file://{tmp_path}/shared-store", env),
         ("s3", f"s3://{s3.bucket}/runs", {**env, **s3.env()}),
     ):
         root = tmp_path / f"puller-{name}"
         root.mkdir()
-        await store_pull_escape_proof(user_env, transport, vm, inst, url, root)
+        await store_pull_escape_proof(user_env, job, inst, url, root)
