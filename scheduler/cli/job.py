@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from scheduler.cli._common import (
-    ByteSize,
     CliContext,
     ColumnInt,
     ColumnText,
@@ -24,6 +23,8 @@ from scheduler.cli._common import (
     printable,
     warn,
 )
+from scheduler.cli.job_pull import pull
+from scheduler.cli.job_view import event_reason, progress_line, restarts_cell, store_lines
 from scheduler.errors import BadInput, ServiceUnavailable
 from scheduler.jobstore import list_jobs
 from scheduler.states import JobStatus
@@ -373,11 +374,11 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
         if key not in ("events", "events_older", "progress", "progress_error", "ranks", "roles",
                        "store_status"):  # fmt: skip
             click.echo(f"{key + ':':18}{'-' if value in (None, []) else printable(value)}")
-    for key, line in _store_lines(job):
+    for key, line in store_lines(job):
         click.echo(f"{key + ':':18}{printable(line)}")
     progress = job["progress"]
     if isinstance(progress, dict):
-        click.echo(f"{'progress:':18}{printable(_progress_line(progress))}")
+        click.echo(f"{'progress:':18}{printable(progress_line(progress))}")
     elif job["progress_error"] and job["progress_error"] != "not started":
         click.echo(f"{'progress:':18}unavailable ({printable(job['progress_error'])})")
     if job["nodes"] > 1:
@@ -413,7 +414,7 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
                     r["pid"] or "-",
                     r["state"],
                     "-" if r["exit_code"] is None else r["exit_code"],
-                    _restarts(r),
+                    restarts_cell(r),
                 )
                 for r in job["roles"]
             ],
@@ -422,172 +423,10 @@ def show(ctx: CliContext, job_id: int, no_progress: bool, as_json: bool) -> None
     echo_table(
         ["AT", "FROM", "TO", "ATTEMPT", "ACTOR", "REASON"],
         [
-            (fmt_time(e["at"]), e["from"] or "", e["to"], e["attempt"], e["actor"], _reason(e))
+            (fmt_time(e["at"]), e["from"] or "", e["to"], e["attempt"], e["actor"], event_reason(e))
             for e in job["events"]
         ],
     )
-
-
-def _restarts(role: dict[str, Any]) -> str:
-    """A role's restarts in place, `N of MAX` (`-`: it never restarts in place)."""
-    if role.get("restart") != "on-failure":
-        return "-"
-    return f"{role.get('restarts', 0)} of {role.get('max_restarts', 0)}"
-
-
-def _store_lines(job: dict[str, Any]) -> list[tuple[str, str]]:
-    """`job show`'s lines about the store: where the outputs are, the checkpoints in the
-    store (step, size, time) and the last upload error, as the VM's agent reported them."""
-    if not job.get("store"):
-        return []
-    status = job.get("store_status") or {}
-    lines = []
-    if status.get("final"):
-        lines.append(("outputs", "in the store (rlfleet job pull " + str(job["id"]) + ")"))
-    checkpoints = status.get("checkpoints") or []
-    shown = [
-        f"{c['step']} ({_size(c['bytes'] or 0)}, {c.get('at') or '-'})"
-        for c in reversed(checkpoints)
-    ]
-    lines.append(("stored steps", ", ".join(shown) if shown else "none yet"))
-    if status.get("restored") is not None:
-        lines.append(("restored from", f"checkpoint-{status['restored']}"))
-    if status.get("last_error"):
-        lines.append(("upload error", f"{status['last_error']} (at {status.get('error_at')})"))
-    return lines
-
-
-def _reason(event: dict[str, Any]) -> str:
-    """An event's reason, with how often a waiting move repeated: `… (×40, last at T)`."""
-    reason = event["reason"] or ""
-    if event.get("count", 1) > 1:
-        reason += f" (×{event['count']}, last at {fmt_time(event['last_at'])})"
-    return reason
-
-
-def _progress_line(progress: dict[str, Any]) -> str:
-    """`step 40/500 (8%), reward 0.61, loss 0.02, eta 13m` from progress.json."""
-    parts = []
-    step, total = progress.get("step"), progress.get("max_steps")
-    if isinstance(step, int) and isinstance(total, int) and total > 0:
-        parts.append(f"step {step}/{total} ({100 * step // total}%)")
-    for key in ("reward", "loss"):
-        value = progress.get(key)
-        if isinstance(value, int | float):
-            parts.append(f"{key} {value:.4g}")
-    eta = progress.get("eta_s")
-    if isinstance(eta, int | float):
-        parts.append(f"eta {int(eta) // 60}m{int(eta) % 60:02d}s")
-    if progress.get("status"):
-        parts.append(str(progress["status"]))
-    return ", ".join(parts) or "-"
-
-
-@group.command("pull")
-@job_id_argument
-@click.argument("dest", required=False, type=click.Path(file_okay=False))
-@click.option(
-    "--checkpoint",
-    type=ColumnInt(lo=0, bounds=INT4),
-    help="Pull checkpoint-N instead of the final model.",
-)
-@click.option(
-    "--max-size",
-    type=ByteSize(),
-    default="200G",
-    show_default=True,
-    help="Refuse, leaving nothing, a pull of more bytes than this (500M, 10G, 2T: binary "
-    "units; 500MB: decimal; or bytes).",
-)
-@json_flag("Print what was pulled as JSON.")
-@pass_cli
-def pull(
-    ctx: CliContext,
-    job_id: int,
-    dest: str | None,
-    checkpoint: int | None,
-    max_size: int,
-    as_json: bool,
-):
-    """Download a job's final model and tokenizer (or --checkpoint N) into DEST (default
-    ./job-ID, or ./job-ID-checkpoint-N; it must not exist or be empty): from the job's
-    store with this machine's AWS configuration, or without a store over SSH from the VM
-    that ran its last attempt. A progress bar goes to stderr on a terminal. Only regular
-    files and directories come: links, devices and odd names are left out and counted
-    (named with --json)."""
-    from pathlib import Path
-
-    from scheduler.pull import PullProgress, check_dest, pull_job
-    from scheduler.transport import make_transport
-
-    default = f"job-{job_id}" + (f"-checkpoint-{checkpoint}" if checkpoint is not None else "")
-    target = Path(dest or default)
-    check_dest(target)
-    bar = _ProgressBar(f"job {job_id}") if sys.stderr.isatty() and not as_json else None
-    progress = PullProgress(on_change=bar.show if bar else None)
-
-    async def go(db: Database) -> dict[str, Any]:
-        transport = make_transport()
-        try:
-            return await pull_job(
-                db, transport, job_id, target, checkpoint=checkpoint, progress=progress,
-                max_size=max_size,
-            )  # fmt: skip
-        finally:
-            await transport.close()
-
-    try:
-        result = ctx.run(go)
-    finally:
-        if bar is not None:
-            bar.close()
-    if as_json:
-        echo_json(result)
-    else:
-        click.echo(f"{result['what']} of job {job_id} from {result['from']} in {result['dest']}"
-                   f" ({_size(result['bytes'])})")  # fmt: skip
-        if result.get("skipped"):
-            click.echo(f"left out: {result['skipped']} entries that are not regular files or"
-                       " directories with plain names (--json names them)")  # fmt: skip
-
-
-def _size(count: int) -> str:
-    """`12.3 MB`."""
-    value = float(count)
-    for unit in ("B", "KB", "MB", "GB"):
-        if value < 1000 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{value:.1f} TB"  # pragma: no cover
-
-
-class _ProgressBar:
-    """One line on stderr, redrawn at most ten times a second."""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.last = 0.0
-
-    def show(self, progress: Any) -> None:
-        import time
-
-        now = time.monotonic()
-        if now - self.last < 0.1:
-            return
-        self.last = now
-        done, total = progress.done, progress.total
-        if total:
-            width = 30
-            filled = min(width, int(width * done / total))
-            text = f"{'#' * filled}{'.' * (width - filled)} {_size(done)} / {_size(total)}"
-        else:
-            text = _size(done)
-        sys.stderr.write(f"\r{self.label}: {text}\x1b[K")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        sys.stderr.write("\r\x1b[K")
-        sys.stderr.flush()
 
 
 @group.command("cancel")
@@ -724,3 +563,7 @@ def logs(
             await transport.close()
 
     ctx.run(go)
+
+
+# `job pull` lives in a module of its own (its progress bar, its sizes).
+group.add_command(pull)

@@ -196,10 +196,10 @@ def test_every_rank_restores_and_rank_0_alone_uploads():
 
 
 def test_job_pulls_progress_bar_shows_bytes_of_the_total(capsys: pytest.CaptureFixture[str]):
-    from scheduler.cli.job import _ProgressBar, _size
+    from scheduler.cli.job_pull import ProgressBar, size_text
     from scheduler.pull import PullProgress
 
-    bar = _ProgressBar("job 7")
+    bar = ProgressBar("job 7")
     progress = PullProgress(on_change=bar.show)
     progress.size(2_000_000)
     bar.last = 0.0
@@ -208,7 +208,11 @@ def test_job_pulls_progress_bar_shows_bytes_of_the_total(capsys: pytest.CaptureF
     err = capsys.readouterr().err
     assert "job 7: " + "#" * 15 + "." * 15 + " 1.0 MB / 2.0 MB" in err
     assert err.endswith("\r\x1b[K")
-    assert (_size(999), _size(1500), _size(3_200_000_000)) == ("999 B", "1.5 KB", "3.2 GB")
+    assert (size_text(999), size_text(1500), size_text(3_200_000_000)) == (
+        "999 B",
+        "1.5 KB",
+        "3.2 GB",
+    )
 
 
 def test_a_store_error_mark_the_job_wrote_itself_is_removed(tmp_path):
