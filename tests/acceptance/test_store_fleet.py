@@ -52,7 +52,7 @@ CONFIG = RequeueConfig(
 MAX_STEPS = 40
 TRAIN_ARGS = (
     "--keywords", "hello", "--num_generations", "4", "--per_device_train_batch_size", "4",
-    "--max_completion_length", "8", "--learning_rate", "3e-3",
+    "--max_completion_length", "64", "--learning_rate", "3e-3",
     "--max_steps", str(MAX_STEPS), "--save_steps", "2", "--save_total_limit", "0",
 )  # fmt: skip
 _MANIFEST = re.compile(r"checkpoints/checkpoint-(\d+)\.json$")
