@@ -243,7 +243,13 @@ class SshdVM:
             _safe_kill(pid, signal.SIGSTOP)  # no new session starts while we look
         self.kill_processes()
         self.stop()
-        self.kill_processes()  # anything a session forked between the two looks
+        # Anything a session forked between the looks, and processes still tearing down
+        # after their SIGKILL (a training process takes a moment to exit): a crash is over
+        # once none is left.
+        deadline = time.monotonic() + 10
+        while self.processes() and time.monotonic() < deadline:
+            self.kill_processes()
+            time.sleep(0.05)
 
     def kill_processes(self) -> None:
         """SIGKILL every process started in this VM's sessions."""
