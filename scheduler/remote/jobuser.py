@@ -134,6 +134,11 @@ def setup_lines(job_user: str | None, output_dir: str, work_dir: str | None = No
     j = shlex.quote(check_job_user(job_user))
     return [
         "rlfleet_jerr=",
+        # What S runs to hand the job over, found now on S's PATH (the job's environment,
+        # loaded later in the training's subshell, never chooses them; the env loader skips
+        # `rlfleet_*` names).
+        "rlfleet_envbin=$(command -v env) || rlfleet_envbin=/usr/bin/env",
+        "rlfleet_sudobin=$(command -v sudo) || rlfleet_sudobin=/usr/bin/sudo",
         f'if [ "$(id -un)" = {j} ]; then',
         f"  rlfleet_jerr={shlex.quote(f'the job user {job_user} is the scheduler account')}",
         f"elif ! {sudo_words(job_user)} /bin/true </dev/null 2>/dev/null; then",
@@ -259,12 +264,17 @@ and umask 027 (what J writes is readable by its group, which S is in, and nobody
 def exec_lines(job_user: str | None, python: str) -> list[str]:
     """The training subshell's last line: exec the command (`"$@"`), as J with a job user.
     `python` (the VM's, already checked by the wrapper) runs `EXEC_CODE` isolated (`-I`);
-    its path is resolved with the job's PATH before sudo's own PATH applies."""
+    its path is resolved with the job's PATH (it runs as J) before sudo's own PATH
+    applies; `env` and `sudo`, which run as S, were resolved with S's (`setup_lines`)."""
     if job_user is None:
         return ['  exec "$@"']
+    j = shlex.quote(check_job_user(job_user))
     return [
         f"  rlfleet_py=$(command -v {shlex.quote(python)}) || exit 127",
-        f'  env -0 | {sudo_words(job_user)} "$rlfleet_py" -I -c {shlex.quote(EXEC_CODE)} "$@"',
+        # `env` and `sudo` run as S: found by `setup_lines` on S's own PATH, never on the
+        # job's (loaded by now), which may name a directory J can write.
+        f'  "$rlfleet_envbin" -0 | "$rlfleet_sudobin" -n -u {j} --'
+        f' "$rlfleet_py" -I -c {shlex.quote(EXEC_CODE)} "$@"',
     ]
 
 

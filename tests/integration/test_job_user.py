@@ -571,3 +571,36 @@ async def test_job_pull_brings_back_what_a_job_user_wrote(
     got = await pull_job(db, transport, job_id, dest, checkpoint=1)
     # Then what J wrote came back whole
     assert (dest / "model.bin").read_bytes() == b"weights of J" * 100, got
+
+
+async def test_the_job_users_path_never_picks_what_the_scheduler_runs_as_itself(
+    vm: SshdVM, accounts: JobUserAccounts, transport: SSHTransport
+) -> None:
+    """The wrapper hands the job to J through `env` and `sudo` after the job's environment
+    is loaded: those must be the scheduler account's, found on its own PATH, never in a
+    directory the job's PATH names that J can write (J's `env` run as S would be S)."""
+    # Given a directory J owns with its own `env` and `sudo`, first on the job's PATH
+    trap = vm.root.parent.parent / "trap"
+    trap.mkdir()
+    marks = trap / "ran-as"
+    for tool in ("env", "sudo"):
+        fake = trap / tool
+        fake.write_text(f'#!/bin/sh\nid -un >> {marks}\nexec /usr/bin/{tool} "$@"\n')
+        fake.chmod(0o755)
+    for path in (trap, *trap.iterdir()):
+        os.chown(path, accounts.job_uid, accounts.job_gid)
+    marks.touch()
+    marks.chmod(0o666)  # whoever runs the fakes says so
+    (vm.root.parent.parent / "ok.py").write_text("print('trained')\n")
+    spec = _spec(
+        vm,
+        accounts.job,
+        str(vm.root.parent.parent / "ok.py"),
+        env=[("PATH", f"{trap}:/usr/local/bin:/usr/bin:/bin")],
+    )
+    # When the job runs
+    d = await _launch(transport, vm, spec)
+    assert await _exit_code(d) == "0", (d / "train.log").read_text()
+    # Then the training ran, and nothing of J's ran as the scheduler's account
+    assert "trained" in (d / "train.log").read_text()
+    assert accounts.login not in marks.read_text().split(), marks.read_text()
