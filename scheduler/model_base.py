@@ -6,7 +6,7 @@ the models (migrations/env.py, the migration test) imports every module of model
 
 from __future__ import annotations
 
-from sqlalchemy import MetaData
+from sqlalchemy import DateTime, MetaData
 from sqlalchemy.orm import DeclarativeBase
 
 NAMING_CONVENTION = {
@@ -22,3 +22,8 @@ class Base(DeclarativeBase):
     """Declarative base with stable constraint names, so migrations diff cleanly."""
 
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def timestamp() -> DateTime:
+    """The type of every time column: a timestamp with its time zone."""
+    return DateTime(timezone=True)

@@ -10,7 +10,6 @@ from datetime import datetime
 
 from sqlalchemy import (
     BigInteger,
-    DateTime,
     Double,
     ForeignKey,
     Identity,
@@ -23,11 +22,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
-from scheduler.model_base import Base
-
-
-def _now() -> DateTime:
-    return DateTime(timezone=True)
+from scheduler.model_base import Base, timestamp
 
 
 class ProgressSample(Base):
@@ -45,7 +40,7 @@ class ProgressSample(Base):
     """NULL: the attempt had logged no reward yet."""
     loss: Mapped[float | None] = mapped_column(Double)
     """NULL: the attempt had logged no loss yet."""
-    recorded_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    recorded_at: Mapped[datetime] = mapped_column(timestamp(), server_default=func.now())
 
     __table_args__ = (
         # One row per step of an attempt (a later poll of the same step adds nothing); it
@@ -67,7 +62,7 @@ class GpuSample(Base):
     """NULL when nvidia-smi could not say."""
     memory_used_mb: Mapped[int | None] = mapped_column(Integer)
     memory_total_mb: Mapped[int | None] = mapped_column(Integer)
-    recorded_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    recorded_at: Mapped[datetime] = mapped_column(timestamp(), server_default=func.now())
 
     __table_args__ = (
         # The fleet page reads the last hours of a page of GPUs; pruning reads by time.
@@ -93,6 +88,6 @@ class JobDiagnostics(Base):
     reason: Mapped[str] = mapped_column(Text)
     """Why the attempt was stopped (the job's status reason then)."""
     content: Mapped[str] = mapped_column(Text)
-    captured_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    captured_at: Mapped[datetime] = mapped_column(timestamp(), server_default=func.now())
 
     __table_args__ = (UniqueConstraint("job_id", "attempt"),)

@@ -12,7 +12,6 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
-    DateTime,
     Double,
     ForeignKey,
     Identity,
@@ -29,7 +28,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-from scheduler.model_base import Base
+from scheduler.model_base import Base, timestamp
 from scheduler.model_samples import GpuSample as GpuSample  # re-exported, in Base.metadata
 from scheduler.model_samples import JobDiagnostics as JobDiagnostics
 from scheduler.model_samples import ProgressSample as ProgressSample
@@ -53,10 +52,6 @@ DEFAULT_ENTRYPOINT = "training.train_grpo"
 """What a VM runs to train when it names nothing else: `python -m training.train_grpo`."""
 
 
-def _now() -> DateTime:
-    return DateTime(timezone=True)
-
-
 TOKEN_CHECK = "launch_token ~ '^[0-9a-f]{16}$'"
 """What a launch token is (`remote.layout.new_token`): 16 lowercase hex digits."""
 ATTEMPT_DIR_CHECK = "attempt_dir LIKE '/%'"
@@ -75,7 +70,7 @@ class Installation(Base):
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True)
     singleton: Mapped[bool] = mapped_column(Boolean, default=True, server_default="true")
     """Always true, and unique: the table holds one row."""
-    created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    created_at: Mapped[datetime] = mapped_column(timestamp(), server_default=func.now())
 
     __table_args__ = (
         CheckConstraint("singleton", name="one_row"),
@@ -93,8 +88,8 @@ class Poller(Base):
     name: Mapped[str] = mapped_column(String(255))
     """Host and process id, for people: `host:pid`."""
     lease_s: Mapped[float] = mapped_column(Double)
-    started_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
-    renewed_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    started_at: Mapped[datetime] = mapped_column(timestamp(), server_default=func.now())
+    renewed_at: Mapped[datetime] = mapped_column(timestamp(), server_default=func.now())
     """Database time of the last renewal; the lease runs out `lease_s` later, and a lease
     that ran out is never renewed (the row is deleted, its VMs freed)."""
 
@@ -144,14 +139,14 @@ class VM(Base):
     not polled yet."""
     available_gpus: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     consecutive_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    last_polled_at: Mapped[datetime | None] = mapped_column(_now())
+    last_polled_at: Mapped[datetime | None] = mapped_column(timestamp())
     """NULL: never polled."""
-    last_seen_at: Mapped[datetime | None] = mapped_column(_now())
+    last_seen_at: Mapped[datetime | None] = mapped_column(timestamp())
     """Last successful poll; NULL: never answered."""
-    unreachable_since: Mapped[datetime | None] = mapped_column(_now())
+    unreachable_since: Mapped[datetime | None] = mapped_column(timestamp())
     """First failed poll of the current outage; NULL while the VM answers."""
     last_error: Mapped[str | None] = mapped_column(Text)
-    created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    created_at: Mapped[datetime] = mapped_column(timestamp(), server_default=func.now())
     poller_id: Mapped[int | None] = mapped_column(Integer, index=True)
     """The poller that holds this VM (polls it, alone) while that `pollers` row lives;
     NULL or an id with no row: free, the next poller with room takes it. No foreign key:
@@ -205,7 +200,7 @@ class GPU(Base):
     ecc_uncorrected: Mapped[int | None] = mapped_column(BigInteger)
     """The uncorrected volatile ECC count it had while healthy (a higher count is rising);
     NULL: never reported."""
-    health_changed_at: Mapped[datetime | None] = mapped_column(_now())
+    health_changed_at: Mapped[datetime | None] = mapped_column(timestamp())
     """When `health_reason` last changed; NULL: never."""
     drained: Mapped[bool] = mapped_column(Boolean, default=False, server_default="false")
     """Taken out by hand (`vm drain NAME --gpu`): a job on it finishes, no new one starts."""
@@ -215,8 +210,8 @@ class GPU(Base):
         ForeignKey("jobs.id", ondelete="SET NULL"), index=True
     )
     """The job this GPU is allocated to; NULL means unallocated."""
-    allocated_at: Mapped[datetime | None] = mapped_column(_now())
-    updated_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    allocated_at: Mapped[datetime | None] = mapped_column(timestamp())
+    updated_at: Mapped[datetime] = mapped_column(timestamp(), server_default=func.now())
 
     vm: Mapped[VM] = relationship(back_populates="gpus")
 
@@ -236,7 +231,7 @@ class Workdir(Base):
     files: Mapped[int] = mapped_column(Integer)
     """Regular files in the workdir."""
     data: Mapped[bytes] = mapped_column(LargeBinary)
-    created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    created_at: Mapped[datetime] = mapped_column(timestamp(), server_default=func.now())
 
     __table_args__ = (
         CheckConstraint("digest ~ '^[0-9a-f]{64}$'", name="digest_hex"),
@@ -296,7 +291,7 @@ class Job(Base):
     """The attempt `progress_step` was read from (the poller's latest reading)."""
     progress_step: Mapped[int | None] = mapped_column(Integer)
     """The training step the poller last read from the attempt's progress.json."""
-    progress_changed_at: Mapped[datetime | None] = mapped_column(_now())
+    progress_changed_at: Mapped[datetime | None] = mapped_column(timestamp())
     """When the poller first read `progress_step` (the database's clock, never the VM's):
     the step has not changed since."""
     exit_code: Mapped[int | None] = mapped_column(Integer)
@@ -332,9 +327,9 @@ class Job(Base):
     store_status: Mapped[dict[str, object] | None] = mapped_column(JSONB)
     """What the store agent of the latest attempt reported (checkpoints in the store, last
     upload error), as the poller read it (`remote.probe.parse_store_status`)."""
-    lease_expires_at: Mapped[datetime | None] = mapped_column(_now())
+    lease_expires_at: Mapped[datetime | None] = mapped_column(timestamp())
     """While `starting`: when the claim may be taken back if the launch never confirmed."""
-    next_attempt_at: Mapped[datetime | None] = mapped_column(_now())
+    next_attempt_at: Mapped[datetime | None] = mapped_column(timestamp())
     """While `failed` with retries left: not retried before this time."""
     retry_decision: Mapped[str | None] = mapped_column(String(16))
     """While `failed`: what the requeue manager decided about this failure, `retry` (at
@@ -348,15 +343,15 @@ class Job(Base):
     """The retries of this job that did not count against `max_retries`, by the failure
     reason that caused each (`store_error`, `node_lost`…): capped in all per job
     (`RetryPolicy.uncounted_limit`)."""
-    published_at: Mapped[datetime | None] = mapped_column(_now())
+    published_at: Mapped[datetime | None] = mapped_column(timestamp())
     """Last publish to jobs.new; NULL means queued but never published."""
-    submitted_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
-    queued_at: Mapped[datetime | None] = mapped_column(_now())
-    pending_at: Mapped[datetime | None] = mapped_column(_now())
-    starting_at: Mapped[datetime | None] = mapped_column(_now())
-    running_at: Mapped[datetime | None] = mapped_column(_now())
-    finished_at: Mapped[datetime | None] = mapped_column(_now())
-    updated_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    submitted_at: Mapped[datetime] = mapped_column(timestamp(), server_default=func.now())
+    queued_at: Mapped[datetime | None] = mapped_column(timestamp())
+    pending_at: Mapped[datetime | None] = mapped_column(timestamp())
+    starting_at: Mapped[datetime | None] = mapped_column(timestamp())
+    running_at: Mapped[datetime | None] = mapped_column(timestamp())
+    finished_at: Mapped[datetime | None] = mapped_column(timestamp())
+    updated_at: Mapped[datetime] = mapped_column(timestamp(), server_default=func.now())
 
     vm: Mapped[VM | None] = relationship()
     events: Mapped[list[JobEvent]] = relationship(
@@ -483,7 +478,7 @@ class GpuEvent(Base):
     """`unhealthy`, `healthy`, `drained` or `undrained`."""
     reason: Mapped[str] = mapped_column(Text)
     actor: Mapped[str] = mapped_column(String(64))
-    created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    created_at: Mapped[datetime] = mapped_column(timestamp(), server_default=func.now())
 
     __table_args__ = (Index("ix_gpu_events_vm_id_created_at", "vm_id", "created_at"),)
 
@@ -502,11 +497,11 @@ class JobEvent(Base):
     actor: Mapped[str] = mapped_column(String(64))
     """Who made the move: `cli`, `dispatcher:<host>:<pid>`, `poller`, `requeue`…"""
     attempt: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
-    created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
+    created_at: Mapped[datetime] = mapped_column(timestamp(), server_default=func.now())
     count: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     """How many times this move happened with this reason in a waiting spell (queued ↔
     pending, `jobs.transition`): repeats update this row instead of adding one."""
-    last_at: Mapped[datetime | None] = mapped_column(_now())
+    last_at: Mapped[datetime | None] = mapped_column(timestamp())
     """When the last repeat happened; NULL while `count` is 1."""
 
     job: Mapped[Job] = relationship(back_populates="events")
@@ -539,8 +534,8 @@ class Leftover(Base):
     gpu_uuids: Mapped[list[str] | None] = mapped_column(ARRAY(String(96)))
     """The same GPUs by UUID, which a renumbering cannot move; they are what is blocked."""
     reason: Mapped[str] = mapped_column(String(32))
-    created_at: Mapped[datetime] = mapped_column(_now(), server_default=func.now())
-    killed_at: Mapped[datetime | None] = mapped_column(_now())
+    created_at: Mapped[datetime] = mapped_column(timestamp(), server_default=func.now())
+    killed_at: Mapped[datetime | None] = mapped_column(timestamp())
     """When the kill succeeded; NULL means the process may still be alive."""
     attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     """Kill attempts so far."""

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import (
     BigInteger,
     CheckConstraint,
-    DateTime,
     ForeignKey,
     Identity,
     Integer,
@@ -31,7 +30,7 @@ from sqlalchemy import (
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Mapped, mapped_column
 
-from scheduler.model_base import Base
+from scheduler.model_base import Base, timestamp
 from scheduler.store.binding import (
     ACCEPTED_CHECKPOINTS,
     ACCEPTED_FINALS,
@@ -61,9 +60,7 @@ class JobStoreRecord(Base):
     kind: Mapped[str] = mapped_column(String(16))
     step: Mapped[int] = mapped_column(Integer)
     digest: Mapped[str] = mapped_column(String(64))
-    recorded_at: Mapped[datetime] = mapped_column(
-        DateTime(timezone=True), server_default=func.now()
-    )
+    recorded_at: Mapped[datetime] = mapped_column(timestamp(), server_default=func.now())
 
     __table_args__ = (
         CheckConstraint("kind IN ('checkpoint', 'final')", name="kind"),

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 from scheduler.remote.env import VM_ENV_FILE
 from scheduler.remote.layout import Attempt, home_path
-from scheduler.remote.output import printable
+from scheduler.remote.output import head_bytes, printable
 
 CGROUP_FILE = "cgroup"
 """The attempt's cgroup, as its wrapper created it (in the attempt directory)."""
@@ -126,9 +126,10 @@ def root_lines() -> list[str]:
     """Set `rlfleet_cgr` to the cgroup attempts are made under (empty: none), and
     `rlfleet_cgw` to why there is none. Needs `functions_lines` first."""
     env = home_path(VM_ENV_FILE)
-    # Read, never run; at most 64 KiB; only a regular file (a FIFO would block).
+    # Read, never run; at most 64 KiB; only a regular file, opened non-blocking where the
+    # VM's dd can (`output.head_bytes`: a FIFO swapped in after the test holds nothing).
     read = (
-        f"rlfleet_v=$(head -c 65536 {env} 2>/dev/null"
+        f"rlfleet_v=$({head_bytes(65536, env)}"
         f" | sed -n -e 's/^export //' -e 's/^{ROOT_KEY}=/=/p' | tail -n 1)"
     )
     return [
@@ -211,11 +212,12 @@ def read_lines(run: Attempt) -> list[str]:
     `$rlfleet_cg` to the cgroup its `cgroup` file names, if that is a cgroup of this
     attempt's name on a cgroup2 mount (the file is the job's to write); else empty."""
     name = cgroup_name(run)
+    read_file = head_bytes(4096, f'"$d/{CGROUP_FILE}"')
     return [
         *functions_lines(),
         "rlfleet_cg=",
         f'if [ -f "$d/{CGROUP_FILE}" ]; then',
-        f'  rlfleet_cg=$(head -c 4096 "$d/{CGROUP_FILE}" 2>/dev/null | head -n 1)',
+        f"  rlfleet_cg=$({read_file} | head -n 1)",
         f'  case "${{rlfleet_cg%-*}}" in */{name}) ;; *) rlfleet_cg= ;; esac',
         '  case "${rlfleet_cg##*-}" in ""|*[!0-9]*) rlfleet_cg= ;; esac',
         '  rlfleet_cg_ok "$rlfleet_cg" || rlfleet_cg=',

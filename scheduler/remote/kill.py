@@ -17,6 +17,8 @@ from scheduler.remote.layout import DIR_MARK, PRIVATE_TREE, Attempt
 from scheduler.remote.output import (
     EXIT_CODE_BYTES,
     EXITED_MARK,
+    NONBLOCK_LINES,
+    head_bytes,
     output_lines,
     read_pid_lines,
 )
@@ -132,6 +134,7 @@ def kill_script(
     """
     ju = job_user
     term, alive0, kill9 = (jobuser.group_signal(s, '"$pid"', ju) for s in ("TERM", "0", "KILL"))
+    read_code = head_bytes(EXIT_CODE_BYTES, '"$d/exit_code"')
     polls = max(1, int(grace_s / 0.1))
     pid_polls = max(1, int(pid_wait_s / 0.05))
     missing = [f'  echo "{KILL_MARK} missing"; exit 0'] if launched else []
@@ -154,6 +157,9 @@ def kill_script(
             "    sleep 0.05",
             "  done",
             "fi",
+            # The job's files (pid, cgroup) read non-blocking where the VM's dd can, as
+            # the poll reads them (a FIFO swapped in holds no kill).
+            *NONBLOCK_LINES,
             *read_pid_lines(),
             *cgroup.read_lines(run),
             # The attempt ended (its wrapper is gone): its pid may be someone else's by now.
@@ -162,7 +168,7 @@ def kill_script(
             *marked_kill_lines(run, "KILL", "  ", job_user=ju),
             "  rlfleet_cg_kill",
             f'  echo "{KILL_MARK} gone";'
-            f' echo "{EXITED_MARK} $(head -c {EXIT_CODE_BYTES} "$d/exit_code" | tr -d "\\n")";'
+            f' echo "{EXITED_MARK} $({read_code} | tr -d "\\n")";'
             f' echo "{DIR_MARK} $(cd "$d" && pwd)"; exit 0',
             "fi",
             f'if [ -n "$pid" ] && {term}; then g=1; else g=; fi',

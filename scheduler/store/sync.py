@@ -374,11 +374,6 @@ def manifest_steps(backend: Backend) -> list[int]:
     return sorted(int(m.group(1)) for k in listed if (m := _MANIFEST.match(k)))
 
 
-def has_final(backend: Backend) -> bool:
-    """Whether the job's final outputs are complete in the store (its marker is there)."""
-    return read_manifest(backend, FINAL_MARKER) is not None
-
-
 def upload_final(
     backend: Backend,
     output_dir: Path,
