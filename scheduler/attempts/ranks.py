@@ -13,8 +13,12 @@ from scheduler.models import Job, JobNode
 
 async def job_shape(session: AsyncSession, job_id: int) -> JobShape | None:
     """The shape of job `job_id` (None: no such job)."""
-    row = (await session.execute(select(Job.nodes, Job.roles).where(Job.id == job_id))).first()
-    return None if row is None else JobShape.of(row.nodes, row.roles)
+    row = (
+        await session.execute(
+            select(Job.nodes, Job.gpus_requested, Job.roles).where(Job.id == job_id)
+        )
+    ).first()
+    return None if row is None else JobShape.of_row(row)
 
 
 async def exit_codes(session: AsyncSession, job_id: int, attempt: int) -> dict[int, int | None]:

@@ -30,8 +30,9 @@ def spread_group() -> dict[str, object]:
 
 
 def test_a_job_that_is_not_a_group_counts_every_rank() -> None:
-    assert JobShape.of(1, None) == JobShape(1, frozenset({0}))
-    assert JobShape.of(3, None) == JobShape(3, frozenset({0, 1, 2}))
+    assert JobShape.of(1, None) == JobShape.training(1, 1)
+    assert JobShape.of(3, None).primary_ranks == frozenset({0, 1, 2})
+    assert JobShape.of(3, None, 2).demands == (2, 2, 2)
 
 
 def test_a_group_over_two_vms_counts_the_vm_of_its_primary_role_only() -> None:
@@ -78,5 +79,7 @@ def test_a_nodes_count_out_of_range_is_bounded_as_a_claim_bounds_it() -> None:
     from scheduler.validate import MAX_NODES
 
     assert JobShape.of(2**31 - 1, None).nodes == MAX_NODES
-    assert JobShape.of(0, None) == JobShape(1, frozenset({0}))
-    assert JobShape.of("3", None) == JobShape(1, frozenset({0}))  # type: ignore[arg-type]
+    assert JobShape.of(0, None).ranks == JobShape.training(1, 1).ranks
+    assert JobShape.of(0, None).problem == "nodes must be between 1 and 64, not 0"
+    assert JobShape.of("3", None).ranks == JobShape.training(1, 1).ranks
+    assert JobShape.of(1, None, 10**9).problem is not None
