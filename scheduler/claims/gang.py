@@ -11,6 +11,7 @@ from typing import Any
 from sqlalchemy import delete, func, insert, literal_column, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
+from scheduler.attempts.shape import JobShape
 from scheduler.claims.result import Claim, NoClaim, NodeClaim, job_env_pairs
 from scheduler.db import installation_id
 from scheduler.gpus import FREE_BY_VM_SQL, LOCK_FREE_ON_VM_SQL, VM_SIZES_SQL
@@ -157,6 +158,7 @@ async def claim_gang(
         store=row.store,
         nodes=ranks,
         roles=row.roles,
+        shape=JobShape.of_row(row),
     )
 
 

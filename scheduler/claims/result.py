@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler.attempts.shape import JobShape
 from scheduler.remote.layout import Attempt
 
 
@@ -55,6 +56,9 @@ class Claim:
     workdir: str | None = None
     """The digest of the job's workdir (`jobs.workdir_digest`, checked by
     `job_row_problem`); None for a job without one."""
+    shape: JobShape | None = None
+    """The job's shape (`attempts.shape`), read once from its row by the claim: what the
+    launch runs where."""
 
 
 @dataclass(frozen=True)

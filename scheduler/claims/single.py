@@ -14,6 +14,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from scheduler import jobstore
+from scheduler.attempts.shape import JobShape
 from scheduler.claims.result import Claim, NoClaim, job_env_pairs
 from scheduler.gpus import FREE_BY_VM_SQL, FREE_GPU, LEFTOVER_GPUS, USABLE_VM
 from scheduler.jobs import move_event_sql, move_set_sql, transition
@@ -180,6 +181,7 @@ async def claim_one(
             workdir=row.workdir_digest,
             store=row.store,
             roles=row.roles,
+            shape=JobShape.of_row(row),
         )
     if result.largest_free >= need:
         # Free GPUs exist but other claimers hold them: not a reason to wait.
