@@ -50,7 +50,7 @@ test-fast: venv sshd
 	$(PY) -m pytest -m "not slow" -q
 
 lint: venv
-	$(VENV)/bin/ruff check scheduler training rewards tests bench
+	$(VENV)/bin/ruff check scheduler training rewards trlspec tests bench
 	$(VENV)/bin/mypy
 
 demo: venv
@@ -62,7 +62,7 @@ bench: venv
 # The installed TRL's fields, as train_grpo.py's --help reads them (tests/training/
 # test_trl_args.py fails when the shipped copy no longer matches the installed TRL).
 trl-schema: venv
-	$(PY) -m training.trl_schema --write
+	$(PY) -m trlspec.schema --write
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

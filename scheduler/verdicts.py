@@ -17,7 +17,7 @@ from scheduler.remote.store import FINAL_REFUSED_EXIT, STORE_ERROR_EXIT
 from scheduler.remote.watchdog import FENCED_FILE, is_fence_note
 from scheduler.retry import VM_FAULT_EXITS
 from scheduler.states import FailureReason, JobStatus
-from training.errors import EXIT_TRANSIENT, EXIT_USAGE
+from trlspec.exits import EXIT_TRANSIENT, EXIT_USAGE
 
 _OOM = re.compile(r"CUDA out of memory|OutOfMemoryError", re.IGNORECASE)
 _SIGNAL = re.compile(r"\b(SIG(KILL|TERM|INT|HUP|SEGV|ABRT|BUS)|Killed|Terminated)\b")

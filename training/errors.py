@@ -1,19 +1,25 @@
-"""Exit codes of train_grpo.py and the classification of failures into them.
-
-The scheduler reads the exit code to decide whether a failed attempt is worth retrying.
+"""The classification of train_grpo.py's failures into its exit codes (`trlspec.exits`,
+which the scheduler reads to decide whether a failed attempt is worth retrying).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 
-EXIT_OK = 0
-EXIT_USAGE = 64  # EX_USAGE: bad arguments or input, a broken reward function; never retried.
-EXIT_TRANSIENT = 75  # EX_TEMPFAIL: out of GPU memory, a hub download timed out; retried.
-# Stopped by SIGTERM after saving a checkpoint: the shell's code for a TERM kill, so whoever
-# sent it still sees the process killed by it.
-EXIT_TERMINATED = 128 + signal.SIGTERM
+from trlspec.exits import EXIT_OK, EXIT_TERMINATED, EXIT_TRANSIENT, EXIT_USAGE
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_TERMINATED",
+    "EXIT_TRANSIENT",
+    "EXIT_USAGE",
+    "TransientError",
+    "UsageError",
+    "exit_code_for",
+    "is_network_timeout",
+    "is_out_of_memory",
+    "one_line",
+]
 
 # Exception class names (anywhere in the cause chain) that mean the network let us down,
 # from requests, urllib3, httpx and huggingface_hub; matched by name to avoid importing them.

@@ -25,9 +25,7 @@ from training.errors import (
     is_out_of_memory,
     one_line,
 )
-
-DEFAULT_MAX_UNSCORED_STEPS = 3
-"""Consecutive steps in which no completion got a score before training stops with exit 64."""
+from trlspec.flags import DEFAULT_MAX_UNSCORED_STEPS
 
 
 def callable_name(func: Any) -> str:

@@ -31,7 +31,7 @@ def recipe_train(
     model, dataset and reward functions it names, the train_grpo.py arguments of the rest,
     and a note for each key the scheduler owns (`output_dir`, `resume_from_checkpoint`),
     which are left out. A bad key or value is `BadInput` naming it."""
-    from training.args import RecipeError, recipe_argv, recipe_values
+    from trlspec.recipe import RecipeError, recipe_argv, recipe_values
 
     if "env" in data:
         raise BadInput(f"{where}.env: give the job's variables with --env or a role's env:")

@@ -18,7 +18,7 @@ import yaml
 
 from tests.training.helpers import REPO, _env, train_grpo
 from training.args import ALIASES, OWN_FIELDS, parse_args
-from training.trl_schema import SHIPPED, fields_by_name, live_schema
+from trlspec.schema import SHIPPED, fields_by_name, live_schema
 
 BASE = ["--model", "m", "--dataset", "d.jsonl", "--reward_function", "a"]
 
@@ -70,7 +70,7 @@ def _cases(cls: type) -> list[tuple[str, str]]:
 @pytest.mark.slow  # imports trl (seconds)
 def test_the_shipped_schema_is_the_installed_trls():
     # The flags come from TRL's dataclasses; the shipped copy (read by --help) must be what
-    # they give now. On failure: python -m training.trl_schema --write
+    # they give now. On failure: python -m trlspec.schema --write
     shipped = json.loads(SHIPPED.read_text())
     assert shipped == json.loads(json.dumps(live_schema())), "run make trl-schema"
 

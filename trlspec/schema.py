@@ -5,13 +5,14 @@ the `trl grpo` script's own arguments becomes a flag under its own name, with TR
 text and type. The fields are read from TRL's dataclasses (`live_schema`), not listed here.
 
 Importing trl imports transformers and torch (seconds), too slow for `--help` and for
-refusing a bad flag; so the fields are also kept, as generated, in `data/trl_schema.json`,
-stamped with the trl and transformers versions they came from. `load_schema` uses that
-file when the installed versions match it (the usual case: a version check, no import),
-else a copy cached for the installed versions under ~/.cache/rlfleet, else it introspects
-the installed TRL and caches the result. `python -m training.trl_schema --write` (or
-`make trl-schema`) regenerates the shipped file; tests/training/test_trl_schema.py fails
-when it no longer matches the installed TRL.
+refusing a bad flag; so the fields are also kept, as generated, in `trl_schema.json` beside
+this module, stamped with the trl and transformers versions they came from. `load_schema`
+uses that file when the installed versions match it (the usual case: a version check, no
+import), else a copy cached for the installed versions under ~/.cache/rlfleet, else it
+introspects the installed TRL and caches the result. `python -m trlspec.schema --write`
+(or `make trl-schema`) regenerates the shipped file; tests/training/test_trl_args.py fails
+when it no longer matches the installed TRL. The scheduler reads the same file to check a
+recipe at submit time: where TRL is not installed, the shipped fields are used as they are.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-SHIPPED = Path(__file__).resolve().parent / "data" / "trl_schema.json"
+SHIPPED = Path(__file__).resolve().parent / "trl_schema.json"
 FORMAT = 1
 
 GROUPS = (
@@ -206,14 +207,14 @@ def fields_by_name(schema: Schema | None = None) -> dict[str, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m training.trl_schema [--write]`: print (or write) the installed TRL's schema."""
+    """`python -m trlspec.schema [--write]`: print (or write) the installed TRL's schema."""
     argv = sys.argv[1:] if argv is None else argv
     text = json.dumps(live_schema(), indent=1, sort_keys=True) + "\n"
     if argv == ["--write"]:
         SHIPPED.write_text(text)
         print(f"wrote {SHIPPED}")
     elif argv:
-        print("usage: python -m training.trl_schema [--write]", file=sys.stderr)
+        print("usage: python -m trlspec.schema [--write]", file=sys.stderr)
         return 64
     else:
         sys.stdout.write(text)
