@@ -136,11 +136,8 @@ VM_SIZES_SQL = text("SELECT count(*) FROM gpus GROUP BY vm_id")
 
 # -- audits (tests, benchmarks, operators): each counts what must always be 0 ------------
 
-_WHOLE = """CASE WHEN jsonb_typeof(j.roles) = 'object' THEN j.gpus_requested
-                 ELSE j.nodes * j.gpus_requested END"""
-"""Every GPU a job holds when claimed: `nodes` × `gpus_requested` for a training job; for a
-job group, whose VMs may need different counts, `gpus_requested` is already all of them.
-(`jsonb_typeof`: a row with no roles may hold SQL NULL or JSON null.)"""
+_WHOLE = "j.gpus_requested"
+"""Every GPU a job holds when claimed, all its VMs together, whatever its kind."""
 
 PARTIAL_CLAIMS_SQL = text(
     f"""

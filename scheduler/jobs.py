@@ -423,6 +423,7 @@ def job_to_dict(job: Job, *, events: bool = False, ranks: bool = False) -> dict[
         [key for key in job.env if isinstance(key, str)] if isinstance(job.env, dict) else []
     )
     row["vm"] = job.vm.name if job.vm is not None else None
+    row["gpus_per_node"] = job.roles  # read into each rank's GPUs by `job_dict`
     roles = job.roles
     row["group"] = isinstance(roles, dict) or (
         isinstance(roles, UnreadableJson) and roles.kind == "object"

@@ -161,7 +161,9 @@ class JobShape:
             problem = f"nodes must be between 1 and {MAX_NODES}, not {nodes!r}"
             nodes = min(max(nodes, 1), MAX_NODES) if type(nodes) is int else 1
         if type(gpus) is not int or not 1 <= gpus <= MAX_JOB_GPUS:
-            problem = problem or f"gpus_requested must be between 1 and {MAX_JOB_GPUS}, not {gpus!r}"
+            problem = (
+                problem or f"gpus_requested must be between 1 and {MAX_JOB_GPUS}, not {gpus!r}"
+            )
             gpus = min(max(gpus, 1), MAX_JOB_GPUS) if type(gpus) is int else 1
         if roles is None:
             return _training_of_row(nodes, gpus, problem)

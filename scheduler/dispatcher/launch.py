@@ -6,11 +6,11 @@ and a group over several VMs is data built per node before the loop (`NodeLaunch
 module of the job's kind (`attempts.kinds`, picked from the claim's shape): the rank's
 rendezvous place (`RankRendezvous`, a multi-node training job), the supervisor's
 `group.json` for the roles that run there (`GroupLaunch`, a group), and the group's token;
-this module never branches on the kind. The loop then starts every node with the same function (`launch_node`),
-concurrently, over SSH with no transaction open, and `settle` records each rank's pid and
-directory when the claim has rows for them (`job_nodes`). Any node that does not start
-fails the whole attempt: its caller abandons it, and every rank becomes a leftover to
-kill.
+this module never branches on the kind. The loop then starts every node with the same
+function (`launch_node`), concurrently, over SSH with no transaction open, and `settle`
+records each rank's pid and directory when the claim has rows for them (`job_nodes`). Any
+node that does not start fails the whole attempt: its caller abandons it, and every rank
+becomes a leftover to kill.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import base64
 import hashlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from sqlalchemy import select
 
