@@ -73,9 +73,8 @@ def job_row_problem(row: Any) -> str | None:
             parse_store_url(store)
         except ValueError as exc:
             return f"store: {exc}"
-    roles = getattr(row, "roles", None)
-    problem = roles_problem(roles, gpus, getattr(row, "nodes", 1))
-    if problem is not None or roles is not None:
+    problem = roles_problem(getattr(row, "roles", None), gpus, getattr(row, "nodes", 1))
+    if problem is not None:
         return problem
     extra = row.extra_args
     if isinstance(extra, UnreadableJson):

@@ -159,7 +159,10 @@ async def test_gpus_are_every_gpu_of_an_attempt_and_each_ranks_on_both_paths(
     from scheduler.jobstore import gpus_text
 
     spread = GroupSpec(
-        roles=(Role("t", 2, command=("x",), primary=True), Role("s", 1, command=("y",), own_vm=True))
+        roles=(
+            Role("t", 2, command=("x",), primary=True),
+            Role("s", 1, command=("y",), own_vm=True),
+        )
     ).to_data()
     async with db.transaction() as session:
         gang = await insert_job(session, JobSpec("m", "d", ("r",), gpus=4, nodes=2), actor="t")

@@ -6,6 +6,8 @@ shape (`claim.shape`, `JobShape.of_row(row)`, `JobShape.of_spec(spec)`), never
 from __future__ import annotations
 
 import ast
+import inspect
+import re
 from pathlib import Path
 
 import scheduler
@@ -103,3 +105,42 @@ def test_the_shape_of_a_spec_about_to_be_submitted() -> None:
     ).to_data()
     shape = JobShape.of_spec(JobSpec("m", "d", ("r",), gpus=5, nodes=2, roles=roles))
     assert shape.group and shape.demands == (3, 2)
+
+
+# -- a new kind of job is one module --------------------------------------------------------
+
+KIND_BRANCH = re.compile(
+    r"roles is (not )?None|\bnodes (==|!=|>|<=|<) 1\b|\bgroup is (not )?None|"
+    r"\bif [^:]*\.group\b(?!\()|shape\.group\b|\.multi_node\b|JobKind\."
+)
+"""What deciding by the kind of job looks like in code (a regex's `.group(...)` aside)."""
+
+
+def kind_branches(source: str) -> list[str]:
+    """The lines of `source` that branch on the kind of job."""
+    return [line.strip() for line in source.splitlines() if KIND_BRANCH.search(line)]
+
+
+def test_every_kind_of_job_has_one_planning_module() -> None:
+    """Given every `JobKind`, the launch finds the module that plans it, with the same
+    function each (`Kind.plan`), from the shape alone."""
+    from scheduler.attempts.kinds import KINDS, group, kind_of, training
+    from scheduler.attempts.shape import JobKind, JobShape
+
+    assert set(KINDS) == set(JobKind)
+    assert all(inspect.iscoroutinefunction(module.plan) for module in KINDS.values())
+    params = {tuple(inspect.signature(m.plan).parameters) for m in KINDS.values()}
+    assert len(params) == 1
+    assert kind_of(JobShape.training(2, 3)) is training
+    spread = {"roles": {"t": {"command": ["x"], "gpus": 1, "nodes": 2, "primary": True}}}
+    assert kind_of(JobShape.of(2, spread, 2)) is group
+
+
+def test_the_launch_never_branches_on_the_kind_of_job() -> None:
+    """`dispatcher/launch.py` starts every kind through the same loop: what differs is
+    planned by the kind's module, so the launcher has no line that asks what kind a job
+    is (it did: `if claim.roles is None:` before a training job's plan)."""
+    source = (ROOT / "dispatcher" / "launch.py").read_text(encoding="utf-8")
+    assert kind_branches(source) == []
+    assert kind_branches("        if claim.roles is None:\n") != []  # the check can fail
+    assert kind_branches("    found.group(1)\n") == []
