@@ -17,17 +17,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from scheduler.errors import BadInput
 from scheduler.validate import MAX_GPUS, MAX_JOB_GPUS, MAX_NODES, UnreadableJson, last_words
 
 if TYPE_CHECKING:
     from scheduler.jobspec import GroupSpec
-    from scheduler.jobstore import JobSpec
 
 TRAIN_ROLE = "train"
 """The one role of a training job (a job without `roles`)."""
+
+
+class SpecLike(Protocol):
+    """A job about to be submitted (`jobstore.JobSpec`, which imports this module)."""
+
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def nodes(self) -> int: ...
+    @property
+    def roles(self) -> dict[str, Any] | None: ...
 
 
 class JobKind(StrEnum):
@@ -139,7 +149,7 @@ class JobShape:
         return cls.of(row.nodes, row.roles, getattr(row, "gpus_requested", 1))
 
     @classmethod
-    def of_spec(cls, spec: JobSpec) -> JobShape:
+    def of_spec(cls, spec: SpecLike) -> JobShape:
         """The shape of a job about to be submitted (`jobstore.JobSpec`: `gpus` on each of
         its `nodes` for a training job, the stored `roles` for a group); `BadInput` for
         roles that do not read."""
