@@ -1,6 +1,9 @@
 """A job's shape: what one attempt of it is made of, read once from the job row's `nodes`,
 `gpus_requested` and `roles` (or from a spec about to become one), and carried from there
-on the claim and on the live job. Nothing else reads `roles` to learn where a job runs.
+on the claim and on the live job. Nothing else reads `roles` to learn where a job runs,
+nor divides `gpus_requested` (every GPU of an attempt, for every kind of job: a training
+job has it shared evenly by its VMs) to learn each VM's GPUs
+(`tests/unit/test_shape_home.py`).
 
 An attempt has one rank per VM (`RankShape`): its GPUs, the roles it runs (a training job's
 one `train` role, or a group's roles of its layout node, `GroupSpec.layout`) and whether it
@@ -197,7 +200,7 @@ def _group_of_row(nodes: int, roles: Any, gpus: int, problem: str | None) -> Job
     its `nodes` or `gpus_requested`, has every rank primary and says why."""
     from scheduler.jobspec import parse_data
 
-    fallback = JobShape.training(max(1, gpus // nodes), nodes)
+    fallback = JobShape.training(min(MAX_GPUS, max(1, gpus // nodes)), nodes)
     if isinstance(roles, UnreadableJson):  # too deep or too long to decode
         return JobShape(JobKind.GROUP, fallback.ranks, problem=f"roles: {roles.problem}")
     try:
