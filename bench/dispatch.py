@@ -139,7 +139,7 @@ async def prepare(
                 text(
                     "INSERT INTO jobs (model, dataset, reward_function, gpus_requested, "
                     "nodes, status, queued_at) SELECT 'Qwen/Qwen2.5-0.5B-Instruct', "
-                    "'openai/gsm8k', 'correctness', g, k, 'queued', now() "
+                    "'openai/gsm8k', 'correctness', g * k, k, 'queued', now() "
                     "FROM unnest(CAST(:k AS int[]), CAST(:g AS int[])) AS s(k, g) RETURNING id"
                 ),
                 {"k": [k for k, _g in shapes], "g": [g for _k, g in shapes]},

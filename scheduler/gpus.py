@@ -136,11 +136,8 @@ VM_SIZES_SQL = text("SELECT count(*) FROM gpus GROUP BY vm_id")
 
 # -- audits (tests, benchmarks, operators): each counts what must always be 0 ------------
 
-_WHOLE = """CASE WHEN jsonb_typeof(j.roles) = 'object' THEN j.gpus_requested
-                 ELSE j.nodes * j.gpus_requested END"""
-"""Every GPU a job holds when claimed: `nodes` × `gpus_requested` for a training job; for a
-job group, whose VMs may need different counts, `gpus_requested` is already all of them.
-(`jsonb_typeof`: a row with no roles may hold SQL NULL or JSON null.)"""
+_WHOLE = "j.gpus_requested"
+"""Every GPU a job holds when claimed, all its VMs together, whatever its kind."""
 
 PARTIAL_CLAIMS_SQL = text(
     f"""
@@ -148,17 +145,17 @@ SELECT count(*) FROM jobs j WHERE
   (SELECT count(*) FROM gpus g WHERE g.job_id = j.id) NOT IN (0, {_WHOLE})
   OR (j.status IN ('starting', 'running')
       AND (SELECT count(*) FROM gpus g WHERE g.job_id = j.id) <> {_WHOLE})
-  OR (j.nodes > 1 AND (SELECT count(DISTINCT g.vm_id) FROM gpus g WHERE g.job_id = j.id)
-      NOT IN (0, j.nodes))
-  OR (j.nodes > 1 AND j.status IN ('starting', 'running') AND EXISTS (
+  OR ((SELECT count(DISTINCT g.vm_id) FROM gpus g WHERE g.job_id = j.id) NOT IN (0, j.nodes))
+  OR (j.status IN ('starting', 'running') AND EXISTS (
       SELECT 1 FROM job_nodes n WHERE n.job_id = j.id AND n.attempt = j.attempt
         AND cardinality(n.gpu_indices) <> (SELECT count(*) FROM gpus g
                                            WHERE g.job_id = j.id AND g.vm_id = n.vm_id)))
 """
 )
 """Jobs holding some but not all of their GPUs, live jobs holding fewer than they asked
-for, a gang with two ranks on one VM, or a live gang whose rank holds other than its own
-GPUs on its VM (docs/invariants.md, invariant 1)."""
+for, a job on other than one VM per rank (a gang with two ranks on one VM), or a live job
+whose rank holds other than its own GPUs on its VM (docs/invariants.md, invariant 1):
+the same audit for every kind of job, each rank's GPUs being its `job_nodes` row's."""
 
 _LIVE_HELD = """
 SELECT j.id AS job_id, j.vm_id, i FROM jobs j, unnest(j.gpu_indices) i

@@ -6,7 +6,6 @@ a time for the dashboard (`read_log_chunk`). Each read is load (short transactio
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -138,23 +137,26 @@ async def _log_name(
     group spans several VMs."""
     if role is None:
         return "train.log", None
-    from scheduler.jobspec import GroupSpec, parse_data
+    from scheduler.attempts.shape import JobShape
 
     async with db.transaction() as session:
-        roles = await session.scalar(select(Job.roles).where(Job.id == job_id))
-    group: GroupSpec | None = None
-    with contextlib.suppress(BadInput):  # a row that does not read back has no roles
-        group = parse_data(roles) if roles is not None else None
-    names = [r.name for r in group.roles] if group is not None else []
-    if group is None or role not in names:
+        row = (
+            await session.execute(
+                select(Job.nodes, Job.gpus_requested, Job.roles).where(Job.id == job_id)
+            )
+        ).first()
+    shape = JobShape.of_row(row) if row is not None else JobShape.training(1)
+    # A row whose roles do not read back has no roles.
+    names = list(shape.role_names) if shape.spec is not None else []
+    if role not in names:
         known = ", ".join(names) if names else "none: it is not a job group"
         raise BadInput(f"job {job_id} has no role {role} (roles: {known})")
-    nodes = group.nodes_of()[role]
+    nodes = shape.ranks_of(role)
     if not 0 <= rank < len(nodes):
         raise BadInput(
             f"job {job_id}: role {role} runs on {len(nodes)} node(s); --node 0..{len(nodes) - 1}"
         )
-    return role_log(role), nodes[rank] if len(group.layout()) > 1 else None
+    return role_log(role), nodes[rank] if shape.multi_node else None
 
 
 @dataclass(frozen=True)

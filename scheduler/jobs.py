@@ -359,23 +359,20 @@ def roles_to_dicts(job: Job) -> list[dict[str, Any]]:
     (`control.job_details` puts in each role's own pid, state, exit code and restarts,
     read from the VM). `job.ports` and `job.ranks`
     must be loaded."""
-    from scheduler.errors import BadInput
-    from scheduler.jobspec import parse_data
+    from scheduler.attempts.shape import JobShape
     from scheduler.remote.restarts import recorded_restarts
 
-    if job.roles is None:
-        return []
-    try:
-        group = parse_data(job.roles)
-    except BadInput:
+    shape = JobShape.of_row(job)
+    group = shape.spec
+    if group is None:  # a job of one training role, or roles that do not read back
         return []
     claimed = job.attempt > 0 and job.vm_id is not None and job.gpu_indices is not None
     ports = {(p.role, p.name): p.port for p in job.ports if p.attempt == job.attempt}
     # A group over several VMs: each rank of a role on its node's VM, sliced from that
     # node's GPUs.
     nodes: list[Any] = [r for r in job.ranks if r.attempt == job.attempt] or [job]
-    nodes_of = {r.name: (0,) * r.nodes for r in group.roles}
-    nodes_of = group.nodes_of() if len(nodes) == len(group.layout()) else nodes_of
+    spread = len(nodes) == shape.nodes
+    nodes_of = {r.name: shape.ranks_of(r.name) if spread else (0,) * r.nodes for r in group.roles}
     starts = [0] * len(nodes)
     out = []
     for role in group.roles:
@@ -426,6 +423,7 @@ def job_to_dict(job: Job, *, events: bool = False, ranks: bool = False) -> dict[
         [key for key in job.env if isinstance(key, str)] if isinstance(job.env, dict) else []
     )
     row["vm"] = job.vm.name if job.vm is not None else None
+    row["gpus_per_node"] = job.roles  # read into each rank's GPUs by `job_dict`
     roles = job.roles
     row["group"] = isinstance(roles, dict) or (
         isinstance(roles, UnreadableJson) and roles.kind == "object"

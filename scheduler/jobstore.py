@@ -78,9 +78,11 @@ class JobSpec:
     dataset: str
     reward_functions: tuple[str, ...]
     gpus: int = 1
-    """GPUs on each node."""
+    """GPUs on each node (`--gpus`) of a training job; a group's every GPU, its roles'
+    together (`cli.jobfile.group_job_spec`). Stored as every GPU of an attempt
+    (`gpus_total`)."""
     nodes: int = 1
-    """VMs the job spans (`--nodes`), `gpus` on each."""
+    """VMs the job spans (`--nodes`), `gpus` on each for a training job."""
     max_retries: int = 3
     priority: int = 0
     name: str | None = None
@@ -101,6 +103,12 @@ class JobSpec:
     """`--startup-timeout`: a running attempt with no first step this long is stuck; 0: never."""
     store: str | None = None
     """The job's store URL (`scheduler.store.parse_store_url`); None: no store."""
+
+    @property
+    def gpus_total(self) -> int:
+        """Every GPU an attempt of the job holds, all its VMs together
+        (`jobs.gpus_requested`)."""
+        return self.gpus * self.nodes if self.roles is None else self.gpus
 
     def validate(self) -> None:
         """Raise `BadInput` for a job that could never run or that the schema cannot hold
@@ -210,7 +218,7 @@ def insert_params(spec: JobSpec, actor: str) -> dict[str, Any]:
         "model": spec.model,
         "dataset": spec.dataset,
         "reward_function": ",".join(spec.reward_functions),
-        "gpus": spec.gpus,
+        "gpus": spec.gpus_total,
         "nodes": spec.nodes,
         "max_retries": spec.max_retries,
         "priority": spec.priority,
@@ -289,6 +297,7 @@ JOB_FIELDS: tuple[tuple[str, str | None], ...] = (
     ("extra_args", "extra_args"),
     ("env_keys", None),
     ("gpus", "gpus_requested"),
+    ("gpus_per_node", None),
     ("nodes", "nodes"),
     ("group", None),
     ("priority", "priority"),
@@ -317,8 +326,10 @@ JOB_FIELDS: tuple[tuple[str, str | None], ...] = (
     ("finished_at", "finished_at"),
 )
 """A job as plain data (`--json`, the web API), in order: each key and the `jobs` column
-it shows, or None for the two that are not a column of the row: `env_keys` (the names of
-the job's variables, never their values, which may be secrets) and `vm` (its VM's name)."""
+it shows, or None for those that are not a column of the row: `env_keys` (the names of
+the job's variables, never their values, which may be secrets), `vm` (its VM's name),
+`group` (whether it is a job group) and `gpus_per_node` (each rank's GPUs, rank 0 first,
+from the job's shape; `gpus` is every GPU of an attempt)."""
 
 _COMPUTED_SQL = {
     # Only an object has keys: a row whose env is anything else (written by hand) shows
@@ -326,8 +337,9 @@ _COMPUTED_SQL = {
     "env_keys": "ARRAY(SELECT jsonb_object_keys(CASE jsonb_typeof(j.env) WHEN 'object' "
     "THEN j.env ELSE '{}' END))",
     "vm": "v.name",
-    # A job group: `gpus` is then every VM's GPUs together, not each node's.
     "group": "coalesce(jsonb_typeof(j.roles) = 'object', false)",
+    # The roles, read into each rank's GPUs by `job_dict` (through the job's shape).
+    "gpus_per_node": "j.roles",
 }
 
 
@@ -347,10 +359,31 @@ def job_dict(row: Mapping[str, Any]) -> dict[str, Any]:
     """A job as plain data from a row holding every key of `JOB_FIELDS` (`JOB_SELECT_SQL`,
     or an ORM job: `jobs.job_to_dict`)."""
     data = {key: row[key] for key, _ in JOB_FIELDS}
+    data["gpus_per_node"] = gpus_per_node(data["nodes"], data["gpus_per_node"], data["gpus"])
     data["env_keys"] = sorted(data["env_keys"] or ())
     if isinstance(data["extra_args"], UnreadableJson):  # too deep to decode: shown as null
         data["extra_args"] = None
     return data
+
+
+def gpus_per_node(nodes: Any, roles: Any, gpus: Any) -> list[int]:
+    """Each rank's GPUs, rank 0 first, of a job row with these `nodes`, `roles` and
+    `gpus_requested` (`JobShape.demands`)."""
+    from scheduler.attempts.shape import JobShape
+
+    return list(JobShape.of(nodes, roles, gpus).demands)
+
+
+def gpus_text(job: Mapping[str, Any]) -> str:
+    """A job's GPUs as a listing shows them (`job_dict`'s `gpus`, `gpus_per_node`): the
+    count on its one VM, `4×2` for the same on each of several VMs, `3+1` for a group whose
+    VMs need different counts."""
+    each = job["gpus_per_node"]
+    if len(each) <= 1:
+        return str(job["gpus"])
+    if len(set(each)) == 1:
+        return f"{each[0]}×{len(each)}"
+    return "+".join(map(str, each))
 
 
 def list_jobs_sql(*, by_status: bool, by_name: bool) -> str:

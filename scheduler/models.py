@@ -37,7 +37,7 @@ from scheduler.validate import (
     DEFAULT_HANG_TIMEOUT_S,
     DEFAULT_STARTUP_TIMEOUT_S,
     JOB_NAME_MAX,
-    MAX_GPUS,
+    MAX_JOB_GPUS,
     MAX_NODES,
     MAX_RETRIES,
     MAX_TIMEOUT_S,
@@ -257,10 +257,12 @@ class Job(Base):
     roles: Mapped[dict[str, object] | None] = mapped_column(JSONB)
     """A job group's roles (`job submit -f`, `--vllm-server-gpus`), in the spec file's
     shape without env values (`jobspec.GroupSpec.to_data`); NULL for a job of one training
-    role, which the other columns describe whole. For a group, `gpus_requested` is every
-    role's GPUs together and model/dataset/reward_function are shown only."""
+    role, which the other columns describe whole. For a group, model/dataset/reward_function
+    are shown only."""
     gpus_requested: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
-    """GPUs per node: a multi-node job has this many on each of its `nodes` VMs."""
+    """Every GPU an attempt holds, all its VMs together, for every kind of job: a training
+    job has `gpus_requested / nodes` on each VM, a group what its roles' layout says (read
+    through `attempts.shape.JobShape`, never divided anywhere else)."""
     nodes: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     """How many VMs the job spans (`job submit --nodes`); 1 is a single-node job. Every
     claimed attempt has one `job_nodes` row per VM (rank), a single-node job's one rank 0
@@ -375,7 +377,7 @@ class Job(Base):
             name="extra_args_strings",
         ),
         CheckConstraint(f"status IN ({_JOB_STATUSES})", name="status_known"),
-        CheckConstraint(f"gpus_requested <= {MAX_GPUS}", name="gpus_sane"),
+        CheckConstraint(f"gpus_requested <= {MAX_JOB_GPUS}", name="gpus_sane"),
         CheckConstraint(f"nodes BETWEEN 1 AND {MAX_NODES}", name="nodes_range"),
         CheckConstraint(
             f"max_retries <= {MAX_RETRIES} AND retry_count >= 0 AND attempt >= 0",

@@ -1,26 +1,25 @@
 """What a stored job row must be before the scheduler launches it: every value read from
 `jobs` (possibly written by hand, or by an older rlfleet) is checked here, and a row that
 fails fails its own job once with the reason (docs/security.md). Apart from `validate`
-(the limits and value checks, a leaf of the import graph) because it reads a group's
-roles back through `jobspec`, which itself relies on `validate`."""
+(the limits and value checks, a leaf of the import graph) because it reads the job's shape
+(`attempts.shape`: its roles, and how its GPUs fall on its VMs), which itself relies on
+`validate`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from scheduler.errors import BadInput
-from scheduler.jobspec import parse_data
+from scheduler.attempts.shape import JobShape
 from scheduler.validate import (
     DIGEST_RE,
     INT4,
-    MAX_GPUS,
+    MAX_JOB_GPUS,
     MAX_NODES,
     MAX_RETRIES,
     UnreadableJson,
     env_problem,
     extra_args_problem,
     json_kind,
-    last_words,
     utf8_problem,
 )
 
@@ -39,13 +38,14 @@ def job_row_problem(row: Any) -> str | None:
     """Why a job row (from `jobs`, possibly written by hand) cannot be launched, or None.
 
     Checks what the launch relies on: `extra_args` a JSON array of strings, `env` an object
-    of strings a job may set, `roles` a group spec, a GPU count and counters in range
+    of strings a job may set, its shape (`roles` a group spec, or a training job's GPUs the
+    same on each of its VMs), a GPU count and counters in range
     (`ROW_COUNTS`: an attempt at the integer limit would overflow at the claim), non-empty
     model, dataset and reward functions. A JSON column too deep to decode reads as an
     `UnreadableJson` (`bounded_json_loads`) and is refused here."""
     gpus = row.gpus_requested
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_GPUS:
-        return f"gpus_requested must be between 1 and {MAX_GPUS}, not {gpus!r}"
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= MAX_JOB_GPUS:
+        return f"gpus_requested must be between 1 and {MAX_JOB_GPUS}, not {gpus!r}"
     for field, low, high in ROW_COUNTS:
         value = getattr(row, field, low)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -73,9 +73,9 @@ def job_row_problem(row: Any) -> str | None:
             parse_store_url(store)
         except ValueError as exc:
             return f"store: {exc}"
-    roles = getattr(row, "roles", None)
-    if roles is not None:
-        return roles_problem(roles, gpus, getattr(row, "nodes", 1))
+    problem = roles_problem(getattr(row, "roles", None), gpus, getattr(row, "nodes", 1))
+    if problem is not None:
+        return problem
     extra = row.extra_args
     if isinstance(extra, UnreadableJson):
         return f"extra_args: {extra.problem}"
@@ -86,21 +86,8 @@ def job_row_problem(row: Any) -> str | None:
 
 
 def roles_problem(roles: Any, gpus: int, nodes: Any = 1) -> str | None:
-    """Why a job row's `roles` (a job group) cannot be launched, or None: it must read
-    back as a valid spec laid out on `nodes` VMs (`GroupSpec.layout`) whose GPUs together
-    are `gpus`."""
-    if isinstance(roles, UnreadableJson):
-        return f"roles: {roles.problem}"
-    try:
-        group = parse_data(roles)
-    except BadInput as exc:
-        return f"roles: {exc}"
-    except (ValueError, TypeError, RecursionError) as exc:  # a row no file could give
-        return f"roles: cannot be read ({last_words(exc)})"
-    layout = group.layout()
-    if nodes != len(layout):
-        return f"roles run on {len(layout)} VM(s), the row asks for {nodes!r}"
-    need = group.gpus if len(layout) == 1 else sum(n.gpus for n in layout)
-    if need != gpus:
-        return f"roles need {need} GPUs, the row asks for {gpus}"
-    return None
+    """Why a job row's shape cannot be launched, or None (`JobShape.problem`): a group's
+    `roles` must read back as a valid spec laid out on `nodes` VMs (`GroupSpec.layout`)
+    whose GPUs together are `gpus`; a training job's (`roles` None) `gpus` must be the same
+    on each of its VMs."""
+    return JobShape.of(nodes, roles, gpus).problem

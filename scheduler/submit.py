@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler import bus
+from scheduler.attempts.shape import JobShape
 from scheduler.errors import BadInput
 from scheduler.jobstore import (
     LARGEST_VM_SQL,
@@ -79,14 +80,12 @@ async def check_fits(tx: SqlTx, gpus: int, nodes: int = 1) -> str | None:
 
 
 async def _check_spec_fits(tx: SqlTx, spec: JobSpec) -> str | None:
-    """`check_fits` for the job's shape: a job group over several VMs needs its largest
-    node on some VM and as many VMs as it has nodes with its smallest node's GPUs (the
-    claim places the exact per-node counts, `placement.demands_fit`)."""
-    if spec.roles is None or spec.nodes == 1:
-        return await check_fits(tx, spec.gpus, spec.nodes)
-    from scheduler.jobspec import parse_data
-
-    demands = [node.gpus for node in parse_data(spec.roles).layout()]
+    """`check_fits` for the job's shape (`JobShape.of_spec`): a job over several VMs needs
+    its largest node on some VM and as many VMs as it has nodes with its smallest node's
+    GPUs (the claim places the exact per-node counts, `placement.demands_fit`)."""
+    demands = JobShape.of_spec(spec).demands
+    if len(set(demands)) == 1:
+        return await check_fits(tx, demands[0], len(demands))
     return await check_fits(tx, max(demands)) or await check_fits(tx, min(demands), len(demands))
 
 

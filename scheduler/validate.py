@@ -22,9 +22,12 @@ from scheduler.errors import BadInput
 # command line checks its arguments and `job list`/`job submit` run without loading it.
 
 MAX_GPUS = 1024
-"""Most GPUs one job may ask for (`ck_jobs_gpus_sane`)."""
+"""Most GPUs one job may ask for on one VM (`--gpus`)."""
 MAX_NODES = 64
 """Most nodes (VMs) one job may span (`ck_jobs_nodes_range`)."""
+MAX_JOB_GPUS = MAX_GPUS * MAX_NODES
+"""Most GPUs one attempt may hold, every VM's together (`jobs.gpus_requested`,
+`ck_jobs_gpus_sane`)."""
 MAX_RETRIES = 1000
 """Most retries one job may ask for (`ck_jobs_counts_sane`)."""
 MAX_TIMEOUT_S = 7 * 86400

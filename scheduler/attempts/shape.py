@@ -1,6 +1,9 @@
 """A job's shape: what one attempt of it is made of, read once from the job row's `nodes`,
 `gpus_requested` and `roles` (or from a spec about to become one), and carried from there
-on the claim and on the live job. Nothing else reads `roles` to learn where a job runs.
+on the claim and on the live job. Nothing else reads `roles` to learn where a job runs,
+nor divides `gpus_requested` (every GPU of an attempt, for every kind of job: a training
+job has it shared evenly by its VMs) to learn each VM's GPUs
+(`tests/unit/test_shape_home.py`).
 
 An attempt has one rank per VM (`RankShape`): its GPUs, the roles it runs (a training job's
 one `train` role, or a group's roles of its layout node, `GroupSpec.layout`) and whether it
@@ -17,16 +20,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from scheduler.errors import BadInput
-from scheduler.validate import MAX_GPUS, MAX_NODES
+from scheduler.validate import MAX_GPUS, MAX_JOB_GPUS, MAX_NODES, UnreadableJson, last_words
 
 if TYPE_CHECKING:
     from scheduler.jobspec import GroupSpec
 
 TRAIN_ROLE = "train"
 """The one role of a training job (a job without `roles`)."""
+
+
+class SpecLike(Protocol):
+    """A job about to be submitted (`jobstore.JobSpec`, which imports this module)."""
+
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def nodes(self) -> int: ...
+    @property
+    def roles(self) -> dict[str, Any] | None: ...
 
 
 class JobKind(StrEnum):
@@ -138,22 +152,47 @@ class JobShape:
         return cls.of(row.nodes, row.roles, getattr(row, "gpus_requested", 1))
 
     @classmethod
+    def of_spec(cls, spec: SpecLike) -> JobShape:
+        """The shape of a job about to be submitted (`jobstore.JobSpec`: `gpus` on each of
+        its `nodes` for a training job, the stored `roles` for a group); `BadInput` for
+        roles that do not read."""
+        if spec.roles is None:
+            return cls.training(spec.gpus, spec.nodes)
+        from scheduler.jobspec import parse_data
+
+        return cls.of_group(parse_data(spec.roles))
+
+    @classmethod
     def of(cls, nodes: Any, roles: Any, gpus: Any = 1) -> JobShape:
-        """The shape of a job row with `nodes` VMs, `gpus` GPUs (`gpus_requested`: per
-        node for a training job, every role's together for a group) and the stored
-        `roles` (None: a training job). Values out of range (a row edited after its claim
-        checked it) are bounded to what a claim allows, and named in `problem`."""
+        """The shape of a job row with `nodes` VMs, `gpus` GPUs (`gpus_requested`: every GPU
+        of an attempt, all its VMs together, for every kind of job) and the stored `roles`
+        (None: a training job, `gpus / nodes` on each VM). Values out of range (a row edited
+        after its claim checked it) are bounded to what a claim allows, and named in
+        `problem`."""
         problem = None
         if type(nodes) is not int or not 1 <= nodes <= MAX_NODES:
             problem = f"nodes must be between 1 and {MAX_NODES}, not {nodes!r}"
             nodes = min(max(nodes, 1), MAX_NODES) if type(nodes) is int else 1
-        if type(gpus) is not int or not 1 <= gpus <= MAX_GPUS:
-            problem = problem or f"gpus_requested must be between 1 and {MAX_GPUS}, not {gpus!r}"
-            gpus = min(max(gpus, 1), MAX_GPUS) if type(gpus) is int else 1
+        if type(gpus) is not int or not 1 <= gpus <= MAX_JOB_GPUS:
+            problem = (
+                problem or f"gpus_requested must be between 1 and {MAX_JOB_GPUS}, not {gpus!r}"
+            )
+            gpus = min(max(gpus, 1), MAX_JOB_GPUS) if type(gpus) is int else 1
         if roles is None:
-            shape = cls.training(gpus, nodes)
-            return shape if problem is None else cls(shape.kind, shape.ranks, problem=problem)
+            return _training_of_row(nodes, gpus, problem)
         return _group_of_row(nodes, roles, gpus, problem)
+
+
+def _training_of_row(nodes: int, gpus: int, problem: str | None) -> JobShape:
+    """A training row's shape: `gpus` shared evenly by its `nodes` VMs; a total that does
+    not divide, or more than a VM may be asked for, is named in `problem`."""
+    each = max(1, gpus // nodes)
+    if gpus % nodes:
+        problem = problem or f"gpus_requested {gpus} is not the same GPUs on each of {nodes} VMs"
+    elif each > MAX_GPUS:
+        problem = problem or f"gpus_requested {gpus} is more than {MAX_GPUS} GPUs on a VM"
+    shape = JobShape.training(min(each, MAX_GPUS), nodes)
+    return shape if problem is None else JobShape(shape.kind, shape.ranks, problem=problem)
 
 
 def _group_of_row(nodes: int, roles: Any, gpus: int, problem: str | None) -> JobShape:
@@ -161,13 +200,16 @@ def _group_of_row(nodes: int, roles: Any, gpus: int, problem: str | None) -> Job
     its `nodes` or `gpus_requested`, has every rank primary and says why."""
     from scheduler.jobspec import parse_data
 
-    fallback = JobShape.training(max(1, gpus // nodes), nodes)
+    fallback = JobShape.training(min(MAX_GPUS, max(1, gpus // nodes)), nodes)
+    if isinstance(roles, UnreadableJson):  # too deep or too long to decode
+        return JobShape(JobKind.GROUP, fallback.ranks, problem=f"roles: {roles.problem}")
     try:
         spec = parse_data(roles)
     except BadInput as exc:
         return JobShape(JobKind.GROUP, fallback.ranks, problem=f"roles: {exc}")
     except (ValueError, TypeError, RecursionError) as exc:  # a row no file could give
-        return JobShape(JobKind.GROUP, fallback.ranks, problem=f"roles: cannot be read ({exc})")
+        why = f"roles: cannot be read ({last_words(exc)})"
+        return JobShape(JobKind.GROUP, fallback.ranks, problem=why)
     shape = JobShape.of_group(spec)
     if shape.nodes != nodes:
         problem = problem or f"roles run on {shape.nodes} VM(s), the row asks for {nodes!r}"

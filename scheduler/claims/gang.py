@@ -36,15 +36,9 @@ def gang_pending_reason(nodes: int, need: int, fitting: int) -> str:
 
 
 def gang_demands(row: Any) -> list[int]:
-    """The GPUs each node (rank) of a multi-node job needs, rank 0 first: `nodes` × the
-    job's `gpus_requested`; for a job group spread over several VMs, each node of its
-    layout (`GroupSpec.layout`). The row was checked first (`job_row_problem`)."""
-    roles = getattr(row, "roles", None)
-    if roles is not None:
-        from scheduler.jobspec import parse_data
-
-        return [node.gpus for node in parse_data(roles).layout()]
-    return [int(row.gpus_requested)] * int(row.nodes)
+    """The GPUs each node (rank) of a multi-node job needs, rank 0 first, from its shape
+    (`JobShape.demands`). The row was checked first (`job_row_problem`)."""
+    return list(JobShape.of_row(row).demands)
 
 
 def _demands_text(demands: Sequence[int]) -> str:

@@ -26,7 +26,7 @@ from scheduler.cli._common import (
 from scheduler.cli.job_pull import pull
 from scheduler.cli.job_view import event_reason, progress_line, restarts_cell, store_lines
 from scheduler.errors import BadInput, ServiceUnavailable
-from scheduler.jobstore import list_jobs
+from scheduler.jobstore import gpus_text, list_jobs
 from scheduler.states import JobStatus
 from scheduler.validate import (
     DEFAULT_HANG_TIMEOUT_S,
@@ -334,7 +334,7 @@ def list_(ctx: CliContext, status: str | None, limit: int, as_json: bool) -> Non
             j["id"],
             j["name"] or "",
             j["status"],
-            j["gpus"],
+            gpus_text(j),
             j["vm"] or "",
             ",".join(map(str, j["gpu_indices"] or [])),
             f"{j['retry_count']}/{j['max_retries']}",

@@ -2,14 +2,15 @@
 
 Every attempt is a list of nodes (one per VM, rank 0 first; a single-node job's claim is
 its one VM). What differs between a job of one VM, a multi-node job, a job group on one VM
-and a group over several VMs is data built per node before the loop (`NodeLaunch`): the
-rank's rendezvous place (`RankRendezvous`, a multi-node job that is not a group), the
-supervisor's `group.json` for the roles that run there (`GroupLaunch`, a group), and the
-group's token. The loop then starts every node with the same function (`launch_node`),
-concurrently, over SSH with no transaction open, and `settle` records each rank's pid and
-directory when the claim has rows for them (`job_nodes`). Any node that does not start
-fails the whole attempt: its caller abandons it, and every rank becomes a leftover to
-kill.
+and a group over several VMs is data built per node before the loop (`NodeLaunch`) by the
+module of the job's kind (`attempts.kinds`, picked from the claim's shape): the rank's
+rendezvous place (`RankRendezvous`, a multi-node training job), the supervisor's
+`group.json` for the roles that run there (`GroupLaunch`, a group), and the group's token;
+this module never branches on the kind. The loop then starts every node with the same
+function (`launch_node`), concurrently, over SSH with no transaction open, and `settle`
+records each rank's pid and directory when the claim has rows for them (`job_nodes`). Any
+node that does not start fails the whole attempt: its caller abandons it, and every rank
+becomes a leftover to kill.
 """
 
 from __future__ import annotations
@@ -19,22 +20,14 @@ import base64
 import hashlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from sqlalchemy import select
 
+from scheduler.attempts.kinds import NodeLaunch, Plan, Ports, Secret, kind_of
+from scheduler.attempts.shape import JobShape
 from scheduler.claims.records import PortCollision, record_group_ports, record_ranks
 from scheduler.claims.result import Claim, NodeClaim
 from scheduler.db import Database, is_unavailable
-from scheduler.groups import (
-    TOKEN_ENV,
-    GroupPlace,
-    GroupSpec,
-    group_launch,
-    group_token,
-    node_port_needs,
-)
-from scheduler.jobspec import parse_data
 from scheduler.logging import get_logger
 from scheduler.models import Workdir
 from scheduler.remote.jobuser import JobUserProblem, checked_job_user
@@ -46,8 +39,6 @@ from scheduler.remote.launch import (
     parse_launch,
 )
 from scheduler.remote.rendezvous import (
-    GroupLaunch,
-    RankRendezvous,
     free_port_script,
     free_ports_script,
     parse_free_port,
@@ -68,23 +59,7 @@ PORT_TRIES = 5
 """Port probes a group launch makes before it fails: each collision is another attempt's
 port chosen on the same VM between our probe and our record."""
 
-Ports = dict[tuple[str, str], int]
-Secret = tuple[tuple[str, str], ...]
-
-
-@dataclass(frozen=True)
-class NodeLaunch:
-    """One node of an attempt as it is started: what differs from node to node."""
-
-    rank: int
-    target: VMTarget
-    gpu_indices: Sequence[int]
-    gpu_uuids: Sequence[str]
-    rendezvous: RankRendezvous | None = None
-    """This rank's place in a multi-node job's rendezvous; None for a job of one VM or a
-    group (whose supervisor gets the places of its roles' ranks)."""
-    group: GroupLaunch | None = None
-    """The supervisor's config for the roles that run here; None for a job not a group."""
+__all__ = ["Launcher", "NodeLaunch", "Secret", "Targets", "claimed_nodes"]
 
 
 def claimed_nodes(claim: Claim) -> tuple[NodeClaim, ...]:
@@ -93,6 +68,11 @@ def claimed_nodes(claim: Claim) -> tuple[NodeClaim, ...]:
     if claim.nodes:
         return claim.nodes
     return (NodeClaim(0, claim.vm_id, tuple(claim.gpu_indices), tuple(claim.gpu_uuids)),)
+
+
+def claim_gpus(nodes: Sequence[NodeClaim]) -> int:
+    """Every GPU the claimed nodes hold."""
+    return sum(len(node.gpu_indices) for node in nodes)
 
 
 def last_line(text: str) -> str:
@@ -174,69 +154,21 @@ class Launcher:
         )
         return await self.settle(claim, nodes, list(outcomes))
 
-    async def plan(self, claim: Claim, target: VMTarget) -> tuple[list[NodeLaunch], Secret] | str:
-        """Each node's launch, built from the job's shape (its nodes and roles), with the
-        ports it needs chosen on its VM; or why the attempt cannot start."""
+    async def plan(self, claim: Claim, target: VMTarget) -> Plan:
+        """Each node's launch, built by the module of the job's kind from its shape
+        (`attempts.kinds`), with the ports it needs chosen on its VM; or why the attempt
+        cannot start."""
         nodes = claimed_nodes(claim)
+        shape = claim.shape or JobShape.of(len(nodes), claim.roles, claim_gpus(nodes))
+        if shape.nodes != len(nodes):
+            return f"the job runs on {shape.nodes} VMs, the claim has {len(nodes)}"
         try:
             targets = [target] + [await self.targets.get(node.vm_id) for node in nodes[1:]]
         except (TransientError, RuntimeError) as exc:
             return str(exc)
-        addrs = tuple(t.training_address for t in targets)
-        spread = len(nodes) > 1
-        if claim.roles is None:
-            port = await self._rendezvous_port(targets[0]) if spread else None
-            if isinstance(port, str):
-                return port
-            return [
-                NodeLaunch(
-                    node.rank,
-                    node_target,
-                    node.gpu_indices,
-                    node.gpu_uuids,
-                    rendezvous=None if port is None else RankRendezvous(node.rank, addrs, port),
-                )
-                for node, node_target in zip(nodes, targets, strict=True)
-            ], ()
-        group = parse_data(claim.roles)  # checked by the claim (rowcheck.job_row_problem)
-        return await self._plan_group(claim, group, nodes, targets)
+        return await kind_of(shape).plan(self, claim, shape, nodes, targets)
 
-    async def _plan_group(
-        self,
-        claim: Claim,
-        group: GroupSpec,
-        nodes: Sequence[NodeClaim],
-        targets: Sequence[VMTarget],
-    ) -> tuple[list[NodeLaunch], Secret] | str:
-        """A job group's nodes (`GroupSpec.layout`, one claimed node per VM): the ports of
-        the roles whose rank 0 runs on each VM (named ports, and the rendezvous port of a
-        role on several nodes), chosen there; on every VM a supervisor for its own roles,
-        which knows every role's address and ports (a group on one VM: every role, its
-        services on loopback); one token per attempt, the same on every VM."""
-        layout = group.layout()
-        if len(layout) != len(nodes):
-            return f"the group runs on {len(layout)} VMs, the claim has {len(nodes)}"
-        ports = await self._choose_ports_on(
-            claim, list(zip(targets, node_port_needs(group), strict=True))
-        )
-        if isinstance(ports, str):
-            return ports
-        spread = len(nodes) > 1
-        addresses = [target.training_address for target in targets]
-        launches = []
-        for index, (node, target) in enumerate(zip(nodes, targets, strict=True)):
-            place = _group_place(claim, target, node.gpu_indices, node.gpu_uuids)
-            config = (
-                group_launch(group, place, ports, node=index, node_addresses=addresses)
-                if spread
-                else group_launch(group, place, ports)
-            )
-            launches.append(
-                NodeLaunch(node.rank, target, node.gpu_indices, node.gpu_uuids, group=config)
-            )
-        return launches, ((TOKEN_ENV, group_token()),)
-
-    async def _rendezvous_port(self, target: VMTarget) -> int | str:
+    async def rendezvous_port(self, target: VMTarget) -> int | str:
         """A free port on rank 0's VM for a multi-node job's rendezvous, or why none."""
         try:
             probe = await self.transport.run(
@@ -250,7 +182,7 @@ class Launcher:
             return f"rank 0 ({target.name}): no free port: {why}"
         return port
 
-    async def _choose_ports_on(
+    async def choose_ports_on(
         self, claim: Claim, wanted: Sequence[tuple[VMTarget, list[tuple[str, str]]]]
     ) -> Ports | str:
         """Free ports for every (role, name) on the VM that runs it, probed on all the VMs
@@ -335,7 +267,7 @@ class Launcher:
             node=node.rendezvous,
             group=node.group,
             workdir=claim.workdir,
-            store=claim.store if node.group is None else None,
+            store=claim.store if node.with_store else None,
             store_accept=store_accept,
         )
         try:
@@ -480,18 +412,3 @@ class WorkdirPayload:
         if isinstance(data, str):
             return data
         return base64.b64encode(data).decode("ascii"), len(data)
-
-
-def _group_place(
-    claim: Claim, target: VMTarget, gpu_indices: Sequence[int], gpu_uuids: Sequence[str]
-) -> GroupPlace:
-    """Where a group's attempt runs on `target`, with the GPUs claimed there (UUIDs, else
-    indices for a claim made before UUIDs were recorded)."""
-    return GroupPlace(
-        python=target.python,
-        entrypoint=target.entrypoint,
-        address=target.training_address,
-        gpus=list(gpu_uuids) or [str(i) for i in gpu_indices],
-        output_dir=claim.output_dir,
-        attempt=claim.attempt,
-    )

@@ -18,8 +18,8 @@ from typing import Any
 from sqlalchemy import insert, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from scheduler.attempts.shape import JobShape
 from scheduler.db import Database
-from scheduler.errors import BadInput
 from scheduler.gpu_poller.state import Outcome
 from scheduler.logging import get_logger
 from scheduler.models import Job, JobEvent, JobNode
@@ -64,7 +64,7 @@ async def _record(
     """The events for `job`'s rank's new restarts (caller's transaction); how many."""
     row = (
         await session.execute(
-            select(Job.status, Job.roles, JobNode.role_restarts)
+            select(Job.status, Job.nodes, Job.gpus_requested, Job.roles, JobNode.role_restarts)
             .join(JobNode, JobNode.job_id == Job.id)
             .where(
                 Job.id == job.id,
@@ -76,7 +76,7 @@ async def _record(
     ).first()
     if row is None:
         return 0  # moved on since the probe
-    limits = _restart_limits(row.roles, job.rank)
+    limits = _restart_limits(JobShape.of_row(row), job.rank)
     recorded = recorded_restarts(row.role_restarts, job.attempt_number)
     counts = dict(recorded)
     events = []
@@ -122,20 +122,16 @@ async def _record(
     return len(events)
 
 
-def _restart_limits(roles: Any, rank: int) -> dict[str, int]:
-    """The `max_restarts` of each role of the job (its stored `roles`) that may restart in
-    place and whose one rank runs on layout node `rank`; {} for a row that is no group."""
-    from scheduler.jobspec import RESTART_ON_FAILURE, parse_data
+def _restart_limits(shape: JobShape, rank: int) -> dict[str, int]:
+    """The `max_restarts` of each role of the job (its shape, read from its stored
+    `roles`) that may restart in place and whose one rank runs on layout node `rank`; {}
+    for a job that is no group, or whose roles do not read back."""
+    from scheduler.jobspec import RESTART_ON_FAILURE
 
-    if not isinstance(roles, dict):
+    if shape.spec is None:
         return {}
-    try:
-        group = parse_data(roles)
-    except (BadInput, RecursionError):
-        return {}
-    at = group.node_of()
     return {
         r.name: r.max_restarts
-        for r in group.roles
-        if r.restart == RESTART_ON_FAILURE and at[r.name] == rank
+        for r in shape.spec.roles
+        if r.restart == RESTART_ON_FAILURE and shape.ranks_of(r.name)[:1] == (rank,)
     }

@@ -6,12 +6,11 @@ loads its inputs and moves the jobs it names.
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
+from scheduler.attempts.shape import JobShape
 from scheduler.claims.single import LARGEST_VM_SQL
 from scheduler.gpus import FREE_BY_VM_SQL, VM_SIZES_SQL
 from scheduler.jobs import transition
@@ -69,7 +68,7 @@ async def wake_pending(
                 float(r.waited),
                 float(r.since_pending),
                 nodes=r.nodes,
-                demands=_group_demands(r.roles, r.nodes),
+                demands=JobShape.of_row(r).demands,
             )
             for r in rows
         ],
@@ -102,17 +101,3 @@ async def wake_pending(
             woken.append(job_id)
             metrics.count_recovery(f"pending_{why}")
     return woken
-
-
-def _group_demands(roles: Any, nodes: int) -> tuple[int, ...]:
-    """Each node's GPUs of a job group over several VMs; () for any other job (or a row
-    whose roles do not read back: the claim fails it)."""
-    if roles is None or nodes == 1:
-        return ()
-    from scheduler.errors import BadInput
-    from scheduler.jobspec import parse_data
-
-    try:
-        return tuple(node.gpus for node in parse_data(roles).layout())
-    except BadInput:
-        return ()

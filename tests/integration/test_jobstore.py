@@ -148,6 +148,45 @@ async def test_a_job_group_is_listed_as_one_on_both_paths(db: Database, pg: PgDa
     assert from_cli == from_orm == {group.id: True, gang.id: False, odd.id: False}
 
 
+async def test_gpus_are_every_gpu_of_an_attempt_and_each_ranks_on_both_paths(
+    db: Database, pg: PgDatabase
+) -> None:
+    """`--gpus 4 --nodes 2` is stored as the 8 GPUs an attempt holds (`gpus_requested`
+    has one meaning for every kind); `job list --json` and the ORM path show `gpus` 8 and
+    `gpus_per_node` [4, 4]; a group over two VMs its layout's, a job of one VM its one
+    count; the table shows `4×2`, `2+1` and `3`."""
+    from scheduler.jobspec import GroupSpec, Role
+    from scheduler.jobstore import gpus_text
+
+    spread = GroupSpec(
+        roles=(
+            Role("t", 2, command=("x",), primary=True),
+            Role("s", 1, command=("y",), own_vm=True),
+        )
+    ).to_data()
+    async with db.transaction() as session:
+        gang = await insert_job(session, JobSpec("m", "d", ("r",), gpus=4, nodes=2), actor="t")
+        group = await insert_job(
+            session, JobSpec("m", "d", ("r",), gpus=3, nodes=2, roles=spread), actor="t"
+        )
+        one = await insert_job(session, JobSpec("m", "d", ("r",), gpus=3), actor="t")
+        stored_gpus = dict(
+            (await session.execute(text("SELECT id, gpus_requested FROM jobs"))).all()
+        )
+    assert stored_gpus == {gang.id: 8, group.id: 3, one.id: 3}
+    async with pg.sql_transaction() as tx:
+        from_cli = {j["id"]: j for j in await list_jobs_sql(tx)}
+    async with db.transaction() as session:
+        from_orm = {j: job_to_dict(await get_job(session, j)) for j in from_cli}
+    for jobs in (from_cli, from_orm):
+        shown = {j: (d["gpus"], d["gpus_per_node"], gpus_text(d)) for j, d in jobs.items()}
+        assert shown == {
+            gang.id: (8, [4, 4], "4×2"),
+            group.id: (3, [2, 1], "2+1"),
+            one.id: (3, [3], "3"),
+        }
+
+
 async def _orm_job(db: Database, job_id: int) -> Any:
     async with db.transaction() as session:
         return await get_job(session, job_id)

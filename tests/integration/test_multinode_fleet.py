@@ -271,6 +271,12 @@ async def test_show_logs_and_cancel_reach_every_rank(
     assert code == 0, err
     shown = json.loads(out)
     assert shown["nodes"] == 2
+    # `gpus` is every GPU of the attempt, `gpus_per_node` each rank's
+    assert (shown["gpus"], shown["gpus_per_node"]) == (2, [1, 1])
+    code, out, err = await cli(env, "job", "list")
+    assert code == 0, err
+    listed = [ln.split() for ln in out.splitlines() if ln.split()[:1] == [str(job_id)]]
+    assert len(listed) == 1 and "1×2" in listed[0]
     assert [
         (n["rank"], n["pid"], n["gpu_uuids"], n["gpu_indices"], n["state"]) for n in shown["ranks"]
     ] == [(r.rank, r.remote_pid, r.gpu_uuids, r.gpu_indices, "running") for r in rows]

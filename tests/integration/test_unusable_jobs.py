@@ -91,8 +91,8 @@ BAD_ROWS = {
     ('{"max_steps": 5}', 1): "not a JSON object",
     ('"--max_steps 5"', 1): "not a JSON string",
     ('["--max_steps", 5]', 1): "argument 5 after -- is not a string",
-    ("[]", -1): "gpus_requested must be between 1 and 1024, not -1",
-    ("[]", 0): "gpus_requested must be between 1 and 1024, not 0",
+    ("[]", -1): "gpus_requested must be between 1 and 65536, not -1",
+    ("[]", 0): "gpus_requested must be between 1 and 65536, not 0",
 }
 
 

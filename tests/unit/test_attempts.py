@@ -32,7 +32,7 @@ def spread_group() -> dict[str, object]:
 def test_a_job_that_is_not_a_group_counts_every_rank() -> None:
     assert JobShape.of(1, None) == JobShape.training(1, 1)
     assert JobShape.of(3, None).primary_ranks == frozenset({0, 1, 2})
-    assert JobShape.of(3, None, 2).demands == (2, 2, 2)
+    assert JobShape.of(3, None, 6).demands == (2, 2, 2)
 
 
 def test_a_group_over_two_vms_counts_the_vm_of_its_primary_role_only() -> None:

@@ -243,10 +243,11 @@ def test_no_import_cycle_in_the_scheduler() -> None:
     """No module of `scheduler/` imports, even lazily inside a function, one that imports
     it back: the engines never reach the CLI (`python -m` goes through each engine
     package's `__main__.py`), `statedir` serves both `up` and the dashboard, and
-    `rowcheck` reads roles through `jobspec`, which relies on `validate` alone."""
+    `rowcheck` reads roles through the job's shape (`attempts.shape`), which relies on
+    `validate` alone and reads them through `jobspec`."""
     graph = scheduler_imports()
     assert {"scheduler.gpu_poller", "scheduler.cli.daemons", "scheduler.validate"} <= set(graph)
-    assert "scheduler.jobspec" in graph["scheduler.rowcheck"]
+    assert "scheduler.attempts.shape" in graph["scheduler.rowcheck"]
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph) or [])
 
 

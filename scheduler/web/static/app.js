@@ -119,15 +119,23 @@ function setupToken() {
 
 // --- queue ---------------------------------------------------------------------------
 
+// A job's GPUs: `gpus` (every GPU of an attempt) on one VM, else each VM's
+// (`gpus_per_node`, one per rank), as `job list` shows them (jobstore.gpus_text).
+function gpusText(j) {
+  const each = j.gpus_per_node || [];
+  if (each.length <= 1) return String(j.gpus);
+  return each.every((g) => g === each[0]) ? `${each[0]} × ${each.length}` : each.join("+");
+}
+
 function jobRow(j) {
   return el(
     "tr", { "data-job": String(j.id), "data-status": j.status },
     el("td", {}, el("a", { href: `/jobs/${j.id}` }, String(j.id))),
     el("td", { class: "name" }, j.name || ""),
     el("td", { class: "status" }, j.status),
-    // A multi-node job: GPUs on each node × nodes (a job group's count is already its
-    // total), and rank 0's VM with how many more.
-    el("td", { class: "gpus" }, j.nodes > 1 && !j.group ? `${j.gpus} × ${j.nodes}` : String(j.gpus)),
+    // A job over several VMs: the GPUs of each (`4 × 2`, or `2+1` when they differ), and
+    // rank 0's VM with how many more.
+    el("td", { class: "gpus" }, gpusText(j)),
     el("td", { class: "vm" }, j.vm && j.nodes > 1 ? `${j.vm} +${j.nodes - 1}` : j.vm || ""),
     el("td", {}, (j.gpu_indices || []).join(",")),
     el("td", {}, `${j.retry_count}/${j.max_retries}`),
