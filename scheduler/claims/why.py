@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -136,94 +137,144 @@ def gang_never_reason(demands: Sequence[int], sizes: Mapping[int, int]) -> str |
 # -- the whole reason ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Fleet:
+    """What a pending reason reads of the fleet: every VM's size and free GPUs, and the
+    first few VMs (most spare GPUs first) whose kept-out GPUs would give a node its GPUs."""
+
+    sizes: Mapping[int, int]
+    free: Mapping[int, int]
+    kept_out: Sequence[VmView] = ()
+    kept_out_total: int = 0
+    """How many VMs there are like `kept_out`'s (it holds the first `NAMED_VMS`)."""
+
+    @classmethod
+    def of(cls, vms: Sequence[VmView], need: int) -> Fleet:
+        """The fleet of these VMs, for a node needing `need` GPUs."""
+        kept = sorted((v for v in vms if v.free < need <= v.spare), key=_named_first)
+        return cls(
+            {v.id: v.size for v in vms},
+            {v.id: v.free for v in vms if v.free},
+            tuple(kept[:NAMED_VMS]),
+            len(kept),
+        )
+
+
+def _named_first(vm: VmView) -> tuple[int, int]:
+    return (-vm.spare, vm.id)
+
+
+def short_need(demands: Sequence[int], free_by_vm: Mapping[int, int] | None) -> int:
+    """The GPUs a node needs that too few VMs have free: the VMs worth naming are those
+    that would have them but for a cause (a single-node job: its one demand)."""
+    if len(demands) == 1 or free_by_vm is None:
+        return max(demands)
+    short = short_of(dict(free_by_vm), list(demands))
+    return short[1] if short else max(demands)
+
+
 def explain(
-    demands: Sequence[int], fleet: Sequence[VmView], free_by_vm: Mapping[int, int] | None = None
+    demands: Sequence[int], fleet: Fleet, free_by_vm: Mapping[int, int] | None = None
 ) -> str:
     """Why a job needing `demands` (GPUs per rank, rank 0 first) waits on this fleet:
     the headline, then the VMs whose kept-out GPUs would have let it run. `free_by_vm`:
     the free counts the claim saw (default: the fleet's)."""
-    free = dict(free_by_vm) if free_by_vm is not None else {v.id: v.free for v in fleet if v.free}
-    sizes = {v.id: v.size for v in fleet}
+    free = dict(free_by_vm if free_by_vm is not None else fleet.free)
     if len(demands) == 1:
-        need = demands[0]
-        largest_vm = max(sizes.values(), default=0)
-        if need > largest_vm:
-            return clean_reason(unsatisfiable_reason(need, largest_vm), MAX_REASON)
-        head = pending_reason(need, max(free.values(), default=0))
+        largest_vm = max(fleet.sizes.values(), default=0)
+        if demands[0] > largest_vm:
+            return clean_reason(unsatisfiable_reason(demands[0], largest_vm), MAX_REASON)
+        head = pending_reason(demands[0], max(free.values(), default=0))
     else:
-        never = gang_never_reason(demands, sizes)
+        never = gang_never_reason(demands, fleet.sizes)
         if never is not None:
             return clean_reason(never, MAX_REASON)
         head = gang_wait_reason(demands, free)
-        short = short_of(free, list(demands))
-        need = short[1] if short else max(demands)
-    return clean_reason(head + _kept_out(need, fleet), MAX_REASON)
+    return clean_reason(head + _kept_out(short_need(demands, free), fleet), MAX_REASON)
 
 
-def _kept_out(need: int, fleet: Sequence[VmView]) -> str:
+def _kept_out(need: int, fleet: Fleet) -> str:
     """` (vm-a: 2 GPUs unhealthy: …; vm-b: draining)`: the VMs that would have `need` GPUs
     free but for a cause, most spare first; '' when none."""
-    named = sorted(
-        (v for v in fleet if v.free < need <= v.spare and v.causes()),
-        key=lambda v: (-v.spare, v.name, v.id),
-    )
+    named = [v for v in fleet.kept_out if v.free < need <= v.spare and v.causes()]
     if not named:
         return ""
     parts = [f"{clean_reason(v.name, _NAME_MAX)}: {', '.join(v.causes())}" for v in named]
-    more = len(parts) - NAMED_VMS
-    shown = "; ".join(parts[:NAMED_VMS]) + (f"; {more} more VM(s)" if more > 0 else "")
-    return f" ({shown})"
+    more = max(fleet.kept_out_total, len(parts)) - len(parts)
+    return " (" + "; ".join(parts) + (f"; {more} more VM(s)" if more > 0 else "") + ")"
 
 
 FLEET_SQL = text(
     f"""
-WITH {LEFTOVER_GPUS}
-SELECT v.id, v.name, v.status, v.draining, count(*) AS size,
-       count(*) FILTER (WHERE {USABLE_VM} AND {FREE_GPU}) AS free,
-       count(*) FILTER (WHERE g.job_id IS NULL) AS spare,
-       count(*) FILTER (WHERE g.job_id IS NULL AND NOT g.healthy) AS unhealthy,
-       min(g.health_reason) FILTER (WHERE g.job_id IS NULL AND NOT g.healthy) AS health_reason,
-       count(*) FILTER (WHERE g.job_id IS NULL AND g.drained) AS drained,
-       count(*) FILTER (WHERE g.job_id IS NULL AND g.foreign_busy) AS foreign_busy,
-       count(*) FILTER (WHERE g.job_id IS NULL AND EXISTS (
-           SELECT 1 FROM leftover_gpus b
-           WHERE b.vm_id = g.vm_id AND (b.uuid = g.uuid OR b.index = g.index))) AS leftover
-FROM vms v JOIN gpus g ON g.vm_id = v.id
-GROUP BY v.id
+WITH {LEFTOVER_GPUS}, per_vm AS MATERIALIZED (
+    SELECT v.id, v.name, v.status, v.draining, count(*) AS size,
+           count(*) FILTER (WHERE {USABLE_VM} AND {FREE_GPU}) AS free,
+           count(*) FILTER (WHERE g.job_id IS NULL) AS spare,
+           count(*) FILTER (WHERE g.job_id IS NULL AND NOT g.healthy) AS unhealthy,
+           min(g.health_reason) FILTER (WHERE g.job_id IS NULL AND NOT g.healthy)
+               AS health_reason,
+           count(*) FILTER (WHERE g.job_id IS NULL AND g.drained) AS drained,
+           count(*) FILTER (WHERE g.job_id IS NULL AND g.foreign_busy) AS foreign_busy,
+           count(*) FILTER (WHERE g.job_id IS NULL AND EXISTS (
+               SELECT 1 FROM leftover_gpus b
+               WHERE b.vm_id = g.vm_id AND (b.uuid = g.uuid OR b.index = g.index))) AS leftover
+    FROM vms v JOIN gpus g ON g.vm_id = v.id
+    GROUP BY v.id
+), fleet AS (
+    SELECT array_agg(id ORDER BY id) AS ids, array_agg(size ORDER BY id) AS sizes,
+           array_agg(free ORDER BY id) AS frees
+    FROM per_vm
+), named AS (
+    -- The VMs whose GPUs no job holds would give a node its GPUs, were they all free.
+    SELECT p.*, count(*) OVER () AS total FROM per_vm p
+    WHERE p.free < :need AND p.spare >= :need
+    ORDER BY p.spare DESC, p.id LIMIT :named
+)
+SELECT f.ids, f.sizes, f.frees, n.* FROM fleet f LEFT JOIN named n ON true
 """
 )
-"""Every VM with GPU rows, as `VmView`: its size, free and spare GPUs, and the causes."""
+"""Every VM's size and free GPUs (as arrays, one row), beside the first `:named` VMs whose
+kept-out GPUs would give a node of `:need` GPUs its GPUs, with what keeps them out."""
 
 
-async def load_fleet(conn: AsyncConnection | AsyncSession) -> list[VmView]:
-    """The fleet as `explain` reads it (caller's transaction)."""
-    rows = (await conn.execute(FLEET_SQL)).all()
-    return [
-        VmView(
-            int(r.id),
-            str(r.name),
-            str(r.status),
-            bool(r.draining),
-            int(r.size),
-            int(r.free),
-            int(r.spare),
-            int(r.unhealthy),
-            r.health_reason if isinstance(r.health_reason, str) else None,
-            int(r.drained),
-            int(r.foreign_busy),
-            int(r.leftover),
-        )
-        for r in rows
-    ]
+async def load_fleet(conn: AsyncConnection | AsyncSession, need: int) -> Fleet:
+    """The fleet as `explain` reads it for a node of `need` GPUs (caller's transaction)."""
+    rows = (await conn.execute(FLEET_SQL, {"need": need, "named": NAMED_VMS})).all()
+    first = rows[0]
+    ids = [int(i) for i in first.ids or ()]
+    return Fleet(
+        dict(zip(ids, (int(n) for n in first.sizes or ()), strict=True)),
+        {i: int(n) for i, n in zip(ids, first.frees or (), strict=True) if n},
+        tuple(_view(r) for r in rows if r.id is not None),
+        int(first.total or 0),
+    )
+
+
+def _view(r: Any) -> VmView:
+    return VmView(
+        int(r.id),
+        str(r.name),
+        str(r.status),
+        bool(r.draining),
+        int(r.size),
+        int(r.free),
+        int(r.spare),
+        int(r.unhealthy),
+        r.health_reason if isinstance(r.health_reason, str) else None,
+        int(r.drained),
+        int(r.foreign_busy),
+        int(r.leftover),
+    )
 
 
 async def waiting_reason(
     conn: AsyncConnection, demands: Sequence[int], free_by_vm: Mapping[int, int] | None = None
 ) -> str:
     """Why a job needing `demands` (GPUs per rank: its shape's `demands`, or what the
-    claim placed) fits nowhere now (`explain` over the fleet loaded now; `free_by_vm`: the
-    free counts the claim saw, when it counted them)."""
-    return explain(demands, await load_fleet(conn), free_by_vm)
+    claim placed) fits nowhere now: `explain` over the fleet loaded now (one query);
+    `free_by_vm`: the free counts the claim saw, when it counted them."""
+    fleet = await load_fleet(conn, short_need(demands, free_by_vm))
+    return explain(demands, fleet, free_by_vm)
 
 
 async def park(conn: AsyncConnection, job_id: int, reason: str, actor: str) -> NoClaim:

@@ -6,6 +6,7 @@ but the rule's."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -201,3 +202,21 @@ def test_the_claim_reads_every_column_a_rule_may_read() -> None:
     """`RULE_COLUMNS` ⊆ `CLAIM_COLUMNS`: a rule sees the same row in a claim as in the
     planner."""
     assert {c.key for c in RULE_COLUMNS} <= {c.key for c in CLAIM_COLUMNS}
+
+
+async def test_racing_dispatchers_never_let_a_rule_be_passed(db: Database) -> None:
+    """Six claimers racing over 24 one-GPU jobs of one prefix, with room for all: the rule,
+    loaded inside each claim's transaction under its lock, lets exactly 4 GPUs be taken."""
+    for vm in "ab":
+        await add_vm_row(db, vm, 16)
+    ids = [await submit(db, training(f"race-{i}", 1)) for i in range(24)]
+    with registered(PrefixCap(CAP)):
+        outcomes = await asyncio.gather(
+            *(claim_batch(db, ids[k : k + 4], actor=f"d{k}") for k in range(0, 24, 4))
+        )
+    claims = [r for batch in outcomes for r in batch if isinstance(r, Claim)]
+    assert len(claims) == CAP
+    async with db.transaction() as session:
+        held = await session.scalar(text("SELECT count(*) FROM gpus WHERE job_id IS NOT NULL"))
+        pending = await session.scalar(text("SELECT count(*) FROM jobs WHERE status = 'pending'"))
+    assert (held, pending) == (CAP, 24 - CAP)

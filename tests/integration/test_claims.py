@@ -95,8 +95,8 @@ async def test_unusable_gpus_and_vms_are_never_claimed(db: Database) -> None:
     assert isinstance(c1, Claim) and (c1.vm_id, c1.gpu_indices) == (ok, [3])
     assert isinstance(c2, NoClaim) and c2.reason == (
         "needs 1 GPU, largest free block is 0 (ok: 1 GPU unhealthy, 1 GPU busy with a process "
-        "rlfleet did not start, 1 GPU held by a leftover attempt; down: unreachable; "
-        "draining: draining)"
+        "rlfleet did not start, 1 GPU held by a leftover attempt; draining: draining; "
+        "down: unreachable)"
     )
 
 

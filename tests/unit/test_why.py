@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from scheduler.attempts.shape import JobShape
 from scheduler.claims.rules import ClaimGate, Rule, clean_reason, registered, registered_rules
-from scheduler.claims.why import MAX_REASON, VmView, explain
+from scheduler.claims.why import MAX_REASON, Fleet, VmView, explain
+
+_ids = itertools.count(1)
 
 
 def vm(name: str, size: int, free: int, spare: int | None = None, **causes: Any) -> VmView:
+    """A VM (ids in creation order) with these GPU counts and causes."""
     return VmView(
-        hash(name) % 10_000,
+        next(_ids),
         name,
         causes.pop("status", "healthy"),
         causes.pop("draining", False),
@@ -31,7 +35,7 @@ def test_only_vms_whose_kept_out_gpus_would_fit_are_named() -> None:
         vm("a", 4, 2, unhealthy=2, health_reason="Xid 48"),
         vm("busy", 4, 0, spare=0),
     ]
-    assert explain([4], fleet) == (
+    assert explain([4], Fleet.of(fleet, 4)) == (
         "needs 4 GPUs, largest free block is 2 (a: 2 GPUs unhealthy: Xid 48)"
     )
 
@@ -39,7 +43,7 @@ def test_only_vms_whose_kept_out_gpus_would_fit_are_named() -> None:
 def test_a_reason_names_three_vms_and_counts_the_rest() -> None:
     """Ten draining VMs: three are named, the seven others counted."""
     fleet = [vm(f"vm{i}", 4, 0, draining=True) for i in range(10)]
-    assert explain([4], fleet) == (
+    assert explain([4], Fleet.of(fleet, 4)) == (
         "needs 4 GPUs, largest free block is 0 "
         "(vm0: draining; vm1: draining; vm2: draining; 7 more VM(s))"
     )
@@ -49,7 +53,7 @@ def test_a_gang_of_unequal_nodes_names_the_vms_for_the_size_it_lacks() -> None:
     """Nodes of 3 and 2 GPUs; one VM has 3 free, another only 1 of its 2 (a leftover holds
     the other): the reason names that VM for the 2-GPU node."""
     fleet = [vm("a", 3, 3), vm("b", 2, 1, leftover=1), vm("c", 8, 0, spare=0)]
-    assert explain([3, 2], fleet) == (
+    assert explain([3, 2], Fleet.of(fleet, 2)) == (
         "needs 2 VMs with 3 and 2 free GPUs; 1 VM(s) have 2 free, 2 needed "
         "(b: 1 GPU held by a leftover attempt)"
     )
@@ -62,7 +66,7 @@ def test_a_reason_is_one_bounded_printable_line_whatever_the_rows_hold() -> None
         vm("x\n" * 100 + f"\x1b{i}", 4, 0, unhealthy=4, health_reason="\t\r\n" + "y" * 5000)
         for i in range(5)
     ]
-    reason = explain([4], fleet)
+    reason = explain([4], Fleet.of(fleet, 4))
     assert reason.isprintable() and len(reason) <= MAX_REASON
     assert reason.startswith("needs 4 GPUs, largest free block is 0 (x x x")
     assert clean_reason("a\u2028b\x00c\u200bd") == "a b c d"
