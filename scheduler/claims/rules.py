@@ -17,7 +17,11 @@ A rule has three parts:
 
 `job` is the job row with at least `RULE_COLUMNS` (the claim reads `CLAIM_COLUMNS`, a
 superset); `shape` is its `attempts.shape.JobShape` (GPUs per rank: `shape.gpus`,
-`shape.demands`). Quotas and owners (issue 31) and priorities (issue 32) are rules here.
+`shape.demands`). Quotas and owners (issue 31) and priorities (issue 32) are rules here:
+a built-in rule is defined in this module and registered at its import, so that the
+dispatcher (through `claims.batch`) and the requeue manager (through `wake_pending`) both
+honour it. A rule whose `check` raises refuses that job only, saying so; nothing a rule
+says reaches `job list` but one clean line (`clean_reason`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ from typing import Any, Protocol
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from scheduler.attempts.shape import JobShape
+from scheduler.logging import get_logger
 from scheduler.models import Job
+
+log = get_logger("claims")
 
 RULE_COLUMNS = (
     Job.id,
@@ -150,7 +157,11 @@ class ClaimGate:
         if row is None:
             return None
         for rule, state in self.states:
-            reason = rule.check(state, row, self._shape(job_id))
+            try:
+                reason = rule.check(state, row, self._shape(job_id))
+            except Exception as exc:  # noqa: BLE001 - a rule's bug costs its job, not the batch
+                log.warning("claim_rule_failed", rule=clean_reason(rule.name), job_id=job_id)
+                reason = f"rule {rule.name} could not check this job ({type(exc).__name__})"
             if reason is not None:
                 return clean_reason(reason) or f"refused by rule {clean_reason(rule.name)}"
         return None

@@ -100,3 +100,18 @@ async def test_the_gate_asks_the_registered_rules_and_cleans_their_words() -> No
         assert gate.refusal(1) == "refused by rule refuse all"
     assert registered_rules() == ()
     assert (await ClaimGate.load(None, [Row(1)])).refusal(1) is None  # type: ignore[arg-type]
+
+
+class Broken(Rule):
+    name = "broken"
+
+    def check(self, state: Any, job: Any, shape: JobShape) -> str | None:
+        raise KeyError(job.id)
+
+
+async def test_a_rule_that_raises_refuses_only_that_job_and_says_so() -> None:
+    """A rule whose check raises on one row refuses that job with a reason naming the
+    rule, instead of failing the whole batch (and its daemon) on it."""
+    with registered(Broken()):
+        gate = await ClaimGate.load(None, [Row(1)])  # type: ignore[arg-type]
+        assert gate.refusal(1) == "rule broken could not check this job (KeyError)"
