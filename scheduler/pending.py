@@ -7,9 +7,21 @@ see `plan_pending`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from scheduler.placement import could_ever_fit, place
+
+
+class Gate(Protocol):
+    """The claim-time rules as the planner asks them (`claims.rules.ClaimGate`): whether a
+    job may claim, and that a job woken will take its GPUs."""
+
+    def refusal(self, job_id: int) -> str | None:
+        """None: the rules let job `job_id` claim; else why it waits."""
+
+    def took(self, job_id: int) -> None:
+        """Job `job_id` is woken to take its GPUs: later jobs must see them taken."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,9 @@ class PendingPlan:
     held_for: int | None = None
     """The starving job the held-back ones wait behind; None when nothing is held."""
     held: list[int] | None = None
+    refused: list[tuple[int, str]] = field(default_factory=list)
+    """The jobs a claim-time rule refuses, with the rule's words: not woken, whatever the
+    free GPUs or the time they have waited."""
 
 
 def plan_pending(
@@ -52,6 +67,7 @@ def plan_pending(
     starvation_after_s: float,
     largest_vm: int | None = None,
     vm_sizes: list[int] | None = None,
+    gate: Gate | None = None,
 ) -> PendingPlan:
     """Decide which pending jobs to put back in the queue this tick.
 
@@ -69,14 +85,25 @@ def plan_pending(
     A multi-node job (`nodes` > 1) fits when `nodes` different VMs have `gpus` free each
     (the fullest are used up, as the gang claim would); it holds others back only when
     `vm_sizes` (the GPU count of every VM; None: unknown) has `nodes` VMs big enough.
+
+    A job the claim-time rules refuse (`gate`) is never woken, holds nothing back and is
+    listed in `refused` with the rule's words; a job woken counts against the rules for
+    the jobs after it, as a claim's batch does.
     """
     free = dict(free_by_vm)
     out: list[tuple[int, str]] = []
+    refused: list[tuple[int, str]] = []
     for i, job in enumerate(jobs):
+        why = gate.refusal(job.id) if gate is not None else None
+        if why is not None:
+            refused.append((job.id, why))
+            continue
         placed = place(free, job.node_demands())
         if placed is not None:
             for vm, need in placed:
                 free[vm] -= need
+            if gate is not None:
+                gate.took(job.id)
             if job.since_pending_s >= recheck_after_s:
                 out.append((job.id, "capacity"))
             continue
@@ -85,8 +112,8 @@ def plan_pending(
         satisfiable = _satisfiable(job, largest_vm, vm_sizes)
         if satisfiable and job.waited_s >= starvation_after_s:
             held = [j.id for j in jobs[i + 1 :]]
-            return PendingPlan(out, held_for=job.id if held else None, held=held or None)
-    return PendingPlan(out)
+            return PendingPlan(out, job.id if held else None, held or None, refused)
+    return PendingPlan(out, refused=refused)
 
 
 def _satisfiable(job: PendingJob, largest_vm: int | None, vm_sizes: list[int] | None) -> bool:

@@ -20,7 +20,10 @@ One module per step:
 - `single.py`: the single-node claim statement (`CLAIM_SQL`, rendered from `jobs.move_values`
   and `placement.tie_break_sql`), `claim_one`, the batch's shortlist;
 - `gang.py`: the gang claim of a multi-node job or a job group over several VMs
-  (`claim_gang`), its demands and its pending reasons;
+  (`claim_gang`) and its demands;
+- `rules.py`: claim-time rules, registered once, asked before every claim and by the
+  pending planner (`ClaimGate`);
+- `why.py`: why a job waits (`waiting_reason`, `explain`: the cause named) and `park`;
 - `result.py`: `Claim`, `NodeClaim`, `NoClaim`, `job_env_pairs`;
 - `records.py`: what a launch records (`mark_running_batch`, `record_ranks`,
   `record_group_ports`);

@@ -2,8 +2,9 @@
 network I/O inside): its job rows are locked (rows another transaction holds are skipped
 and retried), a row the launch cannot use fails its own job (`_fail_unusable`), and each
 queued job is claimed in turn, by the single-node claim (`single.claim_one`) or the gang
-claim (`gang.claim_gang`). The same job delivered twice is claimed once, because the second
-delivery finds it no longer queued."""
+claim (`gang.claim_gang`), unless a claim-time rule (`claims.rules`) refuses it: it then
+waits `pending` with the rule's words. The same job delivered twice is claimed once,
+because the second delivery finds it no longer queued."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from scheduler.claims.gang import claim_gang
 from scheduler.claims.result import Claim, NoClaim
+from scheduler.claims.rules import ClaimGate
 from scheduler.claims.single import CANDIDATE_VMS, batch_shortlist, claim_one
+from scheduler.claims.why import park
 from scheduler.db import Database
 from scheduler.jobs import transition
 from scheduler.leftovers import leftover_may_run
@@ -56,6 +59,7 @@ async def claim_batch_in_session(
     ]
     single = [row for row in queued if row.nodes == 1]
     shortlist = await batch_shortlist(conn, single, candidates) if len(single) > 1 else None
+    gate = await ClaimGate.load(conn, queued)  # the claim-time rules (claims/rules.py)
     results: list[Claim | NoClaim] = []
     seen: set[int] = set()
     for job_id in job_ids:
@@ -74,17 +78,23 @@ async def claim_batch_in_session(
             results.append(NoClaim(job_id, row.status, reason, waiting=True))
         elif unusable[job_id]:
             results.append(await _fail_unusable(conn, job_id, unusable[job_id] or "", actor))
+        elif (refused := gate.refusal(job_id)) is not None:
+            results.append(await park(conn, job_id, refused, actor))
         elif row.nodes > 1:
             results.append(await claim_gang(conn, row, actor, lease_s))
         else:
             results.append(await claim_one(conn, row, actor, lease_s, candidates, shortlist))
+        if isinstance(results[-1], Claim):
+            gate.took(job_id)
         seen.add(job_id)
     return results
 
 
 CLAIM_COLUMNS = (
     Job.id,
+    Job.name,
     Job.status,
+    Job.priority,
     Job.gpus_requested,
     Job.nodes,
     Job.model,
@@ -100,7 +110,8 @@ CLAIM_COLUMNS = (
     Job.max_retries,
     Job.machine_faults,
 )
-"""The job row's columns a claim reads (locked with the row); a claim step reads no other."""
+"""The job row's columns a claim reads (locked with the row); a claim step reads no other.
+They hold every column a claim-time rule may read (`rules.RULE_COLUMNS`)."""
 
 
 async def _lock_jobs(conn: AsyncConnection, ids: list[int]) -> tuple[dict[int, Any], set[int]]:

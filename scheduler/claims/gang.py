@@ -13,66 +13,24 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from scheduler.attempts.shape import JobShape
 from scheduler.claims.result import Claim, NoClaim, NodeClaim, job_env_pairs
+from scheduler.claims.why import park, waiting_reason
 from scheduler.db import installation_id
-from scheduler.gpus import FREE_BY_VM_SQL, LOCK_FREE_ON_VM_SQL, VM_SIZES_SQL
+from scheduler.gpus import FREE_BY_VM_SQL, LOCK_FREE_ON_VM_SQL
 from scheduler.jobs import transition
 from scheduler.models import Job, JobNode
 from scheduler.placement import (
     demand_order,
     demands_fit,
-    short_of,
-    unsatisfiable_gang_reason,
     vm_order,
 )
 from scheduler.remote.layout import default_output_dir, new_token
 from scheduler.states import JobStatus
 
 
-def gang_pending_reason(nodes: int, need: int, fitting: int) -> str:
-    """Why a multi-node job waits, in the words `job list` shows."""
-    unit = "GPU" if need == 1 else "GPUs"
-    verb = "has" if fitting == 1 else "have"
-    return f"needs {nodes} VMs with {need} free {unit}; {fitting} {verb} them"
-
-
 def gang_demands(row: Any) -> list[int]:
     """The GPUs each node (rank) of a multi-node job needs, rank 0 first, from its shape
     (`JobShape.demands`). The row was checked first (`job_row_problem`)."""
     return list(JobShape.of_row(row).demands)
-
-
-def _demands_text(demands: Sequence[int]) -> str:
-    """`4, 2 and 1`: a gang's per-node GPU counts, most first, in a reason."""
-    words = [str(n) for n in sorted(demands, reverse=True)]
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
-
-
-def gang_wait_reason(demands: Sequence[int], free_by_vm: dict[int, int]) -> str:
-    """Why a gang with these per-node demands waits on VMs with these free GPUs (the
-    words of `gang_pending_reason` when every node needs the same)."""
-    short = short_of(free_by_vm, list(demands))
-    n, need, have = short or (len(demands), max(demands), len(free_by_vm))
-    if len(set(demands)) == 1:
-        return gang_pending_reason(len(demands), need, have)
-    return (
-        f"needs {len(demands)} VMs with {_demands_text(demands)} free GPUs; "
-        f"{have} VM(s) have {need} free, {n} needed"
-    )
-
-
-def gang_never_reason(demands: Sequence[int], sizes: dict[int, int]) -> str | None:
-    """Why a gang can never run on VMs of these sizes (None when it could): the words of
-    `unsatisfiable_gang_reason` when every node needs the same."""
-    short = short_of(sizes, list(demands))
-    if short is None:
-        return None
-    n, need, have = short
-    if len(set(demands)) == 1:
-        return unsatisfiable_gang_reason(len(demands), need, have)
-    return (
-        f"needs {len(demands)} VMs with {_demands_text(demands)} GPUs; "
-        f"only {have} VM(s) have {need} or more, {n} needed"
-    )
 
 
 async def _lock_gang(
@@ -245,15 +203,4 @@ async def _park_gang(
     conn: AsyncConnection, row: Any, actor: str, demands: Sequence[int], free: dict[int, int]
 ) -> NoClaim:
     """`queued → pending` for a multi-node job that fits nowhere now, with the reason."""
-    sizes = dict(enumerate(int(n) for n in (await conn.scalars(VM_SIZES_SQL)).all()))
-    reason = gang_never_reason(demands, sizes) or gang_wait_reason(demands, free)
-    moved = await transition(
-        AsyncSession(bind=conn),
-        row.id,
-        expected=JobStatus.QUEUED,
-        to=JobStatus.PENDING,
-        reason=reason,
-        actor=actor,
-        values={"status_reason": reason},
-    )
-    return NoClaim(row.id, JobStatus.PENDING.value, reason, moved_to_pending=moved)
+    return await park(conn, row.id, await waiting_reason(conn, demands, free), actor)

@@ -11,14 +11,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from scheduler import jobstore
 from scheduler.attempts.shape import JobShape
 from scheduler.claims.result import Claim, NoClaim, job_env_pairs
+from scheduler.claims.why import park, waiting_reason
 from scheduler.gpus import FREE_BY_VM_SQL, FREE_GPU, LEFTOVER_GPUS, USABLE_VM
-from scheduler.jobs import move_event_sql, move_set_sql, transition
-from scheduler.placement import shortlist, tie_break_sql, unsatisfiable_reason
+from scheduler.jobs import move_event_sql, move_set_sql
+from scheduler.placement import shortlist, tie_break_sql
 from scheduler.remote.layout import ROOT, new_token
 from scheduler.states import JobStatus
 
@@ -120,12 +121,6 @@ LARGEST_VM_SQL = text(jobstore.LARGEST_VM_SQL)
 """`jobstore.LARGEST_VM_SQL`: the most GPUs any one VM has, whatever its state."""
 
 
-def pending_reason(need: int, largest_free: int) -> str:
-    """Why a job waits, in the words `job list` shows."""
-    unit = "GPU" if need == 1 else "GPUs"
-    return f"needs {need} {unit}, largest free block is {largest_free}"
-
-
 async def batch_shortlist(conn: AsyncConnection, rows: Sequence[Any], candidates: int) -> list[int]:
     """The VMs a batch's claims look at first (`placement.shortlist` over one count of the
     free GPUs)."""
@@ -186,19 +181,4 @@ async def claim_one(
     if result.largest_free >= need:
         # Free GPUs exist but other claimers hold them: not a reason to wait.
         return NoClaim(job_id, row.status, "contended", contended=True)
-    largest_vm = int(await conn.scalar(LARGEST_VM_SQL) or 0)
-    reason = (
-        unsatisfiable_reason(need, largest_vm)
-        if need > largest_vm
-        else pending_reason(need, result.largest_free)
-    )
-    moved = await transition(
-        AsyncSession(bind=conn),  # a session over the connection joins its transaction
-        job_id,
-        expected=JobStatus.QUEUED,
-        to=JobStatus.PENDING,
-        reason=reason,
-        actor=actor,
-        values={"status_reason": reason},
-    )
-    return NoClaim(job_id, JobStatus.PENDING.value, reason, moved_to_pending=moved)
+    return await park(conn, job_id, await waiting_reason(conn, [need]), actor)

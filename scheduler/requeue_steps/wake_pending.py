@@ -1,16 +1,22 @@
 """Requeue step: put pending jobs back in the queue when GPUs that fit them are free.
 
 Which jobs is `scheduler.pending.plan_pending` (pure, anti-starvation included); this step
-loads its inputs and moves the jobs it names.
+loads its inputs — each job's shape (`attempts.shape`), the free GPUs, and the claim-time
+rules' states (`claims.rules`, loaded as a claim loads them) — and moves the jobs it names.
+A job a rule refuses is not woken, and its reason becomes the rule's words.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import func, select
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
 from scheduler.attempts.shape import JobShape
+from scheduler.claims.rules import RULE_COLUMNS, ClaimGate
 from scheduler.claims.single import LARGEST_VM_SQL
 from scheduler.gpus import FREE_BY_VM_SQL, VM_SIZES_SQL
 from scheduler.jobs import transition
@@ -39,11 +45,8 @@ async def wake_pending(
     rows = (
         await session.execute(
             select(
-                Job.id,
-                Job.gpus_requested,
-                Job.nodes,
-                Job.roles,
-                Job.priority,
+                *RULE_COLUMNS,
+                Job.status_reason,
                 waited.label("waited"),
                 since_pending.label("since_pending"),
             )
@@ -59,26 +62,18 @@ async def wake_pending(
     free = {vm_id: int(n) for vm_id, n in counts}
     largest_vm = int(await session.scalar(LARGEST_VM_SQL) or 0)
     sizes = [int(n) for n in (await session.execute(VM_SIZES_SQL)).scalars()]
+    gate = await ClaimGate.load(await session.connection(), rows)
     plan = plan_pending(
-        [
-            PendingJob(
-                r.id,
-                r.gpus_requested,
-                r.priority,
-                float(r.waited),
-                float(r.since_pending),
-                nodes=r.nodes,
-                demands=JobShape.of_row(r).demands,
-            )
-            for r in rows
-        ],
+        [_pending_job(r) for r in rows],
         free,
         recheck_after_s=recheck_after_s,
         pending_timeout_s=pending_timeout_s,
         starvation_after_s=starvation_after_s,
         largest_vm=largest_vm,
         vm_sizes=sizes,
+        gate=gate,
     )
+    await _say_refused(session, rows, plan.refused)
     if plan.held:
         log.info("pending_held_back", held_for=plan.held_for, held=len(plan.held))
     woken: list[int] = []
@@ -101,3 +96,31 @@ async def wake_pending(
             woken.append(job_id)
             metrics.count_recovery(f"pending_{why}")
     return woken
+
+
+def _pending_job(row: Any) -> PendingJob:
+    """A pending job row as the planner sees it: its GPUs per node from its shape."""
+    shape = JobShape.of_row(row)
+    return PendingJob(
+        row.id,
+        shape.gpus,
+        row.priority,
+        float(row.waited),
+        float(row.since_pending),
+        nodes=shape.nodes,
+        demands=shape.demands,
+    )
+
+
+async def _say_refused(
+    session: AsyncSession, rows: Sequence[Any], refused: Sequence[tuple[int, str]]
+) -> None:
+    """A job a rule refuses waits with the rule's words (written only when they changed)."""
+    said = {r.id: r.status_reason for r in rows}
+    for job_id, reason in refused:
+        if said.get(job_id) != reason:
+            await session.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.status == JobStatus.PENDING.value)
+                .values(status_reason=reason)
+            )

@@ -61,7 +61,7 @@ async def test_best_fit_keeps_big_holes_for_big_jobs(db: Database) -> None:
 
 async def test_nothing_fits_means_pending_with_the_reason(db: Database) -> None:
     """Given only 2 free GPUs on any VM (the 4-GPU one is unreachable), a 4-GPU job is
-    pending and says why."""
+    pending and says why, naming the unreachable VM."""
     await add_vm_row(db, "a", 2)
     await add_vm_row(db, "big", 4, status="unreachable")
     job_id = await new_job(db, 4)
@@ -70,7 +70,7 @@ async def test_nothing_fits_means_pending_with_the_reason(db: Database) -> None:
     async with db.transaction() as session:
         job = await get_job(session, job_id)
     assert job.status == "pending"
-    assert job.status_reason == "needs 4 GPUs, largest free block is 2"
+    assert job.status_reason == "needs 4 GPUs, largest free block is 2 (big: unreachable)"
 
 
 async def test_unusable_gpus_and_vms_are_never_claimed(db: Database) -> None:
@@ -93,7 +93,11 @@ async def test_unusable_gpus_and_vms_are_never_claimed(db: Database) -> None:
     c1 = await claim_gpus(db, first, actor="test")
     c2 = await claim_gpus(db, second, actor="test")
     assert isinstance(c1, Claim) and (c1.vm_id, c1.gpu_indices) == (ok, [3])
-    assert isinstance(c2, NoClaim) and c2.reason == "needs 1 GPU, largest free block is 0"
+    assert isinstance(c2, NoClaim) and c2.reason == (
+        "needs 1 GPU, largest free block is 0 (ok: 1 GPU unhealthy, 1 GPU busy with a process "
+        "rlfleet did not start, 1 GPU held by a leftover attempt; draining: draining; "
+        "down: unreachable)"
+    )
 
 
 async def test_a_job_whose_earlier_attempt_may_still_run_is_not_claimed(db: Database) -> None:
@@ -268,7 +272,7 @@ async def test_a_batch_claims_what_fits_and_parks_the_rest_in_one_transaction(
     assert isinstance(c1, Claim) and (c1.vm_id, c1.gpu_indices) == (vm_id, [2])
     assert isinstance(p4, NoClaim) and p4.moved_to_pending
     # In order: the 2-GPU claim before it already left only one GPU free.
-    assert p4.reason == "needs 4 GPUs, largest free block is 1"
+    assert p4.reason == "needs 4 GPUs, largest free block is 1 (big: unreachable)"
     assert isinstance(again, NoClaim) and not again.contended and not again.moved_to_pending
     assert isinstance(unknown, NoClaim) and unknown.status is None and not unknown.contended
     assert await allocations(db) == {two: (vm_id, [0, 1]), one: (vm_id, [2])}

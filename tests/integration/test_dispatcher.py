@@ -129,7 +129,7 @@ async def test_a_job_that_fits_nowhere_is_pending_with_the_reason(
     sim_fleet: FleetFactory, db: Database, nats: EmbeddedNats
 ) -> None:
     """Given two VMs with two GPUs each (and a 4-GPU one that is unreachable), a 4-GPU
-    job is pending and says why."""
+    job is pending and says why, naming the unreachable VM."""
     await polled_fleet(sim_fleet, db, 2, 2)
     await add_vm_row(db, "big", 4, status="unreachable")
     job_id = await new_job(db, 4)
@@ -138,7 +138,7 @@ async def test_a_job_that_fits_nowhere_is_pending_with_the_reason(
         await publish(nc, job_id)
         await nc.close()
         job = await wait_status(db, job_id, "pending")
-    assert job.status_reason == "needs 4 GPUs, largest free block is 2"
+    assert job.status_reason == "needs 4 GPUs, largest free block is 2 (big: unreachable)"
 
 
 @pytest.mark.slow

@@ -51,7 +51,8 @@ async def test_a_gang_that_does_not_fit_takes_nothing_and_says_what_is_missing(
     db: Database,
 ) -> None:
     """One VM with 4 free GPUs and one with 2: a 2 × 4 job takes no GPU at all and waits
-    "needs 2 VMs with 4 free GPUs; 1 has them"; a 3 × 4 job on a fleet of two 4-GPU VMs
+    "needs 2 VMs with 4 free GPUs; 1 has them", naming the unreachable VM that would have
+    them; a 3 × 4 job on a fleet of two 4-GPU VMs
     says it can never run."""
     await add_vm_row(db, "a", 4)
     await add_vm_row(db, "b", 2)
@@ -59,7 +60,7 @@ async def test_a_gang_that_does_not_fit_takes_nothing_and_says_what_is_missing(
     job_id = await new_job(db, 4, nodes=2)
     result = await claim_gpus(db, job_id, actor="test")
     assert isinstance(result, NoClaim) and result.moved_to_pending
-    assert result.reason == "needs 2 VMs with 4 free GPUs; 1 has them"
+    assert result.reason == "needs 2 VMs with 4 free GPUs; 1 has them (c: unreachable)"
     never = await new_job(db, 4, nodes=3)
     result = await claim_gpus(db, never, actor="test")
     assert isinstance(result, NoClaim)

@@ -21,10 +21,6 @@ ALLOWED = {
     # `job submit` reads the user's FILE (or the flags' group) into a spec: jobspec's job,
     # done where the CLI builds the job, before any row exists.
     "cli/jobfile.py",
-    # Being converted to the shape in parallel (issue 30, engineers `claim` and `rules`):
-    # the integrator removes these two once their branches are merged.
-    "claims/gang.py",
-    "requeue_steps/wake_pending.py",
 }
 
 
