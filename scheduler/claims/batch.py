@@ -1,9 +1,9 @@
 """A batch of jobs claimed in one short transaction (docs/invariants.md, invariant 4: no
 network I/O inside): its job rows are locked (rows another transaction holds are skipped
 and retried), a row the launch cannot use fails its own job (`_fail_unusable`), and each
-queued job is claimed in turn, by the single-node claim (`single.claim_one`) or the gang
-claim (`gang.claim_gang`). The same job delivered twice is claimed once, because the second
-delivery finds it no longer queued."""
+queued job is claimed in turn by the one claim path (`claim.claim`), whatever its kind,
+with the shape read once from its row. The same job delivered twice is claimed once,
+because the second delivery finds it no longer queued."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from scheduler.claims.gang import claim_gang
+from scheduler.attempts.shape import JobShape
+from scheduler.claims.claim import CANDIDATE_VMS, batch_shortlist, claim
 from scheduler.claims.result import Claim, NoClaim
-from scheduler.claims.single import CANDIDATE_VMS, batch_shortlist, claim_one
 from scheduler.db import Database
 from scheduler.jobs import transition
 from scheduler.leftovers import leftover_may_run
@@ -54,8 +54,9 @@ async def claim_batch_in_session(
     queued = [
         row for row in jobs.values() if row.status == JobStatus.QUEUED and not unusable[row.id]
     ]
-    single = [row for row in queued if row.nodes == 1]
-    shortlist = await batch_shortlist(conn, single, candidates) if len(single) > 1 else None
+    shapes = {row.id: JobShape.of_row(row) for row in queued}
+    plan = list(shapes.items())
+    shortlist = await batch_shortlist(conn, plan, candidates) if len(plan) > 1 else None
     results: list[Claim | NoClaim] = []
     seen: set[int] = set()
     for job_id in job_ids:
@@ -74,10 +75,18 @@ async def claim_batch_in_session(
             results.append(NoClaim(job_id, row.status, reason, waiting=True))
         elif unusable[job_id]:
             results.append(await _fail_unusable(conn, job_id, unusable[job_id] or "", actor))
-        elif row.nodes > 1:
-            results.append(await claim_gang(conn, row, actor, lease_s))
         else:
-            results.append(await claim_one(conn, row, actor, lease_s, candidates, shortlist))
+            results.append(
+                await claim(
+                    conn,
+                    row,
+                    shapes[job_id],
+                    actor=actor,
+                    lease_s=lease_s,
+                    candidates=candidates,
+                    shortlist=shortlist,
+                )
+            )
         seen.add(job_id)
     return results
 

@@ -12,8 +12,7 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
-from scheduler.claims.single import LARGEST_VM_SQL
-from scheduler.gpus import FREE_BY_VM_SQL, VM_SIZES_SQL
+from scheduler.gpus import FREE_BY_VM_SQL, LARGEST_VM_SQL, VM_SIZES_SQL
 from scheduler.jobs import transition
 from scheduler.logging import get_logger
 from scheduler.models import Job

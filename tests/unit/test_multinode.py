@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shlex
 
-from scheduler.claims.gang import gang_never_reason, gang_wait_reason
+from scheduler.claims.park import gang_never_reason, gang_wait_reason
 from scheduler.jobspec import GroupSpec, Role
 from scheduler.pending import PendingJob, plan_pending
 from scheduler.placement import demand_order, demands_fit, short_of, vm_order
