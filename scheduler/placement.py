@@ -15,10 +15,10 @@
 - **GPUs inside a VM**: a rank takes the VM's free GPUs lowest index first (`gpu_order`,
   rendered for SQL by `gpu_order_sql`).
 
-The claim (`scheduler.claims.claim`) locks candidate GPU rows in the order of
-`tie_break_sql` / `gpu_order_sql` on the VMs `lock_levels` asks for, then `assign`s every
-rank among the rows it locked; the batch shortlist (`shortlist`) plays the same order out
-on one count of the free GPUs. The pending planner (`scheduler.pending`) and `job submit`
+A batch of claims (`scheduler.claims`) locks the GPU rows its `shortlist` names (best fit
+played out on one count of the free GPUs), and each claim `assign`s every rank among the
+rows locked; a claim that finds no room there locks candidate rows on the whole fleet, in
+the order of `tie_break_sql` / `gpu_order_sql` on the VMs `lock_levels` asks for. The pending planner (`scheduler.pending`) and `job submit`
 (`scheduler.submit`) ask `place` and `short_of` whether a job fits now or could ever fit,
 and say why not with `unsatisfiable_reason` / `unsatisfiable_gang_reason`. A change to how
 GPUs are picked is made here.
@@ -167,29 +167,33 @@ def shortlist(
     free_by_vm: Iterable[tuple[int, int]],
     jobs: Iterable[tuple[int, Sequence[int]]],
     candidates: int,
-) -> list[int]:
-    """The VMs a batch's claims look at first: best fit played out on one count of the
-    free GPUs (`free_by_vm`: (VM, free GPUs)), keeping for each rank of each job ((job id,
-    GPUs per rank), in id order; ranks most demanding first) `candidates` of the fullest
-    VMs that fit it and that no earlier rank of the job took, ties spread per job.
+) -> dict[int, int]:
+    """The GPU rows a batch of claims locks up front, as VM → how many: best fit played out
+    on one count of the free GPUs (`free_by_vm`: (VM, free GPUs)), naming for each rank of
+    each job ((job id, GPUs per rank), in id order; ranks most demanding first)
+    `candidates` of the fullest VMs that fit it and that no earlier rank of the job took,
+    ties spread per job; a VM gets as many rows as the ranks naming it need, at most its
+    free GPUs.
 
-    Only a hint: each claim still locks and checks its GPU rows itself, and a claim that
-    finds nothing on the shortlist searches the whole fleet."""
+    Only a hint: each claim still assigns its ranks among the rows actually locked, and a
+    claim that finds no room there searches the whole fleet."""
     by_free: dict[int, list[int]] = {}
-    for vm_id, free in sorted(free_by_vm):
+    free_of = dict(free_by_vm)
+    for vm_id, free in sorted(free_of.items()):
         by_free.setdefault(free, []).append(vm_id)
-    named: set[int] = set()
+    named: dict[int, int] = {}
     for job_id, demands in jobs:
         used: set[int] = set()
         for need in sorted(demands, reverse=True):
             picked = _pick(by_free, need, job_id, candidates, used)
-            named.update(vm_id for _free, vm_id in picked)
+            for _free, vm_id in picked:
+                named[vm_id] = min(named.get(vm_id, 0) + need, free_of[vm_id])
             if picked:
                 free, vm_id = picked[0]
                 used.add(vm_id)
                 by_free[free].remove(vm_id)
                 by_free.setdefault(free - need, []).append(vm_id)
-    return sorted(named)
+    return dict(sorted(named.items()))
 
 
 def _pick(

@@ -14,7 +14,7 @@ from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from scheduler.attempts.shape import JobShape
-from scheduler.claims.claim import CANDIDATE_VMS, batch_shortlist, claim
+from scheduler.claims.claim import CANDIDATE_VMS, claim, lock_shortlist
 from scheduler.claims.result import Claim, NoClaim
 from scheduler.db import Database
 from scheduler.jobs import transition
@@ -55,8 +55,10 @@ async def claim_batch_in_session(
         row for row in jobs.values() if row.status == JobStatus.QUEUED and not unusable[row.id]
     ]
     shapes = {row.id: JobShape.of_row(row) for row in queued}
-    plan = list(shapes.items())
-    shortlist = await batch_shortlist(conn, plan, candidates) if len(plan) > 1 else None
+    plan = [(row.id, shapes[row.id]) for row in queued if not row.leftover]
+    # The rows the batch's claims look at first, locked once (a batch of one job locks
+    # its own candidates on the whole fleet, as a claim that misses here does).
+    pool = await lock_shortlist(conn, plan, candidates) if len(plan) > 1 else None
     results: list[Claim | NoClaim] = []
     seen: set[int] = set()
     for job_id in job_ids:
@@ -84,7 +86,7 @@ async def claim_batch_in_session(
                     actor=actor,
                     lease_s=lease_s,
                     candidates=candidates,
-                    shortlist=shortlist,
+                    pool=pool,
                 )
             )
         seen.add(job_id)

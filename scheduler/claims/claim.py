@@ -2,17 +2,18 @@
 job, a group on one VM) is an attempt of one rank, a multi-node job or a group over several
 VMs one of several, and all are claimed alike (`claim`):
 
-1. lock candidate GPU rows for every rank on the best-fitting VMs (`statements.LOCK_SQL`,
-   among the batch's shortlist first when there is one);
-2. assign each rank its VM and GPUs among the locked rows (`placement.assign`, pure);
-3. take them, move the job `queued → starting` with its event and write every rank's
-   `job_nodes` row (`statements.TAKE_SQL`).
+1. a batch locks, once, the GPU rows its shortlist names (`lock_shortlist`: `Locked`, the
+   rows the batch holds);
+2. each claim assigns every rank its VM and GPUs among the locked rows (`placement.assign`,
+   pure); when they have no room (or the batch is of one job), it locks candidate rows on
+   the whole fleet (`statements.LOCK_SQL`) and assigns among those;
+3. it takes them, moves the job `queued → starting` with its event and writes every
+   rank's `job_nodes` row (`statements.TAKE_SQL`).
 
-All in the caller's transaction, every rank or none (docs/invariants.md, invariant 1). A
-claim that misses on the shortlist tries the whole fleet, which alone decides `contended`
-(enough room on the count, but other claimers hold the rows: try again soon) and `pending`
-(`park.park`, with the reason). The per-rank demands are the job's shape's
-(`JobShape.demands`) and nothing else."""
+All in the caller's transaction, every rank or none (docs/invariants.md, invariant 1). The
+whole fleet alone decides `contended` (enough room on the count, but other claimers hold
+the rows: try again soon) and `pending` (`park.park`, with the reason). The per-rank
+demands are the job's shape's (`JobShape.demands`) and nothing else."""
 
 from __future__ import annotations
 
@@ -48,11 +49,24 @@ class LockedGpu:
 
 @dataclass(frozen=True)
 class Locked:
-    """What the lock statement found: the rows it locked on each VM (VM → (its free GPUs,
-    the rows)) and the free GPUs of every VM it counted."""
+    """What a lock statement found: the rows it locked on each VM (VM → (its free GPUs,
+    the rows), both less what claims since took) and the free GPUs of every VM it counted
+    (the whole fleet's, for `LOCK_SQL`)."""
 
     rows: dict[int, tuple[int, list[LockedGpu]]]
     free_by_vm: dict[int, int]
+
+    def assign(self, demands: Sequence[int], job_id: int) -> Placed | None:
+        """Every rank's VM and rows among these (`placement.assign`)."""
+        return assign(demands, self.rows, job_id, _index)
+
+    def remove(self, placed: Placed) -> None:
+        """Forget the rows a claim took (and count them taken on their VMs)."""
+        for vm, gpus in placed:
+            if vm in self.rows:
+                free, rows = self.rows[vm]
+                ids = {g.id for g in gpus}
+                self.rows[vm] = (free - len(gpus), [g for g in rows if g.id not in ids])
 
     @classmethod
     def of(cls, found: Row[Any]) -> Locked:
@@ -79,31 +93,30 @@ async def claim(
     actor: str,
     lease_s: float,
     candidates: int = CANDIDATE_VMS,
-    shortlist: Sequence[int] | None = None,
+    pool: Locked | None = None,
 ) -> Claim | NoClaim:
     """Claim the GPUs of every rank of one queued job whose row the caller holds locked
-    (`shape`: the row's), or park it `pending`, or say the GPUs are contended."""
+    (`shape`: the row's; `pool`: the rows its batch locked), or park it `pending`, or say
+    the GPUs are contended."""
     demands = list(shape.demands)
-    levels = lock_levels(demands, candidates)
-    params = {
-        "job_id": row.id,
-        "needs": [need for need, _top in levels],
-        "tops": [top for _need, top in levels],
-    }
-    placed = None
-    if shortlist:
-        only = {**params, "vm_ids": list(shortlist)}
-        found = Locked.of((await conn.execute(LOCK_SHORTLIST_SQL, only)).one())
-        placed = assign(demands, found.rows, row.id, _index)
+    placed = pool.assign(demands, row.id) if pool is not None else None
     if placed is None:
         # Pending and contended are only ever decided on the whole fleet.
+        levels = lock_levels(demands, candidates)
+        params = {
+            "job_id": row.id,
+            "needs": [need for need, _top in levels],
+            "tops": [top for _need, top in levels],
+        }
         found = Locked.of((await conn.execute(LOCK_SQL, params)).one())
-        placed = assign(demands, found.rows, row.id, _index)
+        placed = found.assign(demands, row.id)
         if placed is None:
             if demands_fit(found.free_by_vm, demands):
                 # Free GPUs exist but other claimers hold them: not a reason to wait.
                 return NoClaim(row.id, row.status, "contended", contended=True)
             return await park(conn, row, shape, found.free_by_vm, actor)
+    if pool is not None:
+        pool.remove(placed)
     return await _take(conn, row, shape, placed, actor=actor, lease_s=lease_s)
 
 
@@ -172,14 +185,18 @@ def claimed_reason(ranks: Sequence[NodeClaim]) -> str:
     return f"claimed {each} GPUs on VMs " + ",".join(str(r.vm_id) for r in ranks)
 
 
-async def batch_shortlist(
+async def lock_shortlist(
     conn: AsyncConnection, shapes: Sequence[tuple[int, JobShape]], candidates: int
-) -> list[int]:
-    """The VMs a batch's claims look at first (`placement.shortlist` over one count of the
-    free GPUs), for the (job id, shape) of each queued job."""
+) -> Locked:
+    """Lock the rows a batch's claims look at first (`placement.shortlist` over one count
+    of the free GPUs), for the (job id, shape) of each queued job."""
     free = (await conn.execute(FREE_BY_VM_SQL)).all()
-    return shortlist(
+    named = shortlist(
         ((int(vm_id), int(n)) for vm_id, n in free),
         ((job_id, shape.demands) for job_id, shape in shapes),
         candidates,
     )
+    if not named:
+        return Locked({}, {})
+    params = {"vm_ids": list(named), "counts": list(named.values())}
+    return Locked.of((await conn.execute(LOCK_SHORTLIST_SQL, params)).one())

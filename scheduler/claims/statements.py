@@ -1,17 +1,21 @@
-"""The two statements of a claim, for every kind of job (`scheduler.claims.claim`):
+"""The statements of a claim, for every kind of job (`scheduler.claims.claim`):
 
-- `LOCK_SQL` counts the free GPUs of each VM and locks, with `FOR UPDATE SKIP LOCKED`
+- `LOCK_SHORTLIST_SQL` locks, once for a batch, with `FOR UPDATE SKIP LOCKED`
   (docs/invariants.md, invariant 1: rows another claimer holds are skipped, never waited
-  for), candidate GPU rows on the best-fitting VMs for each per-rank demand
-  (`placement.lock_levels`), in the placement's VM and GPU orders (`placement.tie_break_sql`,
-  `placement.gpu_order_sql`); `LOCK_SHORTLIST_SQL` does the same among the VMs a batch's
-  plan named (an index scan of a few VMs' rows instead of counting the whole fleet);
+  for), the free GPU rows the batch's shortlist names (`placement.shortlist`): an index
+  scan of a few VMs' rows that every claim of the batch then assigns from;
+- `LOCK_SQL`, for a claim that found no room there (or a batch of one), counts the free
+  GPUs of every VM and locks candidate rows on the best-fitting VMs for each per-rank
+  demand (`placement.lock_levels`), in the placement's VM and GPU orders
+  (`placement.tie_break_sql`, `placement.gpu_order_sql`); the whole fleet's count decides
+  `contended` and `pending`;
 - `TAKE_SQL` gives the rows `placement.assign` picked to the job, moves it
   `queued → starting` with its event (rendered from the move's one definition,
   `jobs.move_set_sql` / `jobs.move_event_sql`) and writes every rank's `job_nodes` row,
   replacing the earlier attempt's rows: the one writer of where an attempt's ranks run.
 
-A claim is thus two round trips whatever its kind; nothing in them waits for a lock.
+A claim is thus one round trip (two when the shortlist had no room) whatever its kind,
+beside one per batch; nothing in them waits for a lock.
 """
 
 from __future__ import annotations
@@ -56,7 +60,33 @@ SELECT array_agg(vm_id) AS vms, array_agg(free) AS frees, array_agg(id) AS ids,
 FROM locked
 """
 LOCK_SQL = text(_LOCK_TEMPLATE.format(only_vms=""))
-LOCK_SHORTLIST_SQL = text(_LOCK_TEMPLATE.format(only_vms="AND g.vm_id = ANY(:vm_ids)"))
+
+LOCK_SHORTLIST_SQL = text(
+    f"""
+WITH {LEFTOVER_GPUS}, want AS (
+    SELECT * FROM unnest(CAST(:vm_ids AS integer[]), CAST(:counts AS integer[])) AS w(vm_id, n)
+), cand AS (
+    SELECT g.vm_id, count(*) AS free
+    FROM gpus g JOIN vms v ON v.id = g.vm_id
+    WHERE {USABLE_VM} AND {FREE_GPU} AND g.vm_id = ANY(CAST(:vm_ids AS integer[]))
+    GROUP BY g.vm_id
+), locked AS MATERIALIZED (
+    -- At most `n` free rows of each VM the batch's shortlist named, in the placement's GPU
+    -- order; rows another claimer holds are skipped, never waited for.
+    SELECT c.vm_id, c.free, l.id, l.index, l.uuid
+    FROM cand c JOIN want w ON w.vm_id = c.vm_id CROSS JOIN LATERAL (
+        SELECT g.id, g.index, g.uuid FROM gpus g
+        WHERE g.vm_id = c.vm_id AND {FREE_GPU}
+        ORDER BY {gpu_order_sql("g")} LIMIT w.n
+        FOR UPDATE OF g SKIP LOCKED
+    ) l
+)
+SELECT array_agg(vm_id) AS vms, array_agg(free) AS frees, array_agg(id) AS ids,
+       array_agg(index) AS indices, array_agg(uuid) AS uuids,
+       NULL AS fleet_vms, NULL AS fleet_free
+FROM locked
+"""
+)
 
 # `transition(queued → starting)` fused into the take, rendered from the move's one
 # definition (`jobs.move_values`). clock_timestamp(), not now(): in a batch, now() is when
@@ -79,12 +109,12 @@ WITH picked AS (
 ), taken AS (
     UPDATE gpus SET job_id = :job_id, allocated_at = clock_timestamp(),
                     updated_at = clock_timestamp()
-    FROM picked p WHERE gpus.id = p.id AND gpus.job_id IS NULL
-    RETURNING gpus.vm_id, gpus.index, gpus.uuid, p.rank, p.pos
+    WHERE gpus.id = ANY(CAST(:ids AS integer[])) AND gpus.job_id IS NULL
+    RETURNING gpus.id, gpus.vm_id, gpus.index, gpus.uuid
 ), placed AS (
-    SELECT rank, min(vm_id) AS vm_id, array_agg(index ORDER BY pos) AS gpu_indices,
-           array_agg(uuid ORDER BY pos) AS gpu_uuids
-    FROM taken GROUP BY rank
+    SELECT p.rank, min(t.vm_id) AS vm_id, array_agg(t.index ORDER BY p.pos) AS gpu_indices,
+           array_agg(t.uuid ORDER BY p.pos) AS gpu_uuids
+    FROM taken t JOIN picked p ON p.id = t.id GROUP BY p.rank
 ), moved AS (
     -- `transition(queued → starting)`: the same guarded UPDATE (see _CLAIM_MOVE); the job
     -- row keeps a copy of rank 0's VM and GPUs.
