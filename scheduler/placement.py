@@ -18,10 +18,11 @@
 A batch of claims (`scheduler.claims`) locks the GPU rows its `shortlist` names (best fit
 played out on one count of the free GPUs), and each claim `assign`s every rank among the
 rows locked; a claim that finds no room there locks candidate rows on the whole fleet, in
-the order of `tie_break_sql` / `gpu_order_sql` on the VMs `lock_levels` asks for. The pending planner (`scheduler.pending`) and `job submit`
-(`scheduler.submit`) ask `place` and `short_of` whether a job fits now or could ever fit,
-and say why not with `unsatisfiable_reason` / `unsatisfiable_gang_reason`. A change to how
-GPUs are picked is made here.
+the order of `tie_break_sql` / `gpu_order_sql` on the VMs `lock_levels` asks for. The
+pending planner (`scheduler.pending`) and `job submit` (`scheduler.submit`) ask `place`
+and `short_of` whether a job fits now or could ever fit, and say why not with
+`unsatisfiable_reason` / `unsatisfiable_gang_reason`. A change to how GPUs are picked is
+made here.
 """
 
 from __future__ import annotations
@@ -172,8 +173,9 @@ def shortlist(
     on one count of the free GPUs (`free_by_vm`: (VM, free GPUs)), naming for each rank of
     each job ((job id, GPUs per rank), in id order; ranks most demanding first)
     `candidates` of the fullest VMs that fit it and that no earlier rank of the job took,
-    ties spread per job; a VM gets as many rows as the ranks naming it need, at most its
-    free GPUs.
+    ties spread per job. A VM gets as many rows as the ranks played out on it need (or, if
+    more, as the most demanding rank naming it as a spare), at most its free GPUs: a batch
+    holds little more than it will take.
 
     Only a hint: each claim still assigns its ranks among the rows actually locked, and a
     claim that finds no room there searches the whole fleet."""
@@ -181,19 +183,22 @@ def shortlist(
     free_of = dict(free_by_vm)
     for vm_id, free in sorted(free_of.items()):
         by_free.setdefault(free, []).append(vm_id)
-    named: dict[int, int] = {}
+    placed: dict[int, int] = {}
+    spare: dict[int, int] = {}
     for job_id, demands in jobs:
         used: set[int] = set()
         for need in sorted(demands, reverse=True):
             picked = _pick(by_free, need, job_id, candidates, used)
-            for _free, vm_id in picked:
-                named[vm_id] = min(named.get(vm_id, 0) + need, free_of[vm_id])
+            for _free, vm_id in picked[1:]:
+                spare[vm_id] = max(spare.get(vm_id, 0), need)
             if picked:
                 free, vm_id = picked[0]
+                placed[vm_id] = placed.get(vm_id, 0) + need
                 used.add(vm_id)
                 by_free[free].remove(vm_id)
                 by_free.setdefault(free - need, []).append(vm_id)
-    return dict(sorted(named.items()))
+    named = set(placed) | set(spare)
+    return {vm: min(free_of[vm], max(placed.get(vm, 0), spare.get(vm, 0))) for vm in sorted(named)}
 
 
 def _pick(

@@ -60,6 +60,15 @@ class Locked:
         """Every rank's VM and rows among these (`placement.assign`)."""
         return assign(demands, self.rows, job_id, _index)
 
+    def add(self, other: Locked) -> None:
+        """Hold `other`'s rows too (a later count of a VM's free GPUs wins)."""
+        for vm, (free, rows) in other.rows.items():
+            known = {g.id for g in self.rows.get(vm, (0, []))[1]}
+            self.rows[vm] = (
+                free,
+                self.rows.get(vm, (0, []))[1] + [g for g in rows if g.id not in known],
+            )
+
     def remove(self, placed: Placed) -> None:
         """Forget the rows a claim took (and count them taken on their VMs)."""
         for vm, gpus in placed:
@@ -102,13 +111,7 @@ async def claim(
     placed = pool.assign(demands, row.id) if pool is not None else None
     if placed is None:
         # Pending and contended are only ever decided on the whole fleet.
-        levels = lock_levels(demands, candidates)
-        params = {
-            "job_id": row.id,
-            "needs": [need for need, _top in levels],
-            "tops": [top for _need, top in levels],
-        }
-        found = Locked.of((await conn.execute(LOCK_SQL, params)).one())
+        found = await lock_fleet(conn, row.id, demands, candidates, pool)
         placed = found.assign(demands, row.id)
         if placed is None:
             if demands_fit(found.free_by_vm, demands):
@@ -118,6 +121,28 @@ async def claim(
     if pool is not None:
         pool.remove(placed)
     return await _take(conn, row, shape, placed, actor=actor, lease_s=lease_s)
+
+
+async def lock_fleet(
+    conn: AsyncConnection,
+    job_id: int,
+    demands: Sequence[int],
+    candidates: int,
+    pool: Locked | None,
+) -> Locked:
+    """Lock candidate rows for every rank on the whole fleet (`LOCK_SQL`). Inside a batch
+    whose rows had no room (`pool`), twice as many VMs are tried, and the rows locked and
+    not taken join the batch's, for its next claims."""
+    levels = lock_levels(demands, candidates * (1 if pool is None else 2))
+    params = {
+        "job_id": job_id,
+        "needs": [need for need, _top in levels],
+        "tops": [top for _need, top in levels],
+    }
+    found = Locked.of((await conn.execute(LOCK_SQL, params)).one())
+    if pool is not None:
+        pool.add(found)
+    return found
 
 
 def _index(gpu: LockedGpu) -> int:
