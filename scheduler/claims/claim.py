@@ -47,11 +47,12 @@ class LockedGpu:
     uuid: str
 
 
-@dataclass(frozen=True)
+@dataclass
 class Locked:
     """What a lock statement found: the rows it locked on each VM (VM → (its free GPUs,
     the rows), both less what claims since took) and the free GPUs of every VM it counted
-    (the whole fleet's, for `LOCK_SQL`)."""
+    (the whole fleet's, for `LOCK_SQL`). A batch's (`lock_shortlist`) changes as its
+    claims take rows and lock more; the rows stay locked until the batch commits."""
 
     rows: dict[int, tuple[int, list[LockedGpu]]]
     free_by_vm: dict[int, int]
@@ -146,6 +147,7 @@ async def lock_fleet(
 
 
 def _index(gpu: LockedGpu) -> int:
+    """A locked row's GPU index (what `placement.gpu_order` orders by)."""
     return gpu.index
 
 
