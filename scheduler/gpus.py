@@ -1,8 +1,8 @@
 """Which GPUs are free, giving a job's GPUs back, and recounting a VM's free GPUs.
 
-A GPU is free when nvidia-smi says it is healthy (`scheduler.gpu_health`) and idle, no
-operator drained it by hand, rlfleet has not given it to a job, its VM answers and is not
-draining, and no leftover (`scheduler.leftovers`: an
+A GPU is free when the placement policy finds it eligible (`scheduler.placement`: healthy,
+idle, not drained, on a VM that answers and is not draining), rlfleet has not given it to a
+job, and no leftover (`scheduler.leftovers`: an
 attempt that may still run on its VM) may still hold it. The claim query, the pending
 planner and every recount use the SQL fragments here, so they all count alike.
 """
@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from scheduler import jobstore
 from scheduler.db import Database
 from scheduler.jobstore import colon_style
+from scheduler.placement import ELIGIBLE_GPU_SQL, ELIGIBLE_VM_SQL
 
 LEFTOVER_GPUS = """
     leftover_gpus AS MATERIALIZED (
@@ -29,17 +30,19 @@ LEFTOVER_GPUS = """
 once, then hash anti-joined). A leftover blocks its GPUs by UUID (a renumbering cannot
 move them); rows written before UUIDs were recorded block by index."""
 
-FREE_GPU = """
-    g.job_id IS NULL AND g.healthy AND NOT g.drained AND NOT g.foreign_busy
+FREE_GPU = f"""
+    g.job_id IS NULL AND {ELIGIBLE_GPU_SQL}
     AND NOT EXISTS (
         SELECT 1 FROM leftover_gpus b
         WHERE b.vm_id = g.vm_id AND (b.uuid = g.uuid OR b.index = g.index)
     )
 """
-"""The condition on GPU row `g` (with `LEFTOVER_GPUS` in the WITH list) that it is free."""
+"""The condition on GPU row `g` (with `LEFTOVER_GPUS` in the WITH list) that it is free:
+eligible by the placement policy (`placement.ELIGIBLE_GPU_SQL`), held by no job, and kept
+out of use by no leftover."""
 
-USABLE_VM = "v.status = 'healthy' AND NOT v.draining"
-"""The condition on VM row `v` that its free GPUs may be claimed."""
+USABLE_VM = ELIGIBLE_VM_SQL
+"""The condition on VM row `v` that its free GPUs may be claimed (`placement`)."""
 
 FREE_BY_VM_SQL = text(
     f"""
@@ -116,17 +119,8 @@ async def refresh_available(db: Database, vm_ids: set[int]) -> None:
         await refresh_available_in_session(session, vm_ids)
 
 
-LOCK_FREE_ON_VM_SQL = text(
-    f"""
-WITH {LEFTOVER_GPUS}
-SELECT g.id, g.index, g.uuid FROM gpus g JOIN vms v ON v.id = g.vm_id
-WHERE g.vm_id = :vm_id AND {USABLE_VM} AND {FREE_GPU}
-ORDER BY g.index LIMIT :need
-FOR UPDATE OF g SKIP LOCKED
-"""
-)
-"""Lock up to `need` free GPU rows of one VM for a gang claim; rows another claimer holds
-are skipped, never waited for (docs/invariants.md, invariant 1)."""
+LARGEST_VM_SQL = text(jobstore.LARGEST_VM_SQL)
+"""`jobstore.LARGEST_VM_SQL`: the most GPUs any one VM has, whatever its state."""
 
 VMS_WITH_SQL = text(colon_style(jobstore.VMS_WITH_SQL))
 """`jobstore.VMS_WITH_SQL`: how many VMs have at least `need` GPUs, whatever their state."""

@@ -1,24 +1,36 @@
 """How GPUs are picked: the one home of the placement policy. Pure, no I/O.
 
-- **Best fit**: a node goes to the fullest VM that still has the GPUs it needs (fewest free
+- **Eligible**: a GPU may be placed on when its VM answers and is not draining
+  (`ELIGIBLE_VM_SQL`) and the GPU is healthy, not drained by an operator and not busy with
+  a process rlfleet did not start (`ELIGIBLE_GPU_SQL`); `scheduler.gpus` adds that it is
+  not held by a job or a leftover (`FREE_GPU`).
+- **Best fit**: a rank goes to the fullest VM that still has the GPUs it needs (fewest free
   GPUs first), so big free blocks stay whole for big jobs.
-- **Spread**: ties between equally full VMs are broken per job (`SPREAD`), so that
-  concurrent claimers spread over them instead of queueing on one.
-- **Gangs**: a job over several VMs puts each node on a VM of its own, the most demanding
-  node first (`demand_order`); such a placement exists exactly when `short_of` finds no
-  shortage.
+- **Spread**: ties between equally full VMs are broken per job (`spread`, rendered for SQL
+  by `tie_break_sql`), so that concurrent claimers spread over them instead of queueing
+  on one.
+- **Ranks**: an attempt puts each rank on a VM of its own, the most demanding rank first
+  (`demand_order`); such a placement exists exactly when `short_of` finds no shortage. A
+  single-node job is an attempt of one rank.
+- **GPUs inside a VM**: a rank takes the VM's free GPUs lowest index first (`gpu_order`,
+  rendered for SQL by `gpu_order_sql`).
 
-The claim's SQL orders its candidates with `tie_break_sql` (rendered from `SPREAD`), the
-batch shortlist (`shortlist`) and the gang claim (`vm_order`) play the same order out in
-Python, the pending planner (`scheduler.pending`) and `job submit` (`scheduler.submit`) ask
-`place` and `short_of` whether a job fits now or could ever fit, and say why not with
+A batch of claims (`scheduler.claims`) locks the GPU rows its `shortlist` names (best fit
+played out on one count of the free GPUs), and each claim `assign`s every rank among the
+rows locked; a claim that finds no room there locks candidate rows on the whole fleet, in
+the order of `tie_break_sql` / `gpu_order_sql` on the VMs `lock_levels` asks for. The
+pending planner (`scheduler.pending`) and `job submit` (`scheduler.submit`) ask `place`
+and `short_of` whether a job fits now or could ever fit, and say why not with
 `unsatisfiable_reason` / `unsatisfiable_gang_reason`. A change to how GPUs are picked is
 made here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 SPREAD = 2654435761
 """Knuth's multiplicative hash constant: ties between equally full VMs are broken per job,
@@ -26,22 +38,47 @@ so concurrent claimers spread over them instead of queueing on one."""
 
 _MOD = 2**32
 
+ELIGIBLE_VM_SQL = "v.status = 'healthy' AND NOT v.draining"
+"""The condition on VM row `v` that its GPUs may be placed on: the poller hears it, and
+no operator is draining it (`vm drain`)."""
+
+ELIGIBLE_GPU_SQL = "g.healthy AND NOT g.drained AND NOT g.foreign_busy"
+"""The condition on GPU row `g` that it may be placed on: nvidia-smi says it is healthy
+(`scheduler.gpu_health`), no operator drained it by hand, and no process rlfleet did not
+start is using it."""
+
+
+def spread(vm_id: int, job_id: int) -> int:
+    """The per-job hash by which equally full VMs are ordered for one job."""
+    return (vm_id * SPREAD % _MOD) ^ (job_id * SPREAD % _MOD)
+
 
 def tie_break_sql(vm: str, job: str) -> str:
-    """The SQL expression (over the columns or parameters `vm` and `job`) by which the
-    claim breaks ties between equally full VMs for one job."""
-    return f"({vm} * {SPREAD} + {job}) % {_MOD}"
+    """`spread` as an SQL expression over the columns or parameters `vm` and `job`."""
+    return f"(({vm} * {SPREAD}) % {_MOD}) # (({job} * {SPREAD}) % {_MOD})"
+
+
+def fit_key(vm_id: int, free: int, job_id: int) -> tuple[int, int, int]:
+    """The best-fit order of VMs for a job: fewest free GPUs first, ties spread per job."""
+    return (free, spread(vm_id, job_id), vm_id)
+
+
+def gpu_order_sql(gpu: str) -> str:
+    """`gpu_order` as an SQL ORDER BY list over GPU row alias `gpu`."""
+    return f"{gpu}.index"
+
+
+def gpu_order(gpus: Iterable[T], index: Callable[[T], int]) -> list[T]:
+    """The order in which a rank takes a VM's free GPUs: lowest index first."""
+    return sorted(gpus, key=index)
 
 
 def vm_order(free_by_vm: dict[int, int], need: int, job_id: int) -> list[int]:
-    """The VMs a node needing `need` GPUs may be placed on, best first: those with at least
-    `need` free GPUs, the fullest first (fewest free GPUs, so big free blocks stay whole for
-    big jobs), ties broken by a per-job hash of the VM id. A gang claim takes the first of
-    the list whose GPU rows it can lock, moving down the list past VMs another claimer
-    holds right now (docs/decisions.md, "Gang placement")."""
-    salt = job_id * SPREAD % _MOD
+    """The VMs a rank needing `need` GPUs may be placed on, best first: those with at least
+    `need` free GPUs, in best-fit order (`fit_key`: the fullest first, so big free blocks
+    stay whole for big jobs, ties spread per job; docs/decisions.md, "Gang placement")."""
     fits = [vm for vm, free in free_by_vm.items() if free >= need]
-    return sorted(fits, key=lambda vm: (free_by_vm[vm], (vm * SPREAD % _MOD) ^ salt, vm))
+    return sorted(fits, key=lambda vm: fit_key(vm, free_by_vm[vm], job_id))
 
 
 def demand_order(demands: list[int]) -> list[int]:
@@ -93,34 +130,93 @@ def could_ever_fit(vm_sizes: Sequence[int], demands: list[int]) -> bool:
     return place(dict(enumerate(vm_sizes)), demands) is not None
 
 
-def shortlist(
-    free_by_vm: Iterable[tuple[int, int]], jobs: Iterable[tuple[int, int]], candidates: int
-) -> list[int]:
-    """The VMs a batch's claims look at first: best fit played out on one count of the
-    free GPUs (`free_by_vm`: (VM, free GPUs)), keeping for each job ((job id, GPUs needed),
-    in id order) `candidates` of the fullest VMs that fit it, ties spread per job.
+def lock_levels(demands: Sequence[int], candidates: int) -> list[tuple[int, int]]:
+    """(GPUs, VMs) for each distinct per-rank demand, most first: how many of the
+    best-fitting VMs with that many free GPUs a claim locks rows on. The k ranks needing
+    at least `need` GPUs take at most k of those VMs, so k + `candidates` − 1 of them leave
+    room for VMs whose rows another claimer holds right now."""
+    levels = sorted(set(demands), reverse=True)
+    return [(need, sum(1 for d in demands if d >= need) + candidates - 1) for need in levels]
 
-    Only a hint: each claim still locks and checks its GPU rows itself, and a claim that
-    finds nothing on the shortlist searches the whole fleet."""
+
+def assign(
+    demands: Sequence[int],
+    locked: Mapping[int, tuple[int, Sequence[T]]],
+    job_id: int,
+    index: Callable[[T], int],
+) -> list[tuple[int, list[T]]] | None:
+    """Every rank's (VM, GPUs), rank 0 first, among the GPU rows a claim locked
+    (`locked`: VM → (its free GPUs, the rows locked there)): the most demanding rank first
+    (`demand_order`), each on the best-fitting VM (`fit_key`) not given to another rank
+    where enough rows are locked, taking them in `gpu_order`. None when some rank finds
+    none. The VMs where at least n rows are locked are among those where fewer are, so the
+    greedy order finds a placement whenever one exists."""
+    order = sorted(locked, key=lambda vm: fit_key(vm, locked[vm][0], job_id))
+    placed: dict[int, tuple[int, list[T]]] = {}
+    used: set[int] = set()
+    for rank in demand_order(list(demands)):
+        need = demands[rank]
+        vm = next((v for v in order if v not in used and len(locked[v][1]) >= need), None)
+        if vm is None:
+            return None
+        used.add(vm)
+        placed[rank] = (vm, gpu_order(locked[vm][1], index)[:need])
+    return [placed[rank] for rank in range(len(demands))]
+
+
+def shortlist(
+    free_by_vm: Iterable[tuple[int, int]],
+    jobs: Iterable[tuple[int, Sequence[int]]],
+    candidates: int,
+) -> dict[int, int]:
+    """The GPU rows a batch of claims locks up front, as VM → how many: best fit played out
+    on one count of the free GPUs (`free_by_vm`: (VM, free GPUs)), naming for each rank of
+    each job ((job id, GPUs per rank), in id order; ranks most demanding first)
+    `candidates` of the fullest VMs that fit it and that no earlier rank of the job took,
+    ties spread per job. A VM gets as many rows as the ranks played out on it need (or, if
+    more, as the most demanding rank naming it as a spare), at most its free GPUs: a batch
+    holds little more than it will take.
+
+    Only a hint: each claim still assigns its ranks among the rows actually locked, and a
+    claim that finds no room there searches the whole fleet."""
     by_free: dict[int, list[int]] = {}
-    for vm_id, free in sorted(free_by_vm):
+    free_of = dict(free_by_vm)
+    for vm_id, free in sorted(free_of.items()):
         by_free.setdefault(free, []).append(vm_id)
-    named: set[int] = set()
-    for job_id, need in jobs:
-        picked: list[tuple[int, int]] = []
-        for free in sorted(n for n, vms in by_free.items() if n >= need and vms):
-            vms = by_free[free]
-            start = job_id * SPREAD % len(vms)
-            take = min(candidates - len(picked), len(vms))
-            picked += [(free, vms[(start + k) % len(vms)]) for k in range(take)]
-            if len(picked) >= candidates:
-                break
-        named.update(vm_id for _free, vm_id in picked)
-        if picked:
-            free, vm_id = picked[0]
-            by_free[free].remove(vm_id)
-            by_free.setdefault(free - need, []).append(vm_id)
-    return sorted(named)
+    placed: dict[int, int] = {}
+    spare: dict[int, int] = {}
+    for job_id, demands in jobs:
+        used: set[int] = set()
+        for need in sorted(demands, reverse=True):
+            picked = _pick(by_free, need, job_id, candidates, used)
+            for _free, vm_id in picked[1:]:
+                spare[vm_id] = max(spare.get(vm_id, 0), need)
+            if picked:
+                free, vm_id = picked[0]
+                placed[vm_id] = placed.get(vm_id, 0) + need
+                used.add(vm_id)
+                by_free[free].remove(vm_id)
+                by_free.setdefault(free - need, []).append(vm_id)
+    named = set(placed) | set(spare)
+    return {vm: min(free_of[vm], max(placed.get(vm, 0), spare.get(vm, 0))) for vm in sorted(named)}
+
+
+def _pick(
+    by_free: dict[int, list[int]], need: int, job_id: int, candidates: int, used: set[int]
+) -> list[tuple[int, int]]:
+    """Up to `candidates` (free, VM) of the fullest VMs with `need` free GPUs, not `used`,
+    ties spread per job."""
+    picked: list[tuple[int, int]] = []
+    for free in sorted(n for n, vms in by_free.items() if n >= need and vms):
+        vms = [vm for vm in by_free[free] if vm not in used] if used else by_free[free]
+        if not vms:
+            continue
+        start = job_id * SPREAD % len(vms)
+        take = min(candidates - len(picked), len(vms))
+        picked += [(free, vms[(start + k) % len(vms)]) for k in range(take)]
+        if len(picked) >= candidates:
+            break
+    return picked
 
 
 def unsatisfiable_reason(need: int, largest_vm: int) -> str:

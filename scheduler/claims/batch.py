@@ -1,10 +1,10 @@
 """A batch of jobs claimed in one short transaction (docs/invariants.md, invariant 4: no
 network I/O inside): its job rows are locked (rows another transaction holds are skipped
 and retried), a row the launch cannot use fails its own job (`_fail_unusable`), and each
-queued job is claimed in turn, by the single-node claim (`single.claim_one`) or the gang
-claim (`gang.claim_gang`), unless a claim-time rule (`claims.rules`) refuses it: it then
-waits `pending` with the rule's words. The same job delivered twice is claimed once,
-because the second delivery finds it no longer queued."""
+queued job is claimed in turn by the one claim path (`claim.claim`), whatever its kind,
+with the shape read once from its row, unless a claim-time rule (`claims.rules`)
+refuses it: it then waits `pending` with the rule's words. The same job delivered twice
+is claimed once, because the second delivery finds it no longer queued."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from typing import Any
 from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from scheduler.claims.gang import claim_gang
+from scheduler.attempts.shape import JobShape
+from scheduler.claims.claim import CANDIDATE_VMS, claim, lock_shortlist
 from scheduler.claims.result import Claim, NoClaim
 from scheduler.claims.rules import ClaimGate
-from scheduler.claims.single import CANDIDATE_VMS, batch_shortlist, claim_one
 from scheduler.claims.why import park
 from scheduler.db import Database
 from scheduler.jobs import transition
@@ -57,8 +57,11 @@ async def claim_batch_in_session(
     queued = [
         row for row in jobs.values() if row.status == JobStatus.QUEUED and not unusable[row.id]
     ]
-    single = [row for row in queued if row.nodes == 1]
-    shortlist = await batch_shortlist(conn, single, candidates) if len(single) > 1 else None
+    shapes = {row.id: JobShape.of_row(row) for row in queued}
+    plan = [(row.id, shapes[row.id]) for row in queued if not row.leftover]
+    # The rows the batch's claims look at first, locked once (a batch of one job locks
+    # its own candidates on the whole fleet, as a claim that misses here does).
+    pool = await lock_shortlist(conn, plan, candidates) if len(plan) > 1 else None
     gate = await ClaimGate.load(conn, queued)  # the claim-time rules (claims/rules.py)
     results: list[Claim | NoClaim] = []
     seen: set[int] = set()
@@ -80,10 +83,18 @@ async def claim_batch_in_session(
             results.append(await _fail_unusable(conn, job_id, unusable[job_id] or "", actor))
         elif (refused := gate.refusal(job_id)) is not None:
             results.append(await park(conn, job_id, refused, actor))
-        elif row.nodes > 1:
-            results.append(await claim_gang(conn, row, actor, lease_s))
         else:
-            results.append(await claim_one(conn, row, actor, lease_s, candidates, shortlist))
+            results.append(
+                await claim(
+                    conn,
+                    row,
+                    shapes[job_id],
+                    actor=actor,
+                    lease_s=lease_s,
+                    candidates=candidates,
+                    pool=pool,
+                )
+            )
         if isinstance(results[-1], Claim):
             gate.took(job_id)
         seen.add(job_id)

@@ -1,6 +1,9 @@
-"""What a launch records in the caller's transaction: the launched attempts moved
-`starting → running` in one statement with their event rows (`mark_running_batch`), each
-rank's pid and directory (`record_ranks`), and a job group's ports (`record_group_ports`)."""
+"""What a launch learns and records in the caller's transaction: the launched attempts
+moved `starting → running` in one statement with their event rows and rank 0's pid and
+directory (`mark_running_batch`), each rank's pid and directory (`record_ranks`), and a job
+group's ports (`record_group_ports`). Where each rank runs (its `job_nodes` row: VM, GPUs,
+attempt) is written by the claim alone (`claims.statements.TAKE_SQL`); these only fill in
+what the launch learned."""
 
 from __future__ import annotations
 
@@ -111,7 +114,8 @@ async def record_ranks(
     conn: AsyncConnection, job_id: int, attempt: int, ranks: Sequence[tuple[int, int, str | None]]
 ) -> None:
     """Record each launched rank's (rank, pid, absolute directory) of a multi-node attempt
-    (caller's transaction); rows of another attempt are left alone."""
+    on the rows its claim wrote (caller's transaction); rows of another attempt are left
+    alone, and no row is added."""
     for rank, pid, path in ranks:
         await conn.execute(
             update(JobNode)

@@ -17,8 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from scheduler import metrics
 from scheduler.attempts.shape import JobShape
 from scheduler.claims.rules import RULE_COLUMNS, ClaimGate
-from scheduler.claims.single import LARGEST_VM_SQL
-from scheduler.gpus import FREE_BY_VM_SQL, VM_SIZES_SQL
+from scheduler.gpus import FREE_BY_VM_SQL, LARGEST_VM_SQL, VM_SIZES_SQL
 from scheduler.jobs import transition
 from scheduler.logging import get_logger
 from scheduler.models import Job

@@ -9,8 +9,9 @@ import random
 
 from sqlalchemy import select, text
 
+from scheduler.attempts.shape import JobShape
 from scheduler.claims.batch import CLAIM_COLUMNS, claim_gpus
-from scheduler.claims.gang import claim_gang
+from scheduler.claims.claim import claim
 from scheduler.claims.result import Claim, NoClaim
 from scheduler.db import Database
 from scheduler.gpus import DOUBLE_BOOKED_SQL, PARTIAL_CLAIMS_SQL
@@ -72,13 +73,15 @@ async def test_a_gang_that_does_not_fit_takes_nothing_and_says_what_is_missing(
 
 
 async def _claim_per_node(db: Database, job_id: int, demands: list[int]) -> Claim | NoClaim:
-    """The gang claim with one GPU count per node, in a transaction of its own, on the job's
-    row locked as `claim_batch_in_session` locks it."""
+    """The claim of a job whose shape has one GPU count per node (`demands`), in a
+    transaction of its own, on the job's row locked as `claim_batch_in_session` locks it."""
     async with db.engine.begin() as conn:
         row = (
             await conn.execute(select(*CLAIM_COLUMNS).where(Job.id == job_id).with_for_update())
         ).one()
-        return await claim_gang(conn, row, "test", 60.0, demands)
+        shape = JobShape.of_row(row)
+        assert list(shape.demands) == demands
+        return await claim(conn, row, shape, actor="test", lease_s=60.0)
 
 
 async def test_a_gang_of_unequal_nodes_takes_each_its_own_count_on_distinct_vms(
@@ -94,8 +97,8 @@ async def test_a_gang_of_unequal_nodes_takes_each_its_own_count_on_distinct_vms(
     c = await add_vm_row(db, "c", 2)
     spec = GroupSpec(
         roles=(
-            Role("trainer", gpus=2, nodes=2, primary=True),
-            Role("server", gpus=1, depends_on=()),
+            Role("trainer", gpus=2, nodes=2, primary=True, command=("train",)),
+            Role("server", gpus=1, depends_on=(), command=("serve",)),
         )
     )
     demands = [n.gpus for n in spec.layout()]
