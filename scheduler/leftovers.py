@@ -29,8 +29,13 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
 from scheduler.attempts.end import End, How, Outcome, RankEnd, decide
-# AttemptRecord, abandon_attempt and record_leftover: where callers have always found them.
-from scheduler.attempts.finish import AttemptRecord, abandon_attempt, end_attempt, record_leftover
+from scheduler.attempts.finish import AttemptRecord, end_attempt
+from scheduler.attempts.finish import (  # where callers have always found them
+    abandon_attempt as abandon_attempt,
+)
+from scheduler.attempts.finish import (
+    record_leftover as record_leftover,
+)
 from scheduler.attempts.ranks import exit_codes, job_shape
 from scheduler.db import Database, installation_id
 from scheduler.kill import KillResult, kill_attempt

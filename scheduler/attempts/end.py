@@ -135,11 +135,16 @@ def fate_of(shape: JobShape, rank: int) -> Fate:
     return Fate.SHARED
 
 
-def decide(shape: JobShape, end: RankEnd, codes: Mapping[int, int | None]) -> End:
+def decide(
+    shape: JobShape | None, end: RankEnd, codes: Mapping[int, int | None] | None = None
+) -> End:
     """What becomes of an attempt of a job of `shape` after `end`, given the exit code
-    known of each of its ranks (`codes`; the ended rank's own is taken from `end`)."""
+    known of each of its ranks (`codes`; the ended rank's own is taken from `end`). Only
+    an exit needs the shape and the codes: every other end stops the whole attempt."""
     if end.how is How.EXITED:
-        return _exited(shape, end, codes)
+        if shape is None:
+            raise ValueError("an exited end needs the job's shape")
+        return _exited(shape, end, codes or {})
     if end.how is How.LEASE_EXPIRED:
         return End(Outcome.REQUEUED, end.why, leftover=end.how.value)
     if end.how is How.CANCELLED:

@@ -171,7 +171,7 @@ async def finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str) 
 
 
 async def _attempt_record(session: AsyncSession, job: LiveJob) -> AttemptRecord | None:
-    """The job's current attempt as `abandon_attempt` takes it, if it is still `job`'s."""
+    """The job's current attempt as `end_attempt` takes it, if it is still `job`'s."""
     row = (
         await session.execute(
             select(*AttemptRecord.columns()).where(
