@@ -280,8 +280,8 @@ class LeftoverSweep:
         still starting or running is superseded: it becomes a leftover itself (its GPUs stay
         blocked until the next sweep has killed it), and the row names the VM and directory
         of the attempt whose output is the result. A leftover is one rank of its attempt (the
-        only one, for a single-node job): the job completes once the attempt has succeeded
-        by the one outcome rule (`_ranks_succeeded`). Caller's transaction."""
+        only one, for a single-node job): the job completes once the one end-of-attempt rule
+        says the attempt succeeded (`_late_end`). Caller's transaction."""
         assert item.run is not None
         job = (
             await session.execute(
