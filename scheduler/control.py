@@ -15,11 +15,13 @@ from typing import Any
 from sqlalchemy import select
 
 from scheduler import bus
+from scheduler.attempts.end import How, RankEnd, decide
+from scheduler.attempts.finish import AttemptRecord, end_attempt
 from scheduler.db import Database, installation_id
 from scheduler.errors import BadInput, ServiceUnavailable
 from scheduler.jobs import get_job, show_job, transition
 from scheduler.kill import kill_attempt
-from scheduler.leftovers import AttemptRecord, abandon_attempt, close_leftover
+from scheduler.leftovers import close_leftover
 from scheduler.logging import get_logger
 from scheduler.models import Workdir
 from scheduler.remote.layout import Attempt, default_output_dir, stored_attempt
@@ -277,7 +279,7 @@ async def cancel_job(
 
     One transaction moves the job to `cancelled` and, for a live attempt, records it as a
     leftover that keeps its GPUs out of every claim until the attempt is known to be dead
-    (`leftovers.abandon_attempt`), and frees the job's GPUs. The kill runs after it (no
+    (`attempts.finish.end_attempt`), and frees the job's GPUs. The kill runs after it (no
     transaction open); if it proves the attempt dead, a second transaction closes the row.
     If the kill cannot tell (VM unreachable) or this process dies in between, the requeue
     manager kills the attempt later and closes the row: nothing is left holding GPUs with
@@ -291,23 +293,20 @@ async def cancel_job(
             raise BadInput(f"job {job_id} is already {status}; there is nothing to cancel")
         live = status in LIVE_STATES and place.target is not None
         async with db.transaction() as session:
-            moved = await abandon_attempt(
+            moved = await end_attempt(
                 session,
                 AttemptRecord(
                     job_id,
                     # The attempt read above: if the job went on to another one meanwhile,
                     # this move loses and the loop looks again. Its ranks (where each runs)
-                    # are read from `job_nodes` by `abandon_attempt`.
+                    # are read from `job_nodes` by `end_attempt`.
                     place.newest_attempt,
                     None,
                     token=place.attempt.token if place.attempt is not None else None,
                 ),
+                decide(None, RankEnd(How.CANCELLED, "cancelled by the user", may_run=live)),
                 expected=status,
-                to=JobStatus.CANCELLED,
-                reason="cancelled by the user",
                 actor=actor,
-                leftover="cancelled" if live else None,
-                values={"status_reason": "cancelled by the user"},
             )
         if not moved:
             continue  # it moved under us: look again

@@ -11,14 +11,11 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import selectinload
 
+from scheduler.attempts.end import How, RankEnd, decide
+from scheduler.attempts.finish import AttemptRecord, end_attempt
 from scheduler.errors import BadInput, NotFound
 from scheduler.gpus import refresh_available_in_session
-from scheduler.leftovers import (
-    AttemptRecord,
-    abandon_attempt,
-    open_leftover_count,
-    open_leftover_on_vm,
-)
+from scheduler.leftovers import open_leftover_count, open_leftover_on_vm
 from scheduler.models import DEFAULT_ENTRYPOINT, GPU, VM, GpuEvent, Job, JobNode
 from scheduler.remote.jobuser import job_user_problem
 from scheduler.states import LIVE_STATES, FailureReason, JobStatus
@@ -263,16 +260,10 @@ async def fail_jobs_of_removed_vm(
     ).all()
     why = f"{VM_REMOVED}: VM {vm_name} was removed while the job ran"
     failed = []
+    end = decide(None, RankEnd(How.REMOVED, why))
     for row in rows:
-        if await abandon_attempt(
-            session,
-            AttemptRecord.from_row(row),
-            expected=JobStatus(row.status),
-            to=JobStatus.FAILED,
-            reason=why,
-            actor=actor,
-            leftover=VM_REMOVED,
-            failure_reason=VM_REMOVED,
+        if await end_attempt(
+            session, AttemptRecord.from_row(row), end, expected=JobStatus(row.status), actor=actor
         ):
             failed.append(row.id)
     return failed

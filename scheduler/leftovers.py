@@ -10,32 +10,34 @@ side by side and no GPU is given twice (docs/invariants.md, invariants 1 and 2).
 
 This module is the one home of the concept:
 
-- `abandon_attempt`: the one way a job leaves its current attempt: move the job
-  (`jobs.transition`), record the attempt as a leftover if a process of it may run, then
-  give its GPUs back, in that order, so that the recount of the VM's free GPUs already
-  leaves the leftover's out.
-- the ledger (the table `leftovers`, ORM `models.Leftover`): `record_leftover`, `close_leftover`,
-  `leftover_may_run`, `open_leftover_count`, `open_leftover_on_vm`.
+- the ledger (the table `leftovers`, ORM `models.Leftover`): `close_leftover`,
+  `leftover_may_run`, `open_leftover_count`, `open_leftover_on_vm`; its rows are written
+  (`record_leftover`) by the one way a job leaves its current attempt,
+  `attempts.finish.end_attempt`, re-exported here with `AttemptRecord`.
 - `LeftoverSweep`: the requeue manager's kill sweep over open rows on VMs that answer.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Iterable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import ColumnElement, Exists, exists, func, insert, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
-from scheduler.attempts.outcome import succeeded
+from scheduler.attempts.end import End, How, Outcome, RankEnd, decide
+from scheduler.attempts.finish import AttemptRecord, end_attempt
+from scheduler.attempts.finish import (  # where callers have always found them
+    abandon_attempt as abandon_attempt,
+)
+from scheduler.attempts.finish import (
+    record_leftover as record_leftover,
+)
 from scheduler.attempts.ranks import exit_codes, job_shape
 from scheduler.db import Database, installation_id
-from scheduler.gpus import release_in_session
-from scheduler.jobs import transition
 from scheduler.kill import KillResult, kill_attempt
 from scheduler.logging import get_logger
 from scheduler.models import VM, Job, JobEvent, JobNode, Leftover
@@ -55,183 +57,7 @@ SWEEP_BATCH = 500
 FENCED_READ_TIMEOUT_S = 10.0
 
 
-# -- the attempt a job row names ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AttemptRecord:
-    """A job's current attempt as its row records it: which attempt, and the token a kill
-    finds its directories by. `abandon_attempt` reads the attempt's ranks (where each runs)
-    from `job_nodes`, not from here: the VM, GPU, directory and pid fields (the job row's
-    copy of rank 0's) are not read by it, and only kept while callers still pass them."""
-
-    job_id: int
-    attempt: int
-    vm_id: int | None
-    gpu_indices: Sequence[int] | None = None
-    gpu_uuids: Sequence[str] | None = None
-    token: str | None = None
-    attempt_dir: str | None = None
-    pid: int | None = None
-
-    @staticmethod
-    def columns() -> tuple[Any, ...]:
-        """The job columns `from_row` reads, to select along with others."""
-        return (
-            Job.id,
-            Job.attempt,
-            Job.vm_id,
-            Job.gpu_indices,
-            Job.gpu_uuids,
-            Job.launch_token,
-            Job.attempt_dir,
-            Job.remote_pid,
-        )
-
-    @classmethod
-    def from_row(cls, row: Any) -> AttemptRecord:
-        """The record of a row selected with `columns()`."""
-        return cls(
-            row.id,
-            row.attempt,
-            row.vm_id,
-            row.gpu_indices,
-            row.gpu_uuids,
-            row.launch_token,
-            row.attempt_dir,
-            row.remote_pid,
-        )
-
-
-async def abandon_attempt(
-    session: AsyncSession,
-    record: AttemptRecord,
-    *,
-    expected: JobStatus | Iterable[JobStatus],
-    to: JobStatus,
-    reason: str,
-    actor: str,
-    leftover: str | None,
-    failure_reason: str | None = None,
-    values: Mapping[str, Any] | None = None,
-    ended: Collection[int] = (),
-) -> bool:
-    """Move the job off its current attempt `record` (caller's transaction): transition
-    to `to` guarded by `expected` and by that attempt; then, when `leftover` names why,
-    every rank of the attempt (`job_nodes`) is recorded as a leftover on its VM, except the
-    ranks in `ended` (known to have ended: nothing of them is left to kill); then the job's
-    GPUs are freed.
-
-    The lease is always cleared. A move to `failed` also sets `failure_reason`, clears the
-    exit code and any retry decision, and shows `reason` as the status reason. `values`
-    sets (or overrides) more columns in the same UPDATE. Returns False, having changed
-    nothing, when the job was not in `expected` at that attempt.
-    """
-    changes: dict[str, Any] = {"lease_expires_at": None}
-    if to == JobStatus.FAILED:
-        changes.update(
-            failure_reason=failure_reason,
-            exit_code=None,
-            status_reason=reason,
-            next_attempt_at=None,
-        )
-    changes.update(values or {})
-    moved = await transition(
-        session,
-        record.job_id,
-        expected=expected,
-        to=to,
-        reason=reason,
-        actor=actor,
-        values=changes,
-        attempt=record.attempt,
-    )
-    if not moved:
-        return False
-    if leftover is not None:
-        await _record_ranks(session, record, leftover, ended)
-    await release_in_session(session, record.job_id)
-    return True
-
-
-async def _record_ranks(
-    session: AsyncSession, record: AttemptRecord, reason: str, ended: Collection[int] = ()
-) -> None:
-    """Every rank of the record's attempt (`job_nodes`, one row per VM, rank 0 and a
-    single-node job's one rank included) is a leftover, by shared fate, unless it is in
-    `ended`: each is killed by the sweep when its VM answers, its GPUs blocked until then.
-    Each row keeps its rank and the exit code `job_nodes` knew (what late success reads,
-    `_ranks_succeeded`). A rank whose VM row was removed has nothing to kill."""
-    ranks = (
-        await session.execute(
-            select(
-                JobNode.rank, JobNode.vm_id, JobNode.gpu_indices, JobNode.gpu_uuids,
-                JobNode.attempt_dir, JobNode.remote_pid, JobNode.exit_code,
-            ).where(
-                JobNode.job_id == record.job_id,
-                JobNode.attempt == record.attempt,
-                JobNode.vm_id.is_not(None),
-            )
-        )
-    ).all()  # fmt: skip
-    for rank in ranks:
-        if rank.rank in ended:
-            continue
-        await record_leftover(
-            session,
-            vm_id=rank.vm_id,
-            job_id=record.job_id,
-            attempt=record.attempt,
-            gpu_indices=rank.gpu_indices,
-            gpu_uuids=rank.gpu_uuids,
-            reason=reason,
-            token=record.token,
-            attempt_dir=rank.attempt_dir,
-            pid=rank.remote_pid,
-            rank=rank.rank,
-            exit_code=rank.exit_code,
-        )
-
-
 # -- the ledger ---------------------------------------------------------------------------
-
-
-async def record_leftover(
-    session: AsyncSession,
-    *,
-    vm_id: int,
-    job_id: int,
-    attempt: int,
-    gpu_indices: Sequence[int] | None,
-    reason: str,
-    token: str | None,
-    attempt_dir: str | None = None,
-    pid: int | None = None,
-    gpu_uuids: Sequence[str] | None = None,
-    rank: int | None = None,
-    exit_code: int | None = None,
-) -> None:
-    """Note an attempt that may still run on its VM (caller's transaction): its GPUs are
-    kept out of every claim, and its job is not claimed again, until a kill proves it
-    dead (`close_leftover`). Once per (VM, job, attempt). `token` and `attempt_dir` are the
-    job row's for that attempt: the kill finds its directory by them."""
-    await session.execute(
-        pg_insert(Leftover)
-        .values(
-            vm_id=vm_id,
-            job_id=job_id,
-            attempt=attempt,
-            launch_token=token,
-            attempt_dir=attempt_dir,
-            pid=pid,
-            gpu_indices=list(gpu_indices) if gpu_indices else None,
-            gpu_uuids=list(gpu_uuids) if gpu_uuids else None,
-            reason=reason,
-            rank=rank,
-            exit_code=exit_code,
-        )
-        .on_conflict_do_nothing()
-    )
 
 
 async def close_leftover(
@@ -301,13 +127,12 @@ async def open_leftover_count(session: AsyncSession, vm_id: int) -> int:
 # -- the kill sweep -----------------------------------------------------------------------
 
 
-async def _ranks_succeeded(session: AsyncSession, item: _Open) -> bool:
-    """Whether the leftover's attempt succeeded by the one outcome rule
-    (`attempts.outcome`: every primary rank exited 0; a group's service ranks, killed
-    rather than exiting 0, do not count), from what is known of each rank: the ledger rows
-    of that attempt (kept whatever a newer claim did to `job_nodes`), and `job_nodes` while
-    they are still that attempt's, where a rank that had exited 0 is noted for `job show`.
-    Caller's transaction."""
+async def _late_end(session: AsyncSession, item: _Open, why: str) -> End | None:
+    """What the one end-of-attempt rule (`attempts.end.decide`) says of the leftover's
+    attempt now that this rank was found exited 0 (None: no such job), from what is known
+    of each rank: the ledger rows of that attempt (kept whatever a newer claim did to
+    `job_nodes`), and `job_nodes` while they are still that attempt's, where a rank that
+    had exited 0 is noted for `job show`. Caller's transaction."""
     at_attempt = (JobNode.job_id == item.job_id) & (JobNode.attempt == item.attempt)
     await session.execute(
         update(JobNode)
@@ -316,7 +141,7 @@ async def _ranks_succeeded(session: AsyncSession, item: _Open) -> bool:
     )
     shape = await job_shape(session, item.job_id)
     if shape is None:
-        return False
+        return None
     codes = await exit_codes(session, item.job_id, item.attempt)
     ledger = await session.execute(
         select(Leftover.rank, Leftover.exit_code).where(
@@ -329,7 +154,9 @@ async def _ranks_succeeded(session: AsyncSession, item: _Open) -> bool:
     for rank, code in ledger.all():
         if rank is not None and codes.get(rank) is None:
             codes[rank] = code
-    return succeeded(shape, codes)
+    # A row recorded before ledger rows named their rank is a single-node job's rank 0.
+    rank = item.rank if item.rank is not None else 0
+    return decide(shape, RankEnd(How.EXITED, why, rank=rank, exit_code=0), codes)
 
 
 @dataclass(frozen=True)
@@ -342,6 +169,7 @@ class _Open:
     run: Attempt | None
     pid: int | None
     gpu_indices: list[int] | None
+    rank: int | None = None
 
 
 @dataclass
@@ -420,6 +248,7 @@ class LeftoverSweep:
                     ),
                     row.pid,
                     row.gpu_indices,
+                    row.rank,
                 )
                 for row, vm in rows
             ]
@@ -451,8 +280,8 @@ class LeftoverSweep:
         still starting or running is superseded: it becomes a leftover itself (its GPUs stay
         blocked until the next sweep has killed it), and the row names the VM and directory
         of the attempt whose output is the result. A leftover is one rank of its attempt (the
-        only one, for a single-node job): the job completes once the attempt has succeeded
-        by the one outcome rule (`_ranks_succeeded`). Caller's transaction."""
+        only one, for a single-node job): the job completes once the one end-of-attempt rule
+        says the attempt succeeded (`_late_end`). Caller's transaction."""
         assert item.run is not None
         job = (
             await session.execute(
@@ -465,9 +294,6 @@ class LeftoverSweep:
         if job is None or JobStatus(job.status) in FINAL_STATES or job.attempt < item.attempt:
             bound.info("late_success_ignored", status=job.status if job else None)
             return
-        if not await _ranks_succeeded(session, item):
-            bound.info("late_success_of_one_rank", nodes=job.nodes)
-            return
         status = JobStatus(job.status)
         newer = job.attempt > item.attempt and status in LIVE_STATES
         where = kill.path or item.run.word()
@@ -478,25 +304,26 @@ class LeftoverSweep:
         )
         if newer:
             reason += f"; attempt {job.attempt} stopped"
-        moved = await abandon_attempt(
+        end = await _late_end(session, item, reason)
+        if end is None or end.outcome is not Outcome.SUCCEEDS:
+            bound.info("late_success_of_one_rank", nodes=job.nodes)
+            return
+        # The attempt carried out is the job's current one: a newer one still starting or
+        # running is superseded (every rank of it left over); an older one has nothing left.
+        end = dataclasses.replace(end, leftover="superseded" if newer else None, ended=frozenset())
+        moved = await end_attempt(
             session,
             AttemptRecord.from_row(job),
+            end,
             expected=status,
-            to=JobStatus.COMPLETED,
-            reason=reason,
             actor=self.actor,
-            leftover="superseded" if newer else None,
             values={
-                "exit_code": 0,
-                "failure_reason": None,
-                "status_reason": reason,
                 "vm_id": item.target.id,
                 "gpu_indices": item.gpu_indices,
                 "remote_pid": item.pid,
                 "launch_token": item.run.token,
                 "attempt_dir": kill.path or item.run.path,
                 "completed_attempt": item.attempt,
-                "next_attempt_at": None,
             },
         )
         if not moved:

@@ -79,6 +79,22 @@ TOKEN_ENV = "RLFLEET_GROUP_TOKEN"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+GOES_ON, SUCCEEDS, FAILS = "goes_on", "succeeds", "fails"
+"""What the exit of one unit means for what it belongs to (`unit_exit`)."""
+
+
+def unit_exit(primary: bool, code: int, primaries_done: bool, *, shared: bool = True) -> str:
+    """What the exit (with `code`) of one unit means: a role for its VM's group here, a
+    rank for its attempt in the scheduler (`scheduler.attempts.end`, which calls this
+    very function: the one rule at both levels). `primaries_done`: every primary unit,
+    this one included, has exited 0. A unit that exits non-zero fails; one that is not
+    primary (services) exiting 0 while a primary runs fails too; once every primary
+    exited 0 the whole succeeds. A unit whose fate is not `shared` ends alone."""
+    if code != 0 or (not primary and not primaries_done):
+        return FAILS if shared else GOES_ON
+    return SUCCEEDS if primaries_done else GOES_ON
+
+
 def say(text: str) -> None:
     """One line for the attempt's log (train.log), where the poller reads the reason."""
     print(f"{MARK} {text}", flush=True)
@@ -223,9 +239,8 @@ class Group:
             self.codes[name] = code
             self.note(name, state="exited", exit_code=code)
             say(f"role {name} exited with {code}")
-            role = self.role(name)
-            early = code == 0 and not role.get("primary") and not self.primaries_done()
-            if code == 0 and not early:
+            primary = bool(self.role(name).get("primary"))
+            if unit_exit(primary, code, self.primaries_done()) != FAILS:
                 continue
             if self.restart_later(name, "exited", code):
                 continue

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from sqlalchemy import func, or_, select
 
+from scheduler.attempts.end import How, RankEnd, decide
+from scheduler.attempts.finish import AttemptRecord, end_attempt
 from scheduler.db import Database
-from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.logging import get_logger
 from scheduler.models import Job
 from scheduler.states import JobStatus
 
 log = get_logger("claims")
+
+LEASE_EXPIRED = "claim lease expired before the launch was confirmed"
 
 
 async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:
@@ -20,7 +23,7 @@ async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:
 
     Each such job goes back to `queued` (publish it again) and its GPUs are freed. The
     attempt may still have started on the VM (a dispatcher that died after the launch but
-    before recording it), so it is abandoned as a leftover (`leftovers.abandon_attempt`):
+    before recording it), so it is left over (`attempts.end`, `attempts.finish.end_attempt`):
     its GPUs are not offered again until that attempt is known to be dead (the kill reads
     its pid file). Returns the ids of the jobs requeued.
     """
@@ -38,16 +41,10 @@ async def expire_leases(db: Database, *, actor: str = "requeue") -> list[int]:
                 .with_for_update(skip_locked=True)
             )
         ).all()
+        end = decide(None, RankEnd(How.LEASE_EXPIRED, LEASE_EXPIRED))
         for row in rows:
-            if await abandon_attempt(
-                session,
-                AttemptRecord.from_row(row),
-                expected=JobStatus.STARTING,
-                to=JobStatus.QUEUED,
-                reason="claim lease expired before the launch was confirmed",
-                actor=actor,
-                leftover="lease_expired",
-                values={"published_at": None},
+            if await end_attempt(
+                session, AttemptRecord.from_row(row), end, expected=JobStatus.STARTING, actor=actor
             ):
                 expired.append(row.id)
     for job_id in expired:

@@ -18,13 +18,14 @@ from typing import Generic, TypeVar
 from nats.aio.msg import Msg
 
 from scheduler import metrics
+from scheduler.attempts.end import How, RankEnd, decide
+from scheduler.attempts.finish import AttemptRecord, end_attempt
 from scheduler.claims.records import Launched, Running, mark_running_batch
 from scheduler.claims.result import Claim
 from scheduler.db import Database, is_unavailable
 from scheduler.kill import kill_attempt
-from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.logging import get_logger
-from scheduler.states import FailureReason, JobStatus
+from scheduler.states import JobStatus
 from scheduler.transport import Transport, VMTarget
 
 from .consumer import DispatchStats, Replies, TransientError, db_error
@@ -187,7 +188,7 @@ class Records:
             async with self.db.transaction() as session:
                 # The launch may have started after all (a timeout, a dropped link): its
                 # attempt is a leftover, its GPUs out of use until it is known to be dead.
-                moved = await abandon_attempt(
+                moved = await end_attempt(
                     session,
                     AttemptRecord(
                         claim.job_id,
@@ -197,12 +198,9 @@ class Records:
                         claim.gpu_uuids,
                         claim.token,
                     ),
+                    decide(None, RankEnd(How.LAUNCH_REFUSED, reason)),
                     expected=JobStatus.STARTING,
-                    to=JobStatus.FAILED,
-                    reason=reason,
                     actor=self.actor,
-                    leftover="launch_failed",
-                    failure_reason=FailureReason.LAUNCH_FAILED.value,
                 )
         except Exception as exc:
             if is_unavailable(exc):

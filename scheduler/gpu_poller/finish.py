@@ -1,7 +1,7 @@
 """How the poller finishes attempts: the live ranks it probes (`load_ranks`, one per VM
 of every live attempt, rank 0 and single-node jobs included) and what it does with a probed
 rank's verdict (`finish_rank`, the one way every kind of attempt is finished: the one
-outcome rule of `scheduler.attempts.outcome`, then `leftovers.abandon_attempt`).
+end-of-attempt rule of `scheduler.attempts.end`, carried out by `attempts.finish.end_attempt`).
 
 What a probed attempt's state means for its job is decided without I/O in
 `scheduler.verdicts`; this module applies it, one short transaction per job."""
@@ -15,15 +15,15 @@ from sqlalchemy import case, select, text, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
-from scheduler.attempts.outcome import succeeded
+from scheduler.attempts.end import How, RankEnd, decide
+from scheduler.attempts.finish import AttemptRecord, end_attempt
 from scheduler.attempts.ranks import exit_codes, job_shape
 from scheduler.db import Database
 from scheduler.gpu_poller.state import Outcome, VMState
-from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.logging import get_logger
 from scheduler.models import Job, JobNode
 from scheduler.remote.layout import stored_attempt
-from scheduler.states import LIVE_STATES, JobStatus
+from scheduler.states import LIVE_STATES, FailureReason, JobStatus
 from scheduler.verdicts import JobVerdict, LiveJob, job_verdict, untracked_verdict
 
 log = get_logger("gpu_poller")
@@ -136,15 +136,11 @@ async def finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str) 
     finishes every kind of attempt (one VM, several VMs, a group), rank 0 like any other.
 
     The rank's end is noted on its `job_nodes` row (`job show` says which rank ended it,
-    and how). A rank that exited 0 completes the job once the attempt has succeeded by the
-    one outcome rule (`attempts.outcome`: every primary rank exited 0); a rank that failed
-    fails the whole attempt (shared fate). Either way the attempt is abandoned
-    (`leftovers.abandon_attempt`): the ranks known to have ended are done, every other rank
-    that may still run (a group's service ranks, the other ranks of a failed attempt)
-    becomes a leftover to kill, and the job's GPUs are freed; a single-node attempt has no
-    other rank, so its GPUs are simply freed. Returns whether the job moved (False also
-    when it is no longer that attempt: moved by someone else, or requeued and relaunched
-    since the probe)."""
+    and how); what it means for the attempt is the one end-of-attempt rule's to say
+    (`attempts.end.decide`: success once every primary rank exited 0, shared fate on a
+    failure), and `attempts.finish.end_attempt` carries it out. Returns whether the job
+    moved (False also when the attempt goes on, or is no longer that attempt: moved by
+    someone else, or requeued and relaunched since the probe)."""
     job = verdict.job
     done = verdict.to == JobStatus.COMPLETED
     code = 0 if done else verdict.exit_code
@@ -159,48 +155,23 @@ async def finish_rank(session: AsyncSession, verdict: JobVerdict, vm_name: str) 
             .values(exit_code=code)
         )
     record = await _attempt_record(session, job)
-    if record is None:
+    shape = await job_shape(session, job.id)
+    if record is None or shape is None:
         return False
-    if done:
-        codes = await exit_codes(session, job.id, job.attempt_number)
-        codes.setdefault(job.rank, 0)  # seen exiting 0, whether or not a row records it
-        shape = await job_shape(session, job.id)
-        if shape is None or not succeeded(shape, codes):
-            return False
-        ended = {rank for rank, c in codes.items() if c is not None}
-        return await abandon_attempt(
-            session,
-            record,
-            expected=LIVE_STATES,
-            to=JobStatus.COMPLETED,
-            reason=verdict.reason,
-            actor=ACTOR,
-            leftover="group_done",  # only a group's service ranks can be left running
-            ended=ended,
-            values={
-                "exit_code": 0,
-                "failure_reason": None,
-                "status_reason": verdict.reason,
-                "completed_attempt": job.attempt_number,
-            },
-        )
-    reason = verdict.reason if job.nodes == 1 else f"rank {job.rank} on {vm_name}: {verdict.reason}"
-    return await abandon_attempt(
-        session,
-        record,
-        expected=LIVE_STATES,
-        to=JobStatus.FAILED,
-        reason=reason[:500],
-        actor=ACTOR,
-        leftover="rank_failed",
-        ended={job.rank},
-        failure_reason=verdict.failure_reason.value if verdict.failure_reason else None,
-        values={"exit_code": verdict.exit_code},
+    why = verdict.reason if job.nodes == 1 else f"rank {job.rank} on {vm_name}: {verdict.reason}"
+    ended = RankEnd(
+        How.EXITED,
+        why if not done else verdict.reason,
+        rank=job.rank,
+        exit_code=code,
+        failure=None if done else verdict.failure_reason or FailureReason.EXIT_NONZERO,
     )
+    end = decide(shape, ended, await exit_codes(session, job.id, job.attempt_number))
+    return await end_attempt(session, record, end, expected=LIVE_STATES, actor=ACTOR)
 
 
 async def _attempt_record(session: AsyncSession, job: LiveJob) -> AttemptRecord | None:
-    """The job's current attempt as `abandon_attempt` takes it, if it is still `job`'s."""
+    """The job's current attempt as `end_attempt` takes it, if it is still `job`'s."""
     row = (
         await session.execute(
             select(*AttemptRecord.columns()).where(

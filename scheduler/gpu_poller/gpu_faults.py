@@ -3,7 +3,8 @@ one that reports a fault (`[GPU requires reset]`, `[Unknown Error]`, `ERR!`;
 `scheduler.gpu_health`). The attempt there is stopped the way a fenced one is: its job
 fails with `gpu_failed`, a machine fault (retried at once, elsewhere, no retry used), and
 every rank of the attempt becomes a leftover that the requeue manager's kill sweep stops
-(TERM, the grace, KILL) before the job runs again (`leftovers.abandon_attempt`).
+(TERM, the grace, KILL) before the job runs again (`attempts.end`, carried out by
+`attempts.finish.end_attempt`).
 
 An attempt on a GPU whose ECC count rose, or that waits for a page retirement or row
 remapping, is left alone: the GPU only takes no new job (docs/gpu-health.md)."""
@@ -16,10 +17,10 @@ from dataclasses import dataclass
 from sqlalchemy import select
 
 from scheduler import metrics
+from scheduler.attempts.end import How, RankEnd, decide
+from scheduler.attempts.finish import AttemptRecord, end_attempt
 from scheduler.db import Database
-from scheduler.gpu_health import condition
 from scheduler.gpu_poller.state import Outcome
-from scheduler.leftovers import AttemptRecord, abandon_attempt
 from scheduler.logging import get_logger
 from scheduler.models import Job
 from scheduler.states import LIVE_STATES, FailureReason, JobStatus
@@ -43,19 +44,21 @@ class BrokenGpu:
 
 def broken_gpus(outcome: Outcome) -> list[BrokenGpu]:
     """The GPUs of live attempts on this polled VM that are lost or report a fault, one
-    per job (pure). A VM whose nvidia-smi failed as a whole is not judged per GPU here."""
+    per job (pure), as the poll's one judgement of each GPU's health said
+    (`Outcome.health`). A VM whose nvidia-smi failed as a whole is not judged per GPU."""
     result = outcome.result
-    if result is None or result.error is not None:
+    judged = outcome.health
+    if result is None or result.error is not None or judged is None:
         return []
     vm = outcome.vm
-    seen = {g.uuid: g for g in result.gpus}
     attempts = {job.id: job.attempt_number for job in vm.jobs}
     found: dict[int, BrokenGpu] = {}
     for uuid, row in vm.gpus.items():
         job_id = row.job_id
         if job_id is None or job_id in outcome.finished or job_id not in attempts:
             continue
-        wrong = condition(seen.get(uuid), row.health.ecc_baseline)
+        health = judged.get(uuid)
+        wrong = health.condition if health is not None else None
         if wrong is None or not wrong.stops_attempt or job_id in found:
             continue
         found[job_id] = BrokenGpu(
@@ -89,15 +92,9 @@ async def _stop(db: Database, broken: BrokenGpu) -> bool:
         ).first()
         if row is None or JobStatus(row.status) not in LIVE_STATES:
             return False
-        moved = await abandon_attempt(
-            session,
-            AttemptRecord.from_row(row),
-            expected=LIVE_STATES,
-            to=JobStatus.FAILED,
-            reason=why,
-            actor="poller",
-            leftover=GPU_FAILED,
-            failure_reason=GPU_FAILED,
+        end = decide(None, RankEnd(How.STOPPED, why, failure=FailureReason.GPU_FAILED))
+        moved = await end_attempt(
+            session, AttemptRecord.from_row(row), end, expected=LIVE_STATES, actor="poller"
         )
     if moved:
         log.warning("job_stopped_gpu_failed", job_id=broken.job_id, vm=broken.vm_name, reason=why)

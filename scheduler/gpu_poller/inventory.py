@@ -8,7 +8,7 @@ No transaction is open during SSH (invariant 4): this runs after the polls lande
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from scheduler import gpu_health
 from scheduler.db import Database
 from scheduler.gpu_poller.liveness import record_progress
-from scheduler.gpu_poller.state import GpuRow, Outcome, SweepStats, VMState
+from scheduler.gpu_poller.state import GpuRow, Outcome, SweepStats, VMState, judge
 from scheduler.gpus import RECOUNT_SQL
 from scheduler.history import GpuReading, ProgressRow, record_samples
 from scheduler.logging import get_logger
@@ -306,7 +306,9 @@ def _collect(outcome: Outcome, result: PollResult, writes: _Writes, stats: Sweep
         stats.unhealthy += 1
     elif vm.status != VMStatus.HEALTHY:
         log.info("vm_healthy", vm=vm.target.name, was=vm.status)
-    writes.upserts += _gpu_changes(vm, result, outcome.finished, writes.events)
+    # Each GPU's health is judged once per poll, here; `gpu_faults` reads the verdicts.
+    outcome.health = judged = judge(vm, result)
+    writes.upserts += _gpu_changes(vm, result, judged, outcome.finished, writes.events)
     writes.samples += [
         GpuReading(vm.target.id, g.uuid, g.utilization_pct, g.memory_used_mb, g.memory_total_mb)
         for g in result.gpus
@@ -315,7 +317,7 @@ def _collect(outcome: Outcome, result: PollResult, writes: _Writes, stats: Sweep
     for uuid, row in vm.gpus.items():
         if uuid in seen:
             continue
-        lost = gpu_health.step(row.health, None)
+        lost = judged[uuid]
         if lost.event is not None:
             log.warning("gpu_unhealthy", vm=vm.target.name, uuid=uuid, reason=lost.event)
             writes.events.append(_event(vm, uuid, row.values[0], lost))
@@ -499,6 +501,7 @@ def _event(vm: VMState, uuid: str, index: int | None, step: gpu_health.Step) -> 
 def _gpu_changes(
     vm: VMState,
     result: PollResult,
+    judged: Mapping[str, gpu_health.Step],
     finished: Collection[int] = (),
     events: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
@@ -511,8 +514,7 @@ def _gpu_changes(
     rows = []
     for gpu in result.gpus:
         loaded = vm.gpus.get(gpu.uuid)
-        before = loaded.health if loaded is not None else gpu_health.Health()
-        health = gpu_health.step(before, gpu)
+        health = judged[gpu.uuid]
         if health.event is not None and events is not None:
             if health.health.healthy:
                 log.info("gpu_healthy", vm=vm.target.name, uuid=gpu.uuid, reason=health.event)

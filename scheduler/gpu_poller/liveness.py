@@ -6,8 +6,9 @@
   launch and of its step (database clock), in the sweep's load transaction.
 - `stalls`: after the polls landed, the attempts that are hung or stuck starting.
 - `stop_stalled`: capture the attempt's diagnostics over SSH (no transaction), then fail
-  the job in one short transaction (`leftovers.abandon_attempt`: the attempt becomes a
-  leftover, its GPUs held until it is dead; the diagnostics row in the same transaction),
+  the job in one short transaction (`attempts.end`, `attempts.finish.end_attempt`: the
+  attempt becomes a leftover, its GPUs held until it is dead; the diagnostics row in the
+  same transaction),
   then kill it like any leftover (TERM, `hang.STOP_GRACE_S`, KILL; `scheduler.kill`) and
   close the leftover once dead. The requeue manager retries the job from its newest
   checkpoint (`--resume auto`), counting the retry (`hung` and `startup_timeout` are
@@ -23,12 +24,14 @@ from sqlalchemy import ColumnElement, extract, func, insert, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
+from scheduler.attempts.end import How, RankEnd, decide
+from scheduler.attempts.finish import AttemptRecord, end_attempt
 from scheduler.db import Database
 from scheduler.gpu_poller.state import Outcome
 from scheduler.hang import STOP_GRACE_S, Stall, Watch, stall
 from scheduler.history import ProgressRow
 from scheduler.kill import kill_attempt
-from scheduler.leftovers import AttemptRecord, abandon_attempt, close_leftover
+from scheduler.leftovers import close_leftover
 from scheduler.logging import get_logger
 from scheduler.models import Job, JobDiagnostics
 from scheduler.remote.diagnostics import diagnostics_script, parse_diagnostics
@@ -172,15 +175,9 @@ async def stop_stalled(
                 )
             )
         ).first()
-        moved = row is not None and await abandon_attempt(
-            session,
-            AttemptRecord.from_row(row),
-            expected=JobStatus.RUNNING,
-            to=JobStatus.FAILED,
-            reason=verdict.why[:500],
-            actor=ACTOR,
-            leftover=verdict.reason.value,
-            failure_reason=verdict.reason.value,
+        end = decide(None, RankEnd(How.STOPPED, verdict.why, job.rank, failure=verdict.reason))
+        moved = row is not None and await end_attempt(
+            session, AttemptRecord.from_row(row), end, expected=JobStatus.RUNNING, actor=ACTOR
         )
         if moved:
             await session.execute(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.gpu_health import Health
+from scheduler.gpu_health import Health, Step, step
 from scheduler.poll import PollResult
 from scheduler.transport import VMTarget
 from scheduler.verdicts import LiveJob
@@ -48,6 +48,23 @@ class Outcome:
     """Jobs on this VM that the sweep moved to an end state (their GPUs freed)."""
     launch_error: str | None = None
     """Why training cannot start on the VM, as an attempt that ended this sweep said."""
+    health: dict[str, Step] | None = None
+    """Each GPU's health after this poll, by UUID, judged once (`judge`, when the inventory
+    writes what the poll saw) and read by whatever else asks (`gpu_faults`); None: not
+    judged (no answer)."""
+
+
+def judge(vm: VMState, result: PollResult) -> dict[str, Step]:
+    """Each GPU's health after this poll (`gpu_health.step` from its row's): the GPUs
+    nvidia-smi listed, and those of the VM's rows it no longer lists (lost). Pure."""
+    judged = {
+        gpu.uuid: step(vm.gpus[gpu.uuid].health if gpu.uuid in vm.gpus else Health(), gpu)
+        for gpu in result.gpus
+    }
+    for uuid, row in vm.gpus.items():
+        if uuid not in judged:
+            judged[uuid] = step(row.health, None)
+    return judged
 
 
 @dataclass

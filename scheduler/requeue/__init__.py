@@ -8,7 +8,7 @@ invariants 2 and 3).
 2. **Lost nodes** — `running`/`starting` jobs on a VM the poller has found unreachable,
    and that has not answered for longer than `--node-lost-timeout` (counted from its last
    answer), fail with `node_lost`; their attempts are recorded as leftovers and their
-   GPUs freed in the books (`leftovers.abandon_attempt`). A shorter blip restarts
+   GPUs freed in the books (`attempts.finish.end_attempt`). A shorter blip restarts
    nothing. The timeout exceeds the attempts' fence (`--fence-after` + grace), so the
    attempt has stopped itself by then even if the VM never answers again.
 3. **Decisions** — a failed job that has no decision yet (`retry_decision` NULL) gets

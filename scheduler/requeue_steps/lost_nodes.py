@@ -8,7 +8,8 @@ from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from scheduler import metrics
-from scheduler.leftovers import AttemptRecord, abandon_attempt
+from scheduler.attempts.end import How, RankEnd, decide
+from scheduler.attempts.finish import AttemptRecord, end_attempt
 from scheduler.logging import get_logger
 from scheduler.models import VM, Job, JobNode
 from scheduler.requeue_steps import BATCH
@@ -22,7 +23,7 @@ NODE_LOST = FailureReason.NODE_LOST.value
 async def fail_lost_nodes(session: AsyncSession, *, timeout_s: float, actor: str) -> list[int]:
     """Fail live jobs of VMs unreachable for longer than `timeout_s`; their ids. A job
     fails when the VM of any rank of its attempt (`job_nodes`, rank 0 included) is lost
-    (shared fate: every rank becomes a leftover, `leftovers.abandon_attempt`)."""
+    (shared fate: every rank becomes a leftover, `attempts.end`)."""
     on_vm = VM.id.in_(
         select(JobNode.vm_id).where(JobNode.job_id == Job.id, JobNode.attempt == Job.attempt)
     )
@@ -46,15 +47,12 @@ async def fail_lost_nodes(session: AsyncSession, *, timeout_s: float, actor: str
         why = f"{NODE_LOST}: VM {row.name} unreachable for {float(row.outage_s):.0f}s"
         # The process may live on when the VM comes back: it is recorded as a leftover,
         # to be killed then, and its GPUs stay out of every claim until that is done.
-        moved = await abandon_attempt(
+        moved = await end_attempt(
             session,
             AttemptRecord.from_row(row),
+            decide(None, RankEnd(How.LOST, why)),
             expected=JobStatus(row.status),
-            to=JobStatus.FAILED,
-            reason=why,
             actor=actor,
-            leftover=NODE_LOST,
-            failure_reason=NODE_LOST,
         )
         if not moved:
             continue

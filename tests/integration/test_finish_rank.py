@@ -9,6 +9,7 @@ from scheduler.claims.batch import claim_gpus
 from scheduler.claims.result import Claim
 from scheduler.db import Database
 from scheduler.gpu_poller.finish import finish_rank
+from scheduler.jobspec import GroupSpec, Role
 from scheduler.models import GPU, Job, JobNode, Leftover
 from scheduler.states import FailureReason, JobStatus
 from scheduler.verdicts import JobVerdict, LiveJob
@@ -76,3 +77,32 @@ async def test_a_failed_rank_fails_the_attempt_and_only_the_others_are_leftovers
     job, ranks, leftovers = await state(db, claimed.job_id)
     assert moved and (job.status, job.status_reason) == ("failed", "rank 1 on b: exit 3")
     assert (ranks, leftovers) == ([(0, None), (1, 3)], [0])
+
+
+async def test_a_service_rank_that_exits_0_while_the_primary_runs_fails_the_group(
+    db: Database,
+) -> None:
+    """A group whose reward service runs on a VM of its own (rank 1, not primary): when
+    that rank exits 0 while the trainer (rank 0) still runs, the group fails, as its
+    supervisor fails a service role that exits 0 early on one VM (the one rule,
+    `attempts.end`); rank 0 is the leftover to kill."""
+    spec = GroupSpec(
+        roles=(
+            Role("trainer", gpus=1, command=("true",), primary=True),
+            Role("reward", gpus=1, command=("true",), own_vm=True),
+        )
+    )
+    await add_vm_row(db, "a", 1)
+    await add_vm_row(db, "b", 1)
+    job_id = await new_job(db, 2, nodes=2, roles=spec.to_data())
+    claimed = await claim_gpus(db, job_id, actor="test")
+    assert isinstance(claimed, Claim)
+    async with db.transaction() as session:
+        moved = await finish_rank(session, verdict(claimed, 1, 2, JobStatus.COMPLETED, 0), "b")
+    job, ranks, leftovers = await state(db, claimed.job_id)
+    assert moved and (job.status, job.failure_reason) == ("failed", "exit_nonzero")
+    assert (
+        job.status_reason is not None
+        and "runs services only and ended while a primary ran" in job.status_reason
+    )
+    assert (ranks, leftovers) == ([(0, None), (1, 0)], [0])
