@@ -15,11 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.db import Database
-from scheduler.embedded import EmbeddedNats, EmbeddedPostgres
-from scheduler.migrate import upgrade
-from scheduler.transport import Transport, make_transport
-from tests.fleet import SimFleet, start_fleet
+import scheduler.embedded
+from tests import ports
+
+# Before anything imports it by name: every server a test starts takes its port from this
+# worker's own range (tests/ports.py), so that parallel workers never race for one.
+scheduler.embedded.free_port = ports.free_port
+
+from scheduler.db import Database  # noqa: E402
+from scheduler.embedded import EmbeddedNats, EmbeddedPostgres  # noqa: E402
+from scheduler.migrate import upgrade  # noqa: E402
+from scheduler.transport import Transport, make_transport  # noqa: E402
+from tests.fleet import SimFleet, start_fleet  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TEMPLATE_DB = "rlfleet_template"
