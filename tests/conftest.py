@@ -96,3 +96,34 @@ async def transport() -> AsyncIterator[Transport]:
     t = make_transport(connect_timeout=2.0, login_timeout=2.0)
     yield t
     await t.close()
+
+
+# Under parallel workers (`make test`, `-n N --dist loadgroup`) the tests of one xdist group
+# run one after the other on one worker. Two kinds are grouped, by module:
+# - bounds measured on the wall clock (a VM lost within N seconds, a poller's VMs taken over
+#   within one lease, a slow trainer never stopped, chaos): run in a row, so that they never
+#   load the machine for one another;
+# - the modules whose tests share one training run (a module-scoped fixture): on one worker,
+#   which runs it once.
+XDIST_GROUPS = {
+    "tests/acceptance/test_chaos.py": "wall-clock",
+    "tests/acceptance/test_openssh_proofs.py": "wall-clock",
+    "tests/acceptance/test_poller_share.py": "wall-clock",
+    "tests/integration/test_hang.py": "wall-clock",
+    "tests/integration/test_silent.py": "wall-clock",
+    "tests/training/test_recipe.py": "recipe-run",
+    "tests/training/test_train.py": "two-step-run",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the grouped modules, and put every grouped test first: a group is one unit of
+    work for one worker, and one that started last would leave the others idle at the end
+    (the order is the same on every worker and in a serial run)."""
+    root = Path(config.rootpath)
+    for item in items:
+        group = XDIST_GROUPS.get(Path(item.path).relative_to(root).as_posix())
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)

@@ -13,10 +13,6 @@ import torch
 
 from tests.training.helpers import ARITHMETIC, train_grpo
 
-# Under parallel workers (`make test`) the tests sharing the module's training run
-# (`recipe_run`) stay on one worker, which runs it once.
-pytestmark = pytest.mark.xdist_group("test_recipe")
-
 RECIPE = """\
 # A recipe as `trl grpo --config` reads it (model and dataset paths filled in by the test).
 model_name_or_path: {model}

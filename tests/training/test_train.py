@@ -14,10 +14,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.training.helpers import tiny_run_args, train_grpo
 
-# Under parallel workers (`make test`) the tests sharing the module's training run
-# (`two_steps`) stay on one worker, which runs it once.
-pytestmark = pytest.mark.xdist_group("test_train")
-
 # A user reward that varies with every sample, so that even two steps move the weights
 # (keyword_match alone is often 0 for the whole group at the start: no advantage, no update).
 LENGTH_REWARD = """
