@@ -48,9 +48,12 @@ sshd:
 TEST_WORKERS ?= 4
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
-# Every test, slow ones included.
+# Every test, slow ones included: those marked `alone` (tests/conftest.py) after the others,
+# with the machine to themselves; both parts always run, and either failing fails the target.
 test: venv sshd
-	$(PY) -m pytest $(XDIST)
+	$(PY) -m pytest $(XDIST) -m "not alone"; first=$$?; \
+	  $(PY) -m pytest -m alone; second=$$?; \
+	  test $$first -eq 0 -a $$second -eq 0
 
 # Every test not marked slow, across the whole tree: the lane to run while working.
 test-fast: venv sshd

@@ -100,30 +100,38 @@ async def transport() -> AsyncIterator[Transport]:
 
 # Under parallel workers (`make test`, `-n N --dist loadgroup`) the tests of one xdist group
 # run one after the other on one worker. Two kinds are grouped, by module:
-# - bounds measured on the wall clock (a VM lost within N seconds, a poller's VMs taken over
-#   within one lease, a slow trainer never stopped, chaos): run in a row, so that they never
-#   load the machine for one another;
+# - bounds measured on the wall clock (a VM lost within N seconds, a slow trainer never
+#   stopped, chaos): run in a row, so that they never load the machine for one another;
 # - the modules whose tests share one training run (a module-scoped fixture): on one worker,
 #   which runs it once.
 XDIST_GROUPS = {
     "tests/acceptance/test_chaos.py": "wall-clock",
     "tests/acceptance/test_openssh_proofs.py": "wall-clock",
-    "tests/acceptance/test_poller_share.py": "wall-clock",
     "tests/integration/test_hang.py": "wall-clock",
     "tests/integration/test_silent.py": "wall-clock",
     "tests/training/test_recipe.py": "recipe-run",
     "tests/training/test_train.py": "two-step-run",
 }
+# The tests whose bounds do not hold with other workers busy beside them, even grouped (seen
+# failing among 4 and 6 workers on 2 cores: a poller's VMs taken over after 6.7 s and 8.3 s
+# against 5; a hung trainer on OpenSSH stopped after 14.9 s against 14.2): marked `alone`,
+# `make test` runs them after the others, on their own (`-m alone`, no workers).
+ALONE = (
+    "tests/acceptance/test_poller_share.py::",
+    "tests/acceptance/test_openssh_proofs.py::test_a_hung_trainer_on_openssh_",
+    "tests/acceptance/test_openssh_proofs.py::test_a_slow_trainer_on_openssh_",
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the grouped modules, and put every grouped test first: a group is one unit of
-    work for one worker, and one that started last would leave the others idle at the end
-    (the order is the same on every worker and in a serial run)."""
-    root = Path(config.rootpath)
+    """Mark the grouped and the `alone` tests, and put every grouped test first: a group is
+    one unit of work for one worker, and one that started last would leave the others idle
+    at the end (the order is the same on every worker and in a serial run)."""
     for item in items:
-        group = XDIST_GROUPS.get(Path(item.path).relative_to(root).as_posix())
+        if item.nodeid.startswith(ALONE):
+            item.add_marker(pytest.mark.alone)
+        group = XDIST_GROUPS.get(item.nodeid.split("::")[0])
         if group is not None and item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
