@@ -41,13 +41,23 @@ sshd:
 	    || echo "could not install$$missing: their tests will be skipped (and fail under CI=true)"; \
 	  fi
 
-# Every test, slow ones included.
+# Both run on parallel workers (pytest-xdist): most tests wait on SSH, PostgreSQL, NATS or
+# a subprocess, so workers overlap them even on 2 cores (CONTRIBUTING.md, "Testing", has the
+# figures). Each worker has its own PostgreSQL and its own range of ports (tests/ports.py);
+# the tests of one `xdist_group` run on one worker. `make test TEST_WORKERS=0` runs serially.
+TEST_WORKERS ?= 4
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
+
+# Every test, slow ones included: those marked `alone` (tests/conftest.py) after the others,
+# with the machine to themselves; both parts always run, and either failing fails the target.
 test: venv sshd
-	$(PY) -m pytest
+	$(PY) -m pytest $(XDIST) -m "not alone"; first=$$?; \
+	  $(PY) -m pytest -m alone; second=$$?; \
+	  test $$first -eq 0 -a $$second -eq 0
 
 # Every test not marked slow, across the whole tree: the lane to run while working.
 test-fast: venv sshd
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest $(XDIST) -m "not slow" -q
 
 lint: venv
 	$(VENV)/bin/ruff check scheduler training rewards trlspec tests bench

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests import ports
+
 RCLONE = Path(sys.executable).parent / "rclone"
 
 
@@ -29,9 +31,7 @@ def rclone_path() -> str | None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return ports.free_port()
 
 
 class S3Server:

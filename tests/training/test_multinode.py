@@ -6,13 +6,13 @@ checkpoint it can resume from, and `--resume auto` agrees on one step across nod
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import ports
 from tests.training.helpers import REPO, _env, tiny_run_args
 
 pytestmark = pytest.mark.slow
@@ -22,9 +22,7 @@ NODES = 2
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (the rank-0 launcher binds it for the rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return ports.free_port()
 
 
 def launch_argv(rank: int, port: int, train_args: list[str]) -> list[str]:

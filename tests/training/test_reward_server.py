@@ -19,15 +19,14 @@ from pathlib import Path
 import pytest
 
 from rewards.http import RewardServerError, server_url
+from tests import ports
 from tests.training.helpers import REPO, tiny_run_args, train_grpo
 
 REWARD = "rewards.http:remote_score"
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return ports.free_port()
 
 
 def _health(port: int) -> dict:

@@ -18,6 +18,7 @@ from scheduler.groups import GroupPlace, group_launch, node_port_needs
 from scheduler.jobspec import parse_data, parse_text
 from scheduler.supervisor import NOT_READY_EXIT, expand
 from scheduler.verdicts import group_failure_line
+from tests import ports
 
 PLACE = GroupPlace(
     python="/opt/venv/bin/python",
@@ -220,11 +221,7 @@ CLIENT = (
 
 
 def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return ports.free_port()
 
 
 def write_group(
