@@ -493,6 +493,17 @@ async def test_chaos(
                 )
             ).all()
         )
+        # Attempts moved back to `queued` because their launch was never confirmed (a
+        # dispatcher killed, or Postgres restarted, between the launch and its record).
+        unconfirmed = dict(
+            (
+                await session.execute(
+                    select(JobEvent.job_id, func.count())
+                    .where(JobEvent.to_status == "queued", JobEvent.reason.like("claim lease%"))
+                    .group_by(JobEvent.job_id)
+                )
+            ).all()
+        )
         went_running = {
             (job_id, attempt)
             for job_id, attempt in await session.execute(
@@ -538,7 +549,8 @@ async def test_chaos(
     hit_wrong = _crashed_gang_faults(hit, hit_attempt or 0, runs, lost_nodes, gone.name)
     booked = double_booked(runs) + sampler.double_booked_instants
     twice = duplicate_runs(runs) + sampler.duplicate_instants
-    wrong = [_unexpected(j, kind_of[j.id], lost_nodes.get(j.id, 0)) for j in jobs]
+    cut_short = {j.id: lost_nodes.get(j.id, 0) + unconfirmed.get(j.id, 0) for j in jobs}
+    wrong = [_unexpected(j, kind_of[j.id], cut_short[j.id]) for j in jobs]
     wrong = [w for w in wrong if w]
     over_limit = [
         f"job {j.id}: {j.retry_count}/{j.max_retries} retries, {lost_nodes.get(j.id, 0)} lost nodes"
@@ -551,7 +563,7 @@ async def test_chaos(
     failed_ok = sum(
         1
         for j in jobs
-        if j.status == "failed" and not _unexpected(j, kind_of[j.id], lost_nodes.get(j.id, 0))
+        if j.status == "failed" and not _unexpected(j, kind_of[j.id], cut_short[j.id])
     )
     # Most scripted failures end for their own reason, not the chaos's.
     as_scripted = Counter(
@@ -607,12 +619,15 @@ async def test_chaos(
 
 def _unexpected(job: Job, kind: Kind, lost: int) -> str | None:
     """Why the job's end does not match its script; None when it does. `lost`: how often
-    the job was moved off a lost node."""
+    an attempt of the job was cut short by the chaos (moved off a lost node, or back to
+    `queued` because its launch was never confirmed)."""
     where = f"job {job.id} ({kind.name})"
     if job.status != kind.ends:
         return f"{where}: {job.status} ({job.status_reason}), expected {kind.ends}"
     # An attempt that ran out of memory on a VM that crashed before the poller saw its
-    # exit ends as node_lost, which is no retry: the OOM retry is then not owed.
+    # exit ends as node_lost, which is no retry: the OOM retry is then not owed. Nor when
+    # its launch was never confirmed (its lease expired): it goes back to `queued`
+    # uncounted, and the next attempt finds the marker the OOM left and trains.
     if kind.name in ("oom_once", "gang_rank_oom") and job.retry_count < 1 and not lost:
         return f"{where}: completed without the OOM retry"
     if kind.ends == "failed":

@@ -118,7 +118,9 @@ async def test_what_an_attempt_leaves_behind_dies_when_its_training_ends(
 ) -> None:
     """Given an attempt in a cgroup whose training left an escaped process and exited 0,
     then that process is gone once the exit code is written, and so is the cgroup."""
-    _wrapper, escaped = await start_escaping(home, 22)
+    # The training outlives the escaped process's start by a moment, so that the check
+    # that it started (`start_escaping`) cannot race the end this test is about.
+    _wrapper, escaped = await start_escaping(home, 22, "--fake_seconds", "3")
     try:
         d = home / run(22, 1).relative
         assert (await wait_file(d / "exit_code", timeout=20)).strip() == "0"
