@@ -26,10 +26,10 @@ if __package__ in (None, ""):
 from training.args import ScriptArguments, parse_args  # noqa: E402
 from training.checkpoints import agree_on_resume, resolve_resume  # noqa: E402
 from training.errors import EXIT_OK, EXIT_TERMINATED, exit_code_for, one_line  # noqa: E402
-from trlspec.exits import ERROR_PREFIX  # noqa: E402
 from training.model import require_unsloth, require_vllm  # noqa: E402
 from training.reward_guard import ScoreTally  # noqa: E402
 from training.reward_setup import build_rewards, reward_names  # noqa: E402
+from trlspec.exits import ERROR_PREFIX  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ DOWNLOAD_LINE = (
         (75, OOM_LINE, FailureReason.OOM),
         (75, DOWNLOAD_LINE, FailureReason.DOWNLOAD_FAILED),
         (75, f"{OOM_LINE}\nstep 3\n{DOWNLOAD_LINE}", FailureReason.DOWNLOAD_FAILED),
-        (75, "train-grpo: error: reward function f raised TimeoutError: t", FailureReason.TRANSIENT),
+        (75, "train-grpo: error: reward function f raised TimeoutError", FailureReason.TRANSIENT),
         # Only exit 75 makes the line a cause: a job can print anything.
         (1, DOWNLOAD_LINE, FailureReason.EXIT_NONZERO),
         (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate", FailureReason.OOM),
