@@ -3,7 +3,7 @@
 Rules, as users of Slurm and SkyPilot would expect them:
 
 - `config_error` (train_grpo.py exit 64) and `cancelled` are permanent: never retried.
-- `oom`, `exit_nonzero`, `killed`, `launch_failed`, `vanished` (and a failure with no
+- `oom`, `transient`, `exit_nonzero`, `killed`, `launch_failed`, `vanished` (and a failure with no
   recorded reason) are retried while `retry_count < max_retries`, after an exponential
   backoff with jitter: `base * factor**retry_count`, capped at `max_delay`, then scaled by
   a random factor in `[1 - jitter, 1 + jitter]` so that a burst of failures (a flaky hub,
@@ -19,7 +19,9 @@ Rules, as users of Slurm and SkyPilot would expect them:
 - `store_error` (the job's store could not be reached or refused when an attempt
   started) is an outage, most often the store's for every job: it does not count against
   `max_retries` and is retried with the same exponential backoff, its exponent the
-  number of uncounted retries so far (`attempt - 1 - retry_count`).
+  number of uncounted retries so far (`attempt - 1 - retry_count`). So is
+  `download_failed` (train_grpo.py exited 75 because a hub download failed: the hub's
+  outage, or the VM's network, not the job's fault).
 - Every retry that does not count (the machine faults and the outages) is counted per
   job and class in `jobs.uncounted_retries`; their sum is capped by `uncounted_limit`
   (20 by default): past it the job fails for good, "gave up after 20 uncounted retries
@@ -211,7 +213,8 @@ def is_machine_fault(reason: str | None, exit_code: int | None = None) -> bool:
 
 
 def is_outage(reason: str | None) -> bool:
-    """Whether a failure is an outage of a service the job needs (`store_error`)."""
+    """Whether a failure is an outage of a service the job needs (`store_error`, the hub's
+    `download_failed`)."""
     try:
         return reason is not None and FAILURE_RETRY[FailureReason(reason)] == RetryClass.OUTAGE
     except ValueError:

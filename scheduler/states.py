@@ -125,7 +125,9 @@ class FailureReason(StrEnum):
     `verdicts.classify_failure`)."""
 
     CONFIG_ERROR = "config_error"  # train_grpo.py exit 64: permanent
-    OOM = "oom"  # exit 75 or CUDA out of memory in the log
+    OOM = "oom"  # CUDA out of memory in the log (exit 75 from train_grpo.py, or any exit)
+    DOWNLOAD_FAILED = "download_failed"  # exit 75: a hub download failed (its error line)
+    TRANSIENT = "transient"  # exit 75 naming no known cause (a reward's timeout, a refusal)
     EXIT_NONZERO = "exit_nonzero"
     KILLED = "killed"  # ended by a signal
     LAUNCH_FAILED = "launch_failed"  # not started; exit 126/127: the VM's python/entrypoint
@@ -157,6 +159,8 @@ class RetryClass(StrEnum):
 FAILURE_RETRY: dict[FailureReason, RetryClass] = {
     FailureReason.CONFIG_ERROR: RetryClass.PERMANENT,
     FailureReason.OOM: RetryClass.COUNTED,
+    FailureReason.DOWNLOAD_FAILED: RetryClass.OUTAGE,
+    FailureReason.TRANSIENT: RetryClass.COUNTED,
     FailureReason.EXIT_NONZERO: RetryClass.COUNTED,
     FailureReason.KILLED: RetryClass.COUNTED,
     FailureReason.LAUNCH_FAILED: RetryClass.MACHINE_FAULT_ON_VM_EXIT,

@@ -17,7 +17,7 @@ from scheduler.remote.store import FINAL_REFUSED_EXIT, STORE_ERROR_EXIT
 from scheduler.remote.watchdog import FENCED_FILE, is_fence_note
 from scheduler.retry import VM_FAULT_EXITS
 from scheduler.states import FailureReason, JobStatus
-from trlspec.exits import EXIT_TRANSIENT, EXIT_USAGE
+from trlspec.exits import DOWNLOAD_FAILED_PREFIX, ERROR_PREFIX, EXIT_TRANSIENT, EXIT_USAGE
 
 _OOM = re.compile(r"CUDA out of memory|OutOfMemoryError", re.IGNORECASE)
 _SIGNAL = re.compile(r"\b(SIG(KILL|TERM|INT|HUP|SEGV|ABRT|BUS)|Killed|Terminated)\b")
@@ -34,7 +34,8 @@ def classify_failure(
 
     64 is permanent (bad arguments or input); 126/127 with `cannot_start` (the wrapper's
     own check found that the VM's python or entrypoint cannot run) is `launch_failed`;
-    75 or an out-of-memory message is `oom`; an exit of 128+N or a signal name at the end
+    75 is what its error line names (`transient_cause`), else an out-of-memory message
+    with any exit is `oom`; an exit of 128+N or a signal name at the end
     of the log is `killed`; no exit code at all is `vanished`; anything else non-zero,
     126 and 127 of the training itself included (a reward calling a tool the VM lacks, a
     job that broke its own PATH), is `exit_nonzero`: the job's, counted against its
@@ -51,11 +52,26 @@ def classify_failure(
         return FailureReason.STORE_ERROR
     if exit_code == EXIT_USAGE:
         return FailureReason.CONFIG_ERROR
-    if exit_code == EXIT_TRANSIENT or _OOM.search(log_tail):
+    if exit_code == EXIT_TRANSIENT:
+        return transient_cause(log_tail)
+    if _OOM.search(log_tail):
         return FailureReason.OOM
     if exit_code >= 128 or exit_code < 0 or _SIGNAL.search(log_tail[-400:]):
         return FailureReason.KILLED
     return FailureReason.EXIT_NONZERO
+
+
+def transient_cause(log_tail: str) -> FailureReason:
+    """Why train_grpo.py exited 75, from its last error line: `download_failed` (a hub
+    download), `oom` (CUDA out of memory), else `transient` (a reward's timeout, a refused
+    connection). With no error line (an older training), an OOM message anywhere is `oom`."""
+    errors = [line for line in log_tail.splitlines() if line.startswith(ERROR_PREFIX)]
+    last = errors[-1] if errors else log_tail
+    if errors and last.startswith(DOWNLOAD_FAILED_PREFIX):
+        return FailureReason.DOWNLOAD_FAILED
+    if _OOM.search(last):
+        return FailureReason.OOM
+    return FailureReason.TRANSIENT
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from training.errors import EXIT_OK, EXIT_TERMINATED, exit_code_for, one_line  #
 from training.model import require_unsloth, require_vllm  # noqa: E402
 from training.reward_guard import ScoreTally  # noqa: E402
 from training.reward_setup import build_rewards, reward_names  # noqa: E402
+from trlspec.exits import ERROR_PREFIX  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         if code is None:
             raise
         close_progress_bars()
-        print(f"train-grpo: error: {one_line(exc)}", file=sys.stderr)
+        print(f"{ERROR_PREFIX}{one_line(exc)}", file=sys.stderr)
         return code
     if result.stopped:
         close_progress_bars()

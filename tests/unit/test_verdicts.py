@@ -17,6 +17,16 @@ from scheduler.verdicts import (
     untracked_verdict,
 )
 
+OOM_LINE = (
+    "train-grpo: error: CUDA out of memory. Tried to allocate 8.00 GiB. GPU 0 has a total"
+    " capacity of 79.11 GiB of which 1.2 GiB is free."
+)
+DOWNLOAD_LINE = (
+    "'[Errno 111] Connection refused' thrown while requesting HEAD https://huggingface.co/x\n"
+    "train-grpo: error: downloading tokenizer Qwen/Qwen2.5-0.5B failed: We couldn't connect"
+    " to 'https://huggingface.co' to load the files, and couldn't find them in the cached files."
+)
+
 
 @pytest.mark.parametrize(
     ("exit_code", "log", "expected"),
@@ -25,7 +35,14 @@ from scheduler.verdicts import (
         (0, "CUDA out of memory (recovered)", None),
         (64, "unknown reward function", FailureReason.CONFIG_ERROR),
         (64, "CUDA out of memory", FailureReason.CONFIG_ERROR),
-        (75, "", FailureReason.OOM),
+        (75, "", FailureReason.TRANSIENT),
+        # Exit 75 names its cause in train_grpo.py's error line (the real lines' shapes).
+        (75, OOM_LINE, FailureReason.OOM),
+        (75, DOWNLOAD_LINE, FailureReason.DOWNLOAD_FAILED),
+        (75, f"{OOM_LINE}\nstep 3\n{DOWNLOAD_LINE}", FailureReason.DOWNLOAD_FAILED),
+        (75, "train-grpo: error: reward function f raised TimeoutError", FailureReason.TRANSIENT),
+        # Only exit 75 makes the line a cause: a job can print anything.
+        (1, DOWNLOAD_LINE, FailureReason.EXIT_NONZERO),
         (1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate", FailureReason.OOM),
         (137, "CUDA out of memory", FailureReason.OOM),
         (137, "", FailureReason.KILLED),
@@ -162,7 +179,7 @@ Root Cause (first observed failure):
     ("exit_code", "first", "counted", "reason"),
     [
         (1, "64", 64, FailureReason.CONFIG_ERROR),
-        (1, "75", 75, FailureReason.OOM),
+        (1, "75", 75, FailureReason.TRANSIENT),
         (1, "3", 3, FailureReason.EXIT_NONZERO),
         (1, "-9", 137, FailureReason.KILLED),
         # A process's 127 is not the VM's fault: only the wrapper's own check says that.
@@ -204,3 +221,11 @@ def test_a_running_row_without_a_launch_token_or_a_pid_fails_once_as_vanished() 
     launching = LiveJob(1, 1, "starting", 1, None, attempt=Attempt(INSTALLATION, 1, 1, "0" * 16))
     assert job_verdict(launching, RemoteJobState("unknown")) is None
     assert job_verdict(STARTING, None) is None
+
+
+def test_each_exit_75_cause_has_its_retry_class() -> None:
+    """An OOM and an unnamed transient failure are the job's (counted); a hub download that
+    failed is an outage of a service the job needs: retried, not counted."""
+    assert counts_against_limit(classify_failure(75, OOM_LINE))
+    assert counts_against_limit(classify_failure(75, ""))
+    assert not counts_against_limit(classify_failure(75, DOWNLOAD_LINE))
