@@ -442,11 +442,12 @@ def up(
     configure(getattr(ctx.obj, "log_level", None) or "INFO")
     if gpus is not None and not local_vm:
         raise BadInput("--gpus only makes sense with --local-vm")
-    from scheduler.up import UpOptions, default_state_dir, run_up
+    from scheduler.up import UpOptions, run_up
+    from scheduler.upfind import configured_state_dir
 
     run_up(
         UpOptions(
-            state_dir=state_dir or default_state_dir(),
+            state_dir=state_dir or configured_state_dir(),
             local_vm=local_vm,
             gpus=gpus,
             vm_name=vm_name,
