@@ -22,9 +22,7 @@ if TYPE_CHECKING:
     from scheduler.settings import Settings
 
 STATE_DIR_ENV = "RLFLEET_STATE_DIR"
-WAY_OUT = (
-    "is `rlfleet up` running? start it, or set RLFLEET_DATABASE_URL / source STATE_DIR/env"
-)
+WAY_OUT = "is `rlfleet up` running? start it, or set RLFLEET_DATABASE_URL / source STATE_DIR/env"
 """What a connection error adds when no database was configured and no `up` was found."""
 
 
@@ -90,7 +88,9 @@ def read_private_env_file(path: Path) -> dict[str, str]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
-        raise BadInput(f"cannot read the env file of `rlfleet up` ({path}): {exc.strerror}") from exc
+        raise BadInput(
+            f"cannot read the env file of `rlfleet up` ({path}): {exc.strerror}"
+        ) from exc
     with os.fdopen(fd, encoding="utf-8") as handle:
         info = os.fstat(handle.fileno())
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():

@@ -32,9 +32,9 @@ from scheduler.validate import (
 )
 
 if TYPE_CHECKING:
-    from scheduler.upfind import FoundUp
     from scheduler.db import Database
     from scheduler.pgconn import PgDatabase
+    from scheduler.upfind import FoundUp
 
 # asyncio, the database layer (SQLAlchemy, psycopg) and structlog are imported when a
 # command uses them, not here: `rlfleet --help` and `--version` load none of them.

@@ -38,7 +38,9 @@ def started(tmp_path: Path) -> Iterator[list[Up]]:
                     os.kill(pid, signal.SIGKILL)
 
 
-def bare_cli(home: Path, *args: str, state_dir: Path | None = None) -> subprocess.CompletedProcess[str]:
+def bare_cli(
+    home: Path, *args: str, state_dir: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """`rlfleet ARGS` in a shell that sourced nothing: no database, NATS or state dir set."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RLFLEET_")}
     env.pop("XDG_DATA_HOME", None)
@@ -64,7 +66,7 @@ def test_a_shell_without_the_env_finds_the_running_up_and_refuses_an_env_file_ot
     # When a shell that sourced nothing lists the jobs, it finds that `up`
     listed = bare_cli(home, "job", "list", "--json")
     assert listed.returncode == 0, listed.stderr
-    assert json.loads(listed.stdout) == [] or isinstance(json.loads(listed.stdout), (list, dict))
+    assert json.loads(listed.stdout) == []
     # and so does one of another HOME, through RLFLEET_STATE_DIR
     other = tmp_path / "other"
     other.mkdir()
@@ -111,3 +113,9 @@ def test_the_stale_env_file_of_a_dead_up_is_not_used_and_the_error_names_the_way
     )
     assert WAY_OUT in stale.stderr
     assert len(stale.stderr.strip().splitlines()) == 1, stale.stderr
+    # Nor when its pid was reused by another live process: nothing holds the lock
+    state = json.loads((state_dir / "up.json").read_text())
+    (state_dir / "up.json").write_text(json.dumps({**state, "pid": os.getpid()}))
+    reused = bare_cli(home, "job", "list", "--json", state_dir=state_dir)
+    assert reused.returncode == 1, reused.stdout + reused.stderr
+    assert WAY_OUT in reused.stderr
