@@ -58,6 +58,7 @@ from scheduler.statedir import (
     StateDir,
     default_state_dir,  # noqa: F401 - where the commands have always found it
 )
+from scheduler.upfind import read_env_file  # noqa: F401 - where the tests have always found it
 
 log = get_logger("up")
 
@@ -269,17 +270,6 @@ def write_env_file(state: StateDir, settings: Settings) -> Path:
     ]
     write_private(state.env_file, "\n".join(lines) + "\n")
     return state.env_file
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """The variables an `env` file written by `write_env_file` sets (parsed, not run)."""
-    values: dict[str, str] = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        words = shlex.split(line, comments=True)
-        if len(words) == 2 and words[0] == "export" and "=" in words[1]:
-            key, _, value = words[1].partition("=")
-            values[key] = value
-    return values
 
 
 def announce(

@@ -17,7 +17,6 @@ from scheduler.cli._common import (
     nats_url_option,
     run_guarded,
 )
-from scheduler.settings import Settings
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "db": ("scheduler.cli.db:group", "Create or upgrade the database schema (Alembic migrations)."),
@@ -103,7 +102,7 @@ def cli(
     # The URLs are checked where they are used (`CliContext.run`), so that `--help` works
     # whatever the environment says.
     level = log_level.upper() if log_level else None
-    ctx.obj = CliContext(Settings.load(database_url, nats_url), level)
+    ctx.obj = CliContext(database_url, nats_url, level)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,7 +8,7 @@ import re
 import sys
 import unicodedata
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -18,6 +18,7 @@ import click
 from scheduler.errors import BadInput, RlfleetError, ServiceUnavailable, error_line
 from scheduler.redact import redact_url, scrub_urls
 from scheduler.settings import Settings
+from scheduler.upfind import WAY_OUT
 from scheduler.validate import (
     INTEGER_RE,
     check_argv,
@@ -33,6 +34,7 @@ from scheduler.validate import (
 if TYPE_CHECKING:
     from scheduler.db import Database
     from scheduler.pgconn import PgDatabase
+    from scheduler.upfind import FoundUp
 
 # asyncio, the database layer (SQLAlchemy, psycopg) and structlog are imported when a
 # command uses them, not here: `rlfleet --help` and `--version` load none of them.
@@ -59,9 +61,31 @@ a command that succeeds prints nothing on stderr."""
 class CliContext:
     """Passed to every command as `ctx.obj`."""
 
-    settings: Settings
+    database_flag: str | None
+    nats_flag: str | None
     log_level: str | None = None
     """As given (--log-level, RLFLEET_LOG_LEVEL); None: WARNING for commands, INFO for daemons."""
+    _resolved: tuple[Settings, FoundUp | None, bool] | None = field(default=None, repr=False)
+
+    @property
+    def settings(self) -> Settings:
+        """The flags' and environment's settings, else a running `rlfleet up`'s (found on
+        first use, so that `--help` works whatever the state directory holds)."""
+        if self._resolved is None:
+            from scheduler.upfind import cli_settings
+
+            self._resolved = cli_settings(self.database_flag, self.nats_flag)
+        return self._resolved[0]
+
+    def way_out(self) -> str:
+        """What a connection error adds: the `up` whose settings were used, or how to
+        point the command at a database when none was configured or found."""
+        self.settings  # noqa: B018 - resolves them
+        assert self._resolved is not None
+        _, found, configured = self._resolved
+        if found is not None:
+            return f" (the `rlfleet up` in {found.state_dir})"
+        return "" if configured else f"; {WAY_OUT}"
 
     @property
     def database_url(self) -> str:
@@ -117,7 +141,9 @@ class CliContext:
     def database_unreachable(self, exc: BaseException) -> ServiceUnavailable:
         """The one-line error for a database that cannot be used (password redacted)."""
         url = redact_url(self.settings.database_url)
-        return ServiceUnavailable(f"cannot reach the database at {url}: {error_line(exc)}")
+        return ServiceUnavailable(
+            f"cannot reach the database at {url}: {error_line(exc)}{self.way_out()}"
+        )
 
     def run_coro(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine that needs no database handle."""

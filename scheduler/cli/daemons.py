@@ -389,7 +389,7 @@ def requeue(
 @click.command("up")
 @state_dir_option(
     "Where Postgres, NATS and the remembered ports live "
-    "(default: $XDG_DATA_HOME/rlfleet or ~/.local/share/rlfleet)."
+    "(default: $RLFLEET_STATE_DIR, else $XDG_DATA_HOME/rlfleet or ~/.local/share/rlfleet)."
 )
 @click.option(
     "--local-vm",
@@ -433,8 +433,9 @@ def up(
     """Run everything on this machine: embedded Postgres and NATS, the three daemons.
 
     Postgres and NATS ask every client for generated credentials, kept in files only you
-    can read in the state directory; `source STATE_DIR/env` points the other commands at
-    them. Ctrl-C or SIGTERM stops everything; running it again reuses the data.
+    can read in the state directory; the other commands find a running `up` by themselves
+    when no database is configured (or `source STATE_DIR/env`). Ctrl-C or SIGTERM stops
+    everything; running it again reuses the data.
     """
     from scheduler.errors import BadInput
     from scheduler.logging import configure
@@ -442,11 +443,12 @@ def up(
     configure(getattr(ctx.obj, "log_level", None) or "INFO")
     if gpus is not None and not local_vm:
         raise BadInput("--gpus only makes sense with --local-vm")
-    from scheduler.up import UpOptions, default_state_dir, run_up
+    from scheduler.up import UpOptions, run_up
+    from scheduler.upfind import configured_state_dir
 
     run_up(
         UpOptions(
-            state_dir=state_dir or default_state_dir(),
+            state_dir=state_dir or configured_state_dir(),
             local_vm=local_vm,
             gpus=gpus,
             vm_name=vm_name,
