@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,17 @@ from tests.acceptance.test_up import Up
 from tests.workloads.support import RLFLEET
 
 WAY_OUT = "is `rlfleet up` running? start it, or set RLFLEET_DATABASE_URL / source STATE_DIR/env"
+
+
+@pytest.fixture
+def short() -> Iterator[Path]:
+    """A directory with a short path for HOME and the state dir: PostgreSQL's socket lives
+    in the state dir and its path must stay under 108 bytes, which a test's own tmp_path
+    under parallel workers (`…/popen-gwN/test_…0/home/.local/share/rlfleet/postgres/…`)
+    does not."""
+    path = Path(tempfile.mkdtemp(prefix="rlf-up-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -54,10 +67,10 @@ def bare_cli(
 
 @pytest.mark.slow
 def test_a_shell_without_the_env_finds_the_running_up_and_refuses_an_env_file_others_can_write(
-    tmp_path: Path, started: list[Up]
+    tmp_path: Path, short: Path, started: list[Up]
 ) -> None:
     # Given `up` running on the default state dir of HOME
-    home = tmp_path / "home"
+    home = short / "home"
     state_dir = home / ".local" / "share" / "rlfleet"
     state_dir.mkdir(parents=True)
     up = Up(state_dir, home)
@@ -89,12 +102,12 @@ def test_a_shell_without_the_env_finds_the_running_up_and_refuses_an_env_file_ot
 
 @pytest.mark.slow
 def test_the_stale_env_file_of_a_dead_up_is_not_used_and_the_error_names_the_way_out(
-    tmp_path: Path, started: list[Up]
+    tmp_path: Path, short: Path, started: list[Up]
 ) -> None:
     # Given an `up` killed outright: its up.json still names its pid and its servers,
     # which still listen, and its env file still holds their credentials
-    home = tmp_path / "home"
-    state_dir = tmp_path / "state"
+    home = short / "home"
+    state_dir = short / "state"
     home.mkdir()
     up = Up(state_dir, home)
     started.append(up)
