@@ -65,7 +65,7 @@ def lock_is_held(path: Path) -> bool:
     """Whether a process holds the exclusive lock of `path` (tested with a shared lock,
     released at once; never blocks)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return False
     try:
@@ -82,11 +82,17 @@ def lock_is_held(path: Path) -> bool:
         os.close(fd)
 
 
+MAX_ENV_FILE_BYTES = 64 * 1024
+"""The most an env file `up` writes could hold (a few URLs and credentials): a larger one
+is not `up`'s."""
+
+
 def read_private_env_file(path: Path) -> dict[str, str]:
     """The variables of an env file that only this user can have written: owned by this
     user, a regular file (no link), not group- or world-writable; `BadInput` otherwise."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO in its place is opened at once (then refused), never waited on.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise BadInput(
             f"cannot read the env file of `rlfleet up` ({path}): {exc.strerror}"
@@ -97,8 +103,10 @@ def read_private_env_file(path: Path) -> dict[str, str]:
             raise BadInput(f"refusing {path}: not a regular file owned by you")
         if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise BadInput(f"refusing {path}: writable by others (chmod 600 it, or restart up)")
+        if info.st_size > MAX_ENV_FILE_BYTES:
+            raise BadInput(f"refusing {path}: larger than {MAX_ENV_FILE_BYTES} bytes")
         try:
-            return parse_env_text(handle.read())
+            return parse_env_text(handle.read(MAX_ENV_FILE_BYTES))
         except (UnicodeError, ValueError) as exc:
             raise BadInput(f"cannot parse {path}: {exc.__class__.__name__}") from exc
 
